@@ -1,0 +1,30 @@
+// Memory ceilings for the benchmarks, measured in the same run as the kernel under test.
+// read_stream: every byte of `src` read once with 16-byte loads, several in flight per thread;
+// a reduction keeps the loads alive. copy_stream: src -> dst, 16 bytes per access.
+#include "common.cuh"
+
+extern "C" __global__ void __launch_bounds__(512) read_stream_kernel(const uint4* __restrict__ src,
+                                                                     long long n16,
+                                                                     unsigned int* __restrict__ sink) {
+  unsigned int acc = 0;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    uint4 a = __ldcs(src + i), b = __ldcs(src + i + stride);
+    uint4 c = __ldcs(src + i + 2 * stride), d = __ldcs(src + i + 3 * stride);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n16; i += stride) {
+    uint4 a = __ldcs(src + i);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;  // practically never: keeps the loads without a write stream
+}
+
+extern "C" __global__ void __launch_bounds__(512) copy_stream_kernel(const uint4* __restrict__ src,
+                                                                     uint4* __restrict__ dst,
+                                                                     long long n16) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride)
+    __stcs(dst + i, __ldcs(src + i));
+}

@@ -1,0 +1,125 @@
+"""The backend: one object carrying the array module and dispatching every kernel op either to
+its CUDA wrapper (``ddtree_rtc.kernels.<family>``) or its numpy reference
+(``ddtree_rtc.reference.<family>``) — same names, same signatures. Model, drafter and engine code
+call ``backend.<op>(...)`` and never branch on which one runs."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import numpy as np
+from ml_dtypes import bfloat16
+
+# op name -> kernel family (module stem under kernels/ and reference/)
+OPS: dict[str, str] = {
+    "rmsnorm": "rmsnorm",
+    "rope": "rope",
+    "embedding": "embedding",
+    "silu_mul": "silu_mul",
+    "argmax": "sampling",
+    "sample": "sampling",
+    "linear": "linear",
+    # -- DDTree (issue: tree build) --
+    # -- INT4 MoE (issue: MoE) --
+    # -- MLA attention and the paged latent KV cache (issue: MLA) --
+}
+
+_DTYPES = {"bf16": None, "fp32": np.float32, "fp64": np.float64, "int32": np.int32,
+           "int64": np.int64, "uint8": np.uint8, "uint32": np.uint32, "uint64": np.uint64, "bool": np.bool_}
+
+
+def cuda_available() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.is_available())
+    except Exception:  # noqa: BLE001 - any import/driver failure means "no GPU"
+        return False
+
+
+class Backend:
+    """``Backend('auto' | 'cuda' | 'numpy')``."""
+
+    def __init__(self, kind: str = "auto", arch: str | None = None, quiet: bool = False):
+        if kind not in ("auto", "cuda", "numpy"):
+            raise ValueError(f"backend must be 'auto', 'cuda' or 'numpy', got {kind!r}")
+        if kind == "auto":
+            kind = "cuda" if cuda_available() else "numpy"
+            if kind == "numpy" and not quiet:
+                print("ddtree-rtc: no usable CUDA GPU found, using the numpy backend", file=sys.stderr)
+        elif kind == "cuda" and not cuda_available():
+            raise RuntimeError("backend 'cuda' asked for, but CuPy finds no usable CUDA GPU "
+                               "(install the cuda12/cuda13 extra and check the driver), or use 'numpy'")
+        self.name = kind
+        self.arch = None
+        if kind == "cuda":
+            import cupy
+
+            from .rtc import detect_arch
+
+            self.xp = cupy
+            self.arch = detect_arch(arch)
+            self.bf16 = np.dtype(np.uint16)
+        else:
+            self.xp = np
+            self.bf16 = np.dtype(bfloat16)
+        self._ops: dict[str, object] = {}
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}{', ' + self.arch if self.arch else ''})"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.name == "cuda"
+
+    def dtype(self, name: str):
+        if name == "bf16":
+            return self.bf16
+        try:
+            return np.dtype(_DTYPES[name])
+        except KeyError:
+            raise ValueError(f"unknown dtype {name!r}; known: {', '.join(_DTYPES)}") from None
+
+    def asarray(self, a):
+        """Host array -> backend array (host bf16 becomes uint16 bits on the GPU)."""
+        a = np.ascontiguousarray(a)
+        if self.is_cuda:
+            if a.dtype == bfloat16:
+                a = a.view(np.uint16)
+            return self.xp.asarray(a)
+        return a
+
+    def to_host(self, a, bf16: bool | None = None) -> np.ndarray:
+        """Backend array -> numpy; GPU uint16 comes back as bfloat16 unless ``bf16=False``."""
+        if self.is_cuda:
+            a = a.get()
+            if a.dtype == np.uint16 and bf16 is not False:
+                a = a.view(bfloat16)
+        return a
+
+    def empty(self, shape, dtype: str):
+        return self.xp.empty(shape, dtype=self.dtype(dtype))
+
+    def zeros(self, shape, dtype: str):
+        return self.xp.zeros(shape, dtype=self.dtype(dtype))
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def op(self, name: str):
+        fn = self._ops.get(name)
+        if fn is None:
+            try:
+                family = OPS[name]
+            except KeyError:
+                raise AttributeError(f"backend has no op {name!r}; ops: {', '.join(sorted(OPS))}") from None
+            pkg = "kernels" if self.is_cuda else "reference"
+            fn = self._ops[name] = getattr(importlib.import_module(f"ddtree_rtc.{pkg}.{family}"), name)
+        return fn
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self.op(name)

@@ -1,0 +1,211 @@
+"""Timing and ceilings shared by every benchmark.
+
+Times with CUDA events after warm-up, median of many runs, the L2 flushed between timed runs
+(outside the timed region). Ceilings are measured in the same run: streaming read and device copy
+through our own 16-byte-access kernels, bf16 matmul through cuBLAS on random data.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    min_us: float
+    p90_us: float
+
+
+@functools.cache
+def _flush_buffer():
+    import cupy
+
+    l2 = cupy.cuda.Device().attributes.get("L2CacheSize", 64 << 20)
+    return cupy.empty(max(4 * l2, 256 << 20), dtype=cupy.uint8)
+
+
+def time_gpu(fn, warmup: int = 5, iters: int = 50, flush_l2: bool = True) -> Timing:
+    """Median/min/p90 of ``fn()`` (which enqueues GPU work on the current stream), in µs."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    stream = cupy.cuda.get_current_stream()
+    stream.synchronize()
+    flush = _flush_buffer() if flush_l2 else None
+    starts = [cupy.cuda.Event() for _ in range(iters)]
+    ends = [cupy.cuda.Event() for _ in range(iters)]
+    for i in range(iters):
+        if flush is not None:
+            flush.fill(i & 0xFF)
+        starts[i].record(stream)
+        fn()
+        ends[i].record(stream)
+    ends[-1].synchronize()
+    us = sorted(cupy.cuda.get_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends))
+    return Timing(statistics.median(us), us[0], us[min(len(us) - 1, int(0.9 * len(us)))])
+
+
+def _sm_count() -> int:
+    import cupy
+
+    return cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+
+@functools.cache
+def read_ceiling_gbs(nbytes: int = 2 << 30) -> float:
+    """Streaming read bandwidth (GB/s) over a buffer far beyond the L2."""
+    import cupy
+
+    from ..kernels.registry import module
+
+    src = cupy.random.default_rng(1).integers(0, 2**31, nbytes // 4, dtype=cupy.int32)
+    sink = cupy.zeros(1, dtype=cupy.uint32)
+    fn = module("bench_ceiling").fn("read_stream_kernel")
+    n16 = np.int64(nbytes // 16)
+    t = time_gpu(lambda: fn((_sm_count() * 4,), (512,), (src, n16, sink)), warmup=3, iters=20)
+    return nbytes / t.median_us / 1e3
+
+
+@functools.cache
+def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth (GB/s), counting bytes read plus bytes written."""
+    import cupy
+
+    from ..kernels.registry import module
+
+    src = cupy.random.default_rng(2).integers(0, 2**31, nbytes // 4, dtype=cupy.int32)
+    dst = cupy.empty_like(src)
+    fn = module("bench_ceiling").fn("copy_stream_kernel")
+    n16 = np.int64(nbytes // 16)
+    t = time_gpu(lambda: fn((_sm_count() * 4,), (512,), (src, dst, n16)), warmup=3, iters=20)
+    return 2 * nbytes / t.median_us / 1e3
+
+
+def random_bf16_device(shape, scale: float = 1.0, seed: int = 0):
+    """Random bf16 (uint16 bits) made on the GPU: round-to-nearest of normal fp32 samples."""
+    import cupy
+
+    x = cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32) * np.float32(scale)
+    bits = x.view(cupy.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(cupy.uint16)
+
+
+@functools.cache
+def matmul_ceiling_tflops(n: int = 8192) -> float:
+    """bf16 dense matmul rate (TFLOP/s) through cuBLAS, fp32 accumulate, random data."""
+    import cupy
+
+    from ..kernels.linear import linear
+
+    a, b = random_bf16_device((n, n), seed=3), random_bf16_device((n, n), seed=4)
+    out = cupy.empty((n, n), dtype=cupy.uint16)
+    t = time_gpu(lambda: linear(a, b, out=out), warmup=3, iters=10, flush_l2=False)
+    return 2 * n**3 / t.median_us / 1e6
+
+
+@dataclass
+class Row:
+    case: str
+    us: float
+    bytes: int | None = None
+    flops: int | None = None
+    ceiling: str = "read"  # read | copy | matmul
+    peer: str | None = None
+    peer_us: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gbs(self) -> float | None:
+        return self.bytes / self.us / 1e3 if self.bytes else None
+
+    @property
+    def tflops(self) -> float | None:
+        return self.flops / self.us / 1e6 if self.flops else None
+
+    def fraction(self) -> float | None:
+        if self.ceiling == "matmul":
+            return self.tflops / matmul_ceiling_tflops() if self.flops else None
+        if self.ceiling == "copy":
+            return self.gbs / copy_ceiling_gbs() if self.bytes else None
+        return self.gbs / read_ceiling_gbs() if self.bytes else None
+
+
+def device_info() -> dict:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return {
+        "device": name,
+        "sms": props["multiProcessorCount"],
+        "l2_bytes": props["l2CacheSize"],
+        "compute_capability": f"{props['major']}.{props['minor']}",
+        "driver": cupy.cuda.runtime.driverGetVersion(),
+        "runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        "cupy": cupy.__version__,
+    }
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[2], timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).resolve().parents[2], timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("DDTREE_RTC_COMMIT", "unknown")
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def report(title: str, rows: list[Row], json_path: str | None = None, notes: dict | None = None) -> dict:
+    """Print ``case | µs | GB/s | TFLOP/s | % of ceiling | peer`` and write the same rows as JSON."""
+    ceilings = {"read_gbs": read_ceiling_gbs()}
+    if any(r.ceiling == "matmul" for r in rows):
+        ceilings["matmul_tflops"] = matmul_ceiling_tflops()
+    if any(r.ceiling == "copy" for r in rows):
+        ceilings["copy_gbs"] = copy_ceiling_gbs()
+    header = ("case", "µs", "GB/s", "TFLOP/s", "% of ceiling", "peer")
+    table = []
+    for r in rows:
+        frac = r.fraction()
+        peer = f"{r.peer} {r.peer_us:.1f} µs" if r.peer and r.peer_us is not None else (r.peer or "-")
+        table.append((r.case, f"{r.us:.2f}", _fmt(r.gbs, ".0f"), _fmt(r.tflops, ".1f"),
+                      "-" if frac is None else f"{100 * frac:.1f}% {r.ceiling}", peer))
+    widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
+    print(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for t in table:
+        print(" | ".join(c.ljust(w) for c, w in zip(t, widths)))
+    doc = {
+        "title": title,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "host": platform.node(),
+        **device_info(),
+        "ceilings": ceilings,
+        "notes": notes or {},
+        "rows": [dict(asdict(r), gbs=r.gbs, tflops=r.tflops, fraction_of_ceiling=r.fraction()) for r in rows],
+    }
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(doc, indent=1))
+        print(f"wrote {json_path}")
+    return doc

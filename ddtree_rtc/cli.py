@@ -1,0 +1,258 @@
+"""``ddtree-rtc``: the command line. Every command works on a CPU-only machine except where it says
+it needs a GPU."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from . import __version__
+
+BENCHMARKS = {
+    "blocks": "building-block kernels: RMSNorm, RoPE, embedding, SiLU·mul, argmax/sampling, cuBLAS linear",
+    "tree": "DDTree top-k, tree build and accept vs the Python heapq reference",
+    "moe": "INT4 W4A16 MoE layer at K2.6 dims vs the read ceiling and a bf16 cuBLAS peer",
+    "attention": "MLA decode / tree-verify / prefill attention vs read and matmul ceilings",
+}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ddtree-rtc")
+def main():
+    """ddtree-rtc: DDTree speculative decoding for Kimi K2.6-class MoE models, with raw CUDA kernels
+    compiled at load time by NVRTC and driven through CuPy."""
+
+
+def _versions() -> dict:
+    info: dict = {"ddtree_rtc": __version__, "python": sys.version.split()[0]}
+    try:
+        from .rtc import nvrtc_version
+
+        info["nvrtc"] = ".".join(map(str, nvrtc_version()))
+    except Exception as e:  # noqa: BLE001 - report, don't fail
+        info["nvrtc"] = f"unavailable ({e})"
+    try:
+        import cupy
+
+        info["cupy"] = cupy.__version__
+    except Exception as e:  # noqa: BLE001
+        info["cupy"] = f"unavailable ({type(e).__name__})"
+    return info
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the information as JSON.")
+def info(as_json):
+    """Show the GPU, the arch kernels are built for, and driver / runtime / NVRTC / CuPy / NCCL
+    versions (or say that no GPU is present and the numpy backend is used)."""
+    from .backend import cuda_available
+    from .rtc import ArchError, detect_arch
+
+    data = _versions()
+    if cuda_available():
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        data.update(gpu=name, compute_capability=f"{props['major']}.{props['minor']}",
+                    sms=props["multiProcessorCount"], memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
+                    driver=_cuda_version(cupy.cuda.runtime.driverGetVersion()),
+                    runtime=_cuda_version(cupy.cuda.runtime.runtimeGetVersion()), backend="cuda")
+        try:
+            data["arch"] = detect_arch()
+        except ArchError as e:
+            data["arch"] = f"unsupported ({e})"
+        try:
+            from cupy.cuda import nccl
+
+            v = nccl.get_version()
+            data["nccl"] = f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+        except Exception as e:  # noqa: BLE001
+            data["nccl"] = f"unavailable ({type(e).__name__})"
+    else:
+        data.update(gpu=None, backend="numpy", note="no GPU: numpy backend")
+    if as_json:
+        click.echo(json.dumps(data, indent=1))
+        return
+    width = max(map(len, data))
+    for k, v in data.items():
+        click.echo(f"{k.ljust(width)}  {v if v is not None else '-'}")
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+@main.group()
+def kernels():
+    """List, build, and dump the registered CUDA kernel families."""
+
+
+@kernels.command("list")
+def kernels_list():
+    """List every kernel family with its entry points and description."""
+    from .kernels.registry import SPECS
+
+    width = max(map(len, SPECS))
+    for name, spec in sorted(SPECS.items()):
+        flag = " [arch-specific]" if spec.arch_specific else ""
+        click.echo(f"{name.ljust(width)}  {spec.description}{flag}")
+        click.echo(f"{''.ljust(width)}  entries: {', '.join(spec.entries)}")
+
+
+def _arch_list(arch: str) -> list[str]:
+    from .rtc import SUPPORTED_ARCHS, check_arch, detect_arch
+
+    if arch == "all":
+        return list(SUPPORTED_ARCHS)
+    if arch == "auto":
+        return [detect_arch()]
+    return [check_arch(arch)]
+
+
+ARCH_CHOICE = click.Choice(["sm_90a", "sm_100a", "sm_103a", "sm_120a", "all", "auto"])
+
+
+@kernels.command("build")
+@click.option("--arch", default="all", type=ARCH_CHOICE, show_default=True,
+              help="Target arch; 'auto' = the current GPU's, 'all' = every supported arch.")
+@click.option("--only", multiple=True, help="Build only these families (repeatable).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the table as JSON.")
+def kernels_build(arch, only, json_path):
+    """Compile kernel families through NVRTC (into the on-disk cache) and print a table of entry
+    points with registers / shared memory / stack / spills. Needs no GPU."""
+    from .kernels.registry import SPECS, spec
+    from .rtc import CompileError, build
+
+    try:
+        names = [spec(n).name for n in only] if only else sorted(SPECS)
+    except KeyError as e:
+        raise click.BadParameter(str(e.args[0]), param_hint="--only") from None
+    archs = _arch_list(arch)
+    rows, spill_problems, per_arch = [], [], {}
+    jobs = [(a, n) for a in archs for n in names]
+    with click.progressbar(jobs, label="building", file=sys.stderr,
+                           item_show_func=lambda j: f"{j[1]} {j[0]}" if j else "") as bar:
+        for a, n in bar:
+            t0 = time.perf_counter()
+            try:
+                built = build(SPECS[n], a)
+            except CompileError as e:
+                raise click.ClickException(str(e)) from None
+            per_arch[a] = per_arch.get(a, 0.0) + (time.perf_counter() - t0)
+            for entry in SPECS[n].entries:
+                r = built.resources[entry]
+                rows.append({"arch": a, "target": built.target, "family": n, "entry": entry, **r,
+                             "compile_s": round(built.compile_seconds, 3), "cached": built.cached})
+                if (r.get("spill_stores") or 0) + (r.get("spill_loads") or 0) and not SPECS[n].allow_spills:
+                    spill_problems.append(f"{n}:{entry} on {a}")
+    cols = ("arch", "family", "entry", "registers", "shared", "stack", "spill_stores", "spill_loads",
+            "compile_s")
+    heads = ("arch", "family", "entry", "regs", "smem B", "stack B", "spill st", "spill ld", "compile s")
+    table = [[("?" if r[c] is None else str(r[c])) for c in cols] for r in rows]
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(heads)]
+    click.echo(" | ".join(h.ljust(w) for h, w in zip(heads, widths)))
+    click.echo("-|-".join("-" * w for w in widths))
+    for t in table:
+        click.echo(" | ".join(c.ljust(w) for c, w in zip(t, widths)))
+    click.echo("wall time per arch (s): " + ", ".join(f"{a} {s:.2f}" for a, s in per_arch.items()))
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+    if spill_problems:
+        raise click.ClickException("register spills in: " + ", ".join(spill_problems))
+
+
+@kernels.command("dump")
+@click.argument("name")
+@click.option("--arch", default="sm_90a", type=ARCH_CHOICE, show_default=True,
+              help="Target arch ('auto' = the current GPU's).")
+@click.option("--ptx", "what", flag_value="ptx", help="Dump the PTX.")
+@click.option("--sass", "what", flag_value="sass", help="Dump the SASS (needs nvdisasm or cuobjdump).")
+@click.option("--resources", "what", flag_value="resources", default=True,
+              help="Print registers / shared / stack / spills per entry (default).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to this file instead of stdout.")
+def kernels_dump(name, arch, what, output):
+    """Dump one kernel family's PTX, SASS or resource usage for an arch. Needs no GPU."""
+    from .kernels.registry import spec
+    from .rtc import build
+    from .rtc.disasm import sass
+
+    if arch == "all":
+        raise click.BadParameter("dump takes one arch", param_hint="--arch")
+    try:
+        s = spec(name)
+    except KeyError as e:
+        raise click.BadParameter(str(e.args[0]), param_hint="NAME") from None
+    built = build(s, _arch_list(arch)[0])
+    if what == "ptx":
+        text = built.ptx
+    elif what == "sass":
+        text = sass(built.cubin)
+    else:
+        text = json.dumps(built.resources, indent=1) + "\n"
+    if output:
+        Path(output).write_text(text)
+        click.echo(f"wrote {output} ({len(text)} chars)", err=True)
+    else:
+        click.echo(text, nl=False)
+
+
+@kernels.command("clear-cache")
+def kernels_clear_cache():
+    """Delete every compiled module from the on-disk cache ($DDTREE_RTC_CACHE_DIR)."""
+    from .rtc import ModuleCache
+
+    cache = ModuleCache()
+    click.echo(f"removed {cache.clear()} files from {cache.root}")
+
+
+@main.command("make-model")
+@click.option("--preset", type=click.Choice(["tiny", "small", "k2.6"]), required=True,
+              help="tiny: runs on the numpy backend in seconds; small: a few hundred MB; k2.6: K2.6's exact dims.")
+@click.option("--layers", type=int, help="Number of decoder layers (k2.6 with 4 layers is about 40 GB).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Output directory.")
+def make_model_cmd(preset, layers, seed, out_dir):
+    """Write a seeded random-weight checkpoint in the real format: HF DeepseekV3 names, compressed-tensors
+    INT4 routed experts, bf16 elsewhere, non-zero router bias, complete config.json."""
+    from .model.config import ConfigError, preset_config
+    from .model.make_model import make_model
+
+    try:
+        cfg = preset_config(preset)
+        if layers is not None:
+            cfg = cfg.with_layers(layers)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--layers") from None
+    with click.progressbar(length=cfg.num_hidden_layers + 1, label=f"writing {preset}", file=sys.stderr) as bar:
+        make_model(cfg, out_dir, seed=seed, progress=lambda _key: bar.update(1))
+    total = sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors"))
+    click.echo(f"wrote {out_dir}: {cfg.num_hidden_layers} layers, {total / 2**20:.1f} MiB")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
+@click.pass_context
+def bench(ctx, name):
+    """Run a benchmark on the GPU (extra arguments go to it; try `bench NAME --help`).
+
+    \b
+    blocks     building-block kernels vs the read ceiling
+    tree       DDTree top-k / build / accept vs the Python reference
+    moe        INT4 MoE layer vs the read ceiling and a bf16 cuBLAS peer
+    attention  MLA attention vs read / matmul ceilings and a CuPy peer
+    """
+    try:
+        mod = importlib.import_module(f"ddtree_rtc.bench.{name}")
+    except ModuleNotFoundError as e:
+        raise click.ClickException(f"benchmark {name!r} is not available in this build: {e}") from None
+    mod.main(list(ctx.args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Engine: request scheduler, continuous batching, paged KV cache, CUDA-graph capture."""

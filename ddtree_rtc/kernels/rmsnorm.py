@@ -1,0 +1,31 @@
+"""RMSNorm (+ fused residual add) on the GPU. See cuda_src/rmsnorm.cu."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._args import BF16, check, grid_1d, out_array
+from .registry import module
+
+_ROWS_PER_BLOCK = 8  # one warp per row, 256 threads
+
+
+def rmsnorm(x, weight, eps: float, residual=None, out=None, residual_out=None):
+    """x, residual: [..., d] bf16; weight: [d] bf16. Returns y, or (y, residual_out) with a residual.
+    ``out``/``residual_out`` may alias ``x``/``residual`` (in-place update of the residual stream)."""
+    check("x", x, BF16)
+    d = x.shape[-1]
+    check("weight", weight, BF16, shape=(d,))
+    rows = x.size // d if d else 0
+    y = out_array("out", out, x.shape, BF16)
+    if residual is not None:
+        check("residual", residual, BF16, shape=x.shape)
+        r_out = out_array("residual_out", residual_out, x.shape, BF16)
+    if rows == 0:
+        return y if residual is None else (y, r_out)
+    vec = int(d % 8 == 0)
+    args = (x, np.int64(d), residual if residual is not None else np.uint64(0), np.int64(d), weight,
+            y, np.int64(d), r_out if residual is not None else np.uint64(0), np.int64(d),
+            np.int32(rows), np.int32(d), np.float32(eps), np.int32(vec))
+    module("rmsnorm").fn("rmsnorm_kernel")(grid_1d(rows, _ROWS_PER_BLOCK), (32 * _ROWS_PER_BLOCK,), args)
+    return y if residual is None else (y, r_out)

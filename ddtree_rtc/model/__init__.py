@@ -1,0 +1,1 @@
+"""Model code: config, checkpoint loading, INT4 repack, target layers, drafter."""

@@ -1,0 +1,111 @@
+"""Seeded random-weight checkpoints in the real format: HF DeepseekV3 tensor names, compressed-tensors
+pack-quantized INT4 routed experts (packed here straight from the format spec, independent of the
+kernels' repack code), bf16 elsewhere, a non-zero fp32 router bias, and a complete config.json.
+
+Weights are scaled so activations keep a sane range through many layers: projections ~ N(0, 1/fan_in)
+(times a small factor on the residual branches), norms ~ 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from ml_dtypes import bfloat16
+
+from .checkpoint import TensorSpec, expected_tensors
+from .config import ModelConfig
+from .safetensors_io import write_file
+
+QUANT_GROUP = 32
+
+QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": QUANT_GROUP, "dynamic": False, "actorder": None, "observer": "minmax"},
+        "input_activations": None, "output_activations": None}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
+               "re:.*mlp\\.gate$"],
+    "kv_cache_scheme": None,
+}
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """int values in [-8, 7], shape [N, K] -> int32 [N, K/8]: value k in word k>>3, bits 4*(k&7), as q+8."""
+    n, k = q.shape
+    u = (q.astype(np.int64) + 8).astype(np.uint32).reshape(n, k // 8, 8)
+    words = np.zeros((n, k // 8), dtype=np.uint32)
+    for j in range(8):
+        words |= u[:, :, j] << np.uint32(4 * j)
+    return words.view(np.int32)
+
+
+def random_int4_weight(rng: np.random.Generator, n: int, k: int, std: float):
+    """(packed int32 [N, K/8], scales bf16 [N, K/32], shape int32 [2]) with W ~ std in magnitude.
+    Every value in [-8, 7] occurs, -8 included."""
+    q = rng.integers(-8, 8, size=(n, k), dtype=np.int8)
+    # uniform ints on [-8, 7] have std ~4.6; scale groups to the target std with +-25% jitter
+    s = (std / 4.6 * rng.uniform(0.75, 1.25, size=(n, k // QUANT_GROUP))).astype(bfloat16)
+    return pack_int4(q), s, np.array([n, k], dtype=np.int32)
+
+
+def _tensor(rng: np.random.Generator, spec: TensorSpec, cfg: ModelConfig, n_layers: int) -> np.ndarray:
+    name, shape = spec.name, spec.shape
+    if spec.dtype == "F32":  # e_score_correction_bias: non-zero, the size of typical score gaps
+        return rng.uniform(-0.05, 0.05, size=shape).astype(np.float32)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(bfloat16)
+    fan_in = shape[1]
+    std = fan_in ** -0.5
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std /= np.sqrt(2 * max(n_layers, 1))  # residual branches: keep the stream's growth bounded
+    if name == "model.embed_tokens.weight":
+        std = 1.0
+    return (std * rng.standard_normal(shape, dtype=np.float32)).astype(bfloat16)
+
+
+def make_model(cfg: ModelConfig, out: str | Path, seed: int = 0, progress=None) -> Path:
+    """Write config.json and sharded safetensors (one shard per layer) to ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    n = cfg.num_hidden_layers
+    groups: dict[str, list[TensorSpec]] = {"globals": []}
+    for s in expected_tensors(cfg):
+        key = s.name.split(".")[2] if s.name.startswith("model.layers.") else "globals"
+        groups.setdefault(key, []).append(s)
+    order = [k for k in groups if k != "globals"] + ["globals"]
+    shards = [f"model-{i + 1:05d}-of-{len(order):05d}.safetensors" for i in range(len(order))]
+    weight_map = {}
+    for key, shard in zip(order, shards):
+        tensors = {}
+        expert_done = set()
+        for s in groups[key]:
+            if ".mlp.experts." in s.name:
+                base = s.name.rsplit(".", 1)[0]
+                if base in expert_done:
+                    continue
+                expert_done.add(base)
+                n_out, k_in = s.shape[0], s.shape[1] * 8
+                std = k_in ** -0.5 / (np.sqrt(2 * n) if base.endswith("down_proj") else 1.0)
+                packed, scale, shape = random_int4_weight(rng, n_out, k_in, std)
+                tensors.update({f"{base}.weight_packed": packed, f"{base}.weight_scale": scale,
+                                f"{base}.weight_shape": shape})
+            else:
+                tensors[s.name] = _tensor(rng, s, cfg, n)
+        write_file(out / shard, tensors, {"format": "pt"})
+        weight_map.update({name: shard for name in tensors})
+        if progress is not None:
+            progress(key)
+    index = {"metadata": {"total_size": sum((out / s).stat().st_size for s in shards)}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    hf = cfg.to_hf_dict()
+    if cfg.n_routed_experts:
+        hf["quantization_config"] = QUANTIZATION_CONFIG
+    (out / "config.json").write_text(json.dumps(hf, indent=1))
+    return out

@@ -1,0 +1,1 @@
+"""Pipelines: a YAML file -> validated frozen dataclasses -> stage graph -> runner."""

@@ -1,0 +1,256 @@
+"""The pipeline schema: frozen dataclasses parsed from YAML with unknown keys and wrong types
+rejected by file, line and key. Invariants live in each class's ``__post_init__``."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .yamlio import LinedDict, PipelineError, load_yaml
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load: a preset (built-in random weights) or a checkpoint directory."""
+
+    preset: str | None = None
+    path: str | None = None
+    layers: int | None = None  # keep only the first n decoder layers
+    seed: int = 0
+
+    def __post_init__(self):
+        if (self.preset is None) == (self.path is None):
+            raise ValueError("give exactly one of 'preset' or 'path'")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"layers must be >= 1, got {self.layers}")
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    backend: Literal["auto", "cuda", "numpy"] = "auto"
+    arch: str | None = None
+    tensor_parallel: int = 1
+    cuda_graphs: bool = True
+    max_batch: int = 8
+    page_size: int = 64
+    max_context: int = 4096
+
+    def __post_init__(self):
+        for name in ("tensor_parallel", "max_batch", "page_size", "max_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.arch is not None:
+            from ..rtc.arch import check_arch
+
+            check_arch(self.arch)
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    mode: Literal["autoregressive", "ddtree", "chain"] = "autoregressive"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    budget: int = 64  # tree nodes per round (ddtree)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.budget < 0:
+            raise ValueError(f"budget must be >= 0, got {self.budget}")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    kernel: str
+    params: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        from ..kernels.registry import SPECS
+
+        if self.kernel not in SPECS and self.kernel != "linear":
+            raise ValueError(f"stage {self.name!r}: unknown kernel {self.kernel!r}; "
+                             f"known: {', '.join(sorted(SPECS))}, linear")
+        if self.kernel in SPECS:
+            unknown = set(self.params) - set(SPECS[self.kernel].params)
+            if unknown:
+                raise ValueError(f"stage {self.name!r}: kernel {self.kernel!r} has no parameter(s) "
+                                 f"{sorted(unknown)} (it takes {sorted(SPECS[self.kernel].params)})")
+
+
+@dataclass(frozen=True)
+class SyntheticWorkload:
+    count: int = 4
+    prompt_len: int = 16
+    output_len: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("count", "prompt_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    prompts: str | None = None  # JSONL: {"ids": [...]} or {"text": "..."} per line
+    synthetic: SyntheticWorkload | None = None
+    concurrency: int = 4
+    max_new_tokens: int = 32
+
+    def __post_init__(self):
+        if (self.prompts is None) == (self.synthetic is None):
+            raise ValueError("give exactly one of 'prompts' or 'synthetic'")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    json: str | None = None
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    model: ModelSpec
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    decode: DecodeSpec = field(default_factory=DecodeSpec)
+    stages: tuple[StageSpec, ...] = ()
+    workload: WorkloadSpec = field(default_factory=lambda: WorkloadSpec(synthetic=SyntheticWorkload()))
+    output: OutputSpec = field(default_factory=OutputSpec)
+    source: str = field(default="<pipeline>", compare=False)
+
+    def __post_init__(self):
+        names = [s.name for s in self.stages]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate stage name(s) {sorted(dup)}")
+
+
+def _type_name(t) -> str:
+    return getattr(t, "__name__", str(t)).replace("NoneType", "null")
+
+
+def _convert(value, tp, where: str, key: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, where, key)
+            except PipelineError as e:
+                errors.append(str(e))
+        raise PipelineError(errors[0] if len(errors) == 1 else
+                            f"{where}: key {key!r}: expected {' or '.join(map(_type_name, args))}, "
+                            f"got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise PipelineError(f"{where}: key {key!r}: must be one of "
+                                f"{', '.join(map(repr, typing.get_args(tp)))}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise PipelineError(f"{where}: key {key!r}: expected a list, got {type(value).__name__}")
+        inner = typing.get_args(tp)[0]
+        return tuple(_convert(v, inner, _where_of(v, where), f"{key}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise PipelineError(f"{where}: key {key!r}: expected a mapping, got {type(value).__name__}")
+        return from_mapping(tp, value, key)
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise PipelineError(f"{where}: key {key!r}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise PipelineError(f"{where}: key {key!r}: expected {tp.__name__}, got {type(value).__name__} "
+                            f"{value!r}")
+    return value
+
+
+def _where_of(value, default: str) -> str:
+    return str(value.where()) if isinstance(value, LinedDict) else default
+
+
+def from_mapping(cls, d: dict, path: str = ""):
+    """Build dataclass ``cls`` from mapping ``d``; errors carry file:line and the dotted key."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.name != "source"}
+    lined = isinstance(d, LinedDict)
+    for key in d:
+        if key not in names:
+            where = d.where(key) if lined else path
+            prefix = f"{path}." if path else ""
+            raise PipelineError(f"{where}: unknown key '{prefix}{key}'; "
+                                f"allowed here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for key, value in d.items():
+        where = str(d.where(key)) if lined else path
+        kwargs[key] = _convert(value, hints[key], where, f"{path}.{key}" if path else key)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError, KeyError) as e:
+        where = str(d.where()) if lined else path
+        raise PipelineError(f"{where}: {path or cls.__name__}: {e.args[0] if e.args else e}") from None
+
+
+def parse_pipeline(text: str, file: str = "<pipeline>", overrides: dict | None = None) -> Pipeline:
+    data = load_yaml(text, file)
+    for dotted, value in (overrides or {}).items():
+        _apply_override(data, dotted, value)
+    if "model" not in data:
+        raise PipelineError(f"{file}: missing required key 'model'")
+    pipe = from_mapping(Pipeline, data)
+    return dataclasses.replace(pipe, source=file)
+
+
+def load_pipeline(path: str | Path, overrides: dict | None = None) -> Pipeline:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise PipelineError(f"{p}: cannot read pipeline file: {e.strerror}") from None
+    return parse_pipeline(text, str(p), overrides)
+
+
+def _apply_override(data: LinedDict, dotted: str, value) -> None:
+    """``--set decode.budget=32``: the value is parsed as YAML (so 32 is an int, true a bool)."""
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = LinedDict()
+            nxt.file, nxt.line, nxt.key_lines = "--set", 0, {}
+            node[part] = nxt
+        if not isinstance(nxt, dict):
+            raise PipelineError(f"--set {dotted}: {part!r} is not a mapping")
+        node = nxt
+    node[parts[-1]] = value
+    if isinstance(node, LinedDict):
+        node.key_lines[parts[-1]] = 0
+
+
+def parse_set_options(items: tuple[str, ...]) -> dict:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise PipelineError(f"--set {item!r}: expected key=value, e.g. decode.budget=32")
+        out[key.strip()] = yaml.safe_load(raw)
+    return out

@@ -1,0 +1,25 @@
+"""RMSNorm reference: h = x (+ residual, rounded to bf16); y = bf16(h * rsqrt(mean(h^2) + eps) * w)."""
+
+from __future__ import annotations
+
+import numpy as np
+from ml_dtypes import bfloat16
+
+
+def rmsnorm(x, weight, eps: float, residual=None, out=None, residual_out=None):
+    """x, residual: [..., d] bf16; weight: [d] bf16. Returns y, or (y, residual_out) with a residual."""
+    h = x.astype(np.float32)
+    if residual is not None:
+        h = (h + residual.astype(np.float32)).astype(bfloat16).astype(np.float32)
+    inv = 1.0 / np.sqrt(np.mean(h * h, axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+    y = (h * inv * weight.astype(np.float32)).astype(bfloat16)
+    if out is not None:
+        out[...] = y
+        y = out
+    if residual is None:
+        return y
+    r = h.astype(bfloat16)
+    if residual_out is not None:
+        residual_out[...] = r
+        r = residual_out
+    return y, r

@@ -1,0 +1,1 @@
+"""Speculative decoding glue: tree build/accept, the DDTree round, drafters."""

@@ -1,0 +1,58 @@
+import pytest
+
+from ddtree_rtc.pipeline.schema import PipelineError, parse_pipeline, parse_set_options
+
+GOOD = """\
+model:
+  preset: tiny
+runtime:
+  backend: numpy
+  max_batch: 4
+decode:
+  mode: autoregressive
+  temperature: 0
+stages:
+  - name: norm
+    kernel: rmsnorm
+workload:
+  synthetic: {count: 3, prompt_len: 5, output_len: 4}
+  concurrency: 2
+output:
+  json: out.json
+"""
+
+
+def test_good_pipeline_parses():
+    p = parse_pipeline(GOOD, "good.yaml")
+    assert p.model.preset == "tiny" and p.runtime.backend == "numpy" and p.decode.temperature == 0.0
+    assert p.stages[0].kernel == "rmsnorm" and p.workload.synthetic.count == 3
+    with pytest.raises(AttributeError):
+        p.model.preset = "x"  # frozen
+
+
+@pytest.mark.parametrize("text,msg", [
+    (GOOD.replace("  max_batch: 4", "  max_batch: 4\n  max_bach: 3"),
+     r"bad.yaml:6: unknown key 'runtime.max_bach'"),
+    (GOOD.replace("backend: numpy", "backend: tpu"), r"bad.yaml:4: key 'runtime.backend': must be one"),
+    (GOOD.replace("max_batch: 4", "max_batch: four"), r"bad.yaml:5: key 'runtime.max_batch': expected"),
+    (GOOD.replace("kernel: rmsnorm", "kernel: warp_drive"), r"unknown kernel 'warp_drive'"),
+    (GOOD.replace("concurrency: 2", "concurrency: 0"), r"concurrency must be >= 1"),
+    (GOOD.replace("model:\n  preset: tiny\n", "model:\n  preset: tiny\n  path: /x\n"), "exactly one of"),
+    ("model: [1, 2", r"bad.yaml:\d+: malformed YAML"),
+    ("- 1\n- 2\n", "top level"),
+    (GOOD + "extra: 1\n", r"bad.yaml:17: unknown key 'extra'"),
+    (GOOD.replace("runtime:\n", "runtime:\n  arch: sm_80\n"), r"unsupported arch 'sm_80'"),
+])
+def test_bad_pipelines_name_file_line_key(text, msg):
+    with pytest.raises(PipelineError, match=msg):
+        parse_pipeline(text, "bad.yaml")
+
+
+def test_set_overrides():
+    over = parse_set_options(("decode.budget=32", "runtime.cuda_graphs=false", "model.layers=2"))
+    p = parse_pipeline(GOOD, "good.yaml", over)
+    assert p.decode.budget == 32 and p.runtime.cuda_graphs is False and p.model.layers == 2
+    with pytest.raises(PipelineError, match="expected key=value"):
+        parse_set_options(("nonsense",))
+    with pytest.raises(PipelineError, match="unknown key 'decode.budgett'"):
+        parse_pipeline(GOOD, "good.yaml", parse_set_options(("decode.budgett=3",)))
