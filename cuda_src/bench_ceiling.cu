@@ -25,6 +25,14 @@ extern "C" __global__ void __launch_bounds__(512) copy_stream_kernel(const uint4
                                                                      uint4* __restrict__ dst,
                                                                      long long n16) {
   const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride)
-    __stcs(dst + i, __ldcs(src + i));
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {  // four loads in flight before the stores
+    uint4 a = __ldcs(src + i), b = __ldcs(src + i + stride);
+    uint4 c = __ldcs(src + i + 2 * stride), d = __ldcs(src + i + 3 * stride);
+    __stcs(dst + i, a);
+    __stcs(dst + i + stride, b);
+    __stcs(dst + i + 2 * stride, c);
+    __stcs(dst + i + 3 * stride, d);
+  }
+  for (; i < n16; i += stride) __stcs(dst + i, __ldcs(src + i));
 }

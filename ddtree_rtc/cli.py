@@ -142,7 +142,7 @@ def kernels_build(arch, only, json_path):
             t0 = time.perf_counter()
             try:
                 built = build(SPECS[n], a)
-            except CompileError as e:
+            except (CompileError, OSError) as e:
                 raise click.ClickException(str(e)) from None
             per_arch[a] = per_arch.get(a, 0.0) + (time.perf_counter() - t0)
             for entry in SPECS[n].entries:
@@ -179,7 +179,7 @@ def kernels_build(arch, only, json_path):
 def kernels_dump(name, arch, what, output):
     """Dump one kernel family's PTX, SASS or resource usage for an arch. Needs no GPU."""
     from .kernels.registry import spec
-    from .rtc import build
+    from .rtc import CompileError, build
     from .rtc.disasm import sass
 
     if arch == "all":
@@ -188,7 +188,10 @@ def kernels_dump(name, arch, what, output):
         s = spec(name)
     except KeyError as e:
         raise click.BadParameter(str(e.args[0]), param_hint="NAME") from None
-    built = build(s, _arch_list(arch)[0])
+    try:
+        built = build(s, _arch_list(arch)[0])
+    except (CompileError, OSError) as e:
+        raise click.ClickException(str(e)) from None
     if what == "ptx":
         text = built.ptx
     elif what == "sass":
