@@ -5,7 +5,7 @@ from ml_dtypes import bfloat16
 from ddtree_rtc.reference.rmsnorm import rmsnorm as ref_rmsnorm
 from ddtree_rtc.testing import assert_close, nan_bf16_bits, random_bf16, to_device_bf16
 
-SHAPES = [(1, 7168), (3, 512), (5, 1536), (17, 128), (2, 3, 100), (33, 7)]
+SHAPES = [(1, 7168), (3, 512), (5, 1536), (17, 128), (2, 3, 100), (33, 7), (4, 2051), (2, 2048)]
 
 
 def f64_rmsnorm(x, w, eps):

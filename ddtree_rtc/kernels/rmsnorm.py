@@ -7,7 +7,8 @@ import numpy as np
 from ._args import BF16, check, grid_1d, out_array
 from .registry import module
 
-_ROWS_PER_BLOCK = 8  # one warp per row, 256 threads
+_ROWS_PER_BLOCK = 8  # short rows: one warp per row, 256 threads
+_BLOCK_ROW_MIN_D = 1024  # longer rows: one 256-thread block per row
 
 
 def rmsnorm(x, weight, eps: float, residual=None, out=None, residual_out=None):
@@ -27,5 +28,8 @@ def rmsnorm(x, weight, eps: float, residual=None, out=None, residual_out=None):
     args = (x, np.int64(d), residual if residual is not None else np.uint64(0), np.int64(d), weight,
             y, np.int64(d), r_out if residual is not None else np.uint64(0), np.int64(d),
             np.int32(rows), np.int32(d), np.float32(eps), np.int32(vec))
-    module("rmsnorm").fn("rmsnorm_kernel")(grid_1d(rows, _ROWS_PER_BLOCK), (32 * _ROWS_PER_BLOCK,), args)
+    if d > _BLOCK_ROW_MIN_D:
+        module("rmsnorm").fn("rmsnorm_block_kernel")((rows,), (256,), args)
+    else:
+        module("rmsnorm").fn("rmsnorm_kernel")(grid_1d(rows, _ROWS_PER_BLOCK), (32 * _ROWS_PER_BLOCK,), args)
     return y if residual is None else (y, r_out)
