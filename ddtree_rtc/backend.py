@@ -22,6 +22,10 @@ OPS: dict[str, str] = {
     "linear": "linear",
     # -- DDTree (issue: tree build) --
     # -- INT4 MoE (issue: MoE) --
+    "router_logits": "moe_routing",
+    "moe_route": "moe_routing",
+    "moe_align": "moe_routing",
+    "moe_experts": "moe_gemm",
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
 }
 

@@ -16,6 +16,13 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "argmax and seeded temperature / top-p sampling over the vocabulary"),
     # -- DDTree (issue: tree build) --
     # -- INT4 MoE (issue: MoE) --
+    KernelSpec("moe_routing", ("moe_route_kernel", "moe_align_kernel"),
+               "MoE routing: DeepSeek-V3 noaux_tc top-k (sigmoid, bias for selection, groups) and the "
+               "token->expert align step (per-expert runs padded to the block size)"),
+    KernelSpec("moe_gemm", ("moe_gemm_nt1_h", "moe_gemm_nt1_f32", "moe_gemm_nt4_h", "moe_gemm_nt4_f32",
+                            "moe_gate_up_reduce_kernel", "moe_combine_kernel"),
+               "fused INT4 W4A16 group-32 expert GEMMs (mma.sync, weights on the 16-row side): gate_up "
+               "with SiLU*up, down, split-K reduce, weighted top-k combine"),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("bench_ceiling", ("read_stream_kernel", "copy_stream_kernel"),
                "streaming read and copy kernels that measure the memory ceilings for benchmarks"),

@@ -1,0 +1,112 @@
+"""MoE routing on the GPU: router logits (cuBLAS, fp32 out), noaux_tc top-k and the align step.
+See cuda_src/moe_routing.cu; rules in ddtree_rtc/reference/moe_routing.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..reference.moe_routing import MAX_EXPERTS, MoEAlignment, align_capacity, check_route_args
+from ._args import BF16, check, out_array
+from .registry import module
+
+_ROUTE_WARPS = 4
+_ALIGN_WARPS = 8
+# Pairs staged in shared memory (32 KB; with 2E + 1 ints for E <= 1024 the total stays under the
+# 48 KB that needs no opt-in); beyond, the kernel reads the ids from global memory.
+_ALIGN_SMEM_IDS_MAX = 8192
+
+_CUDA_R_32F, _CUDA_R_16BF = 0, 14
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
+_CUBLAS_GEMM_DEFAULT = -1
+_CUBLAS_POINTER_MODE_HOST = 0
+_ALPHA = np.ones(1, dtype=np.float32)  # host scalars; module-level so the pointers stay valid
+_BETA = np.zeros(1, dtype=np.float32)
+
+
+def router_logits(x, weight, out=None):
+    """x [M, H] bf16, weight [E, H] bf16 -> fp32 logits [M, E] (cuBLAS gemmEx, fp32 accumulate)."""
+    from cupy.cuda import cublas, device
+
+    check("x", x, BF16, ndim=2)
+    h = x.shape[1]
+    check("weight", weight, BF16, shape=(None, h))
+    m, e = x.shape[0], weight.shape[0]
+    y = out_array("out", out, (m, e), np.float32)
+    if m == 0:
+        return y
+    handle = device.get_cublas_handle()
+    cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_HOST)
+    cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, e, m, h,
+                  _ALPHA.ctypes.data, weight.data.ptr, _CUDA_R_16BF, h, x.data.ptr, _CUDA_R_16BF, h,
+                  _BETA.ctypes.data, y.data.ptr, _CUDA_R_32F, e, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    return y
+
+
+def moe_route(logits, bias, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+              routed_scaling_factor: float = 1.0, out_ids=None, out_weights=None):
+    """logits fp32 [M, E], bias fp32 [E] or None -> (ids int32 [M, top_k], weights fp32 [M, top_k])."""
+    check("logits", logits, np.float32, ndim=2)
+    m, e = logits.shape
+    check_route_args(e, top_k, n_group, topk_group)
+    if bias is not None:
+        check("bias", bias, np.float32, shape=(e,))
+    ids = out_array("out_ids", out_ids, (m, top_k), np.int32)
+    w = out_array("out_weights", out_weights, (m, top_k), np.float32)
+    if m == 0:
+        return ids, w
+    grid = (-(-m // _ROUTE_WARPS),)
+    args = (logits, bias if bias is not None else np.uint64(0), np.int32(m), np.int32(e), np.int32(top_k),
+            np.int32(n_group), np.int32(topk_group), np.int32(bool(norm_topk_prob)),
+            np.float32(routed_scaling_factor), ids, w)
+    module("moe_routing").fn("moe_route_kernel")(grid, (32 * _ROUTE_WARPS,), args,
+                                                 shared_mem=_ROUTE_WARPS * 2 * e * 4)
+    return ids, w
+
+
+def alignment_buffers(num_pairs: int, num_experts: int, block: int) -> MoEAlignment:
+    """Device buffers for ``moe_align`` (allocate once per shape, reuse across runs and graphs)."""
+    import cupy
+
+    cap = align_capacity(num_pairs, num_experts, block)
+    z = lambda n: cupy.zeros(n, dtype=cupy.int32)  # noqa: E731
+    return MoEAlignment(z(num_experts), z(num_experts + 1), z(cap), z(cap // block), z(1), z(1),
+                        block, num_pairs)
+
+
+def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None = None,
+              check_ids: bool = True) -> MoEAlignment:
+    """topk_ids int32 [M, top_k] -> MoEAlignment (device arrays). With ``check_ids`` an id out of
+    [0, E) raises (one host sync); without, such pairs are left out and ``error[0]`` is set."""
+    import cupy
+
+    check("topk_ids", topk_ids, np.int32, ndim=2)
+    p = topk_ids.size
+    if p == 0:
+        raise ValueError(f"topk_ids: no pairs (shape {tuple(topk_ids.shape)}); M = 0 is not a valid call")
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    if check_ids:
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            flat = topk_ids.reshape(-1)
+            i = int(cupy.argmax((flat < 0) | (flat >= num_experts)))
+            raise ValueError(f"topk_ids: expert id {int(flat[i])} at pair {i} (token {i // topk_ids.shape[1]}) "
+                             f"is out of range [0, {num_experts})")
+    al = out if out is not None else alignment_buffers(p, num_experts, block)
+    cap = align_capacity(p, num_experts, block)
+    if al.block != block or al.num_pairs != p:
+        raise ValueError(f"out: buffers made for block {al.block} and {al.num_pairs} pairs, "
+                         f"called with block {block} and {p} pairs")
+    for name, n in (("counts", num_experts), ("offsets", num_experts + 1), ("sorted_pairs", cap),
+                    ("block_expert", cap // block), ("num_blocks", 1), ("error", 1)):
+        check(f"out.{name}", getattr(al, name), np.int32, shape=(n,))
+    in_smem = p <= _ALIGN_SMEM_IDS_MAX
+    smem = (2 * num_experts + 1 + (p if in_smem else 0)) * 4
+    grid = (-(-num_experts // _ALIGN_WARPS),)
+    args = (topk_ids, np.int32(p), np.int32(num_experts), np.int32(block), np.int32(in_smem), al.counts,
+            al.offsets, al.sorted_pairs, al.block_expert, al.num_blocks, al.error)
+    module("moe_routing").fn("moe_align_kernel")(grid, (32 * _ALIGN_WARPS,), args, shared_mem=smem)
+    return al

@@ -1,0 +1,129 @@
+"""The DeepSeek-V3 / Kimi K2 MoE layer: router, noaux_tc routing, INT4 routed experts and the bf16
+shared expert, on either backend:
+
+    y = sum_i w_i * E_i(x) + shared(x),   E(x) = down(silu(gate(x)) * up(x))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from ml_dtypes import bfloat16
+
+from ..reference.moe_routing import check_route_args
+from .int4_repack import Int4Experts, prepare_experts
+from .quant import (
+    INT4_GROUP32,
+    CheckpointError,
+    Int4Scheme,
+    SafetensorsCheckpoint,
+    expert_prefix,
+    load_moe_experts,
+)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    num_experts: int
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        check_route_args(self.num_experts, self.top_k, self.n_group, self.topk_group)
+        if not np.isfinite(self.routed_scaling_factor):
+            raise ValueError(f"routed_scaling_factor must be finite, got {self.routed_scaling_factor}")
+
+    @classmethod
+    def from_config(cls, config: dict, source: str = "config.json") -> RoutingConfig:
+        """From a DeepSeek-V3 / Kimi K2 config (the text model's fields, or a whole config with
+        ``text_config``). Only sigmoid scoring with noaux_tc top-k is supported."""
+        c = config.get("text_config", config)
+        for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            got = c.get(key, want)
+            if got != want:
+                raise ValueError(f"{source}: {key}={got!r} is not supported (only {want!r})")
+        try:
+            return cls(int(c["n_routed_experts"]), int(c["num_experts_per_tok"]), int(c.get("n_group") or 1),
+                       int(c.get("topk_group") or 1), bool(c.get("norm_topk_prob", True)),
+                       float(c.get("routed_scaling_factor", 1.0)))
+        except KeyError as e:
+            raise ValueError(f"{source}: missing MoE field {e.args[0]!r}") from None
+
+
+@dataclass
+class MoELayerWeights:
+    """One MoE layer's weights, already in the form the backend wants (see ``prepare_experts``).
+    gate_weight bf16 [E, H]; e_score_correction_bias fp32 [E] or None; shared_w13 bf16 [2*Is, H] =
+    [gate; up] and shared_w2 bf16 [H, Is], or both None."""
+
+    gate_weight: object
+    e_score_correction_bias: object
+    experts: Int4Experts
+    shared_w13: object = None
+    shared_w2: object = None
+
+    def __post_init__(self):
+        e, h = self.experts.num_experts, self.experts.hidden
+        if tuple(self.gate_weight.shape) != (e, h):
+            raise ValueError(f"gate_weight: expected [{e}, {h}], got {tuple(self.gate_weight.shape)}")
+        bias = self.e_score_correction_bias
+        if bias is not None and (tuple(bias.shape) != (e,) or bias.dtype != np.float32):
+            raise ValueError(f"e_score_correction_bias: expected fp32 [{e}], got {bias.dtype} {tuple(bias.shape)}")
+        if (self.shared_w13 is None) != (self.shared_w2 is None):
+            raise ValueError("shared expert: give both shared_w13 and shared_w2, or neither")
+        if self.shared_w13 is not None:
+            i2 = self.shared_w13.shape[0]
+            if i2 % 2 or tuple(self.shared_w13.shape) != (i2, h) or tuple(self.shared_w2.shape) != (h, i2 // 2):
+                raise ValueError(f"shared expert: expected w13 [2*Is, {h}] and w2 [{h}, Is], got "
+                                 f"{tuple(self.shared_w13.shape)} and {tuple(self.shared_w2.shape)}")
+
+
+def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None):
+    """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for
+    graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``."""
+    lw, rc = layer_weights, routing_config
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {tuple(x.shape)}")
+    if rc.num_experts != lw.experts.num_experts:
+        raise ValueError(f"routing config has {rc.num_experts} experts, the layer weights "
+                         f"{lw.experts.num_experts}")
+    logits = backend.router_logits(x, lw.gate_weight)
+    ids, w = backend.moe_route(logits, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group,
+                               rc.norm_topk_prob, rc.routed_scaling_factor)
+    shared = None
+    if lw.shared_w13 is not None:
+        shared = backend.linear(backend.silu_mul(backend.linear(x, lw.shared_w13)), lw.shared_w2)
+    return backend.moe_experts(x, ids, w, lw.experts, shared=shared, out=out, plan=plan, check_ids=False)
+
+
+def load_moe_layer(ckpt: SafetensorsCheckpoint, layer: int, routing: RoutingConfig, hidden: int,
+                   intermediate: int, backend, scheme: Int4Scheme = INT4_GROUP32) -> MoELayerWeights:
+    """Router, correction bias, INT4 routed experts and the bf16 shared expert of one layer."""
+    stem = expert_prefix(ckpt, layer)[: -len("experts.")]  # "[language_model.]model.layers.N.mlp."
+
+    def dense(name: str, shape: tuple, dtype: str) -> np.ndarray:
+        got_dt, got_shape = ckpt.info(name)
+        if got_dt != dtype or got_shape != shape:
+            raise CheckpointError(f"{name} in {ckpt.file_of(name).name}: {got_dt} {list(got_shape)}, "
+                                  f"expected {dtype} {list(shape)}")
+        return ckpt.get(name)
+
+    e = routing.num_experts
+    gate = dense(stem + "gate.weight", (e, hidden), "BF16")
+    bias_name = stem + "gate.e_score_correction_bias"
+    bias = dense(bias_name, (e,), "F32") if bias_name in ckpt else None
+    experts = load_moe_experts(ckpt, layer, e, hidden, intermediate, scheme)
+    w13 = w2 = None
+    if stem + "shared_experts.down_proj.weight" in ckpt:
+        _, (_, inter_s) = ckpt.info(stem + "shared_experts.down_proj.weight")
+        g = dense(stem + "shared_experts.gate_proj.weight", (inter_s, hidden), "BF16")
+        u = dense(stem + "shared_experts.up_proj.weight", (inter_s, hidden), "BF16")
+        w13 = np.concatenate([g, u]).astype(bfloat16)
+        w2 = dense(stem + "shared_experts.down_proj.weight", (hidden, inter_s), "BF16")
+    dev = backend.asarray
+    return MoELayerWeights(dev(gate), None if bias is None else dev(bias), prepare_experts(experts, backend),
+                           None if w13 is None else dev(w13), None if w2 is None else dev(w2))

@@ -1,0 +1,322 @@
+"""Fused INT4 MoE experts: the reference vs a plain per-token loop (CPU), and the CUDA kernels vs
+the reference (GPU) for M in {1, 3, 8, 33, 256, 1000} at small, shard and K2.6 dims."""
+
+import os
+
+import numpy as np
+import pytest
+from ml_dtypes import bfloat16
+
+from ddtree_rtc.model.int4_repack import random_compressed_experts, repack_experts
+from ddtree_rtc.reference.moe_gemm import dequant_int4
+from ddtree_rtc.reference.moe_gemm import moe_experts as ref_moe
+from ddtree_rtc.testing import assert_close, random_bf16
+
+MS = [1, 3, 8, 33, 256, 1000]
+
+
+def loop_moe(x, ids, w, ex, shared=None):
+    """One (token, slot) at a time in float64, h rounded to bf16 like the kernels' down input."""
+    m, h = x.shape
+    y = np.zeros((m, h))
+    for t in range(m):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            w13 = dequant_int4(ex.w13[e], ex.w13_scale[e]).astype(np.float64)
+            w2 = dequant_int4(ex.w2[e], ex.w2_scale[e]).astype(np.float64)
+            gu = w13 @ x[t].astype(np.float64)
+            g, u = gu[:ex.intermediate], gu[ex.intermediate:]
+            hh = (g / (1 + np.exp(-g)) * u).astype(bfloat16).astype(np.float64)
+            y[t] += float(w[t, j]) * (w2 @ hh)
+    if shared is not None:
+        y += shared.astype(np.float64)
+    return y
+
+
+def random_routing(rng, m, num_experts, top_k, allowed=None):
+    pool = np.arange(num_experts) if allowed is None else np.asarray(allowed)
+    ids = np.stack([rng.choice(pool, top_k, replace=False) for _ in range(m)]).astype(np.int32)
+    return ids, rng.uniform(0.05, 1.0, (m, top_k)).astype(np.float32)
+
+
+@pytest.mark.parametrize("m,e,h,i,top_k", [(1, 4, 128, 128, 2), (5, 6, 256, 128, 3), (9, 8, 128, 256, 8)])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_reference_vs_per_token_loop(rng, m, e, h, i, top_k, with_shared):
+    ex = random_compressed_experts(rng, e, h, i)
+    x = random_bf16(rng, (m, h))
+    ids, w = random_routing(rng, m, e, top_k)
+    shared = random_bf16(rng, (m, h), 0.5) if with_shared else None
+    out = np.full((m, h), np.nan, dtype=bfloat16)
+    y = ref_moe(x, ids, w, ex, shared=shared, out=out)
+    assert y is out
+    assert_close(y, loop_moe(x, ids, w, ex, shared), "bf16_accum")
+
+
+def test_reference_skips_out_of_range_slots_only_when_asked(rng):
+    ex = random_compressed_experts(rng, 3, 128, 128)
+    x = random_bf16(rng, (2, 128))
+    ids, w = random_routing(rng, 2, 3, 2)
+    bad = ids.copy()
+    bad[1, 0] = 3
+    with pytest.raises(ValueError, match="expert id 3 at pair 2"):
+        ref_moe(x, bad, w, ex)
+    y = ref_moe(x, bad, w, ex, check_ids=False)
+    w0 = w.copy()
+    w0[1, 0] = 0
+    assert_close(y, loop_moe(x, np.where(bad < 3, bad, 0), w0, ex), "bf16_accum")
+
+
+def test_reference_rejects_bad_input(rng):
+    ex = random_compressed_experts(rng, 2, 128, 128)
+    ids, w = random_routing(rng, 1, 2, 1)
+    with pytest.raises(ValueError, match="M = 0"):
+        ref_moe(random_bf16(rng, (0, 128)), ids[:0], w[:0], ex)
+    with pytest.raises(ValueError, match=r"x: expected \[M, 128\]"):
+        ref_moe(random_bf16(rng, (1, 256)), ids, w, ex)
+    with pytest.raises(TypeError, match="layout 'compressed-tensors'"):
+        ref_moe(random_bf16(rng, (1, 128)), ids, w, repack_experts(ex))
+
+
+def test_split_choice():
+    from ddtree_rtc.kernels.moe_gemm import _pick_split
+
+    # K2.6 at M=1: 8 experts x 32 CTAs of gate_up rows already cover 132 SMs
+    assert _pick_split(7168, 8 * 32, 198, None, "gate_up") == 1
+    # TP8 shard: 8 experts x 4 CTAs -> split the 56 k blocks until >= 198 CTAs
+    assert _pick_split(7168, 8 * 4, 198, None, "gate_up") == 7
+    assert _pick_split(256, 8, 198, None, "down") == 2  # capped by K/128
+    with pytest.raises(ValueError, match="split 3 must divide K/128 = 56"):
+        _pick_split(7168, 1, 1, 3, "gate_up")
+
+
+# ---- the CUDA launch logic transliterated (grid, blocks, warps, epilogues, reduce, combine) ----
+
+def emulate_cuda_path(x, ids, w, rex, nt, s13, s2, shared=None):
+    """moe_experts as cuda_src/moe_gemm.cu computes it, index by index; the mma fragments come
+    from the lane emulation in test_moe_repack (so this checks the launch and epilogue logic)."""
+    from test_moe_repack import emulate_weights
+
+    from ddtree_rtc.reference.moe_routing import moe_align
+
+    m, hid = x.shape
+    top_k, inter, p_all = ids.shape[1], rex.intermediate, ids.size
+    block = 8 * nt
+    al = moe_align(ids, rex.num_experts, block)
+    h = np.full((p_all, inter), np.nan, np.float32)
+    part13 = np.full((s13, p_all, 2 * inter), np.nan, np.float32)
+    part2 = np.full((s2, p_all, hid), np.nan, np.float32)
+    gemms = (("gate_up", rex.w13, 2 * inter, hid, x.astype(np.float32), top_k, s13),
+             ("down", rex.w2, hid, inter, None, 1, s2))
+    for kind, blobs, n_rows, k_tot, act, row_div, splits in gemms:
+        if kind == "down":
+            act = h.astype(bfloat16).astype(np.float32)
+        mode_h = kind == "gate_up" and splits == 1
+        wfull = {}
+        n_ctas, k_split = -(-n_rows // 128), k_tot // splits
+        for u in range(len(al.block_expert)):
+            if u >= al.num_blocks[0]:
+                continue
+            e = int(al.block_expert[u])
+            if e not in wfull:
+                wfull[e] = emulate_weights(np.asarray(blobs[e]), n_rows, k_tot)
+            blk = al.sorted_pairs[u * block:(u + 1) * block]
+            ntl = max(j + 1 for j in range(nt) if blk[8 * j] < p_all)
+            for bx in range(n_ctas * splits):
+                n_cta, split = bx % n_ctas, bx // n_ctas
+                ks = slice(split * k_split, (split + 1) * k_split)
+                for warp in range(4):
+                    tile0 = (n_cta * 128 + warp * 32) // 16
+                    if tile0 * 16 >= n_rows:
+                        continue
+                    for j in range(ntl):
+                        cols = [blk[8 * j + g] if blk[8 * j + g] < p_all else blk[0] for g in range(8)]
+                        b = np.stack([act[c // row_div, ks] for c in cols], axis=1)  # [k, 8]
+                        acc = wfull[e][16 * tile0:16 * tile0 + 32, ks].astype(np.float64) @ b
+                        for col in range(8):  # col = 2t + j' of the C fragment
+                            p = blk[8 * j + col]
+                            if p >= p_all:
+                                continue
+                            for r in range(2):
+                                for g in range(8):
+                                    lo, hi = acc[16 * r + g, col], acc[16 * r + 8 + g, col]
+                                    if mode_h:
+                                        h[p, (tile0 + r) * 8 + g] = np.float32(lo / (1 + np.exp(-lo)) * hi)
+                                    else:
+                                        dst = part13 if kind == "gate_up" else part2
+                                        dst[split, p, (tile0 + r) * 16 + g] = lo
+                                        dst[split, p, (tile0 + r) * 16 + g + 8] = hi
+        if kind == "gate_up" and splits > 1:  # moe_gate_up_reduce_kernel
+            for i in range(inter):
+                ng = (i >> 3) * 16 + (i & 7)
+                gs, us = part13[:, :, ng].sum(0), part13[:, :, ng + 8].sum(0)
+                h[:, i] = gs / (1 + np.exp(-gs)) * us
+    y = np.zeros((m, hid))  # moe_combine_kernel
+    for t in range(m):
+        for j in range(top_k):
+            y[t] += w[t, j] * part2[:, t * top_k + j].sum(0)
+    if shared is not None:
+        y += shared.astype(np.float64)
+    return y
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m,nt,s13,s2", [(1, 1, 1, 1), (3, 1, 2, 1), (11, 4, 1, 2), (13, 1, 2, 2), (40, 4, 2, 1)])
+def test_emulated_cuda_path_matches_reference(rng, m, nt, s13, s2):
+    e, h, i, top_k = 5, 256, 256, 3
+    ex = random_compressed_experts(rng, e, h, i)
+    x = random_bf16(rng, (m, h))
+    ids, w = random_routing(rng, m, e, top_k)
+    shared = random_bf16(rng, (m, h), 0.5)
+    got = emulate_cuda_path(x, ids, w, repack_experts(ex), nt, s13, s2, shared)
+    assert_close(got, ref_moe(x, ids, w, ex, shared=shared), "bf16_accum")
+
+
+# ---- GPU ----
+
+def _seeded(name):
+    seed = int(os.environ.get("DDTREE_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"{name} seed={seed}")
+    return np.random.default_rng(seed)
+
+
+# name -> (E, H, I, top_k, unused experts poisoned with NaN scales)
+DIMS = {
+    "small": (10, 256, 128, 4, 2),
+    "tp8": (16, 512, 256, 8, 2),
+    "ep8": (48, 256, 256, 8, 4),
+    "k26": (16, 7168, 2048, 8, 2),
+}
+_cache: dict = {}
+
+
+def experts_for(name):
+    """Host experts and their GPU repack, with the last ``poison`` experts' scales set to NaN on
+    the GPU: tokens are never routed there, so a wrong expert index shows up as NaN."""
+    if name not in _cache:
+        import cupy
+
+        from ddtree_rtc.model.int4_repack import Int4Experts
+
+        e, h, i, _, poison = DIMS[name]
+        ex = random_compressed_experts(_seeded(name), e, h, i)
+        r = repack_experts(ex)
+        w13, w2 = cupy.asarray(r.w13), cupy.asarray(r.w2)
+        nan = cupy.asarray(np.full(64, 0x7FC0, np.uint16).view(np.uint8))
+        w13[e - poison:, :, :, 1024:] = nan
+        w2[e - poison:, :, :, 1024:] = nan
+        _cache[name] = (ex, Int4Experts("mma", e, h, i, w13, None, w2, None))
+    return _cache[name]
+
+
+def run_gpu(rng, name, m, with_shared=True, **plan_kw):
+    import cupy
+
+    from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
+    from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
+
+    ex, exg = experts_for(name)
+    e, h, i, top_k, poison = DIMS[name]
+    x = random_bf16(rng, (m, h))
+    ids, w = random_routing(rng, m, e, top_k, allowed=range(e - poison))
+    shared = random_bf16(rng, (m, h), 0.5) if with_shared else None
+    y_ref = ref_moe(x, ids, w, ex, shared=shared)
+    plan = moe_plan(m, e, top_k, h, i, **plan_kw)
+    outs = []
+    for _ in range(2):
+        plan.h.fill(0x7FC0)  # every buffer the kernels must write starts as NaN
+        for part in (plan.part_gate_up, plan.part_down):
+            if part is not None:
+                part.fill(np.nan)
+        out = nan_bf16_bits((m, h))
+        y = moe_experts(to_device_bf16(x), cupy.asarray(ids), cupy.asarray(w), exg,
+                        shared=None if shared is None else to_device_bf16(shared), out=out, plan=plan,
+                        check_ids=False)
+        assert y is out
+        outs.append(y.get())
+    assert_close(outs[0], y_ref, "bf16_accum")
+    assert np.array_equal(outs[0], outs[1]), "two runs must give bitwise the same result"
+    return plan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["small", "tp8", "ep8"])
+@pytest.mark.parametrize("m", MS)
+def test_kernel_vs_reference(rng, name, m):
+    run_gpu(rng, name, m)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("m", MS)
+def test_kernel_vs_reference_k26_dims(rng, m):
+    plan = run_gpu(rng, "k26", m)
+    assert plan.nt == (1 if m <= 8 else 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,plan_kw", [
+    (1, {"nt": 4}),                                   # 32-pair blocks with one pair
+    (33, {"nt": 1}),                                  # many 8-pair blocks per expert
+    (3, {"split_gate_up": 2, "split_down": 2}),       # split-K reduce paths
+    (256, {"split_gate_up": 4, "split_down": 1}),
+    (1000, {"nt": 1, "split_down": 2}),
+])
+def test_kernel_launch_variants(rng, m, plan_kw):
+    name = "tp8"
+    plan = run_gpu(rng, name, m, with_shared=False, **plan_kw)
+    for k, v in plan_kw.items():
+        assert getattr(plan, k) == v
+
+
+@pytest.mark.gpu
+def test_kernel_heuristic_splits_small_shards():
+    from ddtree_rtc.kernels.moe_gemm import moe_plan
+
+    plan = moe_plan(1, 384, 8, 7168, 256, num_sms=132)  # TP8 shard at M=1: few CTAs without split-K
+    assert plan.split_gate_up > 1 and plan.part_gate_up is not None
+    plan = moe_plan(1024, 384, 8, 7168, 2048, num_sms=132)
+    assert (plan.split_gate_up, plan.split_down, plan.nt) == (1, 1, 4) and plan.part_gate_up is None
+
+
+@pytest.mark.gpu
+def test_kernel_rejects_bad_input(rng):
+    import cupy
+
+    from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
+    from ddtree_rtc.testing import to_device_bf16
+
+    ex, exg = experts_for("small")
+    e, h, i, top_k, poison = DIMS["small"]
+    x = to_device_bf16(random_bf16(rng, (3, h)))
+    ids, w = random_routing(rng, 3, e, top_k, allowed=range(e - poison))
+    dids, dw = cupy.asarray(ids), cupy.asarray(w)
+    with pytest.raises(TypeError, match="expected layout 'mma'"):
+        moe_experts(x, dids, dw, ex)
+    bad = ids.copy()
+    bad[2, 1] = e
+    with pytest.raises(ValueError, match=f"expert id {e} at pair {2 * top_k + 1}"):
+        moe_experts(x, cupy.asarray(bad), dw, exg)
+    bad[2, 1] = -1
+    with pytest.raises(ValueError, match="expert id -1"):
+        moe_experts(x, cupy.asarray(bad), dw, exg)
+    with pytest.raises(ValueError, match="M = 0"):
+        moe_experts(x[:0], dids[:0], dw[:0], exg)
+    with pytest.raises(ValueError, match=rf"x: expected \[M, {h}\]"):
+        moe_experts(to_device_bf16(random_bf16(rng, (3, 128))), dids, dw, exg)
+    with pytest.raises(ValueError, match="topk_weights: expected shape"):
+        moe_experts(x, dids, dw[:, :1], exg)
+    with pytest.raises(TypeError, match="topk_ids: expected dtype int32"):
+        moe_experts(x, dids.astype(cupy.int64), dw, exg)
+    with pytest.raises(ValueError, match="plan: made for"):
+        moe_experts(x, dids, dw, exg, plan=moe_plan(4, e, top_k, h, i))
+    with pytest.raises(ValueError, match="hidden size 200"):
+        moe_plan(1, e, top_k, 200, i)
+    with pytest.raises(ValueError, match="num_tokens must be >= 1"):
+        moe_plan(0, e, top_k, h, i)
+    # out-of-range ids without the host check: never a fault, those slots contribute nothing
+    bad[2, 1] = e + 5
+    y = moe_experts(x, cupy.asarray(bad), dw, exg, check_ids=False)
+    w0 = w.copy()
+    w0[2, 1] = 0
+    y_ref = ref_moe(x.get().view(bfloat16), np.where(bad < e, bad, 0), w0, ex)
+    assert_close(y, y_ref, "bf16_accum")

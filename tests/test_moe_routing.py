@@ -1,0 +1,223 @@
+"""MoE routing: noaux_tc reference vs an independent float64 formula (n_group > 1 too), the tie and
+NaN rules, the align step; on the GPU the kernels vs the reference (ids exact, weights close)."""
+
+import numpy as np
+import pytest
+
+from ddtree_rtc.reference.moe_routing import align_capacity, moe_align, moe_route, router_logits
+from ddtree_rtc.testing import assert_close, random_bf16, to_host
+
+# (E, top_k, n_group, topk_group): K2.6, DeepSeek-V3, an EP8 shard, and small odd ones
+ROUTES = [(384, 8, 1, 1), (256, 8, 8, 4), (48, 8, 1, 1), (64, 6, 4, 2), (33, 3, 1, 1), (96, 8, 3, 2)]
+
+
+def f64_route(logits, bias, top_k, n_group, topk_group, norm, scale):
+    """Per token, in float64, written from DESIGN.md section 2; also returns the selection margin."""
+    m, e = logits.shape
+    ids, ws, margins = [], [], []
+    for t in range(m):
+        s = 1.0 / (1.0 + np.exp(-logits[t].astype(np.float64)))
+        b = s + (bias.astype(np.float64) if bias is not None else 0.0)
+        margin = np.inf
+        if n_group > 1:
+            gs = e // n_group
+            gscore = [sum(sorted(b[j * gs:(j + 1) * gs], reverse=True)[:2]) for j in range(n_group)]
+            order = sorted(range(n_group), key=lambda j: (-gscore[j], j))
+            margin = gscore[order[topk_group - 1]] - gscore[order[topk_group]]
+            keep = set(order[:topk_group])
+            b = np.array([b[x] if x // gs in keep else -np.inf for x in range(e)])
+        order = sorted(range(e), key=lambda x: (-b[x], x))
+        margin = min(margin, b[order[top_k - 1]] - b[order[top_k]])
+        w = s[order[:top_k]]
+        if norm:
+            w = w / w.sum()
+        ids.append(order[:top_k])
+        ws.append(w * scale)
+        margins.append(margin)
+    return np.array(ids), np.array(ws), np.array(margins)
+
+
+def random_logits(rng, m, e):
+    return (rng.standard_normal((m, e)) * 2).astype(np.float32)
+
+
+@pytest.mark.parametrize("e,top_k,n_group,topk_group", ROUTES)
+@pytest.mark.parametrize("norm", [True, False])
+def test_reference_vs_float64(rng, e, top_k, n_group, topk_group, norm):
+    m = 64
+    logits = random_logits(rng, m, e)
+    bias = rng.uniform(-0.3, 0.3, e).astype(np.float32)
+    ids, w = moe_route(logits, bias, top_k, n_group, topk_group, norm, 2.827)
+    ids64, w64, margin = f64_route(logits, bias, top_k, n_group, topk_group, norm, 2.827)
+    clear = margin > 1e-5  # fp32 vs fp64 may swap a near tie
+    assert clear.mean() > 0.9
+    assert ids.dtype == np.int32 and w.dtype == np.float32
+    assert np.array_equal(ids[clear], ids64[clear])
+    assert_close(w[clear], w64[clear], "fp32", "weights")
+    if norm:
+        assert np.allclose(w.sum(1), 2.827, rtol=1e-5)
+
+
+def test_bias_selects_but_does_not_weigh(rng):
+    e, m = 16, 8
+    logits = random_logits(rng, m, e)
+    bias = np.zeros(e, np.float32)
+    bias[[3, 11]] = 10.0  # always selected, whatever the logits
+    ids, w = moe_route(logits, bias, 4, norm_topk_prob=False)
+    assert (np.sort(ids[:, :2], axis=1) == [3, 11]).all()
+    s = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    assert np.allclose(w, np.take_along_axis(s, ids, 1), rtol=1e-6)
+
+
+def test_ties_go_to_the_lower_index_and_nan_counts_as_minus_inf():
+    logits = np.zeros((2, 12), np.float32)
+    logits[1, [0, 2, 5]] = np.nan
+    ids, w = moe_route(logits, None, 4)
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    assert ids[1].tolist() == [1, 3, 4, 6]
+    assert np.allclose(w, 0.25)
+    logits = np.full((1, 4), np.nan, np.float32)  # nothing finite: lowest indices, NaN weights
+    ids, w = moe_route(logits, None, 2)
+    assert ids[0].tolist() == [0, 1] and np.isnan(w).all()
+
+
+def test_group_limit_keeps_whole_groups(rng):
+    e, n_group, topk_group = 32, 4, 2
+    logits = random_logits(rng, 16, e)
+    ids, _ = moe_route(logits, None, 6, n_group, topk_group)
+    for row in ids:
+        assert len(set((row // (e // n_group)).tolist())) <= topk_group
+
+
+def test_route_rejects_bad_shapes():
+    x = np.zeros((2, 12), np.float32)
+    with pytest.raises(ValueError, match="n_group must divide"):
+        moe_route(x, None, 2, n_group=5)
+    with pytest.raises(ValueError, match="topk_group must be in"):
+        moe_route(x, None, 2, n_group=2, topk_group=3)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        moe_route(x, None, 7, n_group=2, topk_group=1)
+    with pytest.raises(ValueError, match="logits: expected fp32"):
+        moe_route(x.astype(np.float64), None, 2)
+
+
+def test_router_logits_reference(rng):
+    x, w = random_bf16(rng, (5, 64)), random_bf16(rng, (12, 64))
+    assert_close(router_logits(x, w), x.astype(np.float64) @ w.astype(np.float64).T, "fp32")
+
+
+def check_alignment(al, ids, num_experts, block):
+    """Every in-range pair exactly once, ascending within its expert's run, runs padded to the block."""
+    flat = ids.reshape(-1)
+    p = flat.size
+    counts = to_host(al.counts)
+    offsets = to_host(al.offsets)
+    nb = int(to_host(al.num_blocks)[0])
+    sp = to_host(al.sorted_pairs)[:nb * block]
+    be = to_host(al.block_expert)[:nb]
+    valid = (flat >= 0) & (flat < num_experts)
+    assert counts.tolist() == np.bincount(flat[valid], minlength=num_experts).tolist()
+    assert offsets[0] == 0 and offsets[-1] == nb * block and (np.diff(offsets) % block == 0).all()
+    assert nb * block <= align_capacity(p, num_experts, block)
+    for e in range(num_experts):
+        run = sp[offsets[e]:offsets[e + 1]]
+        c = counts[e]
+        assert run[:c].tolist() == np.flatnonzero(flat == e).tolist()
+        assert (run[c:] == p).all() and len(run) == -(-c // block) * block
+        assert (be[offsets[e] // block:offsets[e + 1] // block] == e).all()
+    assert int(to_host(al.error)[0]) == int(not valid.all())
+
+
+@pytest.mark.parametrize("m,top_k,e,block", [(1, 8, 384, 8), (33, 8, 384, 32), (7, 3, 5, 8), (300, 8, 48, 32)])
+def test_align_reference(rng, m, top_k, e, block):
+    ids = np.stack([rng.choice(e, top_k, replace=False) for _ in range(m)]).astype(np.int32)
+    check_alignment(moe_align(ids, e, block), ids, e, block)
+
+
+def test_align_out_of_range_ids(rng):
+    ids = np.array([[0, 5], [2, 9]], np.int32)
+    with pytest.raises(ValueError, match="expert id 9 at pair 3 .token 1. is out of range"):
+        moe_align(ids, 6, 8)
+    al = moe_align(ids, 6, 8, check_ids=False)
+    check_alignment(al, ids, 6, 8)
+
+
+# ---- GPU ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,top_k,n_group,topk_group", ROUTES)
+@pytest.mark.parametrize("m", [1, 3, 8, 33, 256, 1000])
+def test_route_kernel_vs_reference(rng, e, top_k, n_group, topk_group, m):
+    import cupy
+
+    from ddtree_rtc.kernels.moe_routing import moe_route as k_route
+
+    logits = random_logits(rng, m, e)
+    logits[0, 1] = np.nan
+    bias = rng.uniform(-0.3, 0.3, e).astype(np.float32)
+    ids_ref, w_ref = moe_route(logits, bias, top_k, n_group, topk_group, True, 2.827)
+    out_ids = cupy.full((m, top_k), -7, cupy.int32)
+    out_w = cupy.full((m, top_k), np.nan, cupy.float32)
+    ids, w = k_route(cupy.asarray(logits), cupy.asarray(bias), top_k, n_group, topk_group, True, 2.827,
+                     out_ids=out_ids, out_weights=out_w)
+    assert ids is out_ids and w is out_w
+    assert np.array_equal(ids.get(), ids_ref)
+    assert_close(w, w_ref, "fp32", "weights")
+    ids2, w2 = k_route(cupy.asarray(logits), None, top_k, n_group, topk_group, False, 1.0)
+    ids2_ref, w2_ref = moe_route(logits, None, top_k, n_group, topk_group, False, 1.0)
+    assert np.array_equal(ids2.get(), ids2_ref)
+    assert_close(w2, w2_ref, "fp32", "weights")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,top_k,e,block", [(1, 8, 384, 8), (3, 8, 384, 8), (33, 8, 384, 32), (256, 8, 384, 32),
+                                             (1000, 8, 384, 32), (1200, 8, 48, 32), (7, 3, 5, 8)])
+def test_align_kernel_vs_reference(rng, m, top_k, e, block):
+    import cupy
+
+    from ddtree_rtc.kernels.moe_routing import alignment_buffers
+    from ddtree_rtc.kernels.moe_routing import moe_align as k_align
+
+    ids = np.stack([rng.choice(e, top_k, replace=False) for _ in range(m)]).astype(np.int32)
+    al = alignment_buffers(ids.size, e, block)
+    for a in (al.sorted_pairs, al.block_expert, al.counts, al.offsets, al.num_blocks, al.error):
+        a.fill(-99)
+    got = k_align(cupy.asarray(ids), e, block, out=al)
+    assert got is al
+    check_alignment(al, ids, e, block)
+    ref = moe_align(ids, e, block)
+    nb = int(ref.num_blocks[0])
+    assert int(al.num_blocks.get()[0]) == nb
+    assert np.array_equal(al.sorted_pairs.get()[:nb * block], ref.sorted_pairs[:nb * block])
+    assert np.array_equal(al.block_expert.get()[:nb], ref.block_expert[:nb])
+
+
+@pytest.mark.gpu
+def test_align_kernel_flags_out_of_range_ids():
+    import cupy
+
+    from ddtree_rtc.kernels.moe_routing import moe_align as k_align
+
+    ids = cupy.asarray(np.array([[0, 5], [2, 9], [-1, 1]], np.int32))
+    with pytest.raises(ValueError, match="expert id 9 at pair 3"):
+        k_align(ids, 6, 8)
+    al = k_align(ids, 6, 8, check_ids=False)
+    check_alignment(al, ids.get(), 6, 8)
+    assert int(al.error.get()[0]) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,h,e", [(1, 7168, 384), (37, 7168, 384), (5, 256, 48)])
+def test_router_logits_kernel(rng, m, h, e):
+    import cupy
+
+    from ddtree_rtc.kernels.moe_routing import router_logits as k_logits
+    from ddtree_rtc.testing import to_device_bf16
+
+    x, w = random_bf16(rng, (m, h)), random_bf16(rng, (e, h), 0.02)
+    out = cupy.full((m, e), np.nan, cupy.float32)
+    y = k_logits(to_device_bf16(x), to_device_bf16(w), out=out)
+    assert y is out
+    assert_close(y, x.astype(np.float64) @ w.astype(np.float64).T, "fp32")
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        k_logits(to_device_bf16(x), to_device_bf16(w[:, :64]))
