@@ -159,14 +159,22 @@ def device_info() -> dict:
 
 
 def git_commit() -> str:
+    """The commit benchmarked: $DDTREE_RTC_COMMIT when set (copies of the tree without .git, as on
+    the lent GPU machine), else git's HEAD with -dirty for uncommitted tracked changes."""
+    env = os.environ.get("DDTREE_RTC_COMMIT")
+    if env:
+        return env
+    root = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parents[2], timeout=10)
+                             cwd=root, timeout=10)
+        if out.returncode != 0:
+            return "unknown"
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parents[2], timeout=10).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+                               text=True, cwd=root, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("DDTREE_RTC_COMMIT", "unknown")
+        return "unknown"
 
 
 def _fmt(v, spec):
