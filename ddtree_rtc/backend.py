@@ -27,6 +27,11 @@ OPS: dict[str, str] = {
     "moe_align": "moe_routing",
     "moe_experts": "moe_gemm",
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
+    "kv_cache_write": "kv_cache",
+    "kv_cache_commit": "kv_cache",
+    "mla_attention_plan": "mla_attention",
+    "mla_attention": "mla_attention",
+    "mla_head_gemm": "mla_attention",
 }
 
 _DTYPES = {"bf16": None, "fp32": np.float32, "fp64": np.float64, "int32": np.int32,

@@ -24,6 +24,12 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "fused INT4 W4A16 group-32 expert GEMMs (mma.sync, weights on the 16-row side): gate_up "
                "with SiLU*up, down, split-K reduce, weighted top-k combine"),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
+    KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),
+               "paged KV cache: write rows at slots; DDTree commit of accepted rows, in place, all layers"),
+    KernelSpec("mla_attention", ("mla_attention_m64_kernel", "mla_attention_m16_kernel",
+                                 "mla_attention_small_kernel", "mla_attention_merge_kernel"),
+               "absorbed MLA attention over the paged latent cache (decode / tree verify / causal "
+               "prefill, mma.sync, split-K) and its split merge"),
     KernelSpec("bench_ceiling", ("read_stream_kernel", "copy_stream_kernel"),
                "streaming read and copy kernels that measure the memory ceilings for benchmarks"),
 )}

@@ -1,0 +1,434 @@
+// Absorbed MLA attention over the paged latent KV cache: decode, tree verify and causal prefill.
+//
+// A query row is one (token, head) pair, q = [q_nope·W_UK (512) | roped q_pe (64)]; a cache row is
+// [c (512) | k_pe (64)], one latent "head" shared by all query heads. For every query row:
+//   s_j = scale · q·row_j over the rows j it may see;  o_lat = Σ softmax(s)_j · c_j;  lse = ln Σ e^s_j
+// A request has ctx committed rows and n new tokens whose rows sit at positions ctx .. ctx+n-1 (written
+// before attention). Token i sees every committed row, and new row j when bit j of its mask row is set
+// (tree verify) or when j <= i (causal: prefill, and decode with n = 1).
+//
+// Work items come from the host plan: an item is BM consecutive query rows of one request (the
+// request's rows are contiguous in q [T*H, 576], token-major) against the cache positions
+// [kv_begin, kv_end), in tiles of BN rows. CTA c runs items cta_work[c] .. cta_work[c+1]-1 in turn:
+// the plan gives every CTA an equal run of BN-row units over all query tiles, so one CTA per SM
+// stays busy at any batch size (long tiles are cut across CTAs: split-K). An item that covers only
+// part of its tile's positions writes an fp32 partial normalised by its own sum plus its
+// log2-sum-exp; mla_attention_merge_kernel combines them. The schedule lives in device memory, so a
+// captured graph replays any later plan written into the same buffers.
+//
+// Tensor cores: mma.sync m16n8k16, bf16 in, fp32 accumulate. Fragments (g = lane/4, tq = lane%4):
+//   A 16x16 (row-major)  a0 = (g, 2tq..2tq+1)  a1 = (g+8, 2tq..)  a2 = (g, 8+2tq..)  a3 = (g+8, 8+2tq..)
+//   B 16x8  (k x n)      b0 = (k 2tq..2tq+1, n g)   b1 = (k 8+2tq.., n g)
+//   C 16x8               c0,c1 = (g, 2tq..2tq+1)    c2,c3 = (g+8, 2tq..2tq+1)
+// Shared tiles are row-major with 16-byte chunks XOR-swizzled by (row & 7), so the 8 rows one ldmatrix
+// phase reads fall in 8 distinct bank groups. Per KV tile:
+//   S = Q·K^T  warp (wm, wn) of SMG x SN: rows wm*16..+16, cols wn*SCOLS..; A = Q via ldmatrix, B = K rows
+//              via ldmatrix (K row-major [n][k] is B in "col" layout).
+//   softmax    row max exchanged across the SN warps of a row through smem; every such warp applies
+//              the same running max, keeps its own partial row sum; P (bf16) and the rescale factor
+//              alpha go to smem.
+//   O += P·V   warp (om, od) of OM x OD: rows om*OROWS.., cols od*OCOLS..; A = P via ldmatrix, B = V
+//              rows via ldmatrix.trans (V row-major [k][n]).
+// Scores are kept in log2 units (scale · log2 e folded in) so the exponentials are exp2.
+#include "common.cuh"
+
+using namespace ddt;
+
+namespace {
+
+constexpr int ROW = 576;         // query / cache row: [c 512 | k_pe 64]
+constexpr int DV = 512;          // latent value width
+constexpr int ROW_CHUNKS = 72;   // 16-byte chunks per row
+constexpr int KSTEPS = ROW / 16; // k16 steps of Q·K^T
+constexpr int WORK_INTS = 8;     // work item: req, m0, m_count, kv_begin, kv_end, partial, -, -
+constexpr int REQ_INTS = 4;      // request: ctx, n_new, q_start, -
+constexpr int MERGE_INTS = 4;    // merge item: first partial, splits, first flattened row, rows
+constexpr float LN2 = 0.69314718055994531f;
+
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; src_bytes = 0 zero-fills the destination without reading src.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned addr, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// Lanes 0-15 give the addresses; the others' are ignored (but kept valid).
+__device__ __forceinline__ void ldsm_x2(unsigned addr, unsigned (&r)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair, the first in the low half (the lower column / k index).
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Index (in 16-byte chunks) of chunk `c` of row `r` in a tile with CHUNKS chunks per row.
+template <int CHUNKS>
+__device__ __forceinline__ int swz(int r, int c) {
+  static_assert(CHUNKS % 8 == 0 || (CHUNKS & (CHUNKS - 1)) == 0, "swizzle needs 8k or 2^k chunks per row");
+  constexpr int M = CHUNKS >= 8 ? 7 : CHUNKS - 1;
+  return r * CHUNKS + (c ^ (r & M));
+}
+
+// Tile shape: BM query rows x BN cache rows per step, NW warps; O split into OM row groups.
+template <int BM_, int BN_, int NW_, int OM_>
+struct Cfg {
+  static constexpr int BM = BM_, BN = BN_, NW = NW_, THREADS = 32 * NW_;
+  static constexpr int SMG = BM / 16, SN = NW / SMG, SCOLS = BN / SN, SNT = SCOLS / 8;
+  static constexpr int OM = OM_, OD = NW / OM, OROWS = BM / OM, OMT = OROWS / 16, OCOLS = DV / OD,
+                       ONT = OCOLS / 8;
+  static constexpr int PCH = BN / 8;  // chunks per P row
+  static_assert(BM % 16 == 0 && NW % SMG == 0 && SCOLS % 8 == 0 && BN % 16 == 0, "bad S layout");
+  static_assert(NW % OM == 0 && OROWS % 16 == 0 && ONT % 2 == 0, "bad O layout");
+  // Shared memory (bytes), mirrored by _smem_bytes() in ddtree_rtc/kernels/mla_attention.py:
+  // Q [BM][576] bf16, KV [2][BN][576] bf16, P [BM][BN] bf16, red [SN][BM] f32, alpha [BM], m [BM] f32.
+  static constexpr int SMEM = (BM * ROW + 2 * BN * ROW + BM * BN) * 2 + (SN * BM + 2 * BM) * 4;
+};
+
+using CfgM64 = Cfg<64, 64, 8, 2>;    // >= 33 query rows per request (64 heads, or trees)
+using CfgM16 = Cfg<16, 64, 8, 1>;    // <= 16 query rows per request (decode with <= 16 heads)
+using CfgSmall = Cfg<32, 16, 4, 1>;  // GPUs with ~100 KB of shared memory per block (sm_120)
+static_assert(CfgM64::SMEM <= 227 * 1024 && CfgM16::SMEM <= 227 * 1024, "over the sm_90/sm_100 opt-in limit");
+static_assert(CfgSmall::SMEM <= 99 * 1024, "over the sm_120 opt-in limit");
+
+// cp.async of BN cache rows at positions [base, base+BN) of one request; rows at or past kv_end are
+// zero-filled: their scores are masked anyway, and zeros keep P·V free of whatever lies there.
+template <class C>
+__device__ __forceinline__ void load_kv_tile(unsigned dst, const bf16* __restrict__ cache,
+                                             const int* __restrict__ pt, int page_size, int base, int kv_end) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int r = warp; r < C::BN; r += C::NW) {
+    const int pos = base + r;
+    const bool ok = pos < kv_end;
+    const bf16* src = cache;
+    if (ok) src = cache + ((long long)__ldg(pt + pos / page_size) * page_size + pos % page_size) * ROW;
+    for (int c = lane; c < ROW_CHUNKS; c += 32) cp_async16(dst + swz<ROW_CHUNKS>(r, c) * 16, src + c * 8, ok);
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void attention_body(
+    const bf16* __restrict__ q, const bf16* __restrict__ cache, const int* __restrict__ page_table,
+    int pt_stride, int page_size, int num_heads, const int* __restrict__ work, const int* __restrict__ cta_work,
+    const int* __restrict__ req_info, const unsigned long long* __restrict__ mask, int mask_words,
+    bf16* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
+    float scale_log2) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* q_s = reinterpret_cast<bf16*>(smem);
+  bf16* kv_s = q_s + C::BM * ROW;
+  bf16* p_s = kv_s + 2 * C::BN * ROW;
+  float* red_s = reinterpret_cast<float*>(p_s + C::BM * C::BN);  // [SN][BM]: row max, at the end row sum
+  float* alpha_s = red_s + C::SN * C::BM;                          // [BM] rescale factor of this tile
+  float* m_s = alpha_s + C::BM;                                    // [BM] final running max
+  constexpr unsigned KV_STAGE = C::BN * ROW * 2;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const int s_n = warp % C::SN, s_row0 = (warp / C::SN) * 16, s_col0 = s_n * C::SCOLS;
+  const int o_row0 = (warp / C::OD) * C::OROWS, o_col0 = (warp % C::OD) * C::OCOLS;
+  const unsigned q_base = smem_u32(q_s), kv_base = smem_u32(kv_s), p_base = smem_u32(p_s);
+  unsigned* p_words = reinterpret_cast<unsigned*>(p_s);
+
+  const int w_end = cta_work[blockIdx.x + 1];
+  for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
+    const int* item = work + (long long)w * WORK_INTS;
+    const int req = item[0], m0 = item[1], m_count = item[2], kv_begin = item[3], kv_end = item[4];
+    const int part = item[5];
+    const int ctx = req_info[req * REQ_INTS + 0], q_start = req_info[req * REQ_INTS + 2];
+    const int* pt = page_table + (long long)req * pt_stride;
+    const long long row_g0 = (long long)q_start * num_heads + m0;  // first flattened query row
+
+    // This thread's two S rows: s_row0 + g and s_row0 + g + 8.
+    bool row_ok[2];
+    int tok[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = s_row0 + g + 8 * i;
+      row_ok[i] = r < m_count;
+      tok[i] = (m0 + r) / num_heads;
+    }
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+    float acc[C::OMT][C::ONT][4];
+#pragma unroll
+    for (int mt = 0; mt < C::OMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < C::ONT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+
+    __syncthreads();  // the previous item is done with q_s, kv_s and red_s
+    for (int r = warp; r < C::BM; r += C::NW) {
+      const bool ok = r < m_count;
+      const bf16* src = ok ? q + (row_g0 + r) * ROW : q;
+      for (int c = lane; c < ROW_CHUNKS; c += 32) cp_async16(q_base + swz<ROW_CHUNKS>(r, c) * 16, src + c * 8, ok);
+    }
+    const int n_tiles = (kv_end - kv_begin + C::BN - 1) / C::BN;
+    load_kv_tile<C>(kv_base, cache, pt, page_size, kv_begin, kv_end);
+    cp_async_commit();
+
+    for (int t = 0; t < n_tiles; ++t) {
+      cp_async_wait_all();
+      __syncthreads();  // tile t (and Q) landed for everyone; everyone is done with tile t-1's buffer
+      if (t + 1 < n_tiles) {
+        load_kv_tile<C>(kv_base + ((t + 1) & 1) * KV_STAGE, cache, pt, page_size, kv_begin + (t + 1) * C::BN,
+                        kv_end);
+        cp_async_commit();
+      }
+      const unsigned kv_t = kv_base + (t & 1) * KV_STAGE;
+      const int base = kv_begin + t * C::BN;
+
+      // ---- S = Q K^T: rows s_row0..+16, cols s_col0..+SCOLS of the tile
+      float s[C::SNT][4];
+#pragma unroll
+      for (int nt = 0; nt < C::SNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll 4
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        unsigned a[4];
+        ldsm_x4(q_base + swz<ROW_CHUNKS>(s_row0 + (lane & 15), kk * 2 + (lane >> 4)) * 16, a);
+#pragma unroll
+        for (int nt = 0; nt + 1 < C::SNT; nt += 2) {
+          // matrices: (n 0-7, k 0-7) (n 0-7, k 8-15) (n 8-15, k 0-7) (n 8-15, k 8-15)
+          const int mi = lane >> 3;
+          unsigned b[4];
+          ldsm_x4(kv_t + swz<ROW_CHUNKS>(s_col0 + (nt + (mi >> 1)) * 8 + (lane & 7), kk * 2 + (mi & 1)) * 16, b);
+          mma_bf16(s[nt], a, b[0], b[1]);
+          mma_bf16(s[nt + 1], a, b[2], b[3]);
+        }
+        if constexpr ((C::SNT & 1) != 0) {
+          constexpr int nt = C::SNT - 1;
+          unsigned b[2];
+          ldsm_x2(kv_t + swz<ROW_CHUNKS>(s_col0 + nt * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)) * 16, b);
+          mma_bf16(s[nt], a, b[0], b[1]);
+        }
+      }
+
+      // ---- scale, mask, row max (only tiles touching new rows or the range end need the mask)
+      const bool edge = base + C::BN > ctx || base + C::BN > kv_end;
+      float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+      for (int nt = 0; nt < C::SNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e >> 1;
+          float x = s[nt][e] * scale_log2;
+          if (edge) {
+            const int pos = base + s_col0 + nt * 8 + tq * 2 + (e & 1);
+            bool vis = pos < kv_end;
+            if (vis && pos >= ctx) {
+              const int j = pos - ctx;
+              if (!row_ok[i]) {
+                vis = false;
+              } else if (mask) {
+                const unsigned long long word =
+                    __ldg(mask + (long long)(q_start + tok[i]) * mask_words + (j >> 6));
+                vis = (word >> (j & 63)) & 1ull;
+              } else {
+                vis = j <= tok[i];
+              }
+            }
+            if (!vis) x = neg_inf();
+          }
+          s[nt][e] = x;
+          mx[i] = fmaxf(mx[i], x);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        if (tq == 0) red_s[s_n * C::BM + s_row0 + g + 8 * i] = mx[i];
+      }
+      __syncthreads();
+
+      // ---- online softmax: the same running max in every warp of a row, partial sums per thread
+      float m_use[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = s_row0 + g + 8 * i;
+        float m_new = m_run[i];
+#pragma unroll
+        for (int sn = 0; sn < C::SN; ++sn) m_new = fmaxf(m_new, red_s[sn * C::BM + r]);
+        m_use[i] = m_new == neg_inf() ? 0.f : m_new;  // a row that saw nothing yet: avoid inf - inf
+        const float alpha = exp2f(m_run[i] - m_use[i]);
+        m_run[i] = m_new;
+        l_run[i] *= alpha;
+        if (s_n == 0 && tq == 0) alpha_s[r] = alpha;
+      }
+#pragma unroll
+      for (int nt = 0; nt < C::SNT; ++nt) {
+        const float p0 = exp2f(s[nt][0] - m_use[0]), p1 = exp2f(s[nt][1] - m_use[0]);
+        const float p2 = exp2f(s[nt][2] - m_use[1]), p3 = exp2f(s[nt][3] - m_use[1]);
+        l_run[0] += p0 + p1;
+        l_run[1] += p2 + p3;
+        const int col = s_col0 + nt * 8 + tq * 2, r = s_row0 + g;
+        p_words[(swz<C::PCH>(r, col >> 3) * 8 + (col & 7)) >> 1] = pack_bf16(p0, p1);
+        p_words[(swz<C::PCH>(r + 8, col >> 3) * 8 + (col & 7)) >> 1] = pack_bf16(p2, p3);
+      }
+      __syncthreads();
+
+      // ---- O = alpha * O + P V: rows o_row0..+OROWS, cols o_col0..+OCOLS
+#pragma unroll
+      for (int mt = 0; mt < C::OMT; ++mt) {
+        const float a_lo = alpha_s[o_row0 + mt * 16 + g], a_hi = alpha_s[o_row0 + mt * 16 + g + 8];
+#pragma unroll
+        for (int nt = 0; nt < C::ONT; ++nt) {
+          acc[mt][nt][0] *= a_lo;
+          acc[mt][nt][1] *= a_lo;
+          acc[mt][nt][2] *= a_hi;
+          acc[mt][nt][3] *= a_hi;
+        }
+      }
+#pragma unroll 1  // unrolled, the hoisted ldmatrix addresses cost ~30 registers and spill on sm_90
+      for (int kk = 0; kk < C::BN / 16; ++kk) {
+        unsigned a[C::OMT][4];
+#pragma unroll
+        for (int mt = 0; mt < C::OMT; ++mt)
+          ldsm_x4(p_base + swz<C::PCH>(o_row0 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)) * 16, a[mt]);
+#pragma unroll
+        for (int nt = 0; nt < C::ONT; nt += 2) {
+          // matrices: (k 0-7, n 0-7) (k 8-15, n 0-7) (k 0-7, n 8-15) (k 8-15, n 8-15), transposed
+          const int mi = lane >> 3;
+          unsigned b[4];
+          ldsm_x4_trans(
+              kv_t + swz<ROW_CHUNKS>(kk * 16 + (mi & 1) * 8 + (lane & 7), (o_col0 >> 3) + nt + (mi >> 1)) * 16, b);
+#pragma unroll
+          for (int mt = 0; mt < C::OMT; ++mt) {
+            mma_bf16(acc[mt][nt], a[mt], b[0], b[1]);
+            mma_bf16(acc[mt][nt + 1], a[mt], b[2], b[3]);
+          }
+        }
+      }
+    }
+
+    // ---- epilogue: total row sums; red_s was last read before the final P barrier
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+      l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+      const int r = s_row0 + g + 8 * i;
+      if (tq == 0) {
+        red_s[s_n * C::BM + r] = l_run[i];
+        if (s_n == 0) m_s[r] = m_run[i];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < C::OMT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = o_row0 + mt * 16 + g + 8 * h;
+        if (r >= m_count) continue;
+        float l = 0.f;
+#pragma unroll
+        for (int sn = 0; sn < C::SN; ++sn) l += red_s[sn * C::BM + r];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float lse2 = l > 0.f ? m_s[r] + log2f(l) : neg_inf();
+        if (part < 0) {
+          bf16* dst = out + (row_g0 + r) * DV + o_col0 + tq * 2;
+#pragma unroll
+          for (int nt = 0; nt < C::ONT; ++nt)
+            *reinterpret_cast<unsigned*>(dst + nt * 8) =
+                pack_bf16(acc[mt][nt][2 * h] * inv, acc[mt][nt][2 * h + 1] * inv);
+          if (o_col0 == 0 && tq == 0) lse[row_g0 + r] = lse2 * LN2;
+        } else {
+          float* dst = o_part + ((long long)part * C::BM + r) * DV + o_col0 + tq * 2;
+#pragma unroll
+          for (int nt = 0; nt < C::ONT; ++nt)
+            *reinterpret_cast<float2*>(dst + nt * 8) =
+                make_float2(acc[mt][nt][2 * h] * inv, acc[mt][nt][2 * h + 1] * inv);
+          if (o_col0 == 0 && tq == 0) lse_part[(long long)part * C::BM + r] = lse2;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// q [T*H, 576] bf16; cache [pages*page_size, 576] bf16; page_table [B, pt_stride] int32;
+// work [*, 8] / cta_work [grid + 1] / req_info [B, 4] int32 from the plan; mask [T, mask_words] uint64 or null
+// (causal); out [T*H, 512] bf16; lse [T*H] f32 (natural log); o_part [*, BM, 512] / lse_part [*, BM] f32.
+#define MLA_ATTENTION_PARAMS                                                                                     \
+  const bf16 *__restrict__ q, const bf16 *__restrict__ cache, const int *__restrict__ page_table, int pt_stride, \
+      int page_size, int num_heads, const int *__restrict__ work, const int *__restrict__ cta_work,           \
+      const int *__restrict__ req_info, const unsigned long long *__restrict__ mask, int mask_words,           \
+      bf16 *__restrict__ out, float *__restrict__ lse, float *__restrict__ o_part,                             \
+      float *__restrict__ lse_part, float scale_log2
+#define MLA_ATTENTION_ARGS                                                                                 \
+  q, cache, page_table, pt_stride, page_size, num_heads, work, cta_work, req_info, mask, mask_words, out, lse, \
+      o_part, lse_part, scale_log2
+
+extern "C" __global__ void __launch_bounds__(CfgM64::THREADS, 1) mla_attention_m64_kernel(MLA_ATTENTION_PARAMS) {
+  attention_body<CfgM64>(MLA_ATTENTION_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(CfgM16::THREADS, 1) mla_attention_m16_kernel(MLA_ATTENTION_PARAMS) {
+  attention_body<CfgM16>(MLA_ATTENTION_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(CfgSmall::THREADS, 1)
+    mla_attention_small_kernel(MLA_ATTENTION_PARAMS) {
+  attention_body<CfgSmall>(MLA_ATTENTION_ARGS);
+}
+
+// Split-K merge: one CTA of 128 threads (4 columns each) per (merge item, row). With partial
+// log2-sum-exps L_s and normalised partials o_s:  o = Σ 2^(L_s - L) o_s,  L = log2 Σ 2^L_s.
+extern "C" __global__ void __launch_bounds__(DV / 4, 1) mla_attention_merge_kernel(
+    const int* __restrict__ merge, const int* __restrict__ merge_count, const float* __restrict__ o_part,
+    const float* __restrict__ lse_part, int part_rows, bf16* __restrict__ out, float* __restrict__ lse) {
+  const int row = blockIdx.y, col = threadIdx.x * 4;
+  const int num_merge = merge_count[0];  // from device memory: graph replays take later plans
+  for (int it = blockIdx.x; it < num_merge; it += gridDim.x) {
+    const int* m = merge + it * MERGE_INTS;
+    const int p0 = m[0], splits = m[1], m_count = m[3];
+    if (row >= m_count) continue;
+    const long long g_row = (long long)m[2] + row;
+    float top = neg_inf();
+    for (int s = 0; s < splits; ++s) top = fmaxf(top, lse_part[(long long)(p0 + s) * part_rows + row]);
+    float sum = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int s = 0; s < splits; ++s) {
+      const long long pr = (long long)(p0 + s) * part_rows + row;
+      const float ls = lse_part[pr];
+      const float wgt = ls == neg_inf() ? 0.f : exp2f(ls - top);
+      const float4 v = *reinterpret_cast<const float4*>(o_part + pr * DV + col);
+      sum += wgt;
+      o[0] += wgt * v.x;
+      o[1] += wgt * v.y;
+      o[2] += wgt * v.z;
+      o[3] += wgt * v.w;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    uint2 packed;
+    packed.x = pack_bf16(o[0] * inv, o[1] * inv);
+    packed.y = pack_bf16(o[2] * inv, o[3] * inv);
+    *reinterpret_cast<uint2*>(out + g_row * DV + col) = packed;
+    if (threadIdx.x == 0) lse[g_row] = sum > 0.f ? (top + log2f(sum)) * LN2 : neg_inf();
+  }
+}

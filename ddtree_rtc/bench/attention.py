@@ -1,0 +1,174 @@
+"""MLA attention at K2.6 dims over the paged latent cache (576-wide rows, page size 64, pages
+scattered): decode (N = 1) and DDTree verify (N nodes of a realistic tree per request), 64 heads and
+8 heads (one TP8 rank). Bytes = cache rows read once per request (1152 B each); FLOPs = useful
+work, 2·H·(576+512) per (query, visible row). Decode is measured against the read ceiling, verify
+against the bf16 matmul ceiling, both from the same run. Peer: the same attention as plain CuPy
+batched matmuls (cuBLAS, fp16 data of the same size, contiguous KV) + a masked fp32 softmax."""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+
+import numpy as np
+
+from .harness import Row, random_bf16_device, report, time_gpu
+
+ROW, DV, PAGE = 576, 512, 64
+SCALE = 0.14467963
+DEPTH = 7  # DFlash block 8: tree depth limit
+PEER_MAX_SCORES = 1 << 30  # fp32 score elements the peer may materialise
+
+
+def ddtree_parents(rng: np.random.Generator, n_nodes: int, depth: int = DEPTH, k: int = 8) -> np.ndarray:
+    """A tree as the DDTree builder makes it (DESIGN.md §4, best-first over per-depth top-k
+    log-probs of peaked random logits); returns parents, node 0 the root."""
+    logits = rng.standard_normal((depth, 64)) * 3.0
+    logq = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    logq = -np.sort(-logq, axis=1)[:, :k]
+    parents = [0]
+    heap = [(-float(logq[0, 0]), (0,), 0, 1, 0)]
+    while heap and len(parents) < n_nodes:
+        key, ranks, p, d, r = heapq.heappop(heap)
+        score = -key
+        parents.append(p)
+        node = len(parents) - 1
+        if r + 1 < k:
+            heapq.heappush(heap, (-(score - logq[d - 1, r] + logq[d - 1, r + 1]), ranks[:-1] + (r + 1,), p, d, r + 1))
+        if d < depth:
+            heapq.heappush(heap, (-(score + logq[d, 0]), ranks + (0,), node, d + 1, 0))
+    return np.array(parents)
+
+
+class Case:
+    def __init__(self, heads: int, ctx: int, batch: int, nodes: int, seed: int = 0):
+        from ..reference.mla_attention import tree_mask_from_parents
+
+        self.heads, self.ctx, self.batch, self.nodes = heads, ctx, batch, nodes
+        rng = np.random.default_rng(seed)
+        per_req = -(-(ctx + nodes) // PAGE)
+        self.num_pages = batch * per_req
+        self.page_table = rng.permutation(self.num_pages).astype(np.int32).reshape(batch, per_req)
+        self.parents = [ddtree_parents(rng, nodes) for _ in range(batch)] if nodes > 1 else None
+        self.mask = None
+        if self.parents is not None:
+            self.mask = np.concatenate([tree_mask_from_parents(p, -(-nodes // 64)) for p in self.parents])
+
+    @property
+    def name(self) -> str:
+        return f"h{self.heads} ctx{self.ctx // 1024}k b{self.batch} N{self.nodes}"
+
+    def kv_bytes(self) -> int:
+        return self.batch * (self.ctx + self.nodes) * ROW * 2
+
+    def flops(self) -> int:
+        if self.parents is None:
+            visible = self.batch * (self.ctx + 1)
+        else:
+            depth = np.concatenate([_depths(p) for p in self.parents])
+            visible = int((self.ctx + depth + 1).sum())
+        return 2 * self.heads * (ROW + DV) * visible
+
+
+def _depths(parents):
+    d = np.zeros(len(parents), np.int64)
+    for i in range(1, len(parents)):
+        d[i] = d[parents[i]] + 1
+    return d
+
+
+def _peer(case: Case):
+    """Plain batched attention through cuBLAS: S = Q·K^T, masked fp32 softmax, O = P·V."""
+    import cupy
+
+    b, n, h, L = case.batch, case.nodes, case.heads, case.ctx + case.nodes
+    if b * n * h * L > PEER_MAX_SCORES:
+        return None
+    rng = cupy.random.default_rng(7)
+    kv = rng.standard_normal((b, L, ROW), dtype=cupy.float32).astype(cupy.float16)
+    v = cupy.ascontiguousarray(kv[:, :, :DV])
+    q = rng.standard_normal((b, n * h, ROW), dtype=cupy.float32).astype(cupy.float16)
+    bias = cupy.zeros((b, n * h, n), dtype=cupy.float32)
+    if case.mask is not None:
+        vis = np.unpackbits(case.mask.view(np.uint8), axis=1, bitorder="little")[:, :n].astype(bool)
+        bias = cupy.asarray(np.repeat(np.where(vis, 0.0, -np.inf).astype(np.float32).reshape(b, n, 1, n), h,
+                                      axis=2).reshape(b, n * h, n))
+
+    def run():
+        s = cupy.matmul(q, kv.transpose(0, 2, 1)).astype(cupy.float32)
+        s *= np.float32(SCALE)
+        s[:, :, case.ctx:] += bias
+        s -= s.max(axis=-1, keepdims=True)
+        cupy.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        return cupy.matmul(s.astype(cupy.float16), v)
+
+    return run
+
+
+def _iters(fn) -> int:
+    """Enough timed runs for a stable median, within about half a second per case."""
+    import cupy
+
+    fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    ms = cupy.cuda.get_elapsed_time(start, end)
+    return int(np.clip(500.0 / max(ms, 1e-3), 5, 50))
+
+
+def run_case(case: Case, peer: bool = True) -> Row:
+    import cupy
+
+    from ..kernels.mla_attention import mla_attention, mla_attention_plan
+
+    ctx = np.full(case.batch, case.ctx)
+    plan = mla_attention_plan(ctx, np.full(case.batch, case.nodes), case.page_table, case.heads, PAGE,
+                              case.num_pages, case.mask)
+    cache = random_bf16_device((case.num_pages, PAGE, ROW), seed=1)
+    t = case.batch * case.nodes
+    q = random_bf16_device((t, case.heads, ROW), scale=0.3, seed=2)
+    out = cupy.empty((t, case.heads, DV), cupy.uint16)
+    lse = cupy.empty((t, case.heads), cupy.float32)
+
+    def fn():
+        mla_attention(plan, q, cache, SCALE, out=out, lse=lse)
+
+    timing = time_gpu(fn, warmup=3, iters=_iters(fn))
+    peer_fn = _peer(case) if peer else None
+    peer_us = time_gpu(peer_fn, warmup=2, iters=_iters(peer_fn)).median_us if peer_fn is not None else None
+    return Row(case.name, timing.median_us, bytes=case.kv_bytes(), flops=case.flops(),
+               ceiling="read" if case.nodes == 1 else "matmul",
+               peer="cupy matmul+softmax" if peer_fn is not None else None, peer_us=peer_us,
+               extra={"min_us": timing.min_us, "p90_us": timing.p90_us, "variant": plan.variant,
+                      "work_items": plan.num_work, "merged_tiles": plan.num_merge})
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="ddtree-rtc bench attention", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few shapes (a smoke run)")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    ap.add_argument("--no-peer", action="store_true", help="skip the CuPy peer")
+    args = ap.parse_args(argv)
+    if args.quick:
+        grid = [(h, 4096, b, n) for h in (64, 8) for b in (1, 8) for n in (1, 16)]
+    else:
+        grid = [(h, c, b, n) for h in (64, 8) for c in (1024, 4096, 16384, 65536) for b in (1, 8, 32)
+                for n in (1, 8, 16, 32, 64)]
+    rows = []
+    for heads, ctx, batch, nodes in grid:
+        rows.append(run_case(Case(heads, ctx, batch, nodes), peer=not args.no_peer))
+        print(f"  {rows[-1].case}: {rows[-1].us:.1f} µs", flush=True)
+    notes = {"page_size": PAGE, "softmax_scale": SCALE, "tree": "DDTree best-first, depth <= 7, top-8",
+             "bytes": "cache rows read once per request (re-reads across query tiles hit L2)",
+             "flops": "2*H*(576+512) per (query token, visible cache row)",
+             "peer": f"fp16 cupy.matmul + fp32 masked softmax, contiguous KV; skipped above "
+                     f"{PEER_MAX_SCORES} score elements"}
+    return report("MLA attention (absorbed, paged latent cache)", rows, args.json, notes=notes)
+
+
+if __name__ == "__main__":
+    main()

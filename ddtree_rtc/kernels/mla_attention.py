@@ -1,0 +1,324 @@
+"""Absorbed MLA attention on the GPU (cuda_src/mla_attention.cu) and the per-head GEMMs around it.
+
+``mla_attention_plan`` (host, once per batch shape) validates the batch, picks the tile variant,
+splits the work so the GPU fills even at batch 1 (split-K over cache positions, merged afterwards)
+and uploads the metadata. ``mla_attention`` (device only, no sync, no allocation when ``out``/``lse``
+are given) launches the attention kernel and, when a split exists, the merge kernel; it can be
+captured in a CUDA graph. A later plan written with ``into=`` reuses the same device buffers and
+grid, so a captured graph replays it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
+from ._args import BF16, check, out_array
+from .registry import module
+
+# variant -> (BM query rows, BN cache rows per tile, warps, O row groups); mirrors cuda_src Cfg<...>
+_VARIANTS = {"m64": (64, 64, 8, 2), "m16": (16, 64, 8, 1), "small": (32, 16, 4, 1)}
+MIN_SPLIT = 256  # fewest cache rows per CTA: below that the partial write and merge dominate
+_WORK_INTS, _REQ_INTS, _MERGE_INTS = 8, 4, 4
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _smem_bytes(variant: str) -> int:
+    bm, bn, nw, _ = _VARIANTS[variant]
+    sn = nw // (bm // 16)
+    return (bm * ROW + 2 * bn * ROW + bm * bn) * 2 + (sn * bm + 2 * bm) * 4
+
+
+def _pick_variant(max_rows: int, smem_limit: int) -> str:
+    prefer = ("m16", "m64", "small") if max_rows <= 16 else ("m64", "small")
+    for v in prefer:
+        if _smem_bytes(v) <= smem_limit:
+            return v
+    raise RuntimeError(f"MLA attention needs {_smem_bytes('small')} bytes of shared memory per block; "
+                       f"this GPU allows {smem_limit}")
+
+
+def split_work(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_split: int = MIN_SPLIT):
+    """The schedule. A query tile is BM consecutive query rows of one request; it needs the cache
+    positions up to its last token, ``units`` = ceil(that / BN) tiles of BN rows. All tiles' units
+    laid end to end are cut into ``num_ctas`` equal runs (at least ``min_split`` rows each); CTA c
+    takes run c, as one work item per query tile the run touches. Returns
+      work [k, 8] int32: req, m0, m_count, kv_begin, kv_end, partial (-1: final), 0, 0 — by CTA;
+      cta_work [num_ctas + 1] int32: CTA c runs items cta_work[c] .. cta_work[c+1]-1;
+      merge [j, 4] int32: first partial, partials, first flattened query row, rows — per cut tile;
+      the number of partials."""
+    h = batch.num_heads
+    rows = batch.num_new * h
+    per_req = _cdiv(rows, bm)
+    req = np.repeat(np.arange(batch.batch), per_req)
+    first = np.cumsum(per_req) - per_req
+    m0 = (np.arange(len(req)) - first[req]) * bm
+    m_count = np.minimum(bm, rows[req] - m0)
+    kv_len = batch.ctx_lens[req] + (m0 + m_count - 1) // h + 1
+    units = _cdiv(kv_len, bn)
+    u0 = np.cumsum(units) - units
+    per_cta = max(_cdiv(int(units.sum()), num_ctas), _cdiv(min_split, bn))
+    c_first = u0 // per_cta
+    pieces = (u0 + units - 1) // per_cta - c_first + 1
+    tile = np.repeat(np.arange(len(req)), pieces)
+    k = np.arange(len(tile)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    cta = c_first[tile] + k
+    kv_begin = (np.maximum(cta * per_cta, u0[tile]) - u0[tile]) * bn
+    kv_end = np.minimum((np.minimum((cta + 1) * per_cta, u0[tile] + units[tile]) - u0[tile]) * bn, kv_len[tile])
+    cut = pieces > 1
+    p_first = np.cumsum(np.where(cut, pieces, 0)) - np.where(cut, pieces, 0)
+    work = np.zeros((len(tile), _WORK_INTS), dtype=np.int32)
+    work[:, 0], work[:, 1], work[:, 2] = req[tile], m0[tile], m_count[tile]
+    work[:, 3], work[:, 4], work[:, 5] = kv_begin, kv_end, np.where(cut[tile], p_first[tile] + k, -1)
+    cta_work = np.searchsorted(cta, np.arange(num_ctas + 1)).astype(np.int32)  # cta is non-decreasing
+    t = np.flatnonzero(cut)
+    merge = np.stack([p_first[t], pieces[t], batch.q_start[req[t]] * h + m0[t], m_count[t]], axis=1)
+    return work, cta_work, merge.astype(np.int32).reshape(-1, _MERGE_INTS), int(pieces[cut].sum())
+
+
+@dataclass
+class MLAPlan:
+    batch: MLABatch
+    variant: str
+    bm: int
+    threads: int
+    smem: int
+    grid: int  # CTAs of the attention kernel (one per SM)
+    merge_grid: int  # x-blocks of the merge kernel; 0: the plan cuts no tile, no merge launch
+    num_work: int
+    num_merge: int
+    work: object  # cupy int32 [capacity, 8]
+    cta_work: object  # cupy int32 [grid + 1]
+    merge: object  # cupy int32 [grid, 4] (a plan cuts fewer than `grid` tiles)
+    merge_count: object  # cupy int32 [1]
+    req_info: object  # cupy int32 [B, 4]: ctx, n, q_start, 0
+    page_table: object  # cupy int32 [B, max_pages]
+    mask: object  # cupy uint64 [T, words] or None (causal)
+    owns_mask: bool  # False: the caller's device array, used in place
+    o_part: object  # cupy f32 [2 * grid, BM, 512] (cut tiles have fewer than 2 * grid pieces)
+    lse_part: object  # cupy f32 [2 * grid, BM]
+
+
+def _host(name, a, dtype):
+    import cupy
+
+    if isinstance(a, cupy.ndarray):
+        return a.get()
+    a = np.asarray(a)
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name}: expected integers, got {a.dtype}")
+    return a.astype(dtype)
+
+
+def _allow_smem(fn, nbytes: int) -> None:
+    """Raise the function's dynamic shared-memory limit (the default is 48 KB)."""
+    from cupy_backends.cuda.api import driver
+
+    attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if driver.funcGetAttribute(attr, fn.ptr) < nbytes:
+        driver.funcSetAttribute(fn.ptr, attr, nbytes)
+
+
+def _device_props() -> tuple[int, int]:
+    import cupy
+
+    attrs = cupy.cuda.Device().attributes
+    return attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"]
+
+
+def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
+                       tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None):
+    """Validate the batch and lay out the work (see the module doc of ddtree_rtc.reference.mla_attention).
+    ``page_table``, ``ctx_lens``, ``num_new``: host or device integer arrays (copied). ``tree_mask``:
+    None (causal), a host uint64 array (checked, copied) or a device one (used in place; its contents
+    are checked only with ``check_mask``, which costs a device->host copy). ``num_sms``: how many
+    CTAs to aim the split-K at (default: the GPU's SM count). ``into``: an earlier plan whose device
+    buffers, grid and tile variant are reused (for CUDA-graph replay)."""
+    import cupy
+
+    dev_mask = tree_mask if isinstance(tree_mask, cupy.ndarray) else None
+    host_mask = None
+    if dev_mask is not None:
+        check("tree_mask", dev_mask, np.uint64, ndim=2)
+        if check_mask:
+            host_mask = dev_mask.get()
+    elif tree_mask is not None:
+        host_mask = np.ascontiguousarray(tree_mask)
+    batch = validate_batch(_host("ctx_lens", ctx_lens, np.int64), _host("num_new", num_new, np.int64),
+                           _host("page_table", page_table, np.int32), num_heads, page_size, num_pages,
+                           host_mask, check_mask,
+                           mask_shape=None if dev_mask is None else (dev_mask.shape, dev_mask.dtype))
+    return build_plan(batch, dev_mask, num_sms=num_sms, into=into)
+
+
+def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, variant: str | None = None,
+               into: MLAPlan | None = None) -> MLAPlan:
+    """Lay out a validated batch. ``dev_mask``: the caller's device mask, used in place (otherwise
+    ``batch.tree_mask`` is uploaded). ``variant``: force a tile variant (every variant computes the
+    same result; the default picks the fastest that fits the GPU)."""
+    import cupy
+
+    sms, smem_limit = _device_props()
+    if into is not None:
+        variant = into.variant
+    elif variant is None:
+        variant = _pick_variant(int(batch.num_new.max()) * batch.num_heads, smem_limit)
+    if _smem_bytes(variant) > smem_limit:
+        raise RuntimeError(f"tile variant {variant} needs {_smem_bytes(variant)} bytes of shared memory; "
+                           f"this GPU allows {smem_limit}")
+    bm, bn, nw, _ = _VARIANTS[variant]
+    _allow_smem(module("mla_attention").fn(f"mla_attention_{variant}_kernel"), _smem_bytes(variant))
+    grid = into.grid if into is not None else (num_sms or sms)
+    work, cta_work, merge, partials = split_work(batch, bm, bn, grid)
+    req_info = np.zeros((batch.batch, _REQ_INTS), dtype=np.int32)
+    req_info[:, 0], req_info[:, 1], req_info[:, 2] = batch.ctx_lens, batch.num_new, batch.q_start
+    merges = np.zeros((grid, _MERGE_INTS), np.int32)
+    merges[:len(merge)] = merge
+    host_mask = batch.tree_mask
+    if into is not None:
+        return _write_into(into, batch, work, cta_work, merges, len(merge), req_info, host_mask, dev_mask)
+    owns_mask = dev_mask is None and host_mask is not None
+    if owns_mask:
+        dev_mask = cupy.asarray(host_mask)
+    return MLAPlan(
+        batch=batch, variant=variant, bm=bm, threads=32 * nw, smem=_smem_bytes(variant), grid=grid,
+        merge_grid=grid if len(merge) else 0, num_work=len(work), num_merge=len(merge), work=cupy.asarray(work),
+        cta_work=cupy.asarray(cta_work), merge=cupy.asarray(merges),
+        merge_count=cupy.asarray(np.array([len(merge)], np.int32)), req_info=cupy.asarray(req_info),
+        page_table=cupy.asarray(batch.page_table), mask=dev_mask, owns_mask=owns_mask,
+        o_part=cupy.empty((2 * grid, bm, DV), dtype=cupy.float32),
+        lse_part=cupy.empty((2 * grid, bm), dtype=cupy.float32))
+
+
+def _write_into(old: MLAPlan, batch, work, cta_work, merges, num_merge, req_info, host_mask, dev_mask):
+    """Write a new plan into ``old``'s buffers: the kernel arguments stay the same, so a graph
+    captured with ``old`` replays the new plan."""
+    import cupy
+
+    def need(ok: bool, what: str):
+        if not ok:
+            raise ValueError(f"plan does not fit into the given plan: {what}")
+
+    ob = old.batch
+    need(batch.num_heads == ob.num_heads and batch.page_size == ob.page_size and batch.num_pages == ob.num_pages,
+         "num_heads / page_size / num_pages differ")
+    need(batch.page_table.shape == ob.page_table.shape, f"page table shape {batch.page_table.shape} != "
+         f"{ob.page_table.shape}")
+    need(batch.total_tokens == ob.total_tokens, f"{batch.total_tokens} query tokens != {ob.total_tokens}")
+    need(batch.mask_words == ob.mask_words, "causal vs tree mask, or mask words, differ")
+    need(len(work) <= old.work.shape[0], f"{len(work)} work items > capacity {old.work.shape[0]}")
+    need(num_merge == 0 or old.merge_grid > 0, "it cuts tiles (split-K) but the given plan launches no merge")
+    if dev_mask is not None:
+        need(dev_mask.data.ptr == old.mask.data.ptr and dev_mask.shape == old.mask.shape,
+             "a device tree_mask must be the same array as before")
+    elif host_mask is not None:
+        need(old.owns_mask and host_mask.shape == old.mask.shape,
+             "a host tree_mask needs a plan that was given a host mask of the same shape")
+        old.mask.set(host_mask)
+    w = np.zeros(old.work.shape, np.int32)
+    w[:len(work)] = work
+    old.work.set(w)
+    old.cta_work.set(cta_work)
+    old.merge.set(merges)
+    old.merge_count.set(np.array([num_merge], np.int32))
+    old.req_info.set(req_info)
+    old.page_table.set(batch.page_table)
+    cupy.cuda.get_current_stream().synchronize()  # the host staging arrays die on return
+    return MLAPlan(**{**old.__dict__, "batch": batch, "num_work": len(work), "num_merge": num_merge})
+
+
+def mla_attention(plan: MLAPlan, q, cache, softmax_scale: float, out=None, lse=None):
+    """q [T, H, 576] bf16; cache [num_pages, page_size, 576] bf16 (one layer) ->
+    (o_lat [T, H, 512] bf16, lse [T, H] f32, natural log)."""
+    import cupy
+
+    b = plan.batch
+    t, h = b.total_tokens, b.num_heads
+    check("q", q, BF16, shape=(t, h, ROW))
+    check("cache", cache, BF16, shape=(b.num_pages, b.page_size, ROW))
+    out = out_array("out", out, (t, h, DV), BF16)
+    lse = out_array("lse", lse, (t, h), cupy.float32)
+    mod = module("mla_attention")
+    fn = mod.fn(f"mla_attention_{plan.variant}_kernel")  # its shared-memory limit was raised by the plan
+    mask = plan.mask if plan.mask is not None else np.uint64(0)
+    args = (q, cache, plan.page_table, np.int32(plan.page_table.shape[1]), np.int32(b.page_size), np.int32(h),
+            plan.work, plan.cta_work, plan.req_info, mask, np.int32(b.mask_words), out, lse, plan.o_part,
+            plan.lse_part, np.float32(softmax_scale * np.log2(np.e)))
+    fn((plan.grid,), (plan.threads,), args, shared_mem=plan.smem)
+    if plan.merge_grid:
+        mod.fn("mla_attention_merge_kernel")(
+            (plan.merge_grid, plan.bm), (DV // 4,),
+            (plan.merge, plan.merge_count, plan.o_part, plan.lse_part, np.int32(plan.bm), out, lse))
+    return out, lse
+
+
+# cuBLAS enums (cublas_api.h / library_types.h)
+_OP_N, _OP_T = 0, 1
+_CUDA_R_16BF = 14
+_COMPUTE_32F = 68
+_GEMM_DEFAULT = -1
+_POINTER_MODE_HOST = 0
+
+
+def _strides_elems(name: str, a) -> tuple[int, ...]:
+    if any(s % a.itemsize for s in a.strides):
+        raise ValueError(f"{name}: strides {a.strides} are not whole elements")
+    st = tuple(s // a.itemsize for s in a.strides)
+    if st[-1] != 1 and a.shape[-1] > 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (strides {a.strides})")
+    if any(s < 0 for s in st):
+        raise ValueError(f"{name}: negative strides {a.strides}")
+    return st
+
+
+def mla_head_gemm(x, w, trans_w: bool, out=None):
+    """Per head h: ``out[:, h] = x[:, h] @ (w[h].T if trans_w else w[h])`` through one strided-batched
+    cuBLAS GEMM (bf16 in/out, fp32 accumulate). x [T, H, K]; w [H, N, K] (trans_w) or [H, K, N];
+    out [T, H, N]. Any of them may be a view with a contiguous last dim (e.g. q[:, :, :128],
+    kv_b.reshape(H, 256, 512)[:, :128], q_att[:, :, :512])."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    check("x", x, BF16, ndim=3, contiguous=False)
+    check("w", w, BF16, ndim=3, contiguous=False)
+    t, h, k = x.shape
+    if w.shape[0] != h:
+        raise ValueError(f"w: expected {h} heads (x has {h}), got shape {tuple(w.shape)}")
+    n = w.shape[1] if trans_w else w.shape[2]
+    if (w.shape[2] if trans_w else w.shape[1]) != k:
+        raise ValueError(f"w: shape {tuple(w.shape)} does not match K = {k} of x (trans_w={trans_w})")
+    if out is None:
+        out = cupy.empty((t, h, n), dtype=cupy.uint16)
+    check("out", out, BF16, shape=(t, h, n), contiguous=False)
+    if t == 0 or h == 0 or n == 0:
+        return out
+    xs, ws, ys = _strides_elems("x", x), _strides_elems("w", w), _strides_elems("out", out)
+    if not ((ys[1] >= n and ys[0] >= h * ys[1]) or (ys[0] >= n and ys[1] >= t * ys[0])):
+        raise ValueError(f"out: strides {out.strides} make heads or tokens overlap")
+    w_rows, w_cols = w.shape[1], w.shape[2]
+    if t > 1 and xs[0] < k:
+        raise ValueError(f"x: token stride {xs[0]} < K = {k}")
+    if w_rows > 1 and ws[1] < w_cols:
+        raise ValueError(f"w: row stride {ws[1]} < row length {w_cols}")
+    if k == 0:
+        out.fill(0)
+        return out
+    # Column-major view: out_h^T [N x T] = op(A) [N x K] . x_h^T [K x T]; w_h row-major [N, K] is
+    # col-major [K x N] (op T); w_h row-major [K, N] is col-major [N x K] (op N).
+    ldx, ldw, ldy = max(xs[0], k), max(ws[1], w_cols), max(ys[0], n)  # max(): unused when that dim is 1
+    alpha, beta = np.array(1.0, np.float32), np.array(0.0, np.float32)
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    cublas.setPointerMode(handle, _POINTER_MODE_HOST)
+    cublas.gemmStridedBatchedEx(
+        handle, _OP_T if trans_w else _OP_N, _OP_N, n, t, k,
+        alpha.ctypes.data, w.data.ptr, _CUDA_R_16BF, ldw, ws[0],
+        x.data.ptr, _CUDA_R_16BF, ldx, xs[1],
+        beta.ctypes.data, out.data.ptr, _CUDA_R_16BF, ldy, ys[1],
+        h, _COMPUTE_32F, _GEMM_DEFAULT)
+    return out
