@@ -9,9 +9,9 @@ from test_moe_quant import write_checkpoint
 from test_moe_routing import f64_route
 
 from ddtree_rtc.backend import Backend
+from ddtree_rtc.model.checkpoint import CheckpointReader
 from ddtree_rtc.model.int4_repack import prepare_experts, random_compressed_experts
 from ddtree_rtc.model.moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe
-from ddtree_rtc.model.quant import SafetensorsCheckpoint
 from ddtree_rtc.testing import assert_close, random_bf16
 
 K26_TEXT = {"n_routed_experts": 384, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
@@ -99,7 +99,7 @@ def write_layer(tmp_path, rng, prefix, e=6, h=128, i=128, i_shared=128):
 def test_load_layer_and_run(rng, tmp_path, prefix):
     path, (ex, gate, bias, w13, w2) = write_layer(tmp_path / "ck", rng, prefix)
     rc = RoutingConfig(6, 2, 1, 1, True, 2.827)
-    lw = load_moe_layer(SafetensorsCheckpoint(path), 3, rc, 128, 128, Backend("numpy"))
+    lw = load_moe_layer(CheckpointReader(path), 3, rc, 128, 128, Backend("numpy"))
     assert np.array_equal(lw.shared_w13.view(np.uint16), w13.view(np.uint16))
     assert np.array_equal(lw.e_score_correction_bias, bias) and np.array_equal(lw.experts.w2, ex.w2)
     x = random_bf16(rng, (4, 128))
@@ -110,7 +110,7 @@ def test_load_layer_and_run(rng, tmp_path, prefix):
 def test_load_layer_checks_dense_tensors(rng, tmp_path):
     ex, gate, bias, _, _ = make_layer(rng, 6, 128, 128, 0)
     extra = {"model.layers.3.mlp.gate.weight": gate[:, :64], "model.layers.3.mlp.gate.e_score_correction_bias": bias}
-    ck = SafetensorsCheckpoint(write_checkpoint(tmp_path / "ck", ex, 3, "", extra=extra))
+    ck = CheckpointReader(write_checkpoint(tmp_path / "ck", ex, 3, "", extra=extra))
     with pytest.raises(ValueError, match=r"gate\.weight in model-00001-of-00001\.safetensors: BF16 \[6, 64\], "
                                          r"expected BF16 \[6, 128\]"):
         load_moe_layer(ck, 3, RoutingConfig(6, 2), 128, 128, Backend("numpy"))

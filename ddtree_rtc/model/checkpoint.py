@@ -95,12 +95,17 @@ class CheckpointReader:
 
     PREFIXES = ("", "language_model.")
 
-    def __init__(self, directory: str | Path):
-        self.dir = Path(directory)
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        single = path.is_file()
+        self.dir = path.parent if single else path
+        self.root = self.dir
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: model directory not found")
         index = self.dir / "model.safetensors.index.json"
-        if index.exists():
+        if single:
+            files = [path.name]
+        elif index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
@@ -127,25 +132,37 @@ class CheckpointReader:
         n = len(self.prefix)
         return sorted(k[n:] for k in self._where if k.startswith(self.prefix))
 
-    def __contains__(self, name: str) -> bool:
-        return self.prefix + name in self._where
+    def full_name(self, name: str) -> str:
+        """The name as stored: canonical names get the checkpoint's prefix; stored names pass."""
+        return name if self.prefix and name.startswith(self.prefix) else self.prefix + name
 
-    def info(self, name: str) -> tuple[Path, dict]:
+    def __contains__(self, name: str) -> bool:
+        return self.full_name(name) in self._where
+
+    def _entry(self, name: str) -> tuple[Path, dict, int]:
         try:
-            path, entry, _ = self._where[self.prefix + name]
+            return self._where[self.full_name(name)]
         except KeyError:
-            raise CheckpointError(f"{self.dir}: missing tensor {self.prefix + name}") from None
-        return path, entry
+            raise CheckpointError(f"{self.dir}: missing tensor {self.full_name(name)}") from None
+
+    def file_of(self, name: str) -> Path:
+        return self._entry(name)[0]
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype such as 'BF16', shape) without reading the data."""
+        entry = self._entry(name)[1]
+        return entry["dtype"], tuple(entry["shape"])
 
     def get(self, name: str, shape: tuple | None = None, dtype: str | None = None) -> np.ndarray:
-        path, entry = self.info(name)
+        path, entry, start = self._entry(name)
+        name = self.full_name(name)
         if shape is not None and tuple(entry["shape"]) != tuple(shape):
-            raise CheckpointError(f"{path.name}: tensor {self.prefix + name} has shape {tuple(entry['shape'])}, "
+            raise CheckpointError(f"{path.name}: tensor {name} has shape {tuple(entry['shape'])}, "
                                   f"expected {tuple(shape)} from config.json")
         if dtype is not None and entry["dtype"] != dtype:
-            raise CheckpointError(f"{path.name}: tensor {self.prefix + name} has dtype {entry['dtype']}, "
+            raise CheckpointError(f"{path.name}: tensor {name} has dtype {entry['dtype']}, "
                                   f"expected {dtype}")
-        return open_tensor(path, self.prefix + name, entry, self._where[self.prefix + name][2])
+        return open_tensor(path, name, entry, start)
 
     def check(self, specs: list[TensorSpec]) -> None:
         """Every expected tensor present with the right shape and dtype; all problems in one error."""

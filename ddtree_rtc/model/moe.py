@@ -12,15 +12,9 @@ import numpy as np
 from ml_dtypes import bfloat16
 
 from ..reference.moe_routing import check_route_args
+from .checkpoint import CheckpointError, CheckpointReader
 from .int4_repack import Int4Experts, prepare_experts
-from .quant import (
-    INT4_GROUP32,
-    CheckpointError,
-    Int4Scheme,
-    SafetensorsCheckpoint,
-    expert_prefix,
-    load_moe_experts,
-)
+from .quant import INT4_GROUP32, Int4Scheme, expert_prefix, load_moe_experts
 
 
 @dataclass(frozen=True)
@@ -100,7 +94,7 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
     return backend.moe_experts(x, ids, w, lw.experts, shared=shared, out=out, plan=plan, check_ids=False)
 
 
-def load_moe_layer(ckpt: SafetensorsCheckpoint, layer: int, routing: RoutingConfig, hidden: int,
+def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, hidden: int,
                    intermediate: int, backend, scheme: Int4Scheme = INT4_GROUP32) -> MoELayerWeights:
     """Router, correction bias, INT4 routed experts and the bf16 shared expert of one layer."""
     stem = expert_prefix(ckpt, layer)[: -len("experts.")]  # "[language_model.]model.layers.N.mlp."

@@ -6,13 +6,12 @@ INT4, group 32, bf16 scales, weight-only, is refused by name rather than misread
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from ml_dtypes import bfloat16
 
+from .checkpoint import CheckpointError, CheckpointReader
 from .int4_repack import Int4Experts
 
 PREFIXES = ("language_model.", "")
@@ -20,10 +19,6 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 class QuantConfigError(ValueError):
-    pass
-
-
-class CheckpointError(ValueError):
     pass
 
 
@@ -86,66 +81,7 @@ def parse_quantization_config(config: dict, source: str = "config.json") -> Int4
     return INT4_GROUP32
 
 
-class SafetensorsCheckpoint:
-    """Tensor name -> file over a checkpoint directory (``model.safetensors.index.json`` or every
-    ``*.safetensors`` in it) or one file; reads through ``safe_open(framework="numpy")``."""
-
-    def __init__(self, path):
-        from safetensors import safe_open
-
-        self._safe_open = safe_open
-        path = Path(path)
-        if path.is_file():
-            files = [path]
-            index = None
-        else:
-            idx = path / "model.safetensors.index.json"
-            index = json.loads(idx.read_text())["weight_map"] if idx.exists() else None
-            files = sorted(path.glob("*.safetensors"))
-            if index is None and not files:
-                raise CheckpointError(f"{path}: no model.safetensors.index.json and no *.safetensors files")
-        self.root = path if path.is_dir() else path.parent
-        self._handles: dict[Path, object] = {}
-        self._where: dict[str, Path] = {}
-        if index is not None:
-            self._where = {name: self.root / f for name, f in index.items()}
-        else:
-            for f in files:
-                for name in self._open(f).keys():
-                    self._where[name] = f
-
-    def _open(self, f: Path):
-        h = self._handles.get(f)
-        if h is None:
-            try:
-                h = self._handles[f] = self._safe_open(str(f), framework="numpy")
-            except Exception as e:  # noqa: BLE001 - any reader failure is reported with the file name
-                raise CheckpointError(f"{f}: cannot open as safetensors: {e}") from e
-        return h
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def file_of(self, name: str) -> Path:
-        try:
-            return self._where[name]
-        except KeyError:
-            raise CheckpointError(f"{self.root}: missing tensor {name!r}") from None
-
-    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        """(safetensors dtype string such as 'BF16', shape) without reading the data."""
-        sl = self._open(self.file_of(name)).get_slice(name)
-        return sl.get_dtype(), tuple(sl.get_shape())
-
-    def get(self, name: str) -> np.ndarray:
-        dtype, _ = self.info(name)
-        a = self._open(self.file_of(name)).get_tensor(name)
-        if dtype == "BF16" and a.dtype != bfloat16:
-            a = a.view(bfloat16)  # older readers hand bf16 back as raw 16-bit words
-        return a
-
-
-def expert_prefix(ckpt: SafetensorsCheckpoint, layer: int) -> str:
+def expert_prefix(ckpt: CheckpointReader, layer: int) -> str:
     """``[language_model.]model.layers.{layer}.mlp.experts.`` as the checkpoint spells it."""
     for p in PREFIXES:
         stem = f"{p}model.layers.{layer}.mlp.experts."
@@ -155,7 +91,7 @@ def expert_prefix(ckpt: SafetensorsCheckpoint, layer: int) -> str:
                           f"'[language_model.]model.layers.{layer}.mlp.experts.0.down_proj.weight_packed')")
 
 
-def load_int4_linear(ckpt: SafetensorsCheckpoint, base: str, n: int, k: int,
+def load_int4_linear(ckpt: CheckpointReader, base: str, n: int, k: int,
                      scheme: Int4Scheme = INT4_GROUP32) -> tuple[np.ndarray, np.ndarray]:
     """``base``.{weight_packed, weight_scale, weight_shape} of an [n, k] linear -> (packed int32
     [n, k/8], scale bf16 [n, k/32]), every dtype and shape checked against the scheme."""
@@ -192,7 +128,7 @@ def load_int4_linear(ckpt: SafetensorsCheckpoint, base: str, n: int, k: int,
     return np.ascontiguousarray(out[0]).view(np.int32), np.ascontiguousarray(out[1])
 
 
-def load_moe_experts(ckpt: SafetensorsCheckpoint, layer: int, num_experts: int, hidden: int,
+def load_moe_experts(ckpt: CheckpointReader, layer: int, num_experts: int, hidden: int,
                      intermediate: int, scheme: Int4Scheme = INT4_GROUP32,
                      experts: range | None = None) -> Int4Experts:
     """The routed experts of one layer (all, or the ``experts`` range of an EP shard) as host
