@@ -214,6 +214,36 @@ def kernels_clear_cache():
     click.echo(f"removed {cache.clear()} files from {cache.root}")
 
 
+@main.command("run")
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a pipeline field, e.g. --set decode.temperature=0.7 (repeatable).")
+@click.option("--quiet", is_flag=True, help="No summary table (the JSON output is still written).")
+def run_cmd(pipeline, overrides, quiet):
+    """Run a pipeline YAML: compile every kernel, load the model with a progress bar, run the workload,
+    print a summary table (tokens, tok/s, latency, per-stage time) and write the JSON it names.
+
+    \b
+    ddtree-rtc run pipelines/tiny.yaml
+    ddtree-rtc run pipelines/k2_6_slice_h200.yaml --set workload.concurrency=8
+    """
+    from .engine.request import RequestError
+    from .model.checkpoint import CheckpointError
+    from .model.config import ConfigError
+    from .pipeline.runner import run_pipeline
+    from .pipeline.schema import PipelineError, load_pipeline, parse_set_options
+
+    try:
+        pipe = load_pipeline(pipeline, parse_set_options(overrides))
+        run_pipeline(pipe, quiet=quiet)
+    except (PipelineError, ConfigError, CheckpointError, RequestError) as e:
+        raise click.ClickException(str(e)) from None
+    except RuntimeError as e:
+        if "backend 'cuda'" in str(e):
+            raise click.ClickException(str(e)) from None
+        raise
+
+
 @main.command("make-model")
 @click.option("--preset", type=click.Choice(["tiny", "small", "k2.6"]), required=True,
               help="tiny: runs on the numpy backend in seconds; small: a few hundred MB; k2.6: K2.6's exact dims.")

@@ -254,9 +254,10 @@ PRESETS = {
                      kv_lora_rank=512, intermediate_size=2048, moe_intermediate_size=256,
                      n_routed_experts=64, num_experts_per_tok=8, vocab_size=32768, bos_token_id=1,
                      eos_token_id=2, pad_token_id=0, max_position_embeddings=16384),
+    # tiny keeps the latent row at 512 + 64 and MoE dims at multiples of 128 so the CUDA kernels run it too
     "tiny": _preset(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, q_lora_rank=96,
-                    kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-                    intermediate_size=512, moe_intermediate_size=64, n_routed_experts=16,
+                    kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                    intermediate_size=512, moe_intermediate_size=128, n_routed_experts=16,
                     num_experts_per_tok=4, n_group=4, topk_group=2, vocab_size=1024, bos_token_id=1,
                     eos_token_id=2, pad_token_id=0, max_position_embeddings=4096),
 }

@@ -1,0 +1,191 @@
+"""The DeepSeek-V3 / Kimi K2.x target model on a backend: weights, and one forward over a batch of
+requests, each with any number of new tokens, per-token RoPE positions and an optional per-token
+ancestor bitmask (tree verify). Returns logits (or only their argmax) for the rows asked for, and
+the hidden states after the layers asked for (the drafter's context features).
+
+Forward, per layer, with the residual add fused into the following RMSNorm:
+    a = MLA(norm_in(h)); h += a; m = MLP(norm_post(h)); h += m       (MLP = dense or MoE + shared)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..reference.rope import rope_inv_freq
+from .checkpoint import CheckpointReader, expected_tensors
+from .config import ModelConfig, load_config
+from .mla import MLADims, MLAWeights, mla_forward, rope_scale
+from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe
+
+# HF DeepseekV3 (and DeepSeek's own code) build the q_a / kv_a norms with the default eps, not the config's.
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass
+class DenseMLP:
+    w13: Any  # [2*I, H] = [gate; up]
+    w2: Any  # [H, I]
+
+
+@dataclass
+class Layer:
+    input_norm: Any
+    post_norm: Any
+    attn: MLAWeights
+    mlp: DenseMLP | MoELayerWeights
+
+
+@dataclass
+class ForwardBatch:
+    """New tokens of a batch of requests, grouped by request in order.
+
+    ``ctx_lens[r]``: tokens of request r already in the cache; its new token j is written at cache
+    position ctx_lens[r] + j. ``positions``: RoPE positions (ctx + j for prompts and decode, prefix +
+    depth for tree nodes). ``tree_mask``: uint64 [T, words] ancestor bitmask rows over each request's
+    new tokens, or None for causal. ``logit_rows``: the token rows that need logits (None: all)."""
+
+    seq_ids: list
+    ctx_lens: np.ndarray
+    num_new: np.ndarray
+    tokens: np.ndarray
+    positions: np.ndarray
+    tree_mask: np.ndarray | None = None
+    logit_rows: np.ndarray | None = None
+
+    def __post_init__(self):
+        self.ctx_lens = np.asarray(self.ctx_lens, dtype=np.int64)
+        self.num_new = np.asarray(self.num_new, dtype=np.int64)
+        self.tokens = np.asarray(self.tokens, dtype=np.int32)
+        self.positions = np.asarray(self.positions, dtype=np.int32)
+        t = int(self.num_new.sum())
+        if len(self.seq_ids) != len(self.ctx_lens) or len(self.num_new) != len(self.ctx_lens):
+            raise ValueError("seq_ids, ctx_lens and num_new must have one entry per request")
+        if self.tokens.shape != (t,) or self.positions.shape != (t,):
+            raise ValueError(f"tokens and positions must be [{t}] (sum of num_new), got "
+                             f"{self.tokens.shape} and {self.positions.shape}")
+
+    @classmethod
+    def causal(cls, seq_ids, ctx_lens, new_tokens: list[list[int]], last_only: bool = True) -> ForwardBatch:
+        """Prompts / decode steps: positions continue each request's context; logits for each
+        request's last new token (or every token)."""
+        num_new = np.array([len(t) for t in new_tokens], dtype=np.int64)
+        pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx_lens, num_new)]).astype(np.int32)
+        rows = np.cumsum(num_new) - 1 if last_only else None
+        return cls(list(seq_ids), np.asarray(ctx_lens), num_new, np.concatenate(new_tokens), pos, None, rows)
+
+
+@dataclass
+class ForwardOutput:
+    logits: Any = None  # backend bf16 [R, V] (when asked for)
+    tokens: Any = None  # backend int32 [R] argmax (when asked for)
+    hidden: dict | None = None  # layer index -> backend bf16 [T, H] residual stream after that layer
+
+
+class TargetModel:
+    def __init__(self, cfg: ModelConfig, backend, embed, layers: list[Layer], final_norm, lm_head):
+        self.cfg, self.backend = cfg, backend
+        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
+        self.dims = MLADims.from_config(cfg)
+        self.inv_freq = backend.asarray(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope.theta, cfg.rope.scaling()))
+        scaling = cfg.rope.scaling()
+        if scaling is not None:
+            scaling = dict(scaling, mscale=cfg.rope.mscale, mscale_all_dim=cfg.rope.mscale_all_dim)
+        self.rope_scale = rope_scale(scaling)
+        self.routing = RoutingConfig(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                     cfg.norm_topk_prob, cfg.routed_scaling_factor) if cfg.n_routed_experts else None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    # -- loading ---------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, directory: str | Path, backend, layers: int | None = None, progress=None) -> TargetModel:
+        """Load a checkpoint directory (optionally only its first ``layers`` decoder layers);
+        ``progress(n)`` is called after each layer. Every missing or mis-shaped tensor is named."""
+        cfg = load_config(directory)
+        if layers is not None:
+            cfg = cfg.with_layers(layers)
+        reader = CheckpointReader(directory)
+        reader.check(expected_tensors(cfg))
+        dev = backend.asarray
+
+        def get(name, dtype="BF16"):
+            return np.asarray(reader.get(name, dtype=dtype))
+
+        embed = dev(get("model.embed_tokens.weight"))
+        lm = embed if cfg.tie_word_embeddings else dev(get("lm_head.weight"))
+        routing = RoutingConfig(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                cfg.norm_topk_prob, cfg.routed_scaling_factor) if cfg.n_routed_experts else None
+        out = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            q_a = None if cfg.q_lora_rank is None else dev(get(a + "q_a_proj.weight"))
+            attn = MLAWeights(
+                q_b=dev(get(a + ("q_proj.weight" if cfg.q_lora_rank is None else "q_b_proj.weight"))),
+                kv_a=dev(get(a + "kv_a_proj_with_mqa.weight")), kv_a_norm=dev(get(a + "kv_a_layernorm.weight")),
+                kv_b=dev(get(a + "kv_b_proj.weight")), o=dev(get(a + "o_proj.weight")), q_a=q_a,
+                q_a_norm=None if q_a is None else dev(get(a + "q_a_layernorm.weight")))
+            if cfg.is_moe_layer(i):
+                mlp = load_moe_layer(reader, i, routing, cfg.hidden_size, cfg.moe_intermediate_size, backend)
+            else:
+                w13 = np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+                mlp = DenseMLP(dev(w13), dev(get(p + "mlp.down_proj.weight")))
+            out.append(Layer(dev(get(p + "input_layernorm.weight")), dev(get(p + "post_attention_layernorm.weight")),
+                             attn, mlp))
+            if progress is not None:
+                progress(i + 1)
+        return cls(cfg, backend, embed, out, dev(get("model.norm.weight")), lm)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _mlp(self, layer: Layer, x):
+        be = self.backend
+        if isinstance(layer.mlp, DenseMLP):
+            return be.linear(be.silu_mul(be.linear(x, layer.mlp.w13)), layer.mlp.w2)
+        return moe(x, layer.mlp, self.routing, be)
+
+    def forward(self, batch: ForwardBatch, cache, output: str = "argmax", hidden_layers=()) -> ForwardOutput:
+        """Run the new tokens of ``batch`` through every layer, writing their KV rows into ``cache``
+        (a PagedKVCache with room reserved for them). ``output``: 'argmax', 'logits' or 'none'."""
+        if output not in ("argmax", "logits", "none"):
+            raise ValueError(f"output must be 'argmax', 'logits' or 'none', got {output!r}")
+        be, cfg = self.backend, self.cfg
+        if batch.tokens.size and (batch.tokens.min() < 0 or batch.tokens.max() >= cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), "
+                             f"got {batch.tokens.min()}..{batch.tokens.max()}")
+        slots = np.concatenate([cache.slots(s, np.arange(c, c + n))
+                                for s, c, n in zip(batch.seq_ids, batch.ctx_lens, batch.num_new)])
+        plan = be.mla_attention_plan(batch.ctx_lens, batch.num_new, cache.page_table(batch.seq_ids),
+                                     self.dims.num_heads, cache.page_size, cache.num_pages, batch.tree_mask)
+        positions, slots_d = be.asarray(batch.positions), be.asarray(slots)
+        h = be.embedding(be.asarray(batch.tokens), self.embed)
+        x = be.rmsnorm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
+        hidden = {}
+        for i, layer in enumerate(self.layers):
+            a = self._attention(layer, i, x, positions, slots_d, plan, cache)
+            x, h = be.rmsnorm(a, layer.post_norm, cfg.rms_norm_eps, residual=h)
+            m = self._mlp(layer, x)
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h)
+            if i in hidden_layers:
+                hidden[i] = h.copy()
+        out = ForwardOutput(hidden=hidden)
+        if output == "none":
+            return out
+        rows = x if batch.logit_rows is None else x[be.asarray(np.asarray(batch.logit_rows, dtype=np.int64))]
+        logits = be.linear(be.xp.ascontiguousarray(rows), self.lm_head)
+        if output == "logits":
+            out.logits = logits
+        else:
+            out.tokens = be.argmax(logits)
+        return out
+
+    def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache):
+        # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both
+        return mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq, LATENT_NORM_EPS,
+                           cache.layer(i), slots, plan, self.cfg.softmax_scale, self.rope_scale)

@@ -1,0 +1,204 @@
+"""Run a pipeline: backend -> compile every kernel -> load the model (progress bar) -> run the
+workload (progress bar) -> summary table and JSON (written atomically: nothing half-written)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from ..backend import Backend
+from ..engine.engine import Engine
+from ..engine.request import Request
+from ..model.config import preset_config
+from ..model.make_model import make_model
+from ..model.target import TargetModel
+from .schema import Pipeline, PipelineError
+
+
+def _echo(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def compile_kernels(backend: Backend, pipe: Pipeline) -> float:
+    """Build every registered kernel family (and each stage's variant) before the loop; then any
+    later build warns, or fails under DDTREE_RTC_NO_LATE_COMPILE=1."""
+    from ..kernels.registry import SPECS
+    from ..rtc import builder
+
+    if not backend.is_cuda:
+        return 0.0
+    t0 = time.perf_counter()
+    for spec in SPECS.values():
+        builder.load(spec, backend.arch)
+    for st in pipe.stages:
+        if st.kernel in SPECS and st.params:
+            builder.load(SPECS[st.kernel], backend.arch, **st.params)
+    return time.perf_counter() - t0
+
+
+def model_dir(pipe: Pipeline) -> Path:
+    """The checkpoint directory: the given path, or a preset's random checkpoint (made once, cached)."""
+    m = pipe.model
+    if m.path is not None:
+        return Path(m.path)
+    cfg = preset_config(m.preset)
+    if m.layers is not None:
+        cfg = cfg.with_layers(m.layers)
+    from ..rtc.cache import cache_dir
+
+    out = cache_dir() / "models" / f"{m.preset}-L{cfg.num_hidden_layers}-seed{m.seed}"
+    if not (out / "model.safetensors.index.json").exists():
+        _echo(f"making the random {m.preset} checkpoint in {out}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        make_model(cfg, tmp, seed=m.seed)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process made it meanwhile
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_prompts(pipe: Pipeline, vocab: int, directory: Path) -> list[list[int]]:
+    w = pipe.workload
+    if w.synthetic is not None:
+        s = w.synthetic
+        rng = np.random.default_rng(s.seed)
+        return [rng.integers(0, vocab, s.prompt_len).tolist() for _ in range(s.count)]
+    path = Path(w.prompts)
+    if not path.is_absolute():
+        path = Path(pipe.source).parent / path
+    prompts = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise PipelineError(f"{pipe.source}: workload.prompts: cannot read {path}: {e.strerror}") from None
+    encoder = None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PipelineError(f"{path}:{n}: not valid JSON: {e}") from None
+        if isinstance(item, dict) and "ids" in item:
+            prompts.append([int(t) for t in item["ids"]])
+        elif isinstance(item, dict) and "text" in item:
+            encoder = encoder or _tokenizer(directory)
+            prompts.append(encoder(item["text"]))
+        else:
+            raise PipelineError(f"{path}:{n}: each line must be {{\"ids\": [...]}} or {{\"text\": \"...\"}}")
+    if not prompts:
+        raise PipelineError(f"{path}: no prompts")
+    return prompts
+
+
+def _tokenizer(directory: Path):
+    model_file = directory / "tiktoken.model"
+    if not model_file.exists():
+        raise PipelineError(f"text prompts need Kimi's tokenizer: {model_file} not found (use {{\"ids\": [...]}})")
+    try:
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+    except ImportError:
+        raise PipelineError("text prompts need tiktoken: pip install tiktoken") from None
+    ranks = load_tiktoken_bpe(str(model_file))
+    pat = (r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&"
+           r"[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+           r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    enc = tiktoken.Encoding(name="kimi", pat_str=pat, mergeable_ranks=ranks, special_tokens={})
+    return enc.encode
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
+
+
+def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
+    if pipe.decode.mode != "autoregressive":
+        raise PipelineError(f"{pipe.source}: decode.mode {pipe.decode.mode!r} is not available in this build "
+                            f"yet (autoregressive only; the DDTree round lands with the drafter)")
+    if pipe.runtime.tensor_parallel != 1:
+        raise PipelineError(f"{pipe.source}: runtime.tensor_parallel {pipe.runtime.tensor_parallel}: only 1 GPU "
+                            f"is supported in this build")
+    backend = Backend(pipe.runtime.backend, arch=pipe.runtime.arch)
+    _echo(f"backend: {backend}")
+    compile_s = compile_kernels(backend, pipe)
+    directory = model_dir(pipe)
+    t0 = time.perf_counter()
+    from ..model.config import load_config
+
+    cfg = load_config(directory)
+    n_layers = pipe.model.layers or cfg.num_hidden_layers
+    with click.progressbar(length=n_layers, label="loading weights", file=sys.stderr) as bar:
+        last = [0]
+
+        def progress(n):
+            bar.update(n - last[0])
+            last[0] = n
+
+        model = TargetModel.load(directory, backend, layers=pipe.model.layers, progress=progress)
+    load_s = time.perf_counter() - t0
+    if backend.is_cuda:
+        from ..rtc import freeze
+
+        freeze()
+    prompts = load_prompts(pipe, model.cfg.vocab_size, directory)
+    w, d = pipe.workload, pipe.decode
+    new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
+    reqs = [Request(i, p, new, temperature=d.temperature, top_p=d.top_p) for i, p in enumerate(prompts)]
+    engine = Engine(model, max_batch=min(w.concurrency, pipe.runtime.max_batch), page_size=pipe.runtime.page_size,
+                    max_context=pipe.runtime.max_context, seed=d.seed, profile=True)
+    t0 = time.perf_counter()
+    with click.progressbar(length=len(reqs), label="running workload", file=sys.stderr) as bar:
+        done = engine.run(reqs, progress=bar.update)
+    wall = time.perf_counter() - t0
+    st = engine.stats
+    lat = [r.t_done - r.t_arrive for r in done]
+    ttft = [r.t_first - r.t_arrive for r in done]
+    gen = sum(len(r.output) for r in done)
+    metrics = {
+        "requests": len(done), "prompt_tokens": sum(len(r.prompt) for r in done), "generated_tokens": gen,
+        "wall_s": wall, "tok_per_s": gen / wall if wall else None, "steps": st.steps,
+        "latency_s": {"mean": statistics.mean(lat), "p50": statistics.median(lat), "max": max(lat)},
+        "ttft_s": {"mean": statistics.mean(ttft), "max": max(ttft)},
+        "stage_s": dict(st.stage_seconds), "compile_s": compile_s, "load_s": load_s,
+    }
+    result = {
+        "pipeline": pipe.source, "backend": backend.name, "arch": backend.arch,
+        "model": {"dir": str(directory), "layers": model.num_layers, "hidden": model.cfg.hidden_size},
+        "decode": {"mode": d.mode, "temperature": d.temperature, "top_p": d.top_p},
+        "metrics": metrics,
+        "requests": [{"id": r.rid, "prompt": r.prompt, "output": r.output, "finish": r.finish.value}
+                     for r in done],
+    }
+    if not quiet:
+        rows = [("requests", str(len(done))), ("prompt tokens", str(metrics["prompt_tokens"])),
+                ("generated tokens", str(gen)), ("wall time", f"{wall:.2f} s"),
+                ("throughput", f"{metrics['tok_per_s']:.1f} tok/s"),
+                ("latency mean / p50 / max",
+                 " / ".join(f"{metrics['latency_s'][k]:.3f}" for k in ("mean", "p50", "max")) + " s"),
+                ("time to first token mean", f"{metrics['ttft_s']['mean']:.3f} s"),
+                *((f"stage {k}", f"{v:.3f} s ({100 * v / wall:.0f}%)") for k, v in st.stage_seconds.items()),
+                ("kernel compile / weight load", f"{compile_s:.1f} s / {load_s:.1f} s")]
+        click.echo(_table(rows))
+    if pipe.output.json:
+        out = Path(pipe.output.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out)
+        if not quiet:
+            click.echo(f"wrote {out}")
+    return result
