@@ -3,15 +3,20 @@
 // The weights sit on the 16-row A side of mma.m16n8k16 (bf16 in, fp32 accumulate) and the tokens on
 // the 8-column B side, so one token wastes nothing on the weight stream. Layout of the weights: see
 // ddtree_rtc/model/int4_repack.py. Each (16-row tile, 128-k) block is 1152 contiguous bytes: per
-// lane two 16-byte weight loads (the A fragments of 4 k32 chunks x 2 mma steps, nibbles already in
-// the order the magic-number dequant pairs them) and one 16-byte scale load.
+// lane two 16-byte weight pieces (the A fragments of 4 k32 chunks x 2 mma steps, nibbles already in
+// the order the magic-number dequant pairs them) and one 16-byte scale piece.
 //
 // CTA = 4 warps x 32 rows (two m16 tiles per warp) of one expert, one k range (split-K), one block
-// of `8 * NT` (token, slot) pairs from the align step. Each warp streams its own rows with kDepth
-// k128 steps of loads in flight (ld.global.nc, L1 no-allocate); activations come through L1 (all
-// warps of the CTA read the same ones), one k32 chunk ahead. No shared memory, no atomics: every
-// output element is written by exactly one lane, in a fixed order, so results are bitwise
-// reproducible.
+// of `8 * NT` (token, slot) pairs from the align step. Both operands stream through a kStages-deep
+// cp.async ring in shared memory, one k128 step per stage: the 8 weight blocks of the CTA (9 KB,
+// L2 evict-first) and the step's activations of the block's pairs (2 KB per n-tile, zero-filled for
+// padding pairs). So each CTA keeps ~(kStages - 1) x 11 KB in flight whatever its register count,
+// and the activations (L2 hits, but at loaded-L2 latency: fetched one k32 chunk ahead they stalled
+// every chunk) arrive as early as the weights. No atomics: every output element is written by
+// exactly one lane, in a fixed order, so results are bitwise reproducible.
+//
+// Dequant: NT = 1 scales after the mma in fp32 (mma_chunk_post, fewest instructions per weight);
+// NT = 4 dequantizes to bf16 q * s before the mma (mma_chunk), which amortizes over the n-tiles.
 //
 // Entries: moe_gemm_nt{1,4}_{h,f32}. `h`: gate_up with SiLU(gate) * up fused, writes bf16 h [P, I].
 // `f32`: writes fp32 partial sums [split][P][N] (gate_up with split-K, or down). Then
@@ -24,20 +29,56 @@ using namespace ddt;
 namespace {
 
 constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
 constexpr int kTilesPerWarp = 2;
 constexpr int kRowsPerWarp = 16 * kTilesPerWarp;
 constexpr int kRowsPerCta = kWarps * kRowsPerWarp;
 constexpr int kStepK = 128;
 constexpr int kBlockBytes = 1152;
-constexpr int kDepth = 4;
+constexpr int kStages = 4;
+constexpr int kWarpStageBytes = kTilesPerWarp * kBlockBytes;
+constexpr int kWeightStageBytes = kWarps * kWarpStageBytes;
+constexpr int kActTileBytes = 8 * kStepK * 2;  // one n8 tile of pairs x k128, bf16
 
-__device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
+// Stage layout: [weights: warp][tile][1152 B] then [activations: k32 chunk][pair][32 k] (64 B per
+// pair per chunk, so the 8 lanes of an LDS.128 phase read 128 contiguous bytes: no bank conflicts).
+template <int NT>
+constexpr int stage_bytes() {
+  return kWeightStageBytes + NT * kActTileBytes;
 }
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
+// Weights are read once per block: keep them from pushing the re-read activations out of L2.
+__device__ __forceinline__ void cp_async_weights(unsigned dst, const unsigned char* src,
+                                                 unsigned long long pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;"
+               ::"r"(dst), "l"(src), "l"(pol)
+               : "memory");
+}
+
+// src_bytes 0 writes 16 zero bytes without reading src (padding pairs).
+__device__ __forceinline__ void cp_async_zfill(unsigned dst, const bf16* src, unsigned src_bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint4 lds128(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
 
 __device__ __forceinline__ unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {
   unsigned d;
@@ -66,25 +107,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
-template <int NT>
-__device__ __forceinline__ void load_acts(uint4 (&xb)[NT], const bf16* const (&brow)[NT], int k, int ntl) {
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-    if (nt < ntl) xb[nt] = __ldg(reinterpret_cast<const uint4*>(brow[nt] + k));
-}
-
-__device__ __forceinline__ void load_weights(uint4 (&buf)[kTilesPerWarp][3],
-                                             const unsigned char* const (&wp)[kTilesPerWarp], int step,
-                                             int lane) {
-#pragma unroll
-  for (int r = 0; r < kTilesPerWarp; ++r) {
-    const unsigned char* p = wp[r] + (long long)step * kBlockBytes;
-    buf[r][0] = ld_stream(p + 16 * lane);
-    buf[r][1] = ld_stream(p + 512 + 16 * lane);
-    buf[r][2] = ld_stream(p + 1024 + 16 * (lane >> 2));
-  }
-}
-
 // k32 chunk c (0..3) of one k128 step: two mma k16 steps per m16 tile and active n-tile.
 template <int NT, int C>
 __device__ __forceinline__ void mma_chunk(float (&acc)[kTilesPerWarp][NT][4], const uint4 (&buf)[kTilesPerWarp][3],
@@ -112,6 +134,68 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[kTilesPerWarp][NT][4], co
   }
 }
 
+__device__ __forceinline__ void mma_bf16_c(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                           unsigned b0, unsigned b1, const float (&c)[4]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %11, %12, %13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// (v & 0x000F000F) | 0x43004300: the bf16x2 pair 128 + u (u = q + 8), exact, in one LOP3.
+__device__ __forceinline__ unsigned raw2(unsigned v) {
+  unsigned raw;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(raw) : "r"(v), "r"(0x000F000Fu), "r"(0x43004300u));
+  return raw;
+}
+
+// Single-token blocks (NT = 1): the scale goes on after the mma. Group = k32 chunk, so per group
+// and tile: tmp = sum_k (128 + u) x - 136 sum_k x = sum_k q x (two mma on the raw LOP3 output,
+// started from corr = the -136 sum_k x of the chunk, itself one mma pair with a constant -136 A
+// operand, shared by both tiles), then acc += s * tmp in fp32. Per 8 weights: 4 LOP3 + 3 SHF
+// instead of 4 x (LOP3 + HFMA2 + HMUL2) + 3 SHF, and q * s is exact instead of rounded to bf16.
+template <int C>
+__device__ __forceinline__ void mma_chunk_post(float (&acc)[kTilesPerWarp][1][4], const uint4 (&buf)[kTilesPerWarp][3],
+                                               const uint4 xb) {
+  constexpr unsigned kMinus136 = 0xC308C308u;  // bf16x2 (-136, -136)
+  const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+  float corr[4];
+  mma_bf16_c(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb.x, xb.y, zero);
+  mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb.z, xb.w);
+#pragma unroll
+  for (int r = 0; r < kTilesPerWarp; ++r) {
+    const uint4 wv = buf[r][C >> 1];
+    const unsigned wg = (C & 1) ? wv.z : wv.x;   // row g, this chunk's 8 k values
+    const unsigned wg8 = (C & 1) ? wv.w : wv.y;  // row g + 8
+    const uint4 sc = buf[r][2];
+    const unsigned sw = C < 2 ? sc.x : sc.y, sw8 = C < 2 ? sc.z : sc.w;
+    const float s = __uint_as_float((C & 1) ? (sw & 0xFFFF0000u) : (sw << 16));
+    const float s8 = __uint_as_float((C & 1) ? (sw8 & 0xFFFF0000u) : (sw8 << 16));
+    float tmp[4];
+    mma_bf16_c(tmp, raw2(wg), raw2(wg8), raw2(wg >> 4), raw2(wg8 >> 4), xb.x, xb.y, corr);
+    mma_bf16(tmp, raw2(wg >> 8), raw2(wg8 >> 8), raw2(wg >> 12), raw2(wg8 >> 12), xb.z, xb.w);
+    acc[r][0][0] = fmaf(s, tmp[0], acc[r][0][0]);
+    acc[r][0][1] = fmaf(s, tmp[1], acc[r][0][1]);
+    acc[r][0][2] = fmaf(s8, tmp[2], acc[r][0][2]);
+    acc[r][0][3] = fmaf(s8, tmp[3], acc[r][0][3]);
+  }
+}
+
+// One k32 chunk of a stage from shared memory: the B fragments (lane (g, t) holds pair g's k values
+// 8t..8t+7 of the chunk) and the mma steps.
+template <int NT, int C>
+__device__ __forceinline__ void stage_chunk(float (&acc)[kTilesPerWarp][NT][4], const uint4 (&buf)[kTilesPerWarp][3],
+                                           const unsigned char* xs, int ntl, int g, int t) {
+  uint4 xb[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    if (nt < ntl) xb[nt] = lds128(xs + ((C * NT + nt) * 8 + g) * 64 + t * 16);
+  if constexpr (NT == 1)
+    mma_chunk_post<C>(acc, buf, xb[0]);
+  else
+    mma_chunk<NT, C>(acc, buf, xb, ntl);
+}
+
 // MODE 0: gate_up, write h = bf16(silu(gate) * up) [P, N/2]. MODE 1: write fp32 [split][P][N].
 template <int NT, int MODE>
 __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, long long w_expert_bytes,
@@ -120,33 +204,67 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
                                          const int* __restrict__ block_expert,
                                          const int* __restrict__ num_blocks, int P, int N, int K, int k_split,
                                          int n_ctas, bf16* __restrict__ h_out, float* __restrict__ part_out) {
+  extern __shared__ __align__(16) unsigned char smem[];
   const int u = blockIdx.y;
-  if (u >= num_blocks[0]) return;
+  if (u >= num_blocks[0]) return;  // the whole CTA: no barrier has been reached yet
   const int e = block_expert[u];
   const int n_cta = blockIdx.x % n_ctas, split = blockIdx.x / n_ctas;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int tile0 = (n_cta * kRowsPerCta + warp * kRowsPerWarp) / 16;
-  if (tile0 * 16 >= N) return;  // N is a multiple of 32: a warp has both tiles or none
+  // N is a multiple of 32: a warp has both tiles or none. A warp without rows still takes part in
+  // the copies of the activations and in every barrier.
+  const bool active = tile0 * 16 < N;
   const int* ids = sorted_pairs + (long long)u * (NT * 8);
-  int ntl = 0;  // n-tiles holding a pair: valid pairs form a prefix of the block
+  // n-tiles holding a pair: valid pairs form a prefix of the block, and a block below num_blocks
+  // holds at least one
+  int ntl = 1;
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int nt = 1; nt < NT; ++nt)
     if (ids[nt * 8] < P) ntl = nt + 1;
-  const int first = ids[0];
-  const bf16* brow[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    int p = ids[nt * 8 + g];
-    if (p >= P) p = first;  // a padding column reads a real row; its results are never stored
-    brow[nt] = act + (long long)(p / act_row_div) * K + (long long)split * k_split + t * 8;
-  }
   const int steps = k_split / kStepK;
   const long long kblocks = K / kStepK;
-  const unsigned char* wp[kTilesPerWarp];
+
+  // Weight copies: lane L moves bytes [16L, 16L + 16) and [512 + 16L, ...) of each of its warp's two
+  // blocks, and lanes 0..15 the 128 scale bytes (lanes 8r..8r+7 those of tile r).
+  const unsigned char* wsrc = w + (long long)e * w_expert_bytes +
+                              ((long long)tile0 * kblocks + (long long)split * steps) * kBlockBytes;
+  const long long tile_stride = kblocks * kBlockBytes;
+  const int sc_tile = (lane >> 3) & 1, sc_off = 1024 + 16 * (lane & 7);
+  const unsigned wdst = smem_u32(smem) + warp * kWarpStageBytes;
+  // Activation copies: thread tid moves 16 bytes (k 8q..8q+7 of the step, q = tid & 15) of pair
+  // slot (tid >> 4) + 8m of the block for each n-tile m < ntl; padding pairs are zero-filled.
+  const int q = tid & 15;
+  const bf16* asrc[NT];
+  unsigned abytes[NT];
+  int adst[NT];
 #pragma unroll
-  for (int r = 0; r < kTilesPerWarp; ++r)
-    wp[r] = w + (long long)e * w_expert_bytes +
-            ((long long)(tile0 + r) * kblocks + (long long)split * steps) * kBlockBytes;
+  for (int m = 0; m < NT; ++m) {
+    const int j = (tid >> 4) + 8 * m;
+    const int p = ids[j];
+    abytes[m] = p < P ? 16u : 0u;
+    asrc[m] = act + (p < P ? (long long)(p / act_row_div) * K + (long long)split * k_split + 8 * q : 0);
+    adst[m] = kWeightStageBytes + (((q >> 2) * NT * 8) + j) * 64 + (q & 3) * 16;
+  }
+  const unsigned abase = smem_u32(smem);
+  const unsigned long long pol = evict_first_policy();
+
+  auto issue = [&](int step, int stage) {
+    const unsigned sb = stage * stage_bytes<NT>();
+    if (active) {
+      const unsigned char* src = wsrc + (long long)step * kBlockBytes;
+#pragma unroll
+      for (int r = 0; r < kTilesPerWarp; ++r) {
+        const unsigned d = wdst + sb + r * kBlockBytes;
+        cp_async_weights(d + 16 * lane, src + r * tile_stride + 16 * lane, pol);
+        cp_async_weights(d + 512 + 16 * lane, src + r * tile_stride + 512 + 16 * lane, pol);
+      }
+      if (lane < 16) cp_async_weights(wdst + sb + sc_tile * kBlockBytes + sc_off,
+                                      src + sc_tile * tile_stride + sc_off, pol);
+    }
+#pragma unroll
+    for (int m = 0; m < NT; ++m)
+      if (m < ntl) cp_async_zfill(abase + sb + adst[m], asrc[m] + step * kStepK, abytes[m]);
+  };
 
   float acc[kTilesPerWarp][NT][4];
 #pragma unroll
@@ -156,30 +274,36 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.f;
 
-  uint4 buf[kDepth][kTilesPerWarp][3];
-  uint4 xb[2][NT];
 #pragma unroll
-  for (int d = 0; d < kDepth; ++d)
-    if (d < steps) load_weights(buf[d], wp, d, lane);
-  load_acts<NT>(xb[0], brow, 0, ntl);
-  for (int base = 0; base < steps; base += kDepth) {
-#pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
-      const int step = base + d;
-      if (step < steps) {
-        const int k = step * kStepK;
-        load_acts<NT>(xb[1], brow, k + 32, ntl);
-        mma_chunk<NT, 0>(acc, buf[d], xb[0], ntl);
-        load_acts<NT>(xb[0], brow, k + 64, ntl);
-        mma_chunk<NT, 1>(acc, buf[d], xb[1], ntl);
-        load_acts<NT>(xb[1], brow, k + 96, ntl);
-        mma_chunk<NT, 2>(acc, buf[d], xb[0], ntl);
-        if (step + 1 < steps) load_acts<NT>(xb[0], brow, k + kStepK, ntl);
-        mma_chunk<NT, 3>(acc, buf[d], xb[1], ntl);
-        if (step + kDepth < steps) load_weights(buf[d], wp, step + kDepth, lane);
-      }
-    }
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) issue(s, s);
+    cp_async_commit();  // empty groups keep the count uniform
   }
+  int stage = 0;
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of `step` have landed ...
+    __syncthreads();                // ... everyone's, and everyone is done reading stage - 1
+    const int next = step + kStages - 1;
+    if (next < steps) issue(next, stage == 0 ? kStages - 1 : stage - 1);
+    cp_async_commit();
+    if (active) {
+      const unsigned char* ws = smem + stage * stage_bytes<NT>() + warp * kWarpStageBytes;
+      uint4 buf[kTilesPerWarp][3];
+#pragma unroll
+      for (int r = 0; r < kTilesPerWarp; ++r) {
+        buf[r][0] = lds128(ws + r * kBlockBytes + 16 * lane);
+        buf[r][1] = lds128(ws + r * kBlockBytes + 512 + 16 * lane);
+        buf[r][2] = lds128(ws + r * kBlockBytes + 1024 + 16 * g);
+      }
+      const unsigned char* xs = smem + stage * stage_bytes<NT>() + kWeightStageBytes;
+      stage_chunk<NT, 0>(acc, buf, xs, ntl, g, t);
+      stage_chunk<NT, 1>(acc, buf, xs, ntl, g, t);
+      stage_chunk<NT, 2>(acc, buf, xs, ntl, g, t);
+      stage_chunk<NT, 3>(acc, buf, xs, ntl, g, t);
+    }
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+  }
+  if (!active) return;
 
   // C fragment: acc[r][nt] = {row g col 2t, row g col 2t+1, row g+8 col 2t, row g+8 col 2t+1}.
 #pragma unroll
@@ -214,16 +338,16 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
 #define MOE_GEMM_PASS \
   w, w_expert_bytes, act, act_row_div, sorted_pairs, block_expert, num_blocks, P, N, K, k_split, n_ctas, h_out, part_out
 
-extern "C" __global__ void __launch_bounds__(kWarps * 32, 1) moe_gemm_nt1_h(MOE_GEMM_ARGS) {
+extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_nt1_h(MOE_GEMM_ARGS) {
   moe_gemm<1, 0>(MOE_GEMM_PASS);
 }
-extern "C" __global__ void __launch_bounds__(kWarps * 32, 1) moe_gemm_nt1_f32(MOE_GEMM_ARGS) {
+extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_nt1_f32(MOE_GEMM_ARGS) {
   moe_gemm<1, 1>(MOE_GEMM_PASS);
 }
-extern "C" __global__ void __launch_bounds__(kWarps * 32, 1) moe_gemm_nt4_h(MOE_GEMM_ARGS) {
+extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_nt4_h(MOE_GEMM_ARGS) {
   moe_gemm<4, 0>(MOE_GEMM_PASS);
 }
-extern "C" __global__ void __launch_bounds__(kWarps * 32, 1) moe_gemm_nt4_f32(MOE_GEMM_ARGS) {
+extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_nt4_f32(MOE_GEMM_ARGS) {
   moe_gemm<4, 1>(MOE_GEMM_PASS);
 }
 

@@ -89,6 +89,16 @@ def test_split_choice():
         _pick_split(7168, 1, 1, 3, "gate_up")
 
 
+def test_token_tile_choice():
+    from ddtree_rtc.kernels.moe_gemm import pick_nt
+
+    assert pick_nt(8, 384) == 1  # M=1, K2.6
+    assert pick_nt(256 * 8, 384) == 1  # 5.3 pairs per expert
+    assert pick_nt(512 * 8, 384) == 4  # 10.7
+    assert pick_nt(1024 * 8, 384) == 4
+    assert pick_nt(33 * 8, 16) == 4 and pick_nt(8 * 8, 16) == 1  # few experts fill up sooner
+
+
 # ---- the CUDA launch logic transliterated (grid, blocks, warps, epilogues, reduce, combine) ----
 
 def emulate_cuda_path(x, ids, w, rex, nt, s13, s2, shared=None):
@@ -118,7 +128,7 @@ def emulate_cuda_path(x, ids, w, rex, nt, s13, s2, shared=None):
                 continue
             e = int(al.block_expert[u])
             if e not in wfull:
-                wfull[e] = emulate_weights(np.asarray(blobs[e]), n_rows, k_tot)
+                wfull[e] = emulate_weights(np.asarray(blobs[e]), n_rows, k_tot, scale_after=nt == 1)
             blk = al.sorted_pairs[u * block:(u + 1) * block]
             ntl = max(j + 1 for j in range(nt) if blk[8 * j] < p_all)
             for bx in range(n_ctas * splits):
@@ -129,8 +139,9 @@ def emulate_cuda_path(x, ids, w, rex, nt, s13, s2, shared=None):
                     if tile0 * 16 >= n_rows:
                         continue
                     for j in range(ntl):
-                        cols = [blk[8 * j + g] if blk[8 * j + g] < p_all else blk[0] for g in range(8)]
-                        b = np.stack([act[c // row_div, ks] for c in cols], axis=1)  # [k, 8]
+                        # padding pairs are zero-filled in shared memory
+                        b = np.stack([act[c // row_div, ks] if c < p_all else np.zeros(k_split, np.float32)
+                                      for c in blk[8 * j:8 * j + 8]], axis=1)  # [k, 8]
                         acc = wfull[e][16 * tile0:16 * tile0 + 32, ks].astype(np.float64) @ b
                         for col in range(8):  # col = 2t + j' of the C fragment
                             p = blk[8 * j + col]
@@ -159,6 +170,47 @@ def emulate_cuda_path(x, ids, w, rex, nt, s13, s2, shared=None):
     return y
 
 
+@pytest.mark.parametrize("nt", [1, 4])
+def test_shared_memory_staging_gives_each_lane_its_fragments(nt):
+    """The cp.async writes of one stage (thread -> shared offset, source) against the LDS reads of
+    the mma loop (lane, chunk, n-tile -> shared offset), transliterated from moe_gemm(): every lane
+    must read exactly the 16 bytes the emulation above assumes, and no two copies may overlap."""
+    from ddtree_rtc.kernels.moe_gemm import BLOCK_BYTES, stage_bytes
+
+    weight_bytes = 4 * 2 * BLOCK_BYTES
+    stage = stage_bytes(nt)
+    owner = {}  # shared byte offset (16-byte piece) -> what was copied there
+
+    def put(off, what):
+        assert off % 16 == 0 and 0 <= off < stage and off not in owner, (off, what)
+        owner[off] = what
+
+    for tid in range(128):
+        warp, lane = tid >> 5, tid & 31
+        for r in range(2):  # weights: ("w", warp, tile, byte offset in the 1152-byte block)
+            put(warp * 2 * BLOCK_BYTES + r * BLOCK_BYTES + 16 * lane, ("w", warp, r, 16 * lane))
+            put(warp * 2 * BLOCK_BYTES + r * BLOCK_BYTES + 512 + 16 * lane, ("w", warp, r, 512 + 16 * lane))
+        if lane < 16:
+            sc_tile, sc_off = (lane >> 3) & 1, 1024 + 16 * (lane & 7)
+            put(warp * 2 * BLOCK_BYTES + sc_tile * BLOCK_BYTES + sc_off, ("w", warp, sc_tile, sc_off))
+        q = tid & 15
+        for m in range(nt):  # activations: ("x", pair slot, first k of the 8 copied)
+            j = (tid >> 4) + 8 * m
+            put(weight_bytes + ((q >> 2) * nt * 8 + j) * 64 + (q & 3) * 16, ("x", j, 8 * q))
+    assert len(owner) * 16 == stage, "the stage is exactly covered"
+    for warp in range(4):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            ws = warp * 2 * BLOCK_BYTES
+            for r in range(2):
+                for off in (16 * lane, 512 + 16 * lane, 1024 + 16 * g):
+                    assert owner[ws + r * BLOCK_BYTES + off] == ("w", warp, r, off)
+            for c in range(4):
+                for ntile in range(nt):
+                    got = owner[weight_bytes + ((c * nt + ntile) * 8 + g) * 64 + t * 16]
+                    assert got == ("x", 8 * ntile + g, 32 * c + 8 * t)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("m,nt,s13,s2", [(1, 1, 1, 1), (3, 1, 2, 1), (11, 4, 1, 2), (13, 1, 2, 2), (40, 4, 2, 1)])
 def test_emulated_cuda_path_matches_reference(rng, m, nt, s13, s2):
@@ -185,6 +237,7 @@ DIMS = {
     "tp8": (16, 512, 256, 8, 2),
     "ep8": (48, 256, 256, 8, 4),
     "k26": (16, 7168, 2048, 8, 2),
+    "deep": (6, 2048, 1024, 4, 1),  # 16 / 8 k steps: the cp.async ring wraps 4 / 2 times
 }
 _cache: dict = {}
 
@@ -249,20 +302,25 @@ def test_kernel_vs_reference(rng, name, m):
 @pytest.mark.slow
 @pytest.mark.parametrize("m", MS)
 def test_kernel_vs_reference_k26_dims(rng, m):
+    from ddtree_rtc.kernels.moe_gemm import pick_nt
+
     plan = run_gpu(rng, "k26", m)
-    assert plan.nt == (1 if m <= 8 else 4)
+    assert plan.nt == pick_nt(m * 8, 16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,plan_kw", [
-    (1, {"nt": 4}),                                   # 32-pair blocks with one pair
-    (33, {"nt": 1}),                                  # many 8-pair blocks per expert
-    (3, {"split_gate_up": 2, "split_down": 2}),       # split-K reduce paths
-    (256, {"split_gate_up": 4, "split_down": 1}),
-    (1000, {"nt": 1, "split_down": 2}),
+@pytest.mark.parametrize("name,m,plan_kw", [
+    ("tp8", 1, {"nt": 4}),                                   # 32-pair blocks with one pair
+    ("tp8", 33, {"nt": 1}),                                  # many 8-pair blocks per expert
+    ("tp8", 3, {"split_gate_up": 2, "split_down": 2}),       # split-K reduce paths
+    ("tp8", 256, {"split_gate_up": 4, "split_down": 1}),
+    ("tp8", 1000, {"nt": 1, "split_down": 2}),
+    ("deep", 1, {"nt": 1}),                                  # the 4-stage ring wraps 4 / 2 times
+    ("deep", 21, {"nt": 1}),
+    ("deep", 50, {"nt": 4}),
+    ("deep", 50, {"nt": 4, "split_gate_up": 2}),
 ])
-def test_kernel_launch_variants(rng, m, plan_kw):
-    name = "tp8"
+def test_kernel_launch_variants(rng, name, m, plan_kw):
     plan = run_gpu(rng, name, m, with_shared=False, **plan_kw)
     for k, v in plan_kw.items():
         assert getattr(plan, k) == v

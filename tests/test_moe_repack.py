@@ -60,13 +60,17 @@ def _bf16(bits) -> np.float32:
     return np.array([bits], dtype=np.uint16).view(bfloat16).astype(np.float32)[0]
 
 
-def _dequant2(v: int, scale_bits: int) -> tuple:
-    """dequant2(): LOP3 (v & 0x000F000F) | 0x43004300, bf16x2 fma * 1 - 136, then * scale (RN)."""
+def _dequant2(v: int, scale_bits: int, scale_after: bool) -> tuple:
+    """One bf16x2 A register as the mma multiplies it, times the scale it ends up with.
+    nt4 (dequant2()): LOP3 (v & 0x000F000F) | 0x43004300, bf16x2 fma * 1 - 136, then * scale rounded
+    to bf16. nt1 (mma_chunk_post()): the raw 128 + u goes into the mma, the -136 comes from the corr
+    mma and the scale is an fp32 multiply afterwards, so the weight is (raw - 136) * scale exactly."""
     raw = (v & 0x000F000F) | 0x43004300
     out = []
     for half in (raw & 0xFFFF, raw >> 16):
         q = _bf16(half) - np.float32(136.0)
-        out.append(np.float32(bfloat16(q * _bf16(scale_bits))))
+        prod = q * _bf16(scale_bits)
+        out.append(prod if scale_after else np.float32(bfloat16(prod)))
     return tuple(out)
 
 
@@ -82,8 +86,10 @@ def _b_kmap(kbase: int, chunk: int, h: int) -> list[int]:
     return kmap
 
 
-def emulate_weights(blob: np.ndarray, n: int, k: int) -> np.ndarray:
-    """The weight matrix the kernel's mma instructions multiply, rebuilt lane by lane."""
+def emulate_weights(blob: np.ndarray, n: int, k: int, scale_after: bool = False) -> np.ndarray:
+    """The weight matrix the kernel's mma instructions multiply, rebuilt lane by lane from the
+    16-byte pieces each lane reads out of its shared-memory copy of the block (the same bytes at the
+    same offsets as in global memory). ``scale_after``: the nt1 kernels' numerics (see _dequant2)."""
     tn, kc = n // 16, k // 128
     b = blob.reshape(tn, kc, 1152)
     w = np.full((n, k), np.nan, dtype=np.float32)
@@ -92,9 +98,9 @@ def emulate_weights(blob: np.ndarray, n: int, k: int) -> np.ndarray:
         for c in range(kc):
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
-                w0 = b[tile, c, 16 * lane:16 * lane + 16].view("<u4")  # ld_stream(p + 16 * lane)
+                w0 = b[tile, c, 16 * lane:16 * lane + 16].view("<u4")  # lds128(ws + 16 * lane)
                 w1 = b[tile, c, 512 + 16 * lane:528 + 16 * lane].view("<u4")
-                sc = b[tile, c, 1024 + 16 * g:1040 + 16 * g].view("<u4")  # ld_stream(p + 1024 + 16 * g)
+                sc = b[tile, c, 1024 + 16 * g:1040 + 16 * g].view("<u4")  # lds128(ws + 1024 + 16 * g)
                 for chunk in range(4):
                     wv = (w0, w1)[chunk >> 1]
                     wg, wg8 = (int(wv[2]), int(wv[3])) if chunk & 1 else (int(wv[0]), int(wv[1]))
@@ -102,8 +108,9 @@ def emulate_weights(blob: np.ndarray, n: int, k: int) -> np.ndarray:
                     s = sw >> 16 if chunk & 1 else sw & 0xFFFF
                     s8 = sw8 >> 16 if chunk & 1 else sw8 & 0xFFFF
                     for h in range(2):
-                        regs = (_dequant2(wg >> (8 * h), s), _dequant2(wg8 >> (8 * h), s8),
-                                _dequant2(wg >> (8 * h + 4), s), _dequant2(wg8 >> (8 * h + 4), s8))
+                        regs = (_dequant2(wg >> (8 * h), s, scale_after), _dequant2(wg8 >> (8 * h), s8, scale_after),
+                                _dequant2(wg >> (8 * h + 4), s, scale_after),
+                                _dequant2(wg8 >> (8 * h + 4), s8, scale_after))
                         kmap = _b_kmap(128 * c, chunk, h)
                         for ri, (lo, hi) in enumerate(regs):
                             # PTX A layout: a{2ri}, a{2ri+1}: row g (+8 for ri odd), cols 2t, 2t+1 (+8 for ri >= 2)
@@ -116,12 +123,15 @@ def emulate_weights(blob: np.ndarray, n: int, k: int) -> np.ndarray:
     return w
 
 
+@pytest.mark.parametrize("scale_after", [False, True])
 @pytest.mark.parametrize("n,k", [(16, 128), (32, 256)])
-def test_lane_emulation_reconstructs_the_weights(rng, n, k):
+def test_lane_emulation_reconstructs_the_weights(rng, n, k, scale_after):
     p, s = random_matrix(rng, n, k)
     p[3, 5] = np.uint32(0x0F0F0F0F).view(np.int32)
-    want = dequant_int4(p, s).astype(bfloat16).astype(np.float32)  # the kernel rounds q * s to bf16 once
-    got = emulate_weights(repack_matrix(p, s), n, k)
+    want = dequant_int4(p, s)  # exact in fp32
+    if not scale_after:
+        want = want.astype(bfloat16).astype(np.float32)  # the nt4 kernels round q * s to bf16 once
+    got = emulate_weights(repack_matrix(p, s), n, k, scale_after)
     assert np.array_equal(got, want)
 
 

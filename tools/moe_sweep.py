@@ -1,5 +1,7 @@
-"""Sweep the INT4 MoE plan knobs (split-K of each GEMM, token tile) at K2.6 dims on the GPU and
-print µs and % of the read ceiling per setting: the data behind moe_plan's heuristic."""
+"""Sweep the INT4 MoE plan knobs (token tile, split-K of each GEMM) at K2.6 dims on the GPU and print
+µs and % of the read ceiling of moe_experts per setting, timed as a CUDA graph (as the engine runs
+it, so host launch overhead is not counted), then each GEMM of the best setting on its own: the data
+behind moe_plan's heuristic."""
 
 from __future__ import annotations
 
@@ -10,48 +12,74 @@ import cupy
 import numpy as np
 
 from ddtree_rtc.bench.harness import read_ceiling_gbs, time_gpu
-from ddtree_rtc.bench.moe import int4_experts_device
-from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
+from ddtree_rtc.bench.moe import graphed, int4_experts_device
+from ddtree_rtc.kernels.moe_gemm import ROWS_PER_CTA, moe_down, moe_experts, moe_gate_up, moe_plan
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",")]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--ms", default="1,8,64,256,1024")
-    ap.add_argument("--splits", default="1,2,4,7,8,14")
+    ap.add_argument("--ms", default="1,8,256,1024")
+    ap.add_argument("--nts", default="1,4")
+    ap.add_argument("--splits-gate-up", default="1,2,4,7,14")
+    ap.add_argument("--splits-down", default="1,2,4")
+    ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
-    e, h, inter, k = 384, 7168, 2048, 8
-    experts = int4_experts_device(e, h, inter, 0)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    experts = int4_experts_device(384, 7168, 2048, 0)  # K2.6 dims
     ceil = read_ceiling_gbs()
     rng = np.random.default_rng(0)
-    print(f"read ceiling {ceil:.0f} GB/s")
+    print(f"read ceiling {ceil:.0f} GB/s, {sms} SMs; timed as CUDA graphs, L2 flushed, median of {args.iters}")
     print("M | touched | nt | split_gate_up | split_down | µs | % ceiling")
-    for m in map(int, args.ms.split(",")):
-        ids_h = np.stack([rng.choice(e, k, replace=False) for _ in range(m)]).astype(np.int32)
-        ids, w = cupy.asarray(ids_h), cupy.full((m, k), 0.125, cupy.float32)
-        x = cupy.asarray(rng.integers(0x3C00, 0x3F00, (m, h)).astype(np.uint16))
-        y = cupy.empty((m, h), cupy.uint16)
-        nbytes = len(np.unique(ids_h)) * experts.expert_nbytes() + 2 * x.nbytes
+    for m in _ints(args.ms):
+        sweep_one(m, args, experts, rng, ceil, sms)
+        cupy.get_default_memory_pool().free_all_blocks()
 
-        def measure(plan, x=x, ids=ids, w=w, y=y):
-            return time_gpu(lambda: moe_experts(x, ids, w, experts, out=y, plan=plan, check_ids=False),
-                            iters=20).median_us
-        best = None
-        splits = [int(s) for s in args.splits.split(",")]
-        for nt, s13, s2 in itertools.product((1, 4), splits, splits):
-            try:
-                plan = moe_plan(m, e, k, h, inter, split_gate_up=s13, split_down=s2, nt=nt)
-            except ValueError:
-                continue
-            t = measure(plan)
-            frac = nbytes / t / 1e3 / ceil
-            best = max(best or (0, None), (frac, (nt, s13, s2, t)))
-            print(f"{m} | {len(np.unique(ids_h))} | {nt} | {s13} | {s2} | {t:.1f} | {100 * frac:.1f}%")
-        default = moe_plan(m, e, k, h, inter)
-        t = measure(default)
-        print(f"== M={m}: best {best[1]} {100 * best[0]:.1f}%; default nt={default.nt} "
-              f"splits=({default.split_gate_up},{default.split_down}) {t:.1f} µs "
-              f"{100 * nbytes / t / 1e3 / ceil:.1f}%")
 
+def sweep_one(m: int, args, experts, rng, ceil: float, sms: int) -> None:
+    e, h, inter, k = experts.num_experts, experts.hidden, experts.intermediate, 8
+    w13_b, w2_b = 2 * inter * h * 9 // 16, h * inter * 9 // 16
+    ids_h = np.stack([rng.choice(e, k, replace=False) for _ in range(m)]).astype(np.int32)
+    ids, w = cupy.asarray(ids_h), cupy.full((m, k), 0.125, cupy.float32)
+    x = cupy.asarray(rng.integers(0x3C00, 0x3F00, (m, h)).astype(np.uint16))
+    y = cupy.empty((m, h), cupy.uint16)
+    touched = len(np.unique(ids_h))
+    nbytes = touched * (w13_b + w2_b) + 2 * x.nbytes
+
+    def measure(fn):
+        return time_gpu(graphed(fn), iters=args.iters).median_us
+
+    def layer(plan):
+        return lambda: moe_experts(x, ids, w, experts, out=y, plan=plan, check_ids=False)
+
+    # split-K only where the unsplit grid is small against the SMs
+    s13s = _ints(args.splits_gate_up) if touched * (2 * inter // ROWS_PER_CTA) < 8 * sms else [1]
+    s2s = _ints(args.splits_down) if touched * (h // ROWS_PER_CTA) < 8 * sms else [1]
+    best = None
+    for nt, s13, s2 in itertools.product(_ints(args.nts), s13s, s2s):
+        try:
+            plan = moe_plan(m, e, k, h, inter, split_gate_up=s13, split_down=s2, nt=nt)
+        except ValueError:
+            continue
+        t = measure(layer(plan))
+        frac = nbytes / t / 1e3 / ceil
+        if best is None or frac > best[0]:
+            best = (frac, t, plan)
+        print(f"{m} | {touched} | {nt} | {s13} | {s2} | {t:.1f} | {100 * frac:.1f}%")
+    frac, t_best, plan = best
+    default = moe_plan(m, e, k, h, inter)
+    t = measure(layer(default))
+    print(f"== M={m}: best nt={plan.nt} splits=({plan.split_gate_up},{plan.split_down}) {t_best:.1f} µs "
+          f"{100 * frac:.1f}%; default nt={default.nt} splits=({default.split_gate_up},{default.split_down}) "
+          f"{t:.1f} µs {100 * nbytes / t / 1e3 / ceil:.1f}%")
+    layer(plan)()  # fills plan.align and plan.h for the single-GEMM timings
+    for name, fn, b in (("gate_up", lambda: moe_gate_up(x, experts, plan), touched * w13_b),
+                        ("down", lambda: moe_down(experts, plan), touched * w2_b)):
+        t = measure(fn)
+        print(f"   {name} alone: {t:.1f} µs, {b / t / 1e3:.0f} GB/s, {100 * b / t / 1e3 / ceil:.1f}%")
 
 if __name__ == "__main__":
     main()
