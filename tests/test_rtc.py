@@ -134,11 +134,12 @@ def test_resources_from_cubin_match_ptxas_log():
     from ddtree_rtc.rtc.cubin import resource_usage
     from ddtree_rtc.rtc.nvrtc import parse_ptxas_log
 
-    built = build(SPECS["rmsnorm"], "sm_90a")
-    log = parse_ptxas_log(built.log)
-    if not log:
-        pytest.skip("this NVRTC leaves the -Xptxas=-v log empty")
-    elf = resource_usage(built.cubin)
-    for entry, r in log.items():
-        assert elf[entry]["registers"] == r["registers"]
-        assert elf[entry]["stack"] == r["stack"]
+    for name, arch in (("rmsnorm", "sm_90a"), ("sampling", "sm_100a"), ("bench_ceiling", "sm_120a")):
+        built = build(SPECS[name], arch)
+        log = parse_ptxas_log(built.log)
+        if not log:
+            pytest.skip("this NVRTC leaves the -Xptxas=-v log empty")
+        elf = resource_usage(built.cubin)
+        for entry, r in log.items():
+            assert (elf[entry]["registers"], elf[entry]["stack"], elf[entry]["shared"]) == \
+                (r["registers"], r["stack"], r["shared"]), (name, arch, entry)

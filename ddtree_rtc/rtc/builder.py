@@ -144,7 +144,9 @@ def build(spec: KernelSpec, arch: str, cache: ModuleCache | None = None, **param
                 cache.store(stem, key, res.cubin, res.ptx, meta)
                 return BuiltModule(spec, target, res.cubin, res.ptx, resources, res.log, seconds, False)
     m = entry.meta
-    return BuiltModule(spec, target, entry.cubin, entry.ptx, m["resources"], m.get("log", ""),
+    log = m.get("log", "")
+    # resources are re-read from the cubin, so a parser fix never leaves stale numbers in the cache
+    return BuiltModule(spec, target, entry.cubin, entry.ptx, _resources(entry.cubin, log, spec.entries), log,
                        m.get("compile_seconds", 0.0), True)
 
 

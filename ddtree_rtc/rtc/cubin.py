@@ -12,6 +12,7 @@ import struct
 _EIATTR_FRAME_SIZE = 0x11
 _EIATTR_REGCOUNT = 0x2F
 _EIFMT_NVAL, _EIFMT_BVAL, _EIFMT_HVAL, _EIFMT_SVAL = 1, 2, 3, 4
+_SYSTEM_RESERVE = 1024  # cudaDevAttrReservedSharedMemoryPerBlock on sm_80 and later
 
 
 class CubinError(ValueError):
@@ -69,6 +70,7 @@ def resource_usage(cubin: bytes) -> dict[str, dict[str, int]]:
     """{kernel: {registers, stack, shared}} for every kernel in ``cubin``."""
     secs = _sections(cubin)
     syms = _symbols(cubin, secs)
+    reserved = any(n.startswith(".nv.shared.reserved.") for n, *_ in secs)
     out: dict[str, dict[str, int]] = {}
     for name, *_ in secs:
         if name.startswith(".text."):
@@ -82,5 +84,8 @@ def resource_usage(cubin: bytes) -> dict[str, dict[str, int]]:
                     if fn in out:
                         out[fn]["registers" if attr == _EIATTR_REGCOUNT else "stack"] = value
         elif name.startswith(".nv.shared.") and name[len(".nv.shared."):] in out:
-            out[name[len(".nv.shared."):]]["shared"] = size
+            # On sm_80+ a kernel that uses shared memory or barriers carries the 1 KB per-block system
+            # reserve at the start of its section (module has .nv.shared.reserved.*): count user bytes.
+            out[name[len(".nv.shared."):]]["shared"] = size - _SYSTEM_RESERVE if reserved and size >= _SYSTEM_RESERVE \
+                else size
     return out

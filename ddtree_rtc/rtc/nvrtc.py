@@ -115,6 +115,7 @@ def compile_cuda(source: str, filename: str, headers: dict[str, str], options: l
 _PTXAS_FN = re.compile(r"Compiling entry function '(\w+)' for")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
@@ -131,4 +132,6 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
                            spill_loads=int(m.group(3)))
         elif fn and (m := _PTXAS_REGS.search(line)):
             out[fn]["registers"] = int(m.group(1))
+            smem = _PTXAS_SMEM.search(line)
+            out[fn]["shared"] = int(smem.group(1)) if smem else 0
     return out
