@@ -21,6 +21,10 @@ OPS: dict[str, str] = {
     "sample": "sampling",
     "linear": "linear",
     # -- DDTree (issue: tree build) --
+    "topk_workspace": "topk",
+    "topk_logprobs": "topk",
+    "tree_build": "tree_build",
+    "tree_accept": "tree_accept",
     # -- INT4 MoE (issue: MoE) --
     "router_logits": "moe_routing",
     "moe_route": "moe_routing",

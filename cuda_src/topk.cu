@@ -1,0 +1,456 @@
+// Vocabulary top-k with fp32 log-softmax: per row of logits [rows, V] (bf16 bits or fp32), the K
+// largest log-probs and their token ids, sorted descending, ties by the smaller id. Rules (NaN and
+// +inf count as -inf, -0 as +0, lse = 0 for a row without a finite logit, log-probs clamped to
+// >= -FLT_MAX) are shared with ddtree_rtc/reference/topk.py.
+//
+// Each row is split into S slices, one block of 512 threads per slice:
+//   pass 1 (one HBM read): online max / sum of exponentials, and every thread's best element;
+//   threshold: the K-th best of the 512 per-thread bests is a lower bound of the slice's K-th
+//     largest, so pass 2 keeps only elements at or above it (~1-8 K of them);
+//   pass 2 (re-read, mostly from L2): append those to a shared candidate buffer; on overflow the
+//     K-th best of the buffered ones raises the threshold and pass 2 runs again;
+//   radix select of exactly K candidates, bitonic sort, write.
+// Elements are ordered by a unique 64-bit key (order-preserving float bits << 32 | ~id), so ties
+// need no special case. With S > 1 every slice writes its K best keys and (max, sum) to a
+// workspace and the last slice to finish (atomic counter, reset by that block) merges them.
+#ifndef TOPK_CAP
+#define TOPK_CAP 8192
+#endif
+
+namespace {
+
+constexpr int THREADS = 512;
+constexpr int WARPS = THREADS / 32;
+constexpr int MAX_K = 512;
+constexpr int UNROLL = 4;
+constexpr int CAP = TOPK_CAP;  // candidate buffer (keys); shared memory is (CAP + MAX_K) * 8 bytes
+static_assert(CAP >= 2 * MAX_K && CAP >= THREADS, "the candidate buffer must hold 2 K and the per-thread bests");
+constexpr unsigned FULL = 0xffffffffu;
+constexpr float FLT_MAX_F = 3.402823466e+38f;
+constexpr float LOG2E = 1.44269504088896340736f;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float to_float(unsigned short bits) { return __uint_as_float((unsigned)bits << 16); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+
+// NaN and +inf -> -inf (NaN fails the compare). Keys also need -0 -> +0 (canon) so both zeros
+// get one key; value comparisons do not (-0 == +0).
+__device__ __forceinline__ float sanitize(float x) { return x <= FLT_MAX_F ? x : neg_inf(); }
+__device__ __forceinline__ float canon(float x) { return x == 0.f ? 0.f : x; }
+
+// Order-preserving map of float bits to unsigned (finite and -inf: the larger float, the larger key).
+__device__ __forceinline__ unsigned ord32(float x) {
+  const unsigned b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float unord32(unsigned o) {
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
+// Larger key = larger value, then smaller id. Real keys are > 0 (ord32(-inf) = 0x007fffff).
+__device__ __forceinline__ unsigned long long make_key(unsigned o, int id) {
+  return ((unsigned long long)o << 32) | (unsigned)~id;
+}
+
+// VEC consecutive elements as floats; VEC > 1 needs 16-byte aligned addresses.
+template <typename T, int VEC>
+struct Loader;
+template <>
+struct Loader<unsigned short, 8> {
+  using Raw = uint4;
+  static __device__ __forceinline__ Raw load(const unsigned short* p) { return *reinterpret_cast<const uint4*>(p); }
+  static __device__ __forceinline__ void unpack(const Raw& r, float (&x)[8]) {
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+};
+template <>
+struct Loader<float, 4> {
+  using Raw = float4;
+  static __device__ __forceinline__ Raw load(const float* p) { return *reinterpret_cast<const float4*>(p); }
+  static __device__ __forceinline__ void unpack(const Raw& r, float (&x)[4]) {
+    x[0] = r.x;
+    x[1] = r.y;
+    x[2] = r.z;
+    x[3] = r.w;
+  }
+};
+template <typename T>
+struct Loader<T, 1> {
+  using Raw = T;
+  static __device__ __forceinline__ Raw load(const T* p) { return *p; }
+  static __device__ __forceinline__ void unpack(const Raw& r, float (&x)[1]) { x[0] = to_float(r); }
+};
+
+struct Shared {
+  unsigned long long* cand;  // [CAP] candidate keys (first the per-thread bests)
+  unsigned long long* top;   // [MAX_K] selected keys
+  unsigned* hist;            // [256]
+  unsigned long long* red;   // [2 * WARPS] block reductions
+  float* red_f;              // [2 * WARPS]
+  unsigned* scalars;         // [4]: count, selected digit, count above it, count in it
+};
+
+// (m, s) += (m2, s2) for sums of exp(x - m); m = -inf means "no finite element yet".
+__device__ __forceinline__ void lse_combine(float& m, float& s, float m2, float s2) {
+  const float M = fmaxf(m, m2);
+  if (M == neg_inf()) return;
+  s = (m == neg_inf() ? 0.f : s * exp2f((m - M) * LOG2E)) + (m2 == neg_inf() ? 0.f : s2 * exp2f((m2 - M) * LOG2E));
+  m = M;
+}
+
+__device__ void block_lse(float& m, float& s, const Shared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(FULL, m, o), s2 = __shfl_xor_sync(FULL, s, o);
+    lse_combine(m, s, m2, s2);
+  }
+  __syncthreads();
+  if (lane == 0) {
+    sh.red_f[warp] = m;
+    sh.red_f[WARPS + warp] = s;
+  }
+  __syncthreads();
+  m = neg_inf();
+  s = 0.f;
+  for (int w = 0; w < WARPS; ++w) lse_combine(m, s, sh.red_f[w], sh.red_f[WARPS + w]);
+}
+
+// OR and AND of the keys of all threads (every thread gets both).
+__device__ void block_or_and(unsigned long long& o, unsigned long long& a, const Shared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    o |= __shfl_xor_sync(FULL, o, d);
+    a &= __shfl_xor_sync(FULL, a, d);
+  }
+  __syncthreads();
+  if (lane == 0) {
+    sh.red[warp] = o;
+    sh.red[WARPS + warp] = a;
+  }
+  __syncthreads();
+  o = 0ull;
+  a = ~0ull;
+  for (int w = 0; w < WARPS; ++w) {
+    o |= sh.red[w];
+    a &= sh.red[WARPS + w];
+  }
+}
+
+// A threshold t with exactly kk keys >= t among a[0, n) when the keys are distinct (1 <= kk <= n),
+// at least kk when some are equal (only the zero keys of threads without elements can be).
+// MSD radix select: each round splits the active keys on the 8 bits below their highest differing bit.
+__device__ unsigned long long radix_select(const unsigned long long* a, int n, int kk, const Shared& sh) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  unsigned long long prefix = 0ull, fixed = 0ull;  // fixed: the decided high bits; prefix: their value
+  unsigned need = (unsigned)kk;
+  while (true) {
+    unsigned long long o = 0ull, an = ~0ull;
+    for (int i = tid; i < n; i += THREADS) {
+      const unsigned long long k = a[i];
+      if ((k & fixed) == prefix) {
+        o |= k;
+        an &= k;
+      }
+    }
+    block_or_and(o, an, sh);
+    const unsigned long long diff = o ^ an;
+    if (diff == 0ull) return an;  // one active key (or equal ones): it is the threshold
+    const int h = 63 - __clzll(diff);
+    const int shift = h >= 7 ? h - 7 : 0;
+    const unsigned dmask = (2u << (h - shift)) - 1u;
+    fixed = h == 63 ? 0ull : ~0ull << (h + 1);
+    prefix = an & fixed;  // bits above h are common to all active keys
+    for (int i = tid; i < 256; i += THREADS) sh.hist[i] = 0u;
+    __syncthreads();
+    for (int i = tid; i < n; i += THREADS) {
+      const unsigned long long k = a[i];
+      if ((k & fixed) == prefix) atomicAdd(&sh.hist[(unsigned)(k >> shift) & dmask], 1u);
+    }
+    __syncthreads();
+    if (tid < 32) {  // the bin holding the need-th largest: suffix sums over 8 bins per lane
+      unsigned local = 0u;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) local += sh.hist[lane * 8 + i];
+      unsigned incl = local;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const unsigned t = __shfl_down_sync(FULL, incl, d);
+        if (lane + d < 32) incl += t;
+      }
+      unsigned above = incl - local;
+#pragma unroll
+      for (int i = 7; i >= 0; --i) {
+        const unsigned c = sh.hist[lane * 8 + i];
+        if (above < need && need <= above + c) {
+          sh.scalars[1] = (unsigned)(lane * 8 + i);
+          sh.scalars[2] = above;
+          sh.scalars[3] = c;
+        }
+        above += c;
+      }
+    }
+    __syncthreads();
+    const unsigned digit = sh.scalars[1], above = sh.scalars[2], in_bin = sh.scalars[3];
+    need -= above;
+    prefix |= (unsigned long long)digit << shift;
+    fixed |= (unsigned long long)dmask << shift;
+    if (in_bin == need) return prefix;  // the whole bin is in: everything >= prefix (low bits 0)
+  }
+}
+
+// top[0, kk) = the keys >= thr of a[0, n) (exactly kk of them), in any order.
+__device__ void gather(const unsigned long long* a, int n, unsigned long long thr, const Shared& sh) {
+  if (threadIdx.x == 0) sh.scalars[0] = 0u;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += THREADS) {
+    const unsigned long long k = a[i];
+    if (k >= thr) {
+      const unsigned pos = atomicAdd(&sh.scalars[0], 1u);
+      if (pos < (unsigned)MAX_K) sh.top[pos] = k;  // exactly kk <= MAX_K keys pass: keys are distinct
+    }
+  }
+  __syncthreads();
+}
+
+// Sort top[0, kk) descending (bitonic over the next power of two, padded with zero keys).
+__device__ void sort_top(int kk, const Shared& sh) {
+  int p = 1;
+  while (p < kk) p <<= 1;
+  for (int i = kk + threadIdx.x; i < p; i += THREADS) sh.top[i] = 0ull;
+  __syncthreads();
+  for (int k = 2; k <= p; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < p; i += THREADS) {
+        const int l = i ^ j;
+        if (l > i) {
+          const unsigned long long x = sh.top[i], y = sh.top[l];
+          if ((i & k) == 0 ? x < y : x > y) {
+            sh.top[i] = y;
+            sh.top[l] = x;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Pass 1 over elements [lo, hi) of one row. Per thread ids increase, so a strict ">" keeps the
+// smaller id among equal values; a thread whose elements are all -inf reports none (a lower bound
+// is all the threshold needs).
+template <typename T, int VEC>
+__device__ void pass_stats(const T* row, int lo, int hi, float& m, float& s, float& best, int& best_id) {
+  using L = Loader<T, VEC>;
+  const int nv = (hi - lo) / VEC;
+  const T* base = row + lo;
+  for (int v0 = threadIdx.x; v0 < nv; v0 += THREADS * UNROLL) {
+    typename L::Raw raw[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+      if (v0 + u * THREADS < nv) raw[u] = L::load(base + (long long)(v0 + u * THREADS) * VEC);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int v = v0 + u * THREADS;
+      if (v >= nv) break;
+      float x[VEC];
+      L::unpack(raw[u], x);
+      float vmax = neg_inf();
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        x[e] = sanitize(x[e]);
+        vmax = fmaxf(vmax, x[e]);
+        if (x[e] > best) {
+          best = x[e];
+          best_id = lo + v * VEC + e;
+        }
+      }
+      if (vmax > m) {
+        s *= exp2f((m - vmax) * LOG2E);
+        m = vmax;
+      }
+      if (m != neg_inf()) {
+        const float ml = m * LOG2E;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) s += exp2f(fmaf(x[e], LOG2E, -ml));
+      }
+    }
+  }
+}
+
+// Pass 2: append every element with key >= thr to cand (warp-aggregated; the count goes on past
+// CAP). A vector is looked at element by element only if its max can reach the threshold (the
+// "+ 1" lets a -0 through, whose key is that of +0).
+template <typename T, int VEC>
+__device__ void pass_collect(const T* row, int lo, int hi, unsigned long long thr, const Shared& sh) {
+  using L = Loader<T, VEC>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nv = (hi - lo) / VEC;
+  const T* base = row + lo;
+  const unsigned lt = (1u << lane) - 1u;
+  const unsigned thr_hi = (unsigned)(thr >> 32);
+  for (int vb = warp * 32; vb < nv; vb += THREADS * UNROLL) {  // warp-uniform trip count
+    typename L::Raw raw[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int v = vb + u * THREADS + lane;
+      if (v < nv) raw[u] = L::load(base + (long long)v * VEC);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (vb + u * THREADS >= nv) break;  // uniform: no lane of this warp has more
+      const int v = vb + u * THREADS + lane;
+      float x[VEC];
+      float vmax = neg_inf();
+      if (v < nv) {
+        L::unpack(raw[u], x);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          x[e] = sanitize(x[e]);
+          vmax = fmaxf(vmax, x[e]);
+        }
+      }
+      if (!__any_sync(FULL, v < nv && ord32(vmax) + 1u >= thr_hi)) continue;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const unsigned long long k = v < nv ? make_key(ord32(canon(x[e])), lo + v * VEC + e) : 0ull;
+        const bool take = v < nv && k >= thr;
+        const unsigned bal = __ballot_sync(FULL, take);
+        if (bal) {
+          unsigned pos = 0u;
+          if (lane == 0) pos = atomicAdd(&sh.scalars[0], (unsigned)__popc(bal));
+          pos = __shfl_sync(FULL, pos, 0) + __popc(bal & lt);
+          if (take && pos < CAP) sh.cand[pos] = k;
+        }
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void slice_bounds(int V, int S, int slice, int& lo, int& hi) {
+  const int chunk = ((V + S - 1) / S + 7) & ~7;  // a multiple of 8 keeps 16-byte vectors aligned
+  lo = min(V, slice * chunk);
+  hi = min(V, lo + chunk);
+}
+
+__device__ void write_row(int K, float m, float s, float* logq, int* ids, const Shared& sh) {
+  const float lse = m == neg_inf() ? 0.f : m + logf(s);
+  for (int i = threadIdx.x; i < K; i += THREADS) {
+    const unsigned long long k = sh.top[i];
+    logq[i] = fmaxf(unord32((unsigned)(k >> 32)) - lse, -FLT_MAX_F);
+    ids[i] = (int)~(unsigned)k;
+  }
+}
+
+template <typename T, int VEC>
+__device__ void topk_block(const T* logits, int V, int K, int S, float* logq_out, int* ids_out,
+                           unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count, const Shared& sh) {
+  __shared__ int is_last;
+  const int tid = threadIdx.x;
+  const int row = blockIdx.x / S, slice = blockIdx.x - row * S;
+  int lo, hi;
+  slice_bounds(V, S, slice, lo, hi);
+  const int kk = min(K, hi - lo);
+  const T* rp = logits + (long long)row * V;
+
+  float m = neg_inf(), s = 0.f, best = neg_inf();
+  int best_id = -1;
+  pass_stats<T, VEC>(rp, lo, hi, m, s, best, best_id);
+  block_lse(m, s, sh);
+  sh.cand[tid] = best_id >= 0 ? make_key(ord32(canon(best)), best_id) : 0ull;
+  __syncthreads();
+  if (kk > 0) {
+    unsigned long long thr = radix_select(sh.cand, THREADS, kk, sh);
+    unsigned n;
+    while (true) {
+      __syncthreads();  // everyone is done with cand and the counter before they are reused
+      if (tid == 0) sh.scalars[0] = 0u;
+      __syncthreads();
+      pass_collect<T, VEC>(rp, lo, hi, thr, sh);
+      __syncthreads();
+      n = sh.scalars[0];
+      if (n <= (unsigned)CAP) break;
+      thr = radix_select(sh.cand, CAP, kk, sh);  // K-th best of those kept: strictly higher
+    }
+    gather(sh.cand, (int)n, radix_select(sh.cand, (int)n, kk, sh), sh);
+  }
+  const long long out_row = (long long)row * K;
+  if (S == 1) {
+    sort_top(kk, sh);
+    write_row(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+    return;
+  }
+  unsigned long long* my_keys = ws_keys + ((long long)row * S + slice) * K;
+  for (int i = tid; i < kk; i += THREADS) my_keys[i] = sh.top[i];
+  if (tid == 0) {
+    ws_ms[2 * (row * S + slice)] = m;
+    ws_ms[2 * (row * S + slice) + 1] = s;
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(&ws_count[row], 1u) == (unsigned)(S - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // The last block of the row merges the slices' candidates (S * K <= CAP, checked by the host).
+  int n = 0;
+  m = neg_inf();
+  s = 0.f;
+  for (int j = 0; j < S; ++j) {
+    int jl, jh;
+    slice_bounds(V, S, j, jl, jh);
+    const int jk = min(K, jh - jl);
+    const unsigned long long* src = ws_keys + ((long long)row * S + j) * K;
+    for (int i = tid; i < jk; i += THREADS) sh.cand[n + i] = __ldcg(src + i);
+    lse_combine(m, s, __ldcg(ws_ms + 2 * (row * S + j)), __ldcg(ws_ms + 2 * (row * S + j) + 1));
+    n += jk;
+  }
+  if (tid == 0) ws_count[row] = 0u;  // ready for the next launch (and graph replay)
+  __syncthreads();
+  gather(sh.cand, n, radix_select(sh.cand, n, K, sh), sh);
+  sort_top(K, sh);
+  write_row(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+}
+
+__device__ __forceinline__ Shared carve() {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ unsigned hist[256];
+  __shared__ unsigned long long red[2 * WARPS];
+  __shared__ float red_f[2 * WARPS];
+  __shared__ unsigned scalars[4];
+  Shared sh;
+  sh.cand = reinterpret_cast<unsigned long long*>(smem_raw);
+  sh.top = sh.cand + CAP;
+  sh.hist = hist;
+  sh.red = red;
+  sh.red_f = red_f;
+  sh.scalars = scalars;
+  return sh;
+}
+
+}  // namespace
+
+// logits [rows, V]; logq [rows, K] fp32, ids [rows, K] int32; grid rows * S, block 512, dynamic
+// shared memory (TOPK_CAP + 512) * 8 bytes. vec = 1: rows are 16-byte aligned and V % (16 / elem) == 0.
+// S > 1: ws_keys [rows, S, K], ws_ms [rows, S, 2], ws_count [rows] zeroed once (reset by the kernel).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) topk_bf16_kernel(
+    const unsigned short* __restrict__ logits, int V, int K, int S, int vec, float* __restrict__ logq,
+    int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
+  const Shared sh = carve();
+  if (vec) topk_block<unsigned short, 8>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
+  else topk_block<unsigned short, 1>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) topk_f32_kernel(
+    const float* __restrict__ logits, int V, int K, int S, int vec, float* __restrict__ logq,
+    int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
+  const Shared sh = carve();
+  if (vec) topk_block<float, 4>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
+  else topk_block<float, 1>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
+}

@@ -1,0 +1,63 @@
+// DDTree acceptance walk (DESIGN.md section 1, step 5), same rules as
+// ddtree_rtc/reference/tree_accept.py: from the root, move to the child whose token equals the
+// target's choice at the current node (lowest node index if several would); the first unmatched
+// choice is the bonus token. One warp per request, four requests per block. The warp stages the
+// tree's tokens, parents and choices in shared memory (one coalesced read), then each step is a
+// scan over the nodes after the current one (children always follow their parent) and a warp min.
+namespace {
+
+constexpr int THREADS = 128;
+constexpr int WARPS = THREADS / 32;
+constexpr int MAX_SLOTS = 513;  // 1 + the largest budget
+constexpr unsigned FULL = 0xffffffffu;
+constexpr int NONE = 0x7fffffff;
+
+}  // namespace
+
+// tokens, parents, choices [B, n_slots] int32; num_nodes [B]; width = max_depth + 1 <= 17.
+// Outputs: accepted, emitted [B, width] (-1 padded), accept_len, bonus [B]. Grid ceil(B / 4), block 128.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_accept_kernel(
+    const int* __restrict__ tokens, const int* __restrict__ parents, const int* __restrict__ num_nodes,
+    const int* __restrict__ choices, int B, int n_slots, int width, int* __restrict__ accepted,
+    int* __restrict__ accept_len, int* __restrict__ emitted, int* __restrict__ bonus) {
+  __shared__ int tok[WARPS][MAX_SLOTS], par[WARPS][MAX_SLOTS], cho[WARPS][MAX_SLOTS];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int b = blockIdx.x * WARPS + warp;
+  if (b >= B) return;  // the whole warp leaves; nothing below synchronises the block
+  const long long base = (long long)b * n_slots;
+  const int nn = min(max(num_nodes[b], 1), n_slots);
+  for (int i = lane; i < nn; i += 32) {
+    tok[warp][i] = tokens[base + i];
+    par[warp][i] = parents[base + i];
+    cho[warp][i] = choices[base + i];
+  }
+  __syncwarp();
+
+  int u = 0, len = 1, my_node = lane == 0 ? 0 : -1;  // lane k holds the k-th accepted node
+  while (len < width) {
+    const int c = cho[warp][u];
+    int found = NONE;
+    for (int i = u + 1 + lane; i < nn; i += 32) {
+      if (par[warp][i] == u && tok[warp][i] == c) {
+        found = i;
+        break;
+      }
+    }
+    const int v = __reduce_min_sync(FULL, found);
+    if (v == NONE) break;
+    if (lane == len) my_node = v;
+    ++len;
+    u = v;
+  }
+  const int bon = cho[warp][u];
+  const int next_node = __shfl_down_sync(FULL, my_node, 1);
+  if (lane < width) {
+    const long long o = (long long)b * width + lane;
+    accepted[o] = lane < len ? my_node : -1;
+    emitted[o] = lane < len - 1 ? tok[warp][next_node] : (lane == len - 1 ? bon : -1);
+  }
+  if (lane == 0) {
+    accept_len[b] = len;
+    bonus[b] = bon;
+  }
+}

@@ -1,0 +1,172 @@
+"""DDTree tree step: vocabulary top-k, tree build and acceptance walk on the GPU, against the
+Python path that SGLang's DDTree runs on the host per request (numpy log-softmax + top-k, then the
+``heapq`` best-first loop with the mask / position / link outputs, and the acceptance walk: our
+numpy references). The bare heap loop and walk (no outputs) are reported too, in each row's extra.
+
+Batch {1, 8, 32, 64} x budget {16 .. 512}, depth 7, V = 163840, Zipf-shaped drafter logits (bf16,
+token ranks shuffled per row). Rows: top-k (bytes = the logits, against the read ceiling), build,
+accept, build + accept, and for batch 1 the three together; each with the host peer and the speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from ..reference.topk import sanitize_logits
+from ..reference.tree_accept import tree_accept as ref_tree_accept
+from ..reference.tree_accept import walk
+from ..reference.tree_build import build_one, sanitize_logq
+from ..reference.tree_build import tree_build as ref_tree_build
+from .harness import Row, report, time_gpu
+
+BATCHES = (1, 8, 32, 64)
+BUDGETS = (16, 32, 64, 128, 256, 512)
+QUICK_BATCHES = (1, 32)
+QUICK_BUDGETS = (16, 64)
+DEPTH = 7
+VOCAB = 163_840
+ZIPF_S = 1.1
+ACCEPT_RATE = 0.7  # chance that the target's choice at a node is one of its children
+
+
+def zipf_logits(batch: int, depth: int, vocab: int, seed: int):
+    """bf16 bits ``[batch, depth, vocab]``: -s * log(rank) + small noise, ranks shuffled per row."""
+    import cupy
+
+    rng = cupy.random.default_rng(seed)
+    rows = batch * depth
+    ranks = cupy.argsort(rng.random((rows, vocab), dtype=cupy.float32), axis=1).astype(cupy.float32) + 1
+    x = -ZIPF_S * cupy.log(ranks) + 0.1 * rng.standard_normal((rows, vocab), dtype=cupy.float32)
+    bits = x.astype(cupy.float32).view(cupy.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(cupy.uint16).reshape(batch, depth, vocab)
+
+
+def target_choices(tree, rng) -> np.ndarray:
+    """Per node: with ACCEPT_RATE one of its children's tokens (the target agrees), else a token
+    no child has."""
+    tokens, parents, num = tree.tokens.get(), tree.parents.get(), tree.num_nodes.get()
+    choices = np.full(tokens.shape, -7, dtype=np.int32)
+    for i in range(tokens.shape[0]):
+        for j in range(1, int(num[i])):
+            p = int(parents[i, j])
+            if choices[i, p] == -7 and rng.random() < ACCEPT_RATE:
+                choices[i, p] = tokens[i, j]
+    return choices
+
+
+def host_topk(logits: np.ndarray, k: int):
+    """The host peer: fp32 log-softmax and top-k with numpy, as a host implementation does it."""
+    x = logits.reshape(-1, logits.shape[-1])
+    m = x.max(-1, keepdims=True)
+    lse = m + np.log(np.exp(x - m).sum(-1, keepdims=True))
+    idx = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+    vals = np.take_along_axis(x, idx, -1)
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    return np.take_along_axis(vals - lse, order, -1), np.take_along_axis(idx, order, -1)
+
+
+def host_build(logq: np.ndarray, budget: int):
+    """The host peer: per request, the heapq loop of DESIGN.md section 4 on Python floats."""
+    lq = sanitize_logq(logq).astype(np.float64)
+    return [build_one(lq[i, :, : min(budget, lq.shape[2])].tolist(), budget, lq.shape[1])
+            for i in range(lq.shape[0])]
+
+
+def host_accept(tokens: np.ndarray, parents: np.ndarray, num_nodes: np.ndarray, choices: np.ndarray):
+    """The host peer: per request, the Python walk over the tree's parent / token lists."""
+    tok, par, ch = tokens.tolist(), parents.tolist(), choices.tolist()
+    return [walk(tok[i], par[i], int(num_nodes[i]), ch[i]) for i in range(len(tok))]
+
+
+def time_host(fn, reps: int) -> float:
+    best = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best.append(time.perf_counter() - t0)
+    return float(np.median(best)) * 1e6
+
+
+def bench_case(batch: int, budget: int, reps: int, iters: int, rng) -> list[Row]:
+    import cupy
+
+    from ..backend import Backend
+    from ..spec.tree import TreeBuffers, TreeShape
+
+    be = Backend("cuda")
+    bufs = TreeBuffers(be, TreeShape(batch=batch, budget=budget, depth=DEPTH, vocab=VOCAB))
+    logits = zipf_logits(batch, DEPTH, VOCAB, seed=batch * 1000 + budget)
+    roots = cupy.asarray(rng.integers(0, VOCAB, batch).astype(np.int32))
+    prefix = cupy.asarray(rng.integers(100, 4000, batch).astype(np.int32))
+    k = bufs.shape.k
+    bufs.build(logits, roots, prefix)
+    choices = cupy.asarray(target_choices(bufs.tree, rng))
+    bufs.accept(choices)
+    tau = float(bufs.result.accept_len.get().mean())
+
+    def topk():
+        be.topk_logprobs(logits, k, out_logq=bufs.logq, out_ids=bufs.ids, workspace=bufs.workspace)
+
+    def build():
+        be.tree_build(bufs.logq, bufs.ids, roots, bufs.budgets, bufs.depths, prefix, budget, out=bufs.tree)
+
+    def accept():
+        bufs.accept(choices)
+
+    t_topk = time_gpu(topk, iters=iters).median_us
+    t_build = time_gpu(build, iters=iters).median_us
+    t_accept = time_gpu(accept, iters=iters).median_us
+    t_both = time_gpu(lambda: (build(), accept()), iters=iters).median_us
+
+    host_logits = sanitize_logits(be.to_host(logits))
+    host_logq, host_ids, host_choices = bufs.logq.get(), bufs.ids.get(), choices.get()
+    inputs = (host_logq, host_ids, roots.get(), bufs.budgets.get(), bufs.depths.get(), prefix.get(), budget)
+    host_tree = ref_tree_build(*inputs)
+    tree = [a.get() for a in (bufs.tree.tokens, bufs.tree.parents, bufs.tree.num_nodes)]
+    p_topk = time_host(lambda: host_topk(host_logits, k), reps)
+    p_build = time_host(lambda: ref_tree_build(*inputs), reps)
+    p_accept = time_host(lambda: ref_tree_accept(host_tree, host_choices), reps)
+    p_heap = time_host(lambda: host_build(host_logq, budget), reps)
+    p_walk = time_host(lambda: host_accept(*tree, host_choices), reps)
+
+    case = f"b={batch} budget={budget}"
+    extra = {"batch": batch, "budget": budget, "k": k, "depth": DEPTH, "vocab": VOCAB, "mean_accept_len": tau,
+             "heap_loop_only_us": p_heap, "walk_only_us": p_walk}
+    rows = [
+        Row(f"topk {case}", t_topk, bytes=batch * DEPTH * VOCAB * 2, peer="numpy", peer_us=p_topk,
+            extra={**extra, "speedup": p_topk / t_topk}),
+        Row(f"build {case}", t_build, peer="heapq", peer_us=p_build,
+            extra={**extra, "speedup": p_build / t_build}),
+        Row(f"accept {case}", t_accept, peer="python walk", peer_us=p_accept,
+            extra={**extra, "speedup": p_accept / t_accept}),
+        Row(f"build+accept {case}", t_both, peer="heapq+walk", peer_us=p_build + p_accept,
+            extra={**extra, "speedup": (p_build + p_accept) / t_both}),
+    ]
+    if batch == 1 and budget <= 64:
+        t_round = time_gpu(lambda: (topk(), build(), accept()), iters=iters).median_us
+        rows.append(Row(f"round (topk+build+accept) {case}", t_round, peer="host path",
+                        peer_us=p_topk + p_build + p_accept,
+                        extra={**extra, "speedup": (p_topk + p_build + p_accept) / t_round}))
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="ddtree-rtc bench tree", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCHES}, budgets {QUICK_BUDGETS}")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+    batches, budgets = (QUICK_BATCHES, QUICK_BUDGETS) if args.quick else (BATCHES, BUDGETS)
+    reps, iters = (1, 20) if args.quick else (3, 50)
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in batches:
+        for budget in budgets:
+            rows += bench_case(batch, budget, reps, iters, rng)
+    notes = {"logits": f"bf16 Zipf s={ZIPF_S} (+0.1 noise), ranks shuffled per row",
+             "choices": f"each node's choice is a child's token with p={ACCEPT_RATE}",
+             "peer": "host numpy top-k; reference tree_build (heapq + outputs) and tree_accept per "
+                     "request (SGLang's host path); speedup = peer_us / us, in each row's extra"}
+    return report("DDTree tree step (top-k, build, accept)", rows, args.json, notes=notes)

@@ -1,0 +1,73 @@
+"""DDTree best-first tree build on the GPU, one block per request. See cuda_src/tree_build.cu; the
+algorithm and every output rule are in ddtree_rtc/reference/tree_build.py, which the kernel matches
+bit for bit (nodes, order, scores, masks). One graph-capturable launch for the whole batch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..reference.tree_build import TreeArrays, alloc_tree, check_build_args, mask_words
+from ._args import check
+from .registry import module
+
+_THREADS = 128  # fixed by the kernel
+_SMALL_SMEM = 48 * 1024
+_SMEM_PER_SLOT = 8 + 5 * 4  # score; parent, rank, depth, first child, next sibling
+
+
+def _variant(max_budget: int) -> int:
+    """Heap slots per lane: 32 * J >= 1 + max_budget."""
+    return 3 if max_budget <= 95 else 9 if max_budget <= 287 else 17
+
+
+def _allow_smem(fn, nbytes: int) -> None:
+    """Raise the function's dynamic shared-memory limit (the default is 48 KB)."""
+    from cupy_backends.cuda.api import driver
+
+    attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if driver.funcGetAttribute(attr, fn.ptr) < nbytes:
+        driver.funcSetAttribute(fn.ptr, attr, nbytes)
+
+
+def _check_out(out: TreeArrays, batch: int, max_budget: int, max_depth: int) -> TreeArrays:
+    if (out.max_budget, out.max_depth) != (max_budget, max_depth):
+        raise ValueError(f"out: made for max_budget={out.max_budget}, max_depth={out.max_depth}; "
+                         f"called with max_budget={max_budget}, depth={max_depth}")
+    n = max_budget + 1
+    for name, dt, shape in (("tokens", np.int32, (batch, n)), ("parents", np.int32, (batch, n)),
+                            ("node_depth", np.int32, (batch, n)), ("positions", np.int32, (batch, n)),
+                            ("num_nodes", np.int32, (batch,)),
+                            ("mask", np.uint64, (batch, n, mask_words(max_budget))),
+                            ("first_child", np.int32, (batch, n)), ("next_sibling", np.int32, (batch, n)),
+                            ("scores", np.float64, (batch, n))):
+        check(f"out.{name}", getattr(out, name), dt, shape=shape)
+    return out
+
+
+def tree_build(logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget: int, out=None):
+    """logq ``[B, L, K]`` fp32 and ids ``[B, L, K]`` int32 from top-k; root_tokens, budgets, depths,
+    prefix_lens ``[B]`` int32 (budgets clamped to [0, max_budget], depths to [0, L]).
+    Returns TreeArrays with ``1 + max_budget`` node slots per request."""
+    import cupy
+
+    b, l, k = check_build_args(logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget)
+    check("logq", logq, np.float32)
+    check("ids", ids, np.int32)
+    for name, a in (("root_tokens", root_tokens), ("budgets", budgets), ("depths", depths),
+                    ("prefix_lens", prefix_lens)):
+        check(name, a, np.int32)
+    max_budget = int(max_budget)
+    out = alloc_tree(cupy, b, max_budget, l) if out is None else _check_out(out, b, max_budget, l)
+    if b == 0:
+        return out
+    ks = max(1, min(k, max_budget))
+    smem = (max_budget + 1) * _SMEM_PER_SLOT + l * ks * 8  # + the staged [L, ks] log-probs and ids
+    fn = module("tree_build").fn(f"tree_build_j{_variant(max_budget)}")
+    if smem > _SMALL_SMEM:
+        _allow_smem(fn, smem)
+    fn((b,), (_THREADS,),
+       (logq, ids, np.int32(l), np.int32(k), root_tokens, budgets, depths, prefix_lens, np.int32(max_budget),
+        np.int32(ks), np.int32(mask_words(max_budget)), out.tokens, out.parents, out.node_depth, out.positions,
+        out.num_nodes, out.mask, out.first_child, out.next_sibling, out.scores),
+       shared_mem=smem)
+    return out

@@ -1,0 +1,198 @@
+"""Vocabulary top-k: the reference against a float64 full sort and its rules (CPU), then the kernel
+against the reference: ids exactly, log-probs to fp32 tolerance, on every path (vectorised or not,
+one or several blocks per row, candidate-buffer overflow)."""
+
+import numpy as np
+import pytest
+from ml_dtypes import bfloat16
+
+from ddtree_rtc.reference.topk import FLT_MAX, topk_logprobs
+from ddtree_rtc.testing import assert_close
+
+KINDS = ("normal", "zipf_sorted", "zipf_perm", "equal", "quant", "zeros", "weird")
+
+
+def make_logits(rng, rows, vocab, kind):
+    """Peaked (Zipf, popular tokens at low ids as in real vocabularies, or shuffled), flat, heavily
+    tied (integers; bf16 adds more ties), signed zeros at the threshold and non-finite rows."""
+    if kind == "normal":
+        x = rng.standard_normal((rows, vocab)) * 3
+    elif kind == "zipf_sorted":
+        x = -1.1 * np.log(np.arange(vocab) + 1.0)[None] + 0.3 * rng.standard_normal((rows, vocab))
+    elif kind == "zipf_perm":
+        ranks = np.stack([rng.permutation(vocab) for _ in range(rows)]) + 1.0
+        x = -1.1 * np.log(ranks) + 0.3 * rng.standard_normal((rows, vocab))
+    elif kind == "equal":
+        x = np.zeros((rows, vocab))
+    elif kind == "quant":
+        x = np.round(rng.standard_normal((rows, vocab)) * 2)
+    elif kind == "zeros":  # the k-th value is often 0, with -0.0 and +0.0 mixed
+        x = rng.choice(np.array([-0.0, 0.0, -1.0, -2.0]), size=(rows, vocab), p=[0.1, 0.02, 0.5, 0.38])
+    elif kind == "weird":
+        x = rng.standard_normal((rows, vocab)) * 3
+        for val, p in ((np.nan, 0.05), (np.inf, 0.01), (-np.inf, 0.2), (-0.0, 0.05), (0.0, 0.05)):
+            x[rng.random((rows, vocab)) < p] = val
+        x[0] = -np.inf
+        if rows > 1:
+            x[1] = np.nan
+    else:
+        raise ValueError(kind)
+    return x
+
+
+def full_sort_reference(x):
+    """float64 log-softmax and a full (value desc, id asc) sort, written independently."""
+    x = np.asarray(x, dtype=np.float64)
+    x = np.where(np.isnan(x) | (x == np.inf), -np.inf, x)
+    out_ids = np.empty(x.shape, np.int64)
+    logq = np.empty(x.shape)
+    for r in range(x.shape[0]):
+        order = sorted(range(x.shape[1]), key=lambda i: (-x[r, i], i))
+        out_ids[r] = order
+        m = x[r].max()
+        lse = m + np.log(np.exp(x[r] - m).sum()) if m > -np.inf else 0.0
+        logq[r] = np.maximum(x[r, order] - lse, -FLT_MAX)
+    return logq, out_ids
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_reference_against_full_sort(rng, kind, dtype):
+    x = make_logits(rng, 3, 777, kind).astype(dtype)
+    for k in (1, 5, 64, 512):
+        logq, ids = topk_logprobs(x, k)
+        want_logq, want_ids = full_sort_reference(x)
+        assert ids.dtype == np.int32 and logq.dtype == np.float32 and logq.shape == (3, k)
+        assert np.array_equal(ids, want_ids[:, :k])
+        assert_close(logq, want_logq[:, :k], "fp32", "logq")
+        assert (np.diff(logq, axis=-1) <= 0).all(), "log-probs sorted descending"
+
+
+def test_reference_rules():
+    x = np.array([[1.0, np.nan, 3.0, np.inf, 3.0, -np.inf, -0.0, 0.0]], np.float32)
+    logq, ids = topk_logprobs(x, 8)
+    assert ids[0].tolist() == [2, 4, 0, 6, 7, 1, 3, 5], "ties by id; -0 == 0; NaN/+inf/-inf last, by id"
+    assert (logq[0, 5:] == -FLT_MAX).all() and np.isfinite(logq).all()
+    lse = np.log(2 * np.exp(3.0) + np.exp(1.0) + 2.0)
+    assert np.allclose(logq[0, :5], [3 - lse, 3 - lse, 1 - lse, -lse, -lse], rtol=1e-6)
+    logq, ids = topk_logprobs(np.full((2, 4), -np.inf, np.float32), 3)
+    assert ids.tolist() == [[0, 1, 2]] * 2 and (logq == -FLT_MAX).all()
+    x = np.random.default_rng(0).standard_normal((4, 50)).astype(np.float32)
+    logq, _ = topk_logprobs(x, 50)
+    assert np.allclose(np.log(np.exp(logq.astype(np.float64)).sum(-1)), 0.0, atol=1e-6)
+
+
+def test_reference_leading_dims_and_out():
+    x = np.random.default_rng(1).standard_normal((2, 3, 100)).astype(bfloat16)
+    lq, ids = np.empty((2, 3, 7), np.float32), np.empty((2, 3, 7), np.int32)
+    got = topk_logprobs(x, 7, out_logq=lq, out_ids=ids)
+    assert got[0] is lq and got[1] is ids
+    flat = topk_logprobs(x.reshape(6, 100), 7)
+    assert np.array_equal(ids.reshape(6, 7), flat[1]) and np.array_equal(lq.reshape(6, 7), flat[0])
+
+
+def test_reference_bad_k():
+    x = np.zeros((2, 10), np.float32)
+    with pytest.raises(ValueError, match="larger than the vocabulary"):
+        topk_logprobs(x, 11)
+    with pytest.raises(ValueError, match="out of range"):
+        topk_logprobs(np.zeros((1, 1000), np.float32), 513)
+    with pytest.raises(ValueError, match="out of range"):
+        topk_logprobs(x, 0)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        topk_logprobs(x.astype(np.float16), 2)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def run_gpu(x, k, slices=None, cap=None, offset=0, repeat=1):
+    """Kernel on host logits ``x``; outputs pre-filled with NaN / -1. ``offset`` elements in front
+    of the data make the rows unaligned (the scalar path)."""
+    import cupy
+
+    from ddtree_rtc.kernels import topk
+
+    bits = x.view(np.uint16) if x.dtype == bfloat16 else x
+    flat = cupy.empty(bits.size + offset, dtype=bits.dtype)
+    flat[offset:] = cupy.asarray(bits.ravel())
+    dev = flat[offset:].reshape(x.shape)
+    ws = topk.topk_workspace(x.shape, k, slices=slices, cap=cap)
+    logq = cupy.full((*x.shape[:-1], k), np.nan, dtype=cupy.float32)
+    ids = cupy.full((*x.shape[:-1], k), -1, dtype=cupy.int32)
+    for _ in range(repeat):  # the slice counters must be back to zero after every launch
+        got = topk.launch(dev, k, out_logq=logq, out_ids=ids, workspace=ws, cap=cap)
+        assert got[0] is logq and got[1] is ids
+    if ws.count is not None:
+        assert int(ws.count.sum()) == 0
+    return logq.get(), ids.get()
+
+
+def check_gpu(x, k, **kw):
+    want_logq, want_ids = topk_logprobs(x, k)
+    logq, ids = run_gpu(x, k, **kw)
+    if not np.array_equal(ids, want_ids):
+        bad = np.argwhere(ids != want_ids)[:3].tolist()
+        raise AssertionError(f"ids differ at {bad} ({kw})")
+    assert_close(logq, want_logq, "fp32", "logq")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 4099, 20_000, 163_840])
+def test_kernel_matches_reference(rng, kind, dtype, vocab):
+    x = make_logits(rng, 3, vocab, kind).astype(dtype)
+    for k in sorted({1, min(vocab, 64), min(vocab, 512)}):
+        check_gpu(x, k)
+        check_gpu(x, k, offset=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slices", [2, 3, 8])
+@pytest.mark.parametrize("kind", ["zipf_perm", "equal", "weird"])
+def test_kernel_split_rows(rng, slices, kind):
+    x = make_logits(rng, 5, 163_840, kind).astype(bfloat16)
+    for k in (1, 100, 512):
+        check_gpu(x, k, slices=min(slices, 8192 // k), repeat=2)
+    check_gpu(make_logits(rng, 2, 20_001, kind).astype(np.float32), 37, slices=slices, repeat=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["equal", "zipf_sorted", "quant"])
+def test_kernel_candidate_overflow(rng, kind):
+    """A 1024-key buffer overflows (flat or clustered rows, k = 512): the threshold is raised and
+    the row re-read until the candidates fit."""
+    x = make_logits(rng, 2, 30_000, kind).astype(bfloat16)
+    check_gpu(x, 512, cap=1024)
+    check_gpu(x, 300, cap=1024, slices=3, repeat=2)
+
+
+@pytest.mark.gpu
+def test_kernel_batch_of_drafter_rows(rng):
+    x = make_logits(rng, 8 * 7, 163_840, "zipf_perm").astype(bfloat16).reshape(8, 7, 163_840)
+    check_gpu(x, 64)
+
+
+@pytest.mark.gpu
+def test_kernel_rejects_bad_input():
+    import cupy
+
+    from ddtree_rtc.kernels.topk import topk_logprobs as gpu_topk
+    from ddtree_rtc.kernels.topk import topk_workspace
+
+    x = cupy.zeros((4, 1000), dtype=cupy.float32)
+    with pytest.raises(ValueError, match="larger than the vocabulary"):
+        gpu_topk(cupy.zeros((4, 100), dtype=cupy.float32), 101)
+    with pytest.raises(ValueError, match="out of range"):
+        gpu_topk(x, 513)
+    with pytest.raises(TypeError, match="bf16 .uint16 bits. or float32"):
+        gpu_topk(x.astype(cupy.float16), 4)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        gpu_topk(cupy.zeros((1000, 4), dtype=cupy.float32).T, 4)
+    with pytest.raises(ValueError, match="workspace: made for"):
+        gpu_topk(x, 4, workspace=topk_workspace((4, 1000), 8))
+    with pytest.raises(ValueError, match="out_logq: expected shape"):
+        gpu_topk(x, 4, out_logq=cupy.empty((4, 5), dtype=cupy.float32))
+    with pytest.raises(ValueError, match="slices=9"):
+        topk_workspace((4, 1000), 4, slices=9)

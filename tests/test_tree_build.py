@@ -1,0 +1,243 @@
+"""DDTree tree build: the heapq reference against an independent brute force and its properties
+(CPU), then the GPU builder against the reference, bit for bit, on thousands of random requests."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from ddtree_rtc.reference.tree_build import FLT_MAX, alloc_tree, mask_words, tree_build
+
+KINDS = ("sorted", "ties", "unsorted", "tiny", "equal", "weird")
+
+
+def make_logq(rng, shape, kind: str) -> np.ndarray:
+    """Log-prob tables that stress the exact order: continuous, heavy ties (dyadic steps, so equal
+    path sums are exactly equal), unsorted rows, magnitudes that make float64 sums round, all equal,
+    and NaN / inf / signed zeros."""
+    if kind == "sorted":
+        x = -np.sort(rng.exponential(2.0, shape), axis=-1)
+    elif kind == "ties":
+        x = -np.sort(np.round(rng.exponential(1.0, shape) * 2) / 2, axis=-1)
+    elif kind == "unsorted":
+        x = -rng.exponential(2.0, shape)
+    elif kind == "tiny":
+        x = -np.sort(np.abs(rng.standard_normal(shape)) * 10.0 ** rng.integers(-9, 2, shape), axis=-1)
+    elif kind == "equal":
+        x = np.full(shape, -1.0)
+    elif kind == "weird":
+        x = -rng.exponential(2.0, shape)
+        for val, p in ((np.nan, 0.1), (-np.inf, 0.05), (np.inf, 0.02), (0.0, 0.05), (-0.0, 0.05)):
+            x[rng.random(shape) < p] = val
+    else:
+        raise ValueError(kind)
+    return x.astype(np.float32)
+
+
+def make_case(rng, batch, depth, k, max_budget, kind, vocab=100_000):
+    logq = make_logq(rng, (batch, depth, k), kind)
+    ids = np.stack([rng.permutation(vocab)[:k] for _ in range(batch * depth)]).reshape(batch, depth, k)
+    root = rng.integers(0, vocab, batch)
+    budgets = rng.integers(-2, max_budget + 3, batch)
+    depths = rng.integers(0, depth + 2, batch)
+    prefix = rng.integers(0, 10_000, batch)
+    return (logq, ids.astype(np.int32), root.astype(np.int32), budgets.astype(np.int32),
+            depths.astype(np.int32), prefix.astype(np.int32))
+
+
+def reachable(k: int, depth: int) -> int:
+    return sum(k**d for d in range(1, depth + 1))
+
+
+def brute_force(logq, budget, depth):
+    """Every node of the full tree scored by summing along its path, sorted by (score desc, rank
+    tuple asc), first `budget`. Equals the heap order whenever sums are exact (dyadic log-probs)
+    and log-probs are sorted (children and later siblings never score higher)."""
+    k = logq.shape[1]
+    nodes = []
+    for d in range(1, depth + 1):
+        for ranks in itertools.product(range(k), repeat=d):
+            nodes.append((-sum(float(logq[j, r]) for j, r in enumerate(ranks)), ranks))
+    nodes.sort()
+    return [ranks for _, ranks in nodes[:budget]]
+
+
+def rank_tuples(t, i):
+    """Rank tuple of every node of request i, recovered from first_child / next_sibling."""
+    tuples = {0: ()}
+    for u in range(int(t.num_nodes[i])):
+        v, r = t.first_child[i, u], 0
+        while v >= 0:
+            tuples[int(v)] = tuples[u] + (r,)
+            v, r = t.next_sibling[i, v], r + 1
+    return [tuples[j] for j in range(1, int(t.num_nodes[i]))]
+
+
+@pytest.mark.parametrize("k,depth", [(1, 5), (2, 4), (3, 4), (4, 3), (6, 2)])
+def test_reference_equals_brute_force_on_exact_sums(rng, k, depth):
+    for _ in range(4):
+        logq = -np.sort(rng.integers(0, 9, (1, depth, k)) / 4.0, axis=-1).astype(np.float32)  # many ties
+        ids = np.arange(depth * k, dtype=np.int32).reshape(1, depth, k)
+        total = reachable(k, depth)
+        for budget in sorted({0, 1, 2, 5, total // 2, total - 1, total, total + 3}):
+            if budget < 0:
+                continue
+            t = tree_build(logq, ids, np.array([7], np.int32), np.array([budget], np.int32),
+                           np.array([depth], np.int32), np.array([0], np.int32), max(budget, 0))
+            assert rank_tuples(t, 0) == brute_force(logq[0], budget, depth), (logq[0], budget)
+
+
+def check_properties(t, args, max_budget):
+    logq, ids, root, budgets, depths, prefix = args
+    b, l, k = logq.shape
+    for i in range(b):
+        budget = min(max(int(budgets[i]), 0), max_budget)
+        depth = min(max(int(depths[i]), 0), l)
+        n = int(t.num_nodes[i])
+        assert n == 1 + min(budget, reachable(min(k, max(budget, 1)), depth))
+        assert t.tokens[i, 0] == root[i] and t.parents[i, 0] == -1 and t.node_depth[i, 0] == 0
+        assert t.positions[i, 0] == prefix[i] and t.scores[i, 0] == 0.0
+        tuples = rank_tuples(t, i)
+        assert len(tuples) == n - 1, "every node is reachable through first_child / next_sibling"
+        for j in range(1, n):
+            p, d = int(t.parents[i, j]), int(t.node_depth[i, j])
+            assert 0 <= p < j, "parents precede children"
+            assert d == t.node_depth[i, p] + 1 and 1 <= d <= depth
+            assert t.positions[i, j] == prefix[i] + d
+            ranks = tuples[j - 1]
+            assert len(ranks) == d and t.tokens[i, j] == ids[i, d - 1, ranks[-1]]
+            expect = t.mask[i, p].copy()
+            expect[j >> 6] |= np.uint64(1) << np.uint64(j & 63)
+            assert np.array_equal(t.mask[i, j], expect)
+        assert set(tuples) == {r[:m] for r in tuples for m in range(1, len(r) + 1)}, "prefix-closed"
+        assert len(set(tuples)) == len(tuples)
+        pad = slice(n, max_budget + 1)
+        for a in (t.tokens, t.parents, t.node_depth, t.positions, t.first_child, t.next_sibling):
+            assert (a[i, pad] == -1).all()
+        assert np.isnan(t.scores[i, pad]).all() and (t.mask[i, pad] == 0).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("max_budget", [0, 1, 7, 40, 130])
+def test_reference_properties(rng, kind, max_budget):
+    args = make_case(rng, 6, int(rng.integers(1, 9)), int(rng.choice([1, 2, 3, 17, 200])), max_budget, kind)
+    check_properties(tree_build(*args, max_budget), args, max_budget)
+
+
+def test_scores_non_increasing_in_pop_order(rng):
+    args = make_case(rng, 8, 7, 64, 256, "sorted")
+    t = tree_build(*args, 256)
+    for i in range(8):
+        s = t.scores[i, 1:t.num_nodes[i]]
+        assert (np.diff(s) <= 1e-12).all()
+
+
+def test_budget_edges_and_chain():
+    logq = np.log(np.array([[[0.5, 0.3, 0.2]] * 4], np.float32))
+    ids = np.array([[[10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 42]]], np.int32)
+    one = lambda v: np.array([v], np.int32)  # noqa: E731
+    t = tree_build(logq, ids, one(5), one(0), one(4), one(100), 8)
+    assert t.num_nodes[0] == 1 and t.tokens[0, 0] == 5 and (t.tokens[0, 1:] == -1).all()
+    t = tree_build(logq, ids, one(5), one(-3), one(4), one(100), 8)
+    assert t.num_nodes[0] == 1
+    t = tree_build(logq[:, :, :1], ids[:, :, :1], one(5), one(4), one(4), one(100), 4)  # chain mode
+    assert t.tokens[0].tolist() == [5, 10, 20, 30, 40] and t.parents[0].tolist() == [-1, 0, 1, 2, 3]
+    assert t.positions[0].tolist() == [100, 101, 102, 103, 104]
+    t = tree_build(logq[:, :2, :2], ids[:, :2, :2], one(5), one(50), one(2), one(0), 50)  # > reachable
+    assert t.num_nodes[0] == 1 + 2 + 4
+    t = tree_build(logq, ids, one(5), one(99), one(9), one(0), 3)  # clamped to max_budget, depth to L
+    assert t.num_nodes[0] == 4
+
+
+def test_nan_and_inf_are_sanitized_not_propagated():
+    logq = np.array([[[np.nan, -1.0], [-np.inf, np.inf]]], np.float32)
+    ids = np.array([[[1, 2], [3, 4]]], np.int32)
+    one = lambda v: np.array([v], np.int32)  # noqa: E731
+    t = tree_build(logq, ids, one(0), one(6), one(2), one(0), 6)
+    assert np.isfinite(t.scores[0, :t.num_nodes[0]]).all()
+    # NaN -> -FLT_MAX (the first pop is forced), -inf -> -FLT_MAX, +inf -> FLT_MAX; sums stay finite
+    assert t.tokens[0, 1:7].tolist() == [1, 2, 3, 4, 3, 4]
+    assert t.scores[0, 1] == -FLT_MAX and t.scores[0, 2] == -1.0 and t.scores[0, 4] == FLT_MAX
+
+
+def test_bad_shapes_are_rejected():
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    i = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="ids: expected shape"):
+        tree_build(z(2, 3, 4), i(2, 3, 5), i(2), i(2), i(2), i(2), 4)
+    with pytest.raises(ValueError, match=r"budgets: expected shape \(2,\)"):
+        tree_build(z(2, 3, 4), i(2, 3, 4), i(2), i(3), i(2), i(2), 4)
+    with pytest.raises(ValueError, match="depth 17 is out of range"):
+        tree_build(z(1, 17, 4), i(1, 17, 4), i(1), i(1), i(1), i(1), 4)
+    with pytest.raises(ValueError, match="max_budget=513"):
+        tree_build(z(1, 3, 4), i(1, 3, 4), i(1), i(1), i(1), i(1), 513)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def assert_trees_equal(got, ref, what=""):
+    for name in ("tokens", "parents", "node_depth", "positions", "num_nodes", "mask", "first_child",
+                 "next_sibling", "scores"):
+        g, r = getattr(got, name), getattr(ref, name)
+        g = g.get() if hasattr(g, "get") else g
+        if name == "scores":  # bit for bit, signed zeros and NaN padding included
+            g, r = g.view(np.int64), r.view(np.int64)
+        if not np.array_equal(g, r):
+            bad = np.argwhere(g != r)[:3].tolist()
+            raise AssertionError(f"{what} {name} differs at {bad}")
+
+
+def run_gpu(args, max_budget, poison=True):
+    import cupy
+
+    from ddtree_rtc.kernels.tree_build import tree_build as gpu_build
+
+    dev = [cupy.asarray(a) for a in args]
+    out = alloc_tree(cupy, args[0].shape[0], max_budget, args[0].shape[1])
+    if poison:  # every slot must be written: garbage where padding belongs shows up
+        for a in (out.tokens, out.parents, out.node_depth, out.positions, out.num_nodes, out.first_child,
+                  out.next_sibling):
+            a.fill(0x5A5A5A5A)
+        out.mask.fill(0xA5A5A5A5A5A5A5A5)
+        out.scores.fill(np.nan)
+    got = gpu_build(*dev, max_budget, out=out)
+    assert got is out
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("max_budget", [0, 1, 5, 64, 95, 96, 200, 287, 288, 512])
+def test_kernel_matches_reference(rng, kind, max_budget):
+    for depth, k in ((7, max(1, min(max_budget, 163840))), (int(rng.integers(1, 17)), int(rng.choice([1, 2, 9, 600])))):
+        args = make_case(rng, 96, depth, k, max_budget, kind)
+        assert_trees_equal(run_gpu(args, max_budget), tree_build(*args, max_budget),
+                           f"{kind} depth={depth} k={k} max_budget={max_budget}:")
+
+
+@pytest.mark.gpu
+def test_kernel_thousands_of_small_trees_with_heavy_ties(rng):
+    for _ in range(4):
+        args = make_case(rng, 1024, int(rng.integers(1, 9)), int(rng.integers(1, 6)), 12, "ties")
+        assert_trees_equal(run_gpu(args, 12), tree_build(*args, 12), "tiny budgets, heavy ties:")
+
+
+@pytest.mark.gpu
+def test_kernel_rejects_bad_input():
+    import cupy
+
+    from ddtree_rtc.kernels.tree_build import tree_build as gpu_build
+
+    z, i = cupy.zeros((2, 3, 4), cupy.float32), cupy.zeros((2, 3, 4), cupy.int32)
+    v = cupy.zeros((2,), cupy.int32)
+    with pytest.raises(TypeError, match="ids: expected dtype int32"):
+        gpu_build(z, i.astype(cupy.int64), v, v, v, v, 4)
+    with pytest.raises(ValueError, match="budgets: expected shape"):
+        gpu_build(z, i, v, cupy.zeros((3,), cupy.int32), v, v, 4)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        gpu_build(cupy.zeros((2, 4, 3), cupy.float32).transpose(0, 2, 1), i, v, v, v, v, 4)
+    out = alloc_tree(cupy, 2, 8, 3)
+    with pytest.raises(ValueError, match="out: made for max_budget=8"):
+        gpu_build(z, i, v, v, v, v, 4, out=out)
+    assert mask_words(512) == 9
