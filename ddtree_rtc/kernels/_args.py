@@ -45,3 +45,13 @@ def out_array(name: str, out, shape: tuple, dtype):
 
 def grid_1d(n: int, per_block: int) -> tuple[int]:
     return (max(1, (n + per_block - 1) // per_block),)
+
+
+def allow_dynamic_smem(fn, nbytes: int) -> None:
+    """Raise a function's dynamic shared-memory limit above the default 48 KB (CuPy's Function has
+    no setter for it, so this goes through the driver)."""
+    from cupy_backends.cuda.api import driver
+
+    attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if driver.funcGetAttribute(attr, fn.ptr) < nbytes:
+        driver.funcSetAttribute(fn.ptr, attr, nbytes)

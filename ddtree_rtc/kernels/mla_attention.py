@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
-from ._args import BF16, check, out_array
+from ._args import BF16, allow_dynamic_smem, check, out_array
 from .registry import module
 
 # variant -> (BM query rows, BN cache rows per tile, warps, O row groups); mirrors cuda_src Cfg<...>
@@ -115,15 +115,6 @@ def _host(name, a, dtype):
     return a.astype(dtype)
 
 
-def _allow_smem(fn, nbytes: int) -> None:
-    """Raise the function's dynamic shared-memory limit (the default is 48 KB)."""
-    from cupy_backends.cuda.api import driver
-
-    attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if driver.funcGetAttribute(attr, fn.ptr) < nbytes:
-        driver.funcSetAttribute(fn.ptr, attr, nbytes)
-
-
 def _device_props() -> tuple[int, int]:
     import cupy
 
@@ -172,7 +163,7 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
         raise RuntimeError(f"tile variant {variant} needs {_smem_bytes(variant)} bytes of shared memory; "
                            f"this GPU allows {smem_limit}")
     bm, bn, nw, _ = _VARIANTS[variant]
-    _allow_smem(module("mla_attention").fn(f"mla_attention_{variant}_kernel"), _smem_bytes(variant))
+    allow_dynamic_smem(module("mla_attention").fn(f"mla_attention_{variant}_kernel"), _smem_bytes(variant))
     grid = into.grid if into is not None else (num_sms or sms)
     work, cta_work, merge, partials = split_work(batch, bm, bn, grid)
     req_info = np.zeros((batch.batch, _REQ_INTS), dtype=np.int32)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..reference.moe_gemm import check_experts_layout
 from ..reference.moe_routing import MoEAlignment, align_capacity
-from ._args import BF16, check, out_array
+from ._args import BF16, allow_dynamic_smem, check, out_array
 from .moe_routing import alignment_buffers, moe_align
 from .registry import module
 
@@ -134,12 +134,8 @@ def _check_experts(experts) -> None:
 
 def _gemm_fn(mod, entry: str, smem: int):
     """The entry, allowed ``smem`` bytes of dynamic shared memory (above 48 KB needs the opt-in)."""
-    from cupy_backends.cuda.api import driver
-
     fn = mod.fn(entry)
-    attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if driver.funcGetAttribute(attr, fn.ptr) < smem:
-        driver.funcSetAttribute(fn.ptr, attr, smem)
+    allow_dynamic_smem(fn, smem)
     return fn
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..reference.topk import check_k
-from ._args import BF16, check, dtype_name, out_array
+from ._args import BF16, allow_dynamic_smem, check, dtype_name, out_array
 from .registry import module, spec
 
 _THREADS = 512  # fixed by the kernel
@@ -69,15 +69,6 @@ def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = N
                          cupy.zeros((rows,), dtype=np.uint32))
 
 
-def _allow_smem(fn, nbytes: int) -> None:
-    """Raise the function's dynamic shared-memory limit (the default is 48 KB)."""
-    from cupy_backends.cuda.api import driver
-
-    attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if driver.funcGetAttribute(attr, fn.ptr) < nbytes:
-        driver.funcSetAttribute(fn.ptr, attr, nbytes)
-
-
 def topk_logprobs(logits, k: int, out_logq=None, out_ids=None, workspace=None):
     """logits ``[..., V]`` (bf16 bits or fp32) -> (logq ``[..., k]`` fp32, ids ``[..., k]`` int32),
     sorted by log-prob descending, ties by the smaller id. ``workspace`` from ``topk_workspace``."""
@@ -118,7 +109,7 @@ def launch(logits, k: int, out_logq=None, out_ids=None, workspace=None, cap: int
     fn = mod.fn("topk_bf16_kernel" if logits.dtype == BF16 else "topk_f32_kernel")
     smem = (cap + 512) * 8
     if smem > _SMALL_SMEM:
-        _allow_smem(fn, smem)
+        allow_dynamic_smem(fn, smem)
     null = np.uint64(0)
     split = ws.slices > 1
     fn((rows * ws.slices,), (_THREADS,),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference.tree_build import TreeArrays, alloc_tree, check_build_args, mask_words
-from ._args import check
+from ._args import allow_dynamic_smem, check
 from .registry import module
 
 _THREADS = 128  # fixed by the kernel
@@ -18,15 +18,6 @@ _SMEM_PER_SLOT = 8 + 5 * 4  # score; parent, rank, depth, first child, next sibl
 def _variant(max_budget: int) -> int:
     """Heap slots per lane: 32 * J >= 1 + max_budget."""
     return 3 if max_budget <= 95 else 9 if max_budget <= 287 else 17
-
-
-def _allow_smem(fn, nbytes: int) -> None:
-    """Raise the function's dynamic shared-memory limit (the default is 48 KB)."""
-    from cupy_backends.cuda.api import driver
-
-    attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if driver.funcGetAttribute(attr, fn.ptr) < nbytes:
-        driver.funcSetAttribute(fn.ptr, attr, nbytes)
 
 
 def _check_out(out: TreeArrays, batch: int, max_budget: int, max_depth: int) -> TreeArrays:
@@ -64,7 +55,7 @@ def tree_build(logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget:
     smem = (max_budget + 1) * _SMEM_PER_SLOT + l * ks * 8  # + the staged [L, ks] log-probs and ids
     fn = module("tree_build").fn(f"tree_build_j{_variant(max_budget)}")
     if smem > _SMALL_SMEM:
-        _allow_smem(fn, smem)
+        allow_dynamic_smem(fn, smem)
     fn((b,), (_THREADS,),
        (logq, ids, np.int32(l), np.int32(k), root_tokens, budgets, depths, prefix_lens, np.int32(max_budget),
         np.int32(ks), np.int32(mask_words(max_budget)), out.tokens, out.parents, out.node_depth, out.positions,
