@@ -8,7 +8,6 @@ every error names the file and the field.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -31,16 +30,14 @@ class RopeConfig:
     mscale_all_dim: float = 0.0
 
     def scaling(self) -> dict | None:
-        """The dict ``reference.rope.rope_inv_freq`` takes (None for plain RoPE)."""
+        """The HF-style rope_scaling dict that ``reference.rope.rope_inv_freq`` and
+        ``model.mla.softmax_scale`` / ``rope_scale`` take (None for plain RoPE)."""
         if self.kind != "yarn":
             return None
         return {"type": "yarn", "factor": self.factor,
                 "original_max_position_embeddings": self.original_max_position,
-                "beta_fast": self.beta_fast, "beta_slow": self.beta_slow}
-
-
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+                "beta_fast": self.beta_fast, "beta_slow": self.beta_slow,
+                "mscale": self.mscale, "mscale_all_dim": self.mscale_all_dim}
 
 
 @dataclass(frozen=True)
@@ -113,11 +110,9 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5 · mscale² with mscale from YaRN's mscale_all_dim (0.14467963 for K2.6)."""
-        scale = self.qk_head_dim ** -0.5
-        if self.rope.kind == "yarn" and self.rope.mscale_all_dim:
-            m = _yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
-            scale *= m * m
-        return scale
+        from .mla import softmax_scale
+
+        return softmax_scale(self.qk_head_dim, self.rope.scaling())
 
     def is_moe_layer(self, i: int) -> bool:
         return self.n_routed_experts > 0 and i >= self.first_k_dense_replace

@@ -25,6 +25,13 @@ from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe
 LATENT_NORM_EPS = 1e-6
 
 
+def _routing(cfg: ModelConfig) -> RoutingConfig | None:
+    if not cfg.n_routed_experts:
+        return None
+    return RoutingConfig(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                         cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+
 @dataclass
 class DenseMLP:
     w13: Any  # [2*I, H] = [gate; up]
@@ -91,12 +98,8 @@ class TargetModel:
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.dims = MLADims.from_config(cfg)
         self.inv_freq = backend.asarray(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope.theta, cfg.rope.scaling()))
-        scaling = cfg.rope.scaling()
-        if scaling is not None:
-            scaling = dict(scaling, mscale=cfg.rope.mscale, mscale_all_dim=cfg.rope.mscale_all_dim)
-        self.rope_scale = rope_scale(scaling)
-        self.routing = RoutingConfig(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                                     cfg.norm_topk_prob, cfg.routed_scaling_factor) if cfg.n_routed_experts else None
+        self.rope_scale = rope_scale(cfg.rope.scaling())
+        self.routing = _routing(cfg)
 
     @property
     def num_layers(self) -> int:
@@ -119,8 +122,7 @@ class TargetModel:
 
         embed = dev(get("model.embed_tokens.weight"))
         lm = embed if cfg.tie_word_embeddings else dev(get("lm_head.weight"))
-        routing = RoutingConfig(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                                cfg.norm_topk_prob, cfg.routed_scaling_factor) if cfg.n_routed_experts else None
+        routing = _routing(cfg)
         out = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
