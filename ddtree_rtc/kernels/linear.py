@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._args import BF16, check, out_array
+from ._args import BF16, check, cublas_handle, out_array
 
 _CUDA_R_16BF = 14
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 _CUBLAS_GEMM_DEFAULT = -1
-_CUBLAS_POINTER_MODE_HOST = 0
 # Host scalars for alpha/beta (host pointer mode); module-level so the pointers stay valid.
 _ALPHA = np.ones(1, dtype=np.float32)
 _BETA = np.zeros(1, dtype=np.float32)
@@ -22,7 +21,7 @@ _BETA = np.zeros(1, dtype=np.float32)
 
 def linear(x, weight, out=None):
     """x [M, K] bf16, weight [N, K] bf16 -> [M, N] bf16 (fp32 accumulate)."""
-    from cupy.cuda import cublas, device
+    from cupy.cuda import cublas
 
     check("x", x, BF16, ndim=2)
     k = x.shape[1]
@@ -38,9 +37,7 @@ def linear(x, weight, out=None):
         return y
     if max(m, n, k) >= 2**31:
         raise ValueError(f"linear: dims {(m, n, k)} exceed cuBLAS int32 sizes")
-    handle = device.get_cublas_handle()
-    cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_HOST)  # alpha/beta are host scalars
-    cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k,
+    cublas.gemmEx(cublas_handle(), _CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k,
                   _ALPHA.ctypes.data, weight.data.ptr, _CUDA_R_16BF, k, x.data.ptr, _CUDA_R_16BF, k,
                   _BETA.ctypes.data, y.data.ptr, _CUDA_R_16BF, n, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
     return y

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
-from ._args import BF16, allow_dynamic_smem, check, out_array
+from ._args import BF16, allow_dynamic_smem, check, cublas_handle, out_array
 from .registry import module
 
 # variant -> (BM query rows, BN cache rows per tile, warps, O row groups); mirrors cuda_src Cfg<...>
@@ -253,7 +253,6 @@ _OP_N, _OP_T = 0, 1
 _CUDA_R_16BF = 14
 _COMPUTE_32F = 68
 _GEMM_DEFAULT = -1
-_POINTER_MODE_HOST = 0
 
 
 def _strides_elems(name: str, a) -> tuple[int, ...]:
@@ -303,11 +302,8 @@ def mla_head_gemm(x, w, trans_w: bool, out=None):
     # col-major [K x N] (op T); w_h row-major [K, N] is col-major [N x K] (op N).
     ldx, ldw, ldy = max(xs[0], k), max(ws[1], w_cols), max(ys[0], n)  # max(): unused when that dim is 1
     alpha, beta = np.array(1.0, np.float32), np.array(0.0, np.float32)
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    cublas.setPointerMode(handle, _POINTER_MODE_HOST)
     cublas.gemmStridedBatchedEx(
-        handle, _OP_T if trans_w else _OP_N, _OP_N, n, t, k,
+        cublas_handle(), _OP_T if trans_w else _OP_N, _OP_N, n, t, k,
         alpha.ctypes.data, w.data.ptr, _CUDA_R_16BF, ldw, ws[0],
         x.data.ptr, _CUDA_R_16BF, ldx, xs[1],
         beta.ctypes.data, out.data.ptr, _CUDA_R_16BF, ldy, ys[1],
