@@ -29,6 +29,7 @@ OPS: dict[str, str] = {
     "router_logits": "moe_routing",
     "moe_route": "moe_routing",
     "moe_align": "moe_routing",
+    "moe_plan": "moe_gemm",
     "moe_experts": "moe_gemm",
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     "kv_cache_write": "kv_cache",
@@ -110,6 +111,17 @@ class Backend:
             if a.dtype == np.uint16 and bf16 is not False:
                 a = a.view(bfloat16)
         return a
+
+    def copy_in(self, dst, host) -> None:
+        """Copy a host array into the existing backend array ``dst`` (same shape; its dtype wins),
+        in place, so arrays a CUDA graph reads keep their addresses."""
+        host = np.asarray(host)
+        if host.shape != dst.shape:
+            raise ValueError(f"copy_in: shape {host.shape} != destination {tuple(dst.shape)}")
+        if self.is_cuda:
+            dst.set(np.ascontiguousarray(host.view(np.uint16) if host.dtype == bfloat16 else host, dtype=dst.dtype))
+        else:
+            dst[...] = host
 
     def empty(self, shape, dtype: str):
         return self.xp.empty(shape, dtype=self.dtype(dtype))

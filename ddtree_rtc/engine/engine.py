@@ -2,8 +2,9 @@
 
 Each step admits what fits (prefill: every new request's whole prompt in one forward, chunked by
 ``max_prefill_tokens``), then decodes one token for every running request in one forward. The
-only host sync per step is reading the chosen tokens. Per-stage wall time is accumulated in
-``stats`` (with a device sync around each stage when ``profile`` is on).
+only host sync per step is reading the chosen tokens. With ``cuda_graphs`` (CUDA backend) the decode
+forward of each batch size is captured once and replayed (``engine.cuda_graph``). Per-stage wall
+time is accumulated in ``stats`` (with a device sync around each stage when ``profile`` is on).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model.target import ForwardBatch, TargetModel
+from .cuda_graph import DecodeGraphs
 from .kv_cache import PagedKVCache
 from .request import Request
 from .scheduler import PageBudget, Scheduler
@@ -31,7 +33,7 @@ class EngineStats:
 class Engine:
     def __init__(self, model: TargetModel, max_batch: int, page_size: int, max_context: int,
                  num_pages: int | None = None, max_prefill_tokens: int = 4096, seed: int = 0,
-                 profile: bool = False):
+                 profile: bool = False, cuda_graphs: bool = False):
         self.model, self.backend = model, model.backend
         self.max_context, self.max_prefill_tokens, self.seed = max_context, max_prefill_tokens, seed
         pages_per_seq = -(-max_context // page_size)
@@ -40,6 +42,7 @@ class Engine:
         self.scheduler = Scheduler(max_batch, PageBudget(num_pages, page_size))
         self.profile = profile
         self.stats = EngineStats()
+        self.graphs = DecodeGraphs(model, self.cache, max_context) if cuda_graphs and self.backend.is_cuda else None
 
     def _timed(self, stage: str, fn, *args, **kw):
         if self.profile:
@@ -67,8 +70,11 @@ class Engine:
 
     def _forward(self, stage: str, reqs: list[Request], ctx: list[int], new: list[list[int]]):
         batch = ForwardBatch.causal([r.rid for r in reqs], ctx, new)
-        out = self._timed(stage, self.model.forward, batch, self.cache, output="logits")
-        return self._timed("sample", self._choose, out.logits, reqs)
+        if stage == "decode" and self.graphs is not None:
+            logits = self._timed(stage, self.graphs.forward, batch)
+        else:
+            logits = self._timed(stage, self.model.forward, batch, self.cache, output="logits").logits
+        return self._timed("sample", self._choose, logits, reqs)
 
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that finished in it."""

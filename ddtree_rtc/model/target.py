@@ -92,6 +92,18 @@ class ForwardOutput:
     hidden: dict | None = None  # layer index -> backend bf16 [T, H] residual stream after that layer
 
 
+@dataclass
+class StepInputs:
+    """A prepared batch on the device: what ``TargetModel.run`` reads (see ``prepare``)."""
+
+    batch: ForwardBatch
+    tokens: Any  # int32 [T]
+    positions: Any  # int32 [T]
+    slots: Any  # int32 [T] cache slots of the new tokens
+    plan: Any  # the attention plan
+    logit_rows: Any = None  # int64 [R] token rows that get logits, or None (all)
+
+
 class TargetModel:
     def __init__(self, cfg: ModelConfig, backend, embed, layers: list[Layer], final_norm, lm_head):
         self.cfg, self.backend = cfg, backend
@@ -145,33 +157,71 @@ class TargetModel:
         return cls(cfg, backend, embed, out, dev(get("model.norm.weight")), lm)
 
     # -- forward ---------------------------------------------------------------------------------
-    def _mlp(self, layer: Layer, x):
+    def _mlp(self, layer: Layer, x, moe_plan=None):
         be = self.backend
         if isinstance(layer.mlp, DenseMLP):
             return be.linear(be.silu_mul(be.linear(x, layer.mlp.w13)), layer.mlp.w2)
-        return moe(x, layer.mlp, self.routing, be)
+        return moe(x, layer.mlp, self.routing, be, plan=moe_plan)
 
-    def forward(self, batch: ForwardBatch, cache, output: str = "argmax", hidden_layers=()) -> ForwardOutput:
-        """Run the new tokens of ``batch`` through every layer, writing their KV rows into ``cache``
-        (a PagedKVCache with room reserved for them). ``output``: 'argmax', 'logits' or 'none'."""
-        if output not in ("argmax", "logits", "none"):
-            raise ValueError(f"output must be 'argmax', 'logits' or 'none', got {output!r}")
+    def prepare(self, batch: ForwardBatch, cache, into: StepInputs | None = None,
+                page_width: int | None = None) -> StepInputs:
+        """The host half of a forward: validate ``batch``, compute its cache slots, plan the
+        attention and put the per-token inputs on the device. ``into``: an earlier StepInputs of the
+        same shape whose device buffers (and attention plan) are overwritten in place, so a CUDA
+        graph captured with it replays this batch. ``page_width``: page-table width (default: the
+        widest sequence's pages; a graph needs a fixed one)."""
         be, cfg = self.backend, self.cfg
         if batch.tokens.size and (batch.tokens.min() < 0 or batch.tokens.max() >= cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), "
                              f"got {batch.tokens.min()}..{batch.tokens.max()}")
         slots = np.concatenate([cache.slots(s, np.arange(c, c + n))
                                 for s, c, n in zip(batch.seq_ids, batch.ctx_lens, batch.num_new)])
-        plan = be.mla_attention_plan(batch.ctx_lens, batch.num_new, cache.page_table(batch.seq_ids),
-                                     self.dims.num_heads, cache.page_size, cache.num_pages, batch.tree_mask)
-        positions, slots_d = be.asarray(batch.positions), be.asarray(slots)
-        h = be.embedding(be.asarray(batch.tokens), self.embed)
+        rows = None if batch.logit_rows is None else np.asarray(batch.logit_rows, dtype=np.int64)
+        plan = be.mla_attention_plan(batch.ctx_lens, batch.num_new, cache.page_table(batch.seq_ids, page_width),
+                                     self.dims.num_heads, cache.page_size, cache.num_pages, batch.tree_mask,
+                                     into=None if into is None else into.plan)
+        if into is None:
+            return StepInputs(batch, be.asarray(batch.tokens), be.asarray(batch.positions), be.asarray(slots),
+                              plan, None if rows is None else be.asarray(rows))
+        if (rows is None) != (into.logit_rows is None) or into.tokens.shape != batch.tokens.shape or (
+                rows is not None and rows.shape != into.logit_rows.shape):
+            raise ValueError("into: the StepInputs were made for another batch shape")
+        for dst, src in ((into.tokens, batch.tokens), (into.positions, batch.positions), (into.slots, slots),
+                         (into.logit_rows, rows)):
+            if dst is not None:
+                be.copy_in(dst, src)
+        return StepInputs(batch, into.tokens, into.positions, into.slots, plan, into.logit_rows)
+
+    def forward(self, batch: ForwardBatch, cache, output: str = "argmax", hidden_layers=()) -> ForwardOutput:
+        """Run the new tokens of ``batch`` through every layer, writing their KV rows into ``cache``
+        (a PagedKVCache with room reserved for them). ``output``: 'argmax', 'logits' or 'none'."""
+        return self.run(self.prepare(batch, cache), cache, output, hidden_layers)
+
+    def moe_plan(self, num_tokens: int):
+        """The MoE launch plan (buffers) for ``num_tokens`` tokens, shared by every MoE layer of a
+        forward; None where the model has no MoE layer (or on the numpy backend)."""
+        c = self.cfg
+        if not c.n_routed_experts:
+            return None
+        return self.backend.moe_plan(num_tokens, c.n_routed_experts, c.num_experts_per_tok, c.hidden_size,
+                                     c.moe_intermediate_size)
+
+    def run(self, inputs: StepInputs, cache, output: str = "argmax", hidden_layers=(), moe_plan=None) -> ForwardOutput:
+        """The device half of a forward (no host sync, no host-to-device copy: it can be captured
+        in a CUDA graph and replayed after ``prepare(..., into=inputs)``). ``moe_plan``: from
+        ``self.moe_plan(T)``, made here when not given (a graph keeps its own)."""
+        if output not in ("argmax", "logits", "none"):
+            raise ValueError(f"output must be 'argmax', 'logits' or 'none', got {output!r}")
+        be, cfg = self.backend, self.cfg
+        if moe_plan is None:
+            moe_plan = self.moe_plan(int(inputs.tokens.shape[0]))
+        h = be.embedding(inputs.tokens, self.embed)
         x = be.rmsnorm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
         hidden = {}
         for i, layer in enumerate(self.layers):
-            a = self._attention(layer, i, x, positions, slots_d, plan, cache)
+            a = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache)
             x, h = be.rmsnorm(a, layer.post_norm, cfg.rms_norm_eps, residual=h)
-            m = self._mlp(layer, x)
+            m = self._mlp(layer, x, moe_plan)
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h)
             if i in hidden_layers:
@@ -179,8 +229,8 @@ class TargetModel:
         out = ForwardOutput(hidden=hidden)
         if output == "none":
             return out
-        rows = x if batch.logit_rows is None else x[be.asarray(np.asarray(batch.logit_rows, dtype=np.int64))]
-        logits = be.linear(be.xp.ascontiguousarray(rows), self.lm_head)
+        rows = x if inputs.logit_rows is None else be.xp.ascontiguousarray(x[inputs.logit_rows])
+        logits = be.linear(rows, self.lm_head)
         if output == "logits":
             out.logits = logits
         else:

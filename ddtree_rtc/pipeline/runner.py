@@ -159,7 +159,8 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
     new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
     reqs = [Request(i, p, new, temperature=d.temperature, top_p=d.top_p) for i, p in enumerate(prompts)]
     engine = Engine(model, max_batch=min(w.concurrency, pipe.runtime.max_batch), page_size=pipe.runtime.page_size,
-                    max_context=pipe.runtime.max_context, seed=d.seed, profile=True)
+                    max_context=pipe.runtime.max_context, seed=d.seed, profile=True,
+                    cuda_graphs=pipe.runtime.cuda_graphs)
     t0 = time.perf_counter()
     with click.progressbar(length=len(reqs), label="running workload", file=sys.stderr) as bar:
         done = engine.run(reqs, progress=bar.update)
@@ -174,6 +175,8 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
         "latency_s": {"mean": statistics.mean(lat), "p50": statistics.median(lat), "max": max(lat)},
         "ttft_s": {"mean": statistics.mean(ttft), "max": max(ttft)},
         "stage_s": dict(st.stage_seconds), "compile_s": compile_s, "load_s": load_s,
+        "cuda_graphs": None if engine.graphs is None else {"captured": engine.graphs.captures,
+                                                           "replays": engine.graphs.replays},
     }
     result = {
         "pipeline": pipe.source, "backend": backend.name, "arch": backend.arch,
@@ -192,6 +195,8 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
                 ("time to first token mean", f"{metrics['ttft_s']['mean']:.3f} s"),
                 *((f"stage {k}", f"{v:.3f} s ({100 * v / wall:.0f}%)") for k, v in st.stage_seconds.items()),
                 ("kernel compile / weight load", f"{compile_s:.1f} s / {load_s:.1f} s")]
+        if engine.graphs is not None:
+            rows.append(("decode CUDA graphs", f"{engine.graphs.captures} captured, {engine.graphs.replays} replayed"))
         click.echo(_table(rows))
     if pipe.output.json:
         out = Path(pipe.output.json)

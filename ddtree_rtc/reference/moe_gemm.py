@@ -87,3 +87,11 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=
         out[...] = y
         return out
     return y
+
+
+def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int, **knobs):
+    """The CUDA path's launch plan has no numpy counterpart (the reference allocates per call):
+    None, which ``moe_experts`` accepts as its ``plan``."""
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens} (M = 0 has nothing to route)")
+    return None
