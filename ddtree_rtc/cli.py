@@ -18,6 +18,7 @@ BENCHMARKS = {
     "tree": "DDTree top-k, tree build and accept vs the Python heapq reference",
     "moe": "INT4 W4A16 MoE layer at K2.6 dims vs the read ceiling and a bf16 cuBLAS peer",
     "attention": "MLA decode / tree-verify / prefill attention vs read and matmul ceilings",
+    "decode": "AR decode step on a K2.6-dims slice: stage times vs byte floors, eager / queued / CUDA graph",
 }
 
 
@@ -279,6 +280,7 @@ def bench(ctx, name):
     tree       DDTree top-k / build / accept vs the Python reference
     moe        INT4 MoE layer vs the read ceiling and a bf16 cuBLAS peer
     attention  MLA attention vs read / matmul ceilings and a CuPy peer
+    decode     AR decode step of a K2.6-dims slice: per-layer time vs byte floor, launch gaps
     """
     try:
         mod = importlib.import_module(f"ddtree_rtc.bench.{name}")

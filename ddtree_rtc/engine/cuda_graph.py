@@ -89,6 +89,10 @@ class DecodeGraphs:
         return StepInputs(wb, be.asarray(wb.tokens), be.asarray(wb.positions), be.zeros((b,), "int32"), plan,
                           be.asarray(np.asarray(wb.logit_rows, dtype=np.int64)))
 
+    def graph_of(self, batch_size: int):
+        """The captured graph of a batch size (KeyError before its first ``forward``)."""
+        return self._graphs[batch_size].graph
+
     def forward(self, batch: ForwardBatch):
         """Logits bf16 [B, V] of a decode batch (the graph's output buffer: read it before the next
         call of the same batch size)."""

@@ -37,8 +37,9 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                                  "mla_attention_small_kernel", "mla_attention_merge_kernel"),
                "absorbed MLA attention over the paged latent cache (decode / tree verify / causal "
                "prefill, mma.sync, split-K) and its split merge"),
-    KernelSpec("bench_ceiling", ("read_stream_kernel", "copy_stream_kernel"),
-               "streaming read and copy kernels that measure the memory ceilings for benchmarks"),
+    KernelSpec("bench_ceiling", ("read_stream_kernel", "copy_stream_kernel", "gate_wait_kernel"),
+               "streaming read and copy kernels that measure the memory ceilings for benchmarks; a "
+               "host-released gate that lets a benchmark queue a whole step before it runs"),
 )}
 
 

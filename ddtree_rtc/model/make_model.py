@@ -47,11 +47,14 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
 
 def random_int4_weight(rng: np.random.Generator, n: int, k: int, std: float):
     """(packed int32 [N, K/8], scales bf16 [N, K/32], shape int32 [2]) with W ~ std in magnitude.
-    Every value in [-8, 7] occurs, -8 included."""
-    q = rng.integers(-8, 8, size=(n, k), dtype=np.int8)
+    Uniform random words are uniform nibbles, i.e. q uniform on [-8, 7] packed per the spec (q + 8 in
+    bits 4*(k&7) of word k>>3) — 8x fewer draws than packing drawn ints; the first word holds -8 and 7
+    so every matrix has both extremes."""
+    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    words[0, 0] = 0x0F0F0F0F  # nibbles 15, 0, 15, 0, ...: q = 7, -8, 7, -8, ...
     # uniform ints on [-8, 7] have std ~4.6; scale groups to the target std with +-25% jitter
     s = (std / 4.6 * rng.uniform(0.75, 1.25, size=(n, k // QUANT_GROUP))).astype(bfloat16)
-    return pack_int4(q), s, np.array([n, k], dtype=np.int32)
+    return words.view(np.int32), s, np.array([n, k], dtype=np.int32)
 
 
 def _tensor(rng: np.random.Generator, spec: TensorSpec, cfg: ModelConfig, n_layers: int) -> np.ndarray:

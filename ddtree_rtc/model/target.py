@@ -206,10 +206,15 @@ class TargetModel:
         return self.backend.moe_plan(num_tokens, c.n_routed_experts, c.num_experts_per_tok, c.hidden_size,
                                      c.moe_intermediate_size)
 
-    def run(self, inputs: StepInputs, cache, output: str = "argmax", hidden_layers=(), moe_plan=None) -> ForwardOutput:
+    def run(self, inputs: StepInputs, cache, output: str = "argmax", hidden_layers=(), moe_plan=None,
+            mark=None) -> ForwardOutput:
         """The device half of a forward (no host sync, no host-to-device copy: it can be captured
         in a CUDA graph and replayed after ``prepare(..., into=inputs)``). ``moe_plan``: from
-        ``self.moe_plan(T)``, made here when not given (a graph keeps its own)."""
+        ``self.moe_plan(T)``, made here when not given (a graph keeps its own). ``mark(stage,
+        layer, x)``, when given, is called after each stage is enqueued ('embed', 'attention',
+        'mlp', 'head'; x = the stage's input activations) — the decode benchmark times stages with
+        it."""
+        mark = mark or (lambda stage, layer, x: None)
         if output not in ("argmax", "logits", "none"):
             raise ValueError(f"output must be 'argmax', 'logits' or 'none', got {output!r}")
         be, cfg = self.backend, self.cfg
@@ -217,15 +222,20 @@ class TargetModel:
             moe_plan = self.moe_plan(int(inputs.tokens.shape[0]))
         h = be.embedding(inputs.tokens, self.embed)
         x = be.rmsnorm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
+        mark("embed", -1, inputs.tokens)
         hidden = {}
         for i, layer in enumerate(self.layers):
             a = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache)
+            x_attn = x
             x, h = be.rmsnorm(a, layer.post_norm, cfg.rms_norm_eps, residual=h)
+            mark("attention", i, x_attn)
             m = self._mlp(layer, x, moe_plan)
+            x_mlp = x
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h)
             if i in hidden_layers:
                 hidden[i] = h.copy()
+            mark("mlp", i, x_mlp)
         out = ForwardOutput(hidden=hidden)
         if output == "none":
             return out
@@ -235,6 +245,7 @@ class TargetModel:
             out.logits = logits
         else:
             out.tokens = be.argmax(logits)
+        mark("head", -1, rows)
         return out
 
     def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache):

@@ -1,0 +1,284 @@
+"""Autoregressive decode on a K2.6-dims slice (dense layer 0 + MoE layers with 384 INT4 experts,
+64-head MLA, vocab 163840), random weights made on the GPU: one decode step for batch {1, 8, 32} at
+context {1k, 8k}.
+
+Per step it reports
+  * each stage's GPU time (embedding, every layer's attention block and MLP block — dense for
+    layer 0, MoE + shared expert after — and the lm_head) against its byte floor: the weights the
+    stage reads (only the routed experts the step's tokens touch) plus the KV rows attention
+    reads, over the read ceiling measured in the same run;
+  * the step's time three ways: eager launches; the same step queued behind a gate kernel so that
+    no kernel waits for the host (every launch enqueued before the first runs: the kernels back to
+    back, our measure of "the sum of its kernels"; it still holds the GPU's own ~1 µs switch
+    between kernels); and one CUDA-graph replay (engine.cuda_graph). ``launch gap`` = 1 - queued /
+    step time.
+Stage times come from events recorded between the stages in the queued run. The L2 is flushed
+before every timed run."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+from ml_dtypes import bfloat16
+
+from .harness import Row, random_bf16_device, read_ceiling_gbs, report, time_gpu
+
+PAGE = 64
+BATCHES = (1, 8, 32)
+CONTEXTS = (1024, 8192)
+STAGE_KINDS = ("attention", "dense", "moe", "head", "embed")
+
+
+def random_slice(moe_layers: int, seed: int = 0):
+    """TargetModel with K2.6 dims: layer 0 dense, then ``moe_layers`` MoE layers; weights random
+    with 1/sqrt(fan-in) scales (activations stay O(1)), norms 1, correction bias small."""
+    import cupy
+
+    from ..backend import Backend
+    from ..model.config import preset_config
+    from ..model.mla import MLAWeights
+    from ..model.moe import MoELayerWeights
+    from ..model.target import DenseMLP, Layer, TargetModel
+    from .moe import int4_experts_device
+
+    cfg = preset_config("k2.6").with_layers(1 + moe_layers)
+    be = Backend("cuda")
+    hid, heads = cfg.hidden_size, cfg.num_attention_heads
+    qk, vh, lat, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, \
+        cfg.qk_rope_head_dim
+    counter = iter(range(seed * 1000, seed * 1000 + 1000))
+
+    def w(n, k):
+        return random_bf16_device((n, k), scale=k ** -0.5, seed=next(counter))
+
+    def ones(n):
+        return be.asarray(np.ones(n, dtype=bfloat16))
+
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        attn = MLAWeights(q_b=w(heads * qk, cfg.q_lora_rank), kv_a=w(lat + rope, hid), kv_a_norm=ones(lat),
+                          kv_b=w(heads * (cfg.qk_nope_head_dim + vh), lat), o=w(hid, heads * vh),
+                          q_a=w(cfg.q_lora_rank, hid), q_a_norm=ones(cfg.q_lora_rank))
+        if cfg.is_moe_layer(i):
+            e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+            bias = (cupy.random.default_rng(next(counter)).standard_normal(e, dtype=cupy.float32) * 0.01)
+            shared = cfg.n_shared_experts * inter
+            mlp = MoELayerWeights(w(e, hid), bias.astype(cupy.float32),
+                                  int4_experts_device(e, hid, inter, next(counter)),
+                                  w(2 * shared, hid), w(hid, shared))
+        else:
+            mlp = DenseMLP(w(2 * cfg.intermediate_size, hid), w(hid, cfg.intermediate_size))
+        layers.append(Layer(ones(hid), ones(hid), attn, mlp))
+    embed = random_bf16_device((cfg.vocab_size, hid), seed=next(counter))
+    return TargetModel(cfg, be, embed, layers, ones(hid), w(cfg.vocab_size, hid))
+
+
+def _nbytes(*arrays) -> int:
+    return sum(int(a.nbytes) for a in arrays if a is not None)
+
+
+def layer_weight_bytes(model) -> list[dict]:
+    """Per layer: bytes of the attention weights, and of the MLP's dense part (dense MLP, or the MoE
+    router + shared expert; the routed experts are counted per step from the routing)."""
+    from ..model.target import DenseMLP
+
+    out = []
+    for layer in model.layers:
+        a = layer.attn
+        attn = _nbytes(a.q_a, a.q_a_norm, a.q_b, a.kv_a, a.kv_a_norm, a.kv_b, a.o, layer.input_norm)
+        m = layer.mlp
+        if isinstance(m, DenseMLP):
+            mlp = _nbytes(m.w13, m.w2, layer.post_norm)
+        else:
+            mlp = _nbytes(m.gate_weight, m.e_score_correction_bias, m.shared_w13, m.shared_w2, layer.post_norm)
+        out.append({"attention": attn, "mlp": mlp})
+    return out
+
+
+class Gate:
+    """A pinned host flag and the kernel that waits on it (see cuda_src/bench_ceiling.cu)."""
+
+    def __init__(self):
+        import cupy
+
+        from ..kernels.registry import module
+
+        self.mem = cupy.cuda.alloc_pinned_memory(4)
+        self.flag = np.frombuffer(self.mem, dtype=np.int32, count=1)
+        self.fn = module("bench_ceiling").fn("gate_wait_kernel")
+
+    def close(self) -> None:
+        self.flag[0] = 0
+        self.fn((1,), (32,), (np.uint64(self.mem.ptr), np.int64(4_000_000_000)))
+
+    def open(self) -> None:
+        self.flag[0] = 1
+
+
+def queued_stage_times(model, inputs, cache, moe_plan, flush, gate: Gate, reps: int):
+    """Median GPU time of the whole step and of each stage, the step enqueued behind the gate."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    totals, per_stage = [], []
+    for _ in range(reps):
+        flush.fill(0)
+        gate.close()
+        marks = [(None, None, cupy.cuda.Event())]
+        marks[0][2].record(stream)
+
+        def mark(stage, layer, x, marks=marks):
+            ev = cupy.cuda.Event()
+            ev.record(stream)
+            marks.append((stage, layer, ev))
+
+        model.run(inputs, cache, output="logits", moe_plan=moe_plan, mark=mark)
+        gate.open()
+        marks[-1][2].synchronize()
+        times = [cupy.cuda.get_elapsed_time(marks[i - 1][2], marks[i][2]) * 1e3 for i in range(1, len(marks))]
+        totals.append(sum(times))
+        per_stage.append(times)
+    labels = [(s, layer) for s, layer, _ in marks[1:]]
+    med = [statistics.median(col) for col in zip(*per_stage)]
+    return statistics.median(totals), list(zip(labels, med))
+
+
+def touched_experts(model, inputs, cache, moe_plan) -> dict[int, int]:
+    """Distinct routed experts each MoE layer's tokens pick in this step (a separate, untimed run)."""
+    from ..model.moe import MoELayerWeights
+
+    be, rc, seen = model.backend, model.routing, {}
+
+    def mark(stage, layer, x):
+        mlp = model.layers[layer].mlp if layer >= 0 else None
+        if stage == "mlp" and isinstance(mlp, MoELayerWeights):
+            ids, _ = be.moe_route(be.router_logits(x, mlp.gate_weight), mlp.e_score_correction_bias, rc.top_k,
+                                  rc.n_group, rc.topk_group, rc.norm_topk_prob, rc.routed_scaling_factor)
+            seen[layer] = len(np.unique(be.to_host(ids)))
+
+    model.run(inputs, cache, output="none", moe_plan=moe_plan, mark=mark)
+    return seen
+
+
+def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes) -> list[Row]:
+    from ..engine.cuda_graph import DecodeGraphs
+    from ..engine.kv_cache import PagedKVCache
+    from ..model.target import ForwardBatch
+    from .harness import _flush_buffer
+
+    row_bytes = model.dims.row * 2
+    per_seq = -(-(ctx + 1) // PAGE)
+    cache = PagedKVCache(model.backend, model.num_layers, batch * per_seq, PAGE, model.dims.row)
+    cache.data[...] = random_bf16_device(cache.data.shape, scale=1.0, seed=batch + ctx)
+    for s in range(batch):
+        cache.reserve(s, ctx + 1)
+    rng = np.random.default_rng(batch * 7 + ctx)
+    tokens = [[int(t)] for t in rng.integers(0, model.cfg.vocab_size, batch)]
+    step = ForwardBatch.causal(list(range(batch)), [ctx] * batch, tokens)
+    inputs = model.prepare(step, cache)
+    moe_plan = model.moe_plan(batch)
+    touched = touched_experts(model, inputs, cache, moe_plan)
+    flush = _flush_buffer()
+
+    def eager():
+        model.run(inputs, cache, output="logits", moe_plan=moe_plan)
+
+    t_eager = time_gpu(eager, warmup=2, iters=iters).median_us
+    t_queued, stages = queued_stage_times(model, inputs, cache, moe_plan, flush, gate, iters)
+    graphs = DecodeGraphs(model, cache, ctx + 1)
+    graphs.forward(step)  # capture
+    launch = graphs.graph_of(batch).launch
+    t_graph = time_gpu(launch, warmup=2, iters=iters).median_us
+
+    expert_bytes = model.layers[-1].mlp.experts.expert_nbytes() if touched else 0
+    kv_bytes = batch * (ctx + 1) * row_bytes
+    head_bytes = int(model.lm_head.nbytes + model.final_norm.nbytes)
+    case = f"b{batch} ctx{ctx // 1024}k"
+    rows, sums = [], {}
+    for (stage, layer), us in stages:
+        if stage == "attention":
+            kind, nbytes = "attention", weight_bytes[layer]["attention"] + kv_bytes
+        elif stage == "mlp":
+            moe = layer in touched
+            kind = "moe" if moe else "dense"
+            nbytes = weight_bytes[layer]["mlp"] + (touched[layer] * expert_bytes if moe else 0)
+        elif stage == "head":
+            kind, nbytes = "head", head_bytes
+        else:
+            kind, nbytes = "embed", batch * model.cfg.hidden_size * 2
+        sums.setdefault(kind, []).append((us, nbytes))
+        extra = {"batch": batch, "ctx": ctx, "stage": kind, "layer": layer,
+                 "floor_us": nbytes / read_ceiling_gbs() / 1e3}
+        if stage == "mlp" and layer in touched:
+            extra["experts_touched"] = touched[layer]
+        rows.append(Row(f"{case} L{layer} {kind}" if layer >= 0 else f"{case} {kind}", us, bytes=int(nbytes),
+                        extra=extra))
+    layer_floor = {k: sum(b for _, b in v) / len(v) / read_ceiling_gbs() / 1e3 for k, v in sums.items()}
+    layer_us = {k: sum(u for u, _ in v) / len(v) for k, v in sums.items()}
+    step_bytes = sum(r.bytes for r in rows)
+    common = {"batch": batch, "ctx": ctx, "eager_us": t_eager, "queued_us": t_queued, "graph_us": t_graph,
+              "launch_gap_eager": 1 - t_queued / t_eager, "launch_gap_graph": 1 - t_queued / t_graph,
+              "graph_over_queued": t_graph / t_queued, "eager_over_queued": t_eager / t_queued,
+              "mean_stage_us": layer_us, "mean_stage_floor_us": layer_floor,
+              "mean_stage_over_floor": {k: layer_us[k] / layer_floor[k] for k in layer_us}}
+    rows.append(Row(f"{case} step (CUDA graph)", t_graph, bytes=step_bytes, extra=common))
+    rows.append(Row(f"{case} step (eager)", t_eager, bytes=step_bytes, extra={"batch": batch, "ctx": ctx}))
+    rows.append(Row(f"{case} step (queued: sum of kernels)", t_queued, bytes=step_bytes,
+                    extra={"batch": batch, "ctx": ctx}))
+    return rows
+
+
+def print_summary(rows: list[Row]) -> None:
+    print("\nbatch | ctx | attention µs (x floor) | dense µs (x floor) | MoE µs (x floor) | head µs | "
+          "step eager / queued / graph µs | gap eager / graph")
+    for r in rows:
+        e = r.extra
+        if "graph_us" not in e:
+            continue
+        us, fl = e["mean_stage_us"], e["mean_stage_over_floor"]
+
+        def cell(k, us=us, fl=fl):
+            return f"{us[k]:.1f} ({fl[k]:.2f}x)" if k in us else "-"
+
+        print(f"{e['batch']} | {e['ctx']} | {cell('attention')} | {cell('dense')} | {cell('moe')} | "
+              f"{us.get('head', 0):.1f} | {e['eager_us']:.0f} / {e['queued_us']:.0f} / {e['graph_us']:.0f} | "
+              f"{100 * e['launch_gap_eager']:.0f}% / {100 * e['launch_gap_graph']:.0f}%")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="ddtree-rtc bench decode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--moe-layers", type=int, default=2, help="MoE layers after the dense layer 0 (9.5 GB each)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    import cupy
+
+    if args.moe_layers < 0:
+        ap.error("--moe-layers must be >= 0")
+    model = random_slice(args.moe_layers)
+    weight_bytes = layer_weight_bytes(model)
+    gate = Gate()
+    rows = []
+    for b in (int(v) for v in args.batches.split(",")):
+        for c in (int(v) for v in args.contexts.split(",")):
+            rows += bench_case(model, b, c, args.iters, gate, weight_bytes)
+            cupy.get_default_memory_pool().free_all_blocks()  # the case's cache and graphs
+            print(f"  b{b} ctx{c}: graph {rows[-3].us:.0f} µs", flush=True)
+    notes = {"model": f"K2.6 dims, layer 0 dense + {args.moe_layers} MoE layers, random weights",
+             "floor": "weights read (routed experts: only those the step's tokens touch) + KV rows read, "
+                      "over the read ceiling", "page_size": PAGE,
+             "queued": "the step enqueued behind a host-released gate kernel: kernels back to back, no host "
+                       "waits (includes the GPU's own kernel-to-kernel switch)",
+             "timing": "median, L2 flushed before each run; stage times from events between stages in the "
+                       "queued run"}
+    doc = report("AR decode step on a K2.6-dims slice", rows, args.json, notes=notes)
+    print_summary(rows)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
