@@ -56,16 +56,3 @@ def allow_dynamic_smem(fn, nbytes: int) -> None:
     if driver.funcGetAttribute(attr, fn.ptr) < nbytes:
         driver.funcSetAttribute(fn.ptr, attr, nbytes)
 
-
-def cublas_handle():
-    """The device's cuBLAS handle bound to the current stream, in host pointer mode (alpha/beta are
-    host scalars). Binding the stream on every call keeps cuBLAS ordered with our kernels on
-    whatever stream is current, which is what lets a CUDA graph capture it (CuPy's handle keeps
-    the stream of CuPy's own last cuBLAS call, often the legacy default stream)."""
-    import cupy
-    from cupy_backends.cuda.libs import cublas
-
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    cublas.setPointerMode(handle, 0)  # CUBLAS_POINTER_MODE_HOST
-    return handle

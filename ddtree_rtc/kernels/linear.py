@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._args import BF16, check, cublas_handle, out_array
+from . import _cublas
+from ._args import BF16, check, out_array
 
 _CUDA_R_16BF = 14
 _CUBLAS_COMPUTE_32F = 68
@@ -21,8 +22,6 @@ _BETA = np.zeros(1, dtype=np.float32)
 
 def linear(x, weight, out=None):
     """x [M, K] bf16, weight [N, K] bf16 -> [M, N] bf16 (fp32 accumulate)."""
-    from cupy.cuda import cublas
-
     check("x", x, BF16, ndim=2)
     k = x.shape[1]
     check("weight", weight, BF16, ndim=2)
@@ -37,7 +36,7 @@ def linear(x, weight, out=None):
         return y
     if max(m, n, k) >= 2**31:
         raise ValueError(f"linear: dims {(m, n, k)} exceed cuBLAS int32 sizes")
-    cublas.gemmEx(cublas_handle(), _CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k,
-                  _ALPHA.ctypes.data, weight.data.ptr, _CUDA_R_16BF, k, x.data.ptr, _CUDA_R_16BF, k,
-                  _BETA.ctypes.data, y.data.ptr, _CUDA_R_16BF, n, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    _cublas.gemm_ex(_CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k,
+                    _ALPHA.ctypes.data, weight.data.ptr, _CUDA_R_16BF, k, x.data.ptr, _CUDA_R_16BF, k,
+                    _BETA.ctypes.data, y.data.ptr, _CUDA_R_16BF, n, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
     return y

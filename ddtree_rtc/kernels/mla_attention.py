@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
-from ._args import BF16, allow_dynamic_smem, check, cublas_handle, out_array
+from . import _cublas
+from ._args import BF16, allow_dynamic_smem, check, out_array
 from .registry import module
 
 # variant -> (BM query rows, BN cache rows per tile, warps, O row groups); mirrors cuda_src Cfg<...>
@@ -272,7 +273,6 @@ def mla_head_gemm(x, w, trans_w: bool, out=None):
     out [T, H, N]. Any of them may be a view with a contiguous last dim (e.g. q[:, :, :128],
     kv_b.reshape(H, 256, 512)[:, :128], q_att[:, :, :512])."""
     import cupy
-    from cupy_backends.cuda.libs import cublas
 
     check("x", x, BF16, ndim=3, contiguous=False)
     check("w", w, BF16, ndim=3, contiguous=False)
@@ -302,8 +302,8 @@ def mla_head_gemm(x, w, trans_w: bool, out=None):
     # col-major [K x N] (op T); w_h row-major [K, N] is col-major [N x K] (op N).
     ldx, ldw, ldy = max(xs[0], k), max(ws[1], w_cols), max(ys[0], n)  # max(): unused when that dim is 1
     alpha, beta = np.array(1.0, np.float32), np.array(0.0, np.float32)
-    cublas.gemmStridedBatchedEx(
-        cublas_handle(), _OP_T if trans_w else _OP_N, _OP_N, n, t, k,
+    _cublas.gemm_strided_batched_ex(
+        _OP_T if trans_w else _OP_N, _OP_N, n, t, k,
         alpha.ctypes.data, w.data.ptr, _CUDA_R_16BF, ldw, ws[0],
         x.data.ptr, _CUDA_R_16BF, ldx, xs[1],
         beta.ctypes.data, out.data.ptr, _CUDA_R_16BF, ldy, ys[1],

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference.moe_routing import MAX_EXPERTS, MoEAlignment, align_capacity, check_route_args
-from ._args import BF16, check, cublas_handle, out_array
+from . import _cublas
+from ._args import BF16, check, out_array
 from .registry import module
 
 _ROUTE_WARPS = 4
@@ -25,8 +26,6 @@ _BETA = np.zeros(1, dtype=np.float32)
 
 def router_logits(x, weight, out=None):
     """x [M, H] bf16, weight [E, H] bf16 -> fp32 logits [M, E] (cuBLAS gemmEx, fp32 accumulate)."""
-    from cupy.cuda import cublas
-
     check("x", x, BF16, ndim=2)
     h = x.shape[1]
     check("weight", weight, BF16, shape=(None, h))
@@ -34,9 +33,9 @@ def router_logits(x, weight, out=None):
     y = out_array("out", out, (m, e), np.float32)
     if m == 0:
         return y
-    cublas.gemmEx(cublas_handle(), _CUBLAS_OP_T, _CUBLAS_OP_N, e, m, h,
-                  _ALPHA.ctypes.data, weight.data.ptr, _CUDA_R_16BF, h, x.data.ptr, _CUDA_R_16BF, h,
-                  _BETA.ctypes.data, y.data.ptr, _CUDA_R_32F, e, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    _cublas.gemm_ex(_CUBLAS_OP_T, _CUBLAS_OP_N, e, m, h,
+                    _ALPHA.ctypes.data, weight.data.ptr, _CUDA_R_16BF, h, x.data.ptr, _CUDA_R_16BF, h,
+                    _BETA.ctypes.data, y.data.ptr, _CUDA_R_32F, e, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
     return y
 
 
