@@ -3,7 +3,9 @@
 // +inf count as -inf, -0 as +0, lse = 0 for a row without a finite logit, log-probs clamped to
 // >= -FLT_MAX) are shared with ddtree_rtc/reference/topk.py.
 //
-// Each row is split into S slices, one block of 512 threads per slice:
+// Two variants with identical results. The chunked one (topk_chunk_*, further down, the default)
+// reads every element once. The slices one (topk_bf16_kernel / topk_f32_kernel): each row is split
+// into S slices, one block of 512 threads per slice:
 //   pass 1 (one HBM read): online max / sum of exponentials, and every thread's best element;
 //   threshold: the K-th best of the 512 per-thread bests is a lower bound of the slice's K-th
 //     largest, so pass 2 keeps only elements at or above it (~1-8 K of them);
@@ -92,7 +94,7 @@ struct Shared {
   unsigned* hist;            // [256]
   unsigned long long* red;   // [2 * WARPS] block reductions
   float* red_f;              // [2 * WARPS]
-  unsigned* scalars;         // [4]: count, selected digit, count above it, count in it
+  unsigned* scalars;         // [6]: count, selected digit, count above it, count in it; two more counts
 };
 
 // (m, s) += (m2, s2) for sums of exp(x - m); m = -inf means "no finite element yet".
@@ -103,7 +105,9 @@ __device__ __forceinline__ void lse_combine(float& m, float& s, float m2, float 
   m = M;
 }
 
+template <int NT>
 __device__ void block_lse(float& m, float& s, const Shared& sh) {
+  constexpr int NW = NT / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -113,16 +117,18 @@ __device__ void block_lse(float& m, float& s, const Shared& sh) {
   __syncthreads();
   if (lane == 0) {
     sh.red_f[warp] = m;
-    sh.red_f[WARPS + warp] = s;
+    sh.red_f[NW + warp] = s;
   }
   __syncthreads();
   m = neg_inf();
   s = 0.f;
-  for (int w = 0; w < WARPS; ++w) lse_combine(m, s, sh.red_f[w], sh.red_f[WARPS + w]);
+  for (int w = 0; w < NW; ++w) lse_combine(m, s, sh.red_f[w], sh.red_f[NW + w]);
 }
 
 // OR and AND of the keys of all threads (every thread gets both).
+template <int NT>
 __device__ void block_or_and(unsigned long long& o, unsigned long long& a, const Shared& sh) {
+  constexpr int NW = NT / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) {
@@ -132,34 +138,35 @@ __device__ void block_or_and(unsigned long long& o, unsigned long long& a, const
   __syncthreads();
   if (lane == 0) {
     sh.red[warp] = o;
-    sh.red[WARPS + warp] = a;
+    sh.red[NW + warp] = a;
   }
   __syncthreads();
   o = 0ull;
   a = ~0ull;
-  for (int w = 0; w < WARPS; ++w) {
+  for (int w = 0; w < NW; ++w) {
     o |= sh.red[w];
-    a &= sh.red[WARPS + w];
+    a &= sh.red[NW + w];
   }
 }
 
 // A threshold t with exactly kk keys >= t among a[0, n) when the keys are distinct (1 <= kk <= n),
 // at least kk when some are equal (only the zero keys of threads without elements can be).
 // MSD radix select: each round splits the active keys on the 8 bits below their highest differing bit.
+template <int NT>
 __device__ unsigned long long radix_select(const unsigned long long* a, int n, int kk, const Shared& sh) {
   const int tid = threadIdx.x, lane = tid & 31;
   unsigned long long prefix = 0ull, fixed = 0ull;  // fixed: the decided high bits; prefix: their value
   unsigned need = (unsigned)kk;
   while (true) {
     unsigned long long o = 0ull, an = ~0ull;
-    for (int i = tid; i < n; i += THREADS) {
+    for (int i = tid; i < n; i += NT) {
       const unsigned long long k = a[i];
       if ((k & fixed) == prefix) {
         o |= k;
         an &= k;
       }
     }
-    block_or_and(o, an, sh);
+    block_or_and<NT>(o, an, sh);
     const unsigned long long diff = o ^ an;
     if (diff == 0ull) return an;  // one active key (or equal ones): it is the threshold
     const int h = 63 - __clzll(diff);
@@ -167,9 +174,9 @@ __device__ unsigned long long radix_select(const unsigned long long* a, int n, i
     const unsigned dmask = (2u << (h - shift)) - 1u;
     fixed = h == 63 ? 0ull : ~0ull << (h + 1);
     prefix = an & fixed;  // bits above h are common to all active keys
-    for (int i = tid; i < 256; i += THREADS) sh.hist[i] = 0u;
+    for (int i = tid; i < 256; i += NT) sh.hist[i] = 0u;
     __syncthreads();
-    for (int i = tid; i < n; i += THREADS) {
+    for (int i = tid; i < n; i += NT) {
       const unsigned long long k = a[i];
       if ((k & fixed) == prefix) atomicAdd(&sh.hist[(unsigned)(k >> shift) & dmask], 1u);
     }
@@ -206,10 +213,11 @@ __device__ unsigned long long radix_select(const unsigned long long* a, int n, i
 }
 
 // top[0, kk) = the keys >= thr of a[0, n) (exactly kk of them), in any order.
+template <int NT>
 __device__ void gather(const unsigned long long* a, int n, unsigned long long thr, const Shared& sh) {
   if (threadIdx.x == 0) sh.scalars[0] = 0u;
   __syncthreads();
-  for (int i = threadIdx.x; i < n; i += THREADS) {
+  for (int i = threadIdx.x; i < n; i += NT) {
     const unsigned long long k = a[i];
     if (k >= thr) {
       const unsigned pos = atomicAdd(&sh.scalars[0], 1u);
@@ -220,14 +228,15 @@ __device__ void gather(const unsigned long long* a, int n, unsigned long long th
 }
 
 // Sort top[0, kk) descending (bitonic over the next power of two, padded with zero keys).
+template <int NT>
 __device__ void sort_top(int kk, const Shared& sh) {
   int p = 1;
   while (p < kk) p <<= 1;
-  for (int i = kk + threadIdx.x; i < p; i += THREADS) sh.top[i] = 0ull;
+  for (int i = kk + threadIdx.x; i < p; i += NT) sh.top[i] = 0ull;
   __syncthreads();
   for (int k = 2; k <= p; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < p; i += THREADS) {
+      for (int i = threadIdx.x; i < p; i += NT) {
         const int l = i ^ j;
         if (l > i) {
           const unsigned long long x = sh.top[i], y = sh.top[l];
@@ -339,9 +348,10 @@ __device__ __forceinline__ void slice_bounds(int V, int S, int slice, int& lo, i
   hi = min(V, lo + chunk);
 }
 
+template <int NT>
 __device__ void write_row(int K, float m, float s, float* logq, int* ids, const Shared& sh) {
   const float lse = m == neg_inf() ? 0.f : m + logf(s);
-  for (int i = threadIdx.x; i < K; i += THREADS) {
+  for (int i = threadIdx.x; i < K; i += NT) {
     const unsigned long long k = sh.top[i];
     logq[i] = fmaxf(unord32((unsigned)(k >> 32)) - lse, -FLT_MAX_F);
     ids[i] = (int)~(unsigned)k;
@@ -362,11 +372,11 @@ __device__ void topk_block(const T* logits, int V, int K, int S, float* logq_out
   float m = neg_inf(), s = 0.f, best = neg_inf();
   int best_id = -1;
   pass_stats<T, VEC>(rp, lo, hi, m, s, best, best_id);
-  block_lse(m, s, sh);
+  block_lse<THREADS>(m, s, sh);
   sh.cand[tid] = best_id >= 0 ? make_key(ord32(canon(best)), best_id) : 0ull;
   __syncthreads();
   if (kk > 0) {
-    unsigned long long thr = radix_select(sh.cand, THREADS, kk, sh);
+    unsigned long long thr = radix_select<THREADS>(sh.cand, THREADS, kk, sh);
     unsigned n;
     while (true) {
       __syncthreads();  // everyone is done with cand and the counter before they are reused
@@ -376,14 +386,14 @@ __device__ void topk_block(const T* logits, int V, int K, int S, float* logq_out
       __syncthreads();
       n = sh.scalars[0];
       if (n <= (unsigned)CAP) break;
-      thr = radix_select(sh.cand, CAP, kk, sh);  // K-th best of those kept: strictly higher
+      thr = radix_select<THREADS>(sh.cand, CAP, kk, sh);  // K-th best of those kept: strictly higher
     }
-    gather(sh.cand, (int)n, radix_select(sh.cand, (int)n, kk, sh), sh);
+    gather<THREADS>(sh.cand, (int)n, radix_select<THREADS>(sh.cand, (int)n, kk, sh), sh);
   }
   const long long out_row = (long long)row * K;
   if (S == 1) {
-    sort_top(kk, sh);
-    write_row(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+    sort_top<THREADS>(kk, sh);
+    write_row<THREADS>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
     return;
   }
   unsigned long long* my_keys = ws_keys + ((long long)row * S + slice) * K;
@@ -413,20 +423,253 @@ __device__ void topk_block(const T* logits, int V, int K, int S, float* logq_out
   }
   if (tid == 0) ws_count[row] = 0u;  // ready for the next launch (and graph replay)
   __syncthreads();
-  gather(sh.cand, n, radix_select(sh.cand, n, K, sh), sh);
-  sort_top(K, sh);
-  write_row(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+  gather<THREADS>(sh.cand, n, radix_select<THREADS>(sh.cand, n, K, sh), sh);
+  sort_top<THREADS>(K, sh);
+  write_row<THREADS>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
 }
 
-__device__ __forceinline__ Shared carve() {
+// ---------------------------------------------------------------- chunked variant
+// Each row is cut into C chunks of `chunk` elements, one block of CT threads per chunk. A block
+// copies its chunk once from HBM into shared memory (cp.async, every 16-byte piece in flight at
+// once) and from there:
+//   stats: online max and sum of exponentials per thread; per 16-byte vector its largest key
+//     (value, then the smaller id), the "vector key";
+//   threshold: the kk-th largest vector key t (kk = min(K, chunk size)). Exactly kk vectors have a
+//     key >= t, so at least kk elements are >= t, and every element >= t lies in one of them:
+//     at most kk * VEC candidates, so the buffer cannot overflow;
+//   collect the candidates, radix select the kk-th, write the kk best keys and (max, sum) to the
+//   workspace; the last block of the row to finish merges the C * kk keys into the sorted top K.
+// NaN / +inf are rare: a thread first works on the raw values (the strict compares skip NaN) and
+// redoes its stats with sanitized ones only if its sum came out non-finite (a NaN, or an +inf max).
+constexpr int CT = 256;
+constexpr int NV = 8;
+constexpr int MAX_VECS = CT * NV;  // 16-byte vectors per chunk at most (32 KB)
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// 16 bytes of logits as raw bits; elements past the end are -inf.
+template <typename T>
+struct Vec16;
+template <>
+struct Vec16<unsigned short> {
+  static constexpr int N = 8;
+  static __device__ __forceinline__ uint4 load_scalar(const unsigned short* p, int n) {
+    unsigned h[N];
+#pragma unroll
+    for (int e = 0; e < N; ++e) h[e] = e < n ? (unsigned)p[e] : 0xff80u;
+    return make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
+  }
+  static __device__ __forceinline__ void unpack(const uint4& r, float (&x)[N]) {
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+};
+template <>
+struct Vec16<float> {
+  static constexpr int N = 4;
+  static __device__ __forceinline__ uint4 load_scalar(const float* p, int n) {
+    unsigned w[N];
+#pragma unroll
+    for (int e = 0; e < N; ++e) w[e] = e < n ? __float_as_uint(p[e]) : 0xff800000u;
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  static __device__ __forceinline__ void unpack(const uint4& r, float (&x)[N]) {
+    x[0] = __uint_as_float(r.x);
+    x[1] = __uint_as_float(r.y);
+    x[2] = __uint_as_float(r.z);
+    x[3] = __uint_as_float(r.w);
+  }
+};
+
+// Dynamic shared memory of a chunk block, in 8-byte keys: the chunk (2 * MAX_VECS) then the vector
+// keys, later the candidates over them; the merging block reuses all of it for every chunk's kk
+// keys: max(2 * MAX_VECS + max(MAX_VECS, VEC * K), C * K) keys (the host sizes it).
+
+// Thread stats of its vectors v = j * CT + tid < nvec, in one pass: online max m and sum s of
+// exp(x - m), and the vector keys. Returns whether s is not finite (only possible with NaN or
+// +inf when !SAN).
+template <typename T, bool SAN>
+__device__ __forceinline__ bool chunk_stats(const uint4* data, int lo, int nvec, unsigned long long* vkeys,
+                                            float& m, float& s) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  m = neg_inf();
+  s = 0.f;
+#pragma unroll 4
+  for (int j = 0; j < NV; ++j) {
+    const int v = j * CT + threadIdx.x;
+    if (v >= nvec) break;
+    float x[VEC];
+    W::unpack(data[v], x);
+    float vm = neg_inf();
+    int vi = 0;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      x[e] = SAN ? sanitize(x[e]) : x[e];
+      if (x[e] > vm) {  // strict: the first of equal values, the smaller id
+        vm = x[e];
+        vi = e;
+      }
+    }
+    vkeys[v] = make_key(ord32(canon(vm)), lo + v * VEC + vi);
+    if (vm > m) {
+      s *= fast_exp2((m - vm) * LOG2E);
+      m = vm;
+    }
+    const float ml = m == neg_inf() ? 0.f : m * LOG2E;  // all -inf so far: every term is 0
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) s += fast_exp2(fmaf(x[e], LOG2E, -ml));
+  }
+  return !(s <= FLT_MAX_F);
+}
+
+// Candidates of this thread: the elements with key >= thr of its vectors flagged in pass. Counted
+// when out is null, else written to out[pos...].
+template <typename T>
+__device__ __forceinline__ unsigned chunk_collect(const uint4* data, unsigned pass, int lo, int n,
+                                                  unsigned long long thr, unsigned long long* out, unsigned pos) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  unsigned cnt = 0u;
+  while (pass) {
+    const int j = __ffs(pass) - 1;
+    pass &= pass - 1u;
+    const int v = j * CT + threadIdx.x;
+    float x[VEC];
+    W::unpack(data[v], x);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const unsigned long long k = make_key(ord32(canon(sanitize(x[e]))), lo + v * VEC + e);
+      if (v * VEC + e < n && k >= thr) {
+        if (out != nullptr) out[pos + cnt] = k;
+        ++cnt;
+      }
+    }
+  }
+  return cnt;
+}
+
+template <typename T, bool VL>
+__device__ void chunk_block(const T* logits, int V, int K, int C, int chunk, float* logq_out, int* ids_out,
+                            unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count, const Shared& sh) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  __shared__ int is_last;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int c = blockIdx.x, row = blockIdx.y;  // a row's chunks run side by side: merges spread out
+  const int lo = c * chunk;  // < V: the host launches ceil(V / chunk) chunks per row
+  const int n = min(chunk, V - lo);
+  const int nvec = (n + VEC - 1) / VEC;
+  const int kk = min(K, n);
+  const T* src = logits + (long long)row * V + lo;
+  uint4* data = reinterpret_cast<uint4*>(sh.cand);
+  unsigned long long* vkeys = sh.cand + 2 * MAX_VECS;
+  unsigned long long* cand = vkeys;  // once the threshold is known
+  if (tid == 0) {
+    sh.scalars[4] = 0u;
+    sh.scalars[5] = 0u;
+  }
+
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int v = j * CT + tid;
+    if (v < nvec) {
+      if (VL) cp_async16(data + v, src + v * VEC);
+      else data[v] = W::load_scalar(src + v * VEC, n - v * VEC);
+    }
+  }
+  if (VL) cp_async_wait_all();  // each thread reads back only its own vectors until the barrier
+  float m, s;
+  if (chunk_stats<T, false>(data, lo, nvec, vkeys, m, s)) chunk_stats<T, true>(data, lo, nvec, vkeys, m, s);
+  block_lse<CT>(m, s, sh);  // its barriers also publish vkeys and the zeroed counters
+
+  const unsigned long long thr = nvec > kk ? radix_select<CT>(vkeys, nvec, kk, sh) : 0ull;
+  unsigned pass = 0u;  // this thread's vectors that can hold candidates (at most kk in the block)
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int v = j * CT + tid;
+    if (v < nvec && vkeys[v] >= thr) pass |= 1u << j;
+  }
+  const unsigned cnt = chunk_collect<T>(data, pass, lo, n, thr, nullptr, 0u);
+  unsigned incl = cnt;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned t = __shfl_up_sync(FULL, incl, d);
+    if (lane >= d) incl += t;
+  }
+  unsigned base = 0u;
+  if (lane == 31) base = atomicAdd(&sh.scalars[4], incl);
+  base = __shfl_sync(FULL, base, 31);
+  __syncthreads();  // every thread is done with vkeys: the candidates go over them
+  chunk_collect<T>(data, pass, lo, n, thr, cand, base + incl - cnt);
+  __syncthreads();
+  const int nc = (int)sh.scalars[4];  // kk <= nc <= kk * VEC
+
+  const unsigned long long thr2 = nc > kk ? radix_select<CT>(cand, nc, kk, sh) : 0ull;
+  unsigned long long* dst = C == 1 ? sh.top : ws_keys + ((long long)row * C + c) * K;
+  for (int i = tid; i < nc; i += CT) {
+    const unsigned long long k = cand[i];
+    if (k >= thr2) dst[atomicAdd(&sh.scalars[5], 1u)] = k;  // exactly kk pass: keys are distinct
+  }
+  const long long out_row = (long long)row * K;
+  if (C == 1) {  // kk = K: the chunk is the whole row
+    __syncthreads();
+    sort_top<CT>(K, sh);
+    write_row<CT>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+    return;
+  }
+  if (tid == 0) {
+    ws_ms[2 * (row * C + c)] = m;
+    ws_ms[2 * (row * C + c) + 1] = s;
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(&ws_count[row], 1u) == (unsigned)(C - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // The last block of the row merges every chunk's keys (C * K fit, see the layout above).
+  int nm = 0;
+  m = neg_inf();
+  s = 0.f;
+  for (int j = 0; j < C; ++j) {
+    const int jk = min(K, min(chunk, V - j * chunk));
+    const unsigned long long* keys = ws_keys + ((long long)row * C + j) * K;
+    for (int i = tid; i < jk; i += CT) sh.cand[nm + i] = __ldcg(keys + i);
+    lse_combine(m, s, __ldcg(ws_ms + 2 * (row * C + j)), __ldcg(ws_ms + 2 * (row * C + j) + 1));
+    nm += jk;
+  }
+  if (tid == 0) ws_count[row] = 0u;  // ready for the next launch (and graph replay)
+  __syncthreads();
+  gather<CT>(sh.cand, nm, radix_select<CT>(sh.cand, nm, K, sh), sh);
+  sort_top<CT>(K, sh);
+  write_row<CT>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+}
+
+// Dynamic shared memory: the candidate keys, then (top == nullptr) MAX_K keys for the selected ones.
+__device__ __forceinline__ Shared carve(int cand_keys, unsigned long long* top) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ unsigned hist[256];
   __shared__ unsigned long long red[2 * WARPS];
   __shared__ float red_f[2 * WARPS];
-  __shared__ unsigned scalars[4];
+  __shared__ unsigned scalars[6];
   Shared sh;
   sh.cand = reinterpret_cast<unsigned long long*>(smem_raw);
-  sh.top = sh.cand + CAP;
+  sh.top = top != nullptr ? top : sh.cand + cand_keys;
   sh.hist = hist;
   sh.red = red;
   sh.red_f = red_f;
@@ -442,7 +685,7 @@ __device__ __forceinline__ Shared carve() {
 extern "C" __global__ void __launch_bounds__(THREADS, 1) topk_bf16_kernel(
     const unsigned short* __restrict__ logits, int V, int K, int S, int vec, float* __restrict__ logq,
     int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
-  const Shared sh = carve();
+  const Shared sh = carve(CAP, nullptr);
   if (vec) topk_block<unsigned short, 8>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
   else topk_block<unsigned short, 1>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
 }
@@ -450,7 +693,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) topk_bf16_kernel(
 extern "C" __global__ void __launch_bounds__(THREADS, 1) topk_f32_kernel(
     const float* __restrict__ logits, int V, int K, int S, int vec, float* __restrict__ logq,
     int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
-  const Shared sh = carve();
+  const Shared sh = carve(CAP, nullptr);
   if (vec) topk_block<float, 4>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
   else topk_block<float, 1>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
+}
+
+// Chunked variant. grid (C, rows), block 256, dynamic shared memory
+// max(4096 + max(2048, VEC * K), C * K) * 8 bytes, VEC = 16 / element size; chunk a multiple of VEC
+// (at most 2048 * VEC), C = ceil(V / chunk). vec = 1: rows are 16-byte aligned and V % VEC == 0.
+// C > 1: ws_keys [rows, >= C, K], ws_ms [rows, >= C, 2], ws_count [rows] zeroed once (reset by the kernel).
+extern "C" __global__ void __launch_bounds__(CT, 4) topk_chunk_bf16_kernel(
+    const unsigned short* __restrict__ logits, int V, int K, int C, int chunk, int vec, float* __restrict__ logq,
+    int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
+  __shared__ unsigned long long top[MAX_K];  // static: its address needs no register
+  const Shared sh = carve(0, top);
+  if (vec) chunk_block<unsigned short, true>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, sh);
+  else chunk_block<unsigned short, false>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, sh);
+}
+
+extern "C" __global__ void __launch_bounds__(CT, 4) topk_chunk_f32_kernel(
+    const float* __restrict__ logits, int V, int K, int C, int chunk, int vec, float* __restrict__ logq,
+    int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
+  __shared__ unsigned long long top[MAX_K];
+  const Shared sh = carve(0, top);
+  if (vec) chunk_block<float, true>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, sh);
+  else chunk_block<float, false>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, sh);
 }

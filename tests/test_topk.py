@@ -1,6 +1,6 @@
-"""Vocabulary top-k: the reference against a float64 full sort and its rules (CPU), then the kernel
-against the reference: ids exactly, log-probs to fp32 tolerance, on every path (vectorised or not,
-one or several blocks per row, candidate-buffer overflow)."""
+"""Vocabulary top-k: the reference against a float64 full sort and its rules (CPU), then both kernel
+variants against the reference: ids exactly, log-probs to fp32 tolerance, on every path (vectorised
+or not, one or several blocks per row, chunk sizes, candidate-buffer overflow of the slices kernel)."""
 
 import numpy as np
 import pytest
@@ -106,18 +106,21 @@ def test_reference_bad_k():
 # ---------------------------------------------------------------- GPU
 
 
-def run_gpu(x, k, slices=None, cap=None, offset=0, repeat=1):
+def run_gpu(x, k, slices=None, cap=None, offset=0, repeat=1, variant=None, vectors=None):
     """Kernel on host logits ``x``; outputs pre-filled with NaN / -1. ``offset`` elements in front
-    of the data make the rows unaligned (the scalar path)."""
+    of the data make the rows unaligned (the scalar path); the tail behind the data is NaN."""
     import cupy
 
     from ddtree_rtc.kernels import topk
 
     bits = x.view(np.uint16) if x.dtype == bfloat16 else x
-    flat = cupy.empty(bits.size + offset, dtype=bits.dtype)
-    flat[offset:] = cupy.asarray(bits.ravel())
-    dev = flat[offset:].reshape(x.shape)
-    ws = topk.topk_workspace(x.shape, k, slices=slices, cap=cap)
+    flat = cupy.full(bits.size + offset + 64, np.nan, dtype=np.float32)
+    if bits.dtype == np.uint16:
+        flat = flat.view(cupy.uint16)  # NaN bits (0x7fc0) in each half
+    flat[offset:offset + bits.size] = cupy.asarray(bits.ravel())
+    dev = flat[offset:offset + bits.size].reshape(x.shape)
+    ws = topk.topk_workspace(x.shape, k, slices=slices, cap=cap, variant=variant, vectors=vectors)
+    assert ws.variant == (variant or ws.variant)
     logq = cupy.full((*x.shape[:-1], k), np.nan, dtype=cupy.float32)
     ids = cupy.full((*x.shape[:-1], k), -1, dtype=cupy.int32)
     for _ in range(repeat):  # the slice counters must be back to zero after every launch
@@ -138,14 +141,34 @@ def check_gpu(x, k, **kw):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["chunked", "slices"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16])
 @pytest.mark.parametrize("vocab", [1, 7, 1000, 4099, 20_000, 163_840])
-def test_kernel_matches_reference(rng, kind, dtype, vocab):
+def test_kernel_matches_reference(rng, kind, dtype, vocab, variant):
     x = make_logits(rng, 3, vocab, kind).astype(dtype)
     for k in sorted({1, min(vocab, 64), min(vocab, 512)}):
-        check_gpu(x, k)
-        check_gpu(x, k, offset=1)
+        check_gpu(x, k, variant=variant, repeat=2)
+        check_gpu(x, k, offset=1, variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vectors", [256, 512, 2048])
+@pytest.mark.parametrize("kind", ["zipf_sorted", "zipf_perm", "equal", "zeros", "weird"])
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_kernel_chunk_sizes(rng, vectors, kind, dtype):
+    """Chunked: chunks of 1-16 K tokens, a short last chunk (fewer tokens than k), ties across the
+    chunk boundaries, the scalar path and repeated launches (the arrival counters reset)."""
+    from ddtree_rtc.kernels import topk
+
+    per = vectors * (8 if dtype == bfloat16 else 4)
+    for vocab, ks in ((3 * per + 100, (1, 100, 512)), (per + 1, (37, 512)), (163_840, (64, 256))):
+        x = make_logits(rng, 4, vocab, kind).astype(dtype)
+        for k in ks:
+            if -(-vocab // (vectors * 4)) * k > topk._MERGE_KEYS:  # the wrapper refuses: merge too big
+                continue
+            check_gpu(x, k, variant="chunked", vectors=vectors, repeat=2)
+            check_gpu(x, k, variant="chunked", vectors=vectors, offset=3)
 
 
 @pytest.mark.gpu
@@ -154,8 +177,8 @@ def test_kernel_matches_reference(rng, kind, dtype, vocab):
 def test_kernel_split_rows(rng, slices, kind):
     x = make_logits(rng, 5, 163_840, kind).astype(bfloat16)
     for k in (1, 100, 512):
-        check_gpu(x, k, slices=min(slices, 8192 // k), repeat=2)
-    check_gpu(make_logits(rng, 2, 20_001, kind).astype(np.float32), 37, slices=slices, repeat=2)
+        check_gpu(x, k, slices=min(slices, 8192 // k), repeat=2, variant="slices")
+    check_gpu(make_logits(rng, 2, 20_001, kind).astype(np.float32), 37, slices=slices, repeat=2, variant="slices")
 
 
 @pytest.mark.gpu
@@ -164,14 +187,27 @@ def test_kernel_candidate_overflow(rng, kind):
     """A 1024-key buffer overflows (flat or clustered rows, k = 512): the threshold is raised and
     the row re-read until the candidates fit."""
     x = make_logits(rng, 2, 30_000, kind).astype(bfloat16)
-    check_gpu(x, 512, cap=1024)
-    check_gpu(x, 300, cap=1024, slices=3, repeat=2)
+    check_gpu(x, 512, cap=1024, variant="slices")
+    check_gpu(x, 300, cap=1024, slices=3, repeat=2, variant="slices")
 
 
 @pytest.mark.gpu
-def test_kernel_batch_of_drafter_rows(rng):
-    x = make_logits(rng, 8 * 7, 163_840, "zipf_perm").astype(bfloat16).reshape(8, 7, 163_840)
-    check_gpu(x, 64)
+@pytest.mark.parametrize("variant", ["chunked", "slices"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_kernel_batch_of_drafter_rows(rng, variant, batch):
+    x = make_logits(rng, batch * 7, 163_840, "zipf_perm").astype(bfloat16).reshape(batch, 7, 163_840)
+    for k in (64, 512):
+        check_gpu(x, k, variant=variant, repeat=2)
+
+
+@pytest.mark.gpu
+def test_kernel_default_variant():
+    from ddtree_rtc.kernels.topk import topk_workspace
+
+    assert topk_workspace((32, 7, 163_840), 512).variant == "chunked"
+    assert topk_workspace((2, 7, 163_840), 64).variant == "chunked"
+    assert topk_workspace((3, 1000), 4, slices=1).variant == "slices"
+    assert topk_workspace((1, 2**27), 512).variant == "slices"  # the merge would not fit
 
 
 @pytest.mark.gpu
@@ -196,3 +232,9 @@ def test_kernel_rejects_bad_input():
         gpu_topk(x, 4, out_logq=cupy.empty((4, 5), dtype=cupy.float32))
     with pytest.raises(ValueError, match="slices=9"):
         topk_workspace((4, 1000), 4, slices=9)
+    with pytest.raises(ValueError, match="vectors=300"):
+        topk_workspace((4, 1000), 4, variant="chunked", vectors=300)
+    with pytest.raises(ValueError, match="variant='heap'"):
+        topk_workspace((4, 1000), 4, variant="heap")
+    with pytest.raises(ValueError, match="does not fit"):
+        topk_workspace((1, 2**27), 512, variant="chunked")

@@ -2,8 +2,14 @@
 ties, clamping) are in ddtree_rtc/reference/topk.py. Ids match the reference exactly, log-probs to
 fp32 rounding.
 
-Plan/run: ``topk_workspace`` (host, once per shape) picks how many blocks share a row and allocates
-their scratch; ``topk_logprobs`` with a workspace and outputs given is one graph-capturable launch.
+Two variants, same results:
+  * ``chunked`` (default): every row is cut into chunks of up to 16 K bf16 / 8 K fp32 tokens, one
+    256-thread block each, reading its chunk once; the last block of a row merges.
+  * ``slices``: the older kernel, one 512-thread block per row slice (at most 8 per row), which
+    re-reads its slice (mostly from L2). Used where the chunked merge buffer would not fit.
+
+Plan/run: ``topk_workspace`` (host, once per shape) picks the split and allocates its scratch;
+``topk_logprobs`` with a workspace and outputs given is one graph-capturable launch.
 """
 
 from __future__ import annotations
@@ -17,7 +23,13 @@ from ..reference.topk import check_k
 from ._args import BF16, allow_dynamic_smem, check, dtype_name, out_array
 from .registry import module, spec
 
-_THREADS = 512  # fixed by the kernel
+VARIANTS = ("chunked", "slices")
+_THREADS = 512  # fixed by the slices kernel
+_CHUNK_THREADS = 256  # fixed by the chunked kernel (CT)
+_MAX_VECS = 2048  # 16-byte vectors per chunk at most (MAX_VECS)
+_MIN_VECS = 256  # one vector per thread
+_MERGE_KEYS = 10240  # chunks x k keys the merging block holds (80 KB of shared memory: sm_120 has 99 KB)
+_MAX_ROWS = 65535  # rows are the grid's y
 _MAX_SLICES = 8
 _MIN_SLICE = 16384  # below this a slice's selection and the merge cost more than the split saves
 _SMALL_SMEM = 48 * 1024
@@ -29,15 +41,43 @@ def default_cap() -> int:
 
 @dataclass
 class TopkWorkspace:
-    """Per-shape scratch: each row is split over ``slices`` blocks; the last one merges."""
+    """Per-shape scratch: each row is split over several blocks (``slices`` of them, or chunks of
+    ``vectors`` 16-byte vectors); the last one to finish merges."""
 
     rows: int
     vocab: int
     k: int
-    slices: int
-    keys: object  # [rows, slices, k] uint64 per-slice candidates (None for one slice)
-    ms: object  # [rows, slices, 2] fp32 per-slice (max, sum of exp)
+    slices: int  # slices variant: blocks per row; chunked: chunks per row of fp32 logits (the most)
+    keys: object  # [rows, slices, k] uint64 per-block candidates (None for one block)
+    ms: object  # [rows, slices, 2] fp32 per-block (max, sum of exp)
     count: object  # [rows] uint32 arrival counters, zero between launches
+    variant: str = "slices"
+    vectors: int = 0  # chunked: 16-byte vectors per chunk
+
+    def chunk(self, itemsize: int) -> int:
+        """Chunk length in tokens for logits of this element size (chunked variant)."""
+        return self.vectors * (16 // itemsize)
+
+
+def _chunks(vocab: int, vectors: int, itemsize: int) -> int:
+    return -(-vocab // (vectors * (16 // itemsize)))
+
+
+def _chunk_smem(k: int, chunks: int, itemsize: int) -> int:
+    """Dynamic shared memory of the chunked kernel (the layout in cuda_src/topk.cu)."""
+    return 8 * max(2 * _MAX_VECS + max(_MAX_VECS, (16 // itemsize) * k), chunks * k)
+
+
+def _plan_vectors(rows: int, vocab: int, k: int) -> int | None:
+    """Vectors per chunk: the full 2048 unless that leaves fewer than two blocks per SM, then
+    halved while the merge still fits; None when even full chunks give too many keys to merge."""
+    if rows > _MAX_ROWS or _chunks(vocab, _MAX_VECS, 4) * k > _MERGE_KEYS:
+        return None
+    vectors, want = _MAX_VECS, 2 * _sm_count()
+    while (vectors > _MIN_VECS and rows * _chunks(vocab, vectors, 2) < want
+           and _chunks(vocab, vectors // 2, 4) * k <= _MERGE_KEYS):
+        vectors //= 2
+    return vectors
 
 
 def _sm_count() -> int:
@@ -46,14 +86,44 @@ def _sm_count() -> int:
     return cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
-def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = None):
-    """Scratch for logits of ``shape`` (``[..., V]``); ``slices`` blocks per row (default: enough
-    rows x slices to give every SM one block, at most 8, at least 16 K tokens per slice)."""
+def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = None,
+                   variant: str | None = None, vectors: int | None = None):
+    """Scratch for logits of ``shape`` (``[..., V]``). ``variant`` None: chunked where its merge
+    fits (V * k small enough, at most 65535 rows), else slices. Chunked: ``vectors`` 16-byte vectors
+    per chunk (256..2048, default: full chunks, smaller while the grid is under two blocks per SM).
+    Slices: ``slices`` blocks per row (default: enough rows x slices to give every SM one block, at
+    most 8, at least 16 K tokens per slice), ``cap`` the candidate buffer."""
     import cupy
 
     vocab = int(shape[-1])
     rows = math.prod(int(s) for s in shape[:-1])
     k = check_k(k, vocab)
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
+    if variant is None:
+        variant = "chunked" if slices is None and cap is None and _plan_vectors(rows, vocab, k) else "slices"
+    if variant == "chunked":
+        if slices is not None or cap is not None:
+            raise ValueError("slices and cap belong to the slices variant")
+        if vectors is None:
+            vectors = _plan_vectors(rows, vocab, k)
+            if vectors is None:
+                raise ValueError(f"variant='chunked' does not fit {rows} rows x vocab {vocab} x k={k} "
+                                 f"(at most {_MAX_ROWS} rows and chunks * k <= {_MERGE_KEYS}); use 'slices'")
+        elif not (_MIN_VECS <= int(vectors) <= _MAX_VECS and int(vectors) % _MIN_VECS == 0) or rows > _MAX_ROWS:
+            raise ValueError(f"vectors={vectors} is out of range: a multiple of {_MIN_VECS} up to {_MAX_VECS}"
+                             f" (and at most {_MAX_ROWS} rows)")
+        vectors = int(vectors)
+        chunks = _chunks(vocab, vectors, 4)
+        if chunks * k > _MERGE_KEYS:
+            raise ValueError(f"vectors={vectors}: {chunks} chunks x k={k} exceed the merge buffer ({_MERGE_KEYS})")
+        if chunks == 1:
+            return TopkWorkspace(rows, vocab, k, 1, None, None, None, "chunked", vectors)
+        return TopkWorkspace(rows, vocab, k, chunks, cupy.empty((rows, chunks, k), dtype=np.uint64),
+                             cupy.empty((rows, chunks, 2), dtype=np.float32),
+                             cupy.zeros((rows,), dtype=np.uint32), "chunked", vectors)
+    if vectors is not None:
+        raise ValueError("vectors belongs to the chunked variant")
     cap = default_cap() if cap is None else int(cap)
     most = max(1, min(_MAX_SLICES, cap // k))
     if slices is None:
@@ -71,12 +141,14 @@ def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = N
 
 def topk_logprobs(logits, k: int, out_logq=None, out_ids=None, workspace=None):
     """logits ``[..., V]`` (bf16 bits or fp32) -> (logq ``[..., k]`` fp32, ids ``[..., k]`` int32),
-    sorted by log-prob descending, ties by the smaller id. ``workspace`` from ``topk_workspace``."""
+    sorted by log-prob descending, ties by the smaller id. ``workspace`` from ``topk_workspace``
+    (it also picks the variant)."""
     return launch(logits, k, out_logq, out_ids, workspace)
 
 
 def launch(logits, k: int, out_logq=None, out_ids=None, workspace=None, cap: int | None = None):
-    """``topk_logprobs`` with an explicit candidate-buffer size (tests use a small one)."""
+    """``topk_logprobs`` with an explicit candidate-buffer size for the slices variant (tests use a
+    small one); without a workspace, ``cap`` given means the slices variant."""
     import cupy
 
     if not isinstance(logits, cupy.ndarray):
@@ -94,23 +166,38 @@ def launch(logits, k: int, out_logq=None, out_ids=None, workspace=None, cap: int
     rows = math.prod(lead)
     logq = out_array("out_logq", out_logq, (*lead, k), np.float32)
     ids = out_array("out_ids", out_ids, (*lead, k), np.int32)
-    cap = default_cap() if cap is None else int(cap)
     ws = topk_workspace(logits.shape, k, cap=cap) if workspace is None else workspace
     if (ws.rows, ws.vocab, ws.k) != (rows, vocab, k):
         raise ValueError(f"workspace: made for rows={ws.rows}, vocab={ws.vocab}, k={ws.k}, "
                          f"called with rows={rows}, vocab={vocab}, k={k}")
-    if ws.slices * k > cap:
-        raise ValueError(f"workspace: {ws.slices} slices x k={k} exceed the candidate buffer ({cap})")
     if rows == 0:
         return logq, ids
     per16 = 16 // logits.dtype.itemsize
     vec = int(vocab % per16 == 0 and logits.data.ptr % 16 == 0)
+    null = np.uint64(0)
+    if ws.variant == "chunked":
+        if cap is not None:
+            raise ValueError("cap belongs to the slices variant; the workspace is chunked")
+        chunk = ws.chunk(logits.dtype.itemsize)
+        chunks = -(-vocab // chunk)
+        split = chunks > 1
+        fn = module("topk").fn("topk_chunk_bf16_kernel" if logits.dtype == BF16 else "topk_chunk_f32_kernel")
+        smem = _chunk_smem(k, chunks, logits.dtype.itemsize)
+        if smem > _SMALL_SMEM:
+            allow_dynamic_smem(fn, smem)
+        fn((chunks, rows), (_CHUNK_THREADS,),
+           (logits, np.int32(vocab), np.int32(k), np.int32(chunks), np.int32(chunk), np.int32(vec), logq, ids,
+            ws.keys if split else null, ws.ms if split else null, ws.count if split else null),
+           shared_mem=smem)
+        return logq, ids
+    cap = default_cap() if cap is None else int(cap)
+    if ws.slices * k > cap:
+        raise ValueError(f"workspace: {ws.slices} slices x k={k} exceed the candidate buffer ({cap})")
     mod = module("topk") if cap == default_cap() else module("topk", TOPK_CAP=cap)
     fn = mod.fn("topk_bf16_kernel" if logits.dtype == BF16 else "topk_f32_kernel")
     smem = (cap + 512) * 8
     if smem > _SMALL_SMEM:
         allow_dynamic_smem(fn, smem)
-    null = np.uint64(0)
     split = ws.slices > 1
     fn((rows * ws.slices,), (_THREADS,),
        (logits, np.int32(vocab), np.int32(k), np.int32(ws.slices), np.int32(vec), logq, ids,
