@@ -46,7 +46,7 @@ class DecodeGraphs:
         self.page_width = cache.pages_for(max_context)
         self._graphs: dict[int, _Captured] = {}
         self.captures = 0
-        self.replays = 0
+        self.replays = 0  # graph launches (the first of each size included)
 
     def __len__(self) -> int:
         return len(self._graphs)

@@ -183,8 +183,7 @@ def launch(logits, k: int, out_logq=None, out_ids=None, workspace=None, cap: int
         split = chunks > 1
         fn = module("topk").fn("topk_chunk_bf16_kernel" if logits.dtype == BF16 else "topk_chunk_f32_kernel")
         smem = _chunk_smem(k, chunks, logits.dtype.itemsize)
-        if smem > _SMALL_SMEM:
-            allow_dynamic_smem(fn, smem)
+        allow_dynamic_smem(fn, smem)  # also at <= 48 KB: the kernel's static shared memory counts too
         fn((chunks, rows), (_CHUNK_THREADS,),
            (logits, np.int32(vocab), np.int32(k), np.int32(chunks), np.int32(chunk), np.int32(vec), logq, ids,
             ws.keys if split else null, ws.ms if split else null, ws.count if split else null),
