@@ -165,7 +165,7 @@ __device__ __forceinline__ void route_token(const float* __restrict__ logits, co
 // n_group <= 32 (checked on the host). Dynamic shared memory: kRouteWarps * E floats when
 // n_group > 1, else none.
 #define MOE_ROUTE_ENTRY(NAME, EPL)                                                                      \
-  extern "C" __global__ void __launch_bounds__(kRouteWarps * 32) NAME(                                  \
+  extern "C" __global__ void __launch_bounds__(kRouteWarps * 32, 1) NAME(                               \
       const float* __restrict__ logits, const float* __restrict__ bias, int M, int E, int top_k,        \
       int n_group, int topk_group, int norm, float scaling, int* __restrict__ out_ids,                  \
       float* __restrict__ out_w) {                                                                      \
