@@ -371,7 +371,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_gate_up_reduce_kernel(
 
 // y[m, n] = bf16(sum_j w[m, j] * (sum_s part[s][m * top_k + j][n]) + shared[m, n]); slots and
 // splits summed in order; a slot whose expert id is out of range contributes nothing.
-// Four columns per thread (H is a multiple of 128); grid (ceil(H / 1024), M).
+// Four columns per thread (H is a multiple of 128); grid (ceil(H / 1024), M). The slots go in groups
+// of kCombineSlots whose loads are all issued before the sums (one L2 round trip per group, not
+// per slot: this kernel is latency-bound at small M).
+constexpr int kCombineSlots = 8;
 extern "C" __global__ void __launch_bounds__(256, 1) moe_combine_kernel(
     const float* __restrict__ part, int S, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
     int E, int top_k, int M, int H, const bf16* __restrict__ shared, bf16* __restrict__ y) {
@@ -379,29 +382,53 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_combine_kernel(
   const int n = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (n >= H) return;
   const long long split_stride = (long long)M * top_k * H;
-  float a[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int j = 0; j < top_k; ++j) {
-    const int e = topk_ids[m * top_k + j];
-    if (e < 0 || e >= E) continue;
-    const float wj = topk_w[m * top_k + j];
-    const float* src = part + ((long long)m * top_k + j) * H + n;
-    float4 v = *reinterpret_cast<const float4*>(src);
-    for (int s = 1; s < S; ++s) {
-      const float4 o = *reinterpret_cast<const float4*>(src + s * split_stride);
-      v.x += o.x;
-      v.y += o.y;
-      v.z += o.z;
-      v.w += o.w;
-    }
-    a[0] += wj * v.x;
-    a[1] += wj * v.y;
-    a[2] += wj * v.z;
-    a[3] += wj * v.w;
-  }
   const long long o = (long long)m * H + n;
+  float4 sh = make_float4(0.f, 0.f, 0.f, 0.f);
   if (shared) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(shared + o);
+    const bf16* b = reinterpret_cast<const bf16*>(&raw);
+    sh = make_float4(to_f32(b[0]), to_f32(b[1]), to_f32(b[2]), to_f32(b[3]));
+  }
+  float a[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int j0 = 0; j0 < top_k; j0 += kCombineSlots) {
+    float4 v[kCombineSlots];
+    float wj[kCombineSlots];
+    bool ok[kCombineSlots];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] += to_f32(shared[o + i]);
+    for (int i = 0; i < kCombineSlots; ++i) {
+      const int j = j0 + i;
+      const int e = j < top_k ? topk_ids[m * top_k + j] : -1;
+      ok[i] = e >= 0 && e < E;
+      wj[i] = ok[i] ? topk_w[m * top_k + j] : 0.f;
+      v[i] = ok[i] ? *reinterpret_cast<const float4*>(part + ((long long)m * top_k + j) * H + n)
+                   : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    for (int s = 1; s < S; ++s) {
+#pragma unroll
+      for (int i = 0; i < kCombineSlots; ++i) {
+        if (!ok[i]) continue;
+        const float4 q = *reinterpret_cast<const float4*>(part + s * split_stride +
+                                                          ((long long)m * top_k + j0 + i) * H + n);
+        v[i].x += q.x;
+        v[i].y += q.y;
+        v[i].z += q.z;
+        v[i].w += q.w;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kCombineSlots; ++i) {
+      if (!ok[i]) continue;
+      a[0] += wj[i] * v[i].x;
+      a[1] += wj[i] * v[i].y;
+      a[2] += wj[i] * v[i].z;
+      a[3] += wj[i] * v[i].w;
+    }
+  }
+  if (shared) {
+    a[0] += sh.x;
+    a[1] += sh.y;
+    a[2] += sh.z;
+    a[3] += sh.w;
   }
   __align__(8) bf16 r[4];
 #pragma unroll

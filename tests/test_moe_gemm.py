@@ -33,9 +33,10 @@ def loop_moe(x, ids, w, ex, shared=None):
     return y
 
 
-def random_routing(rng, m, num_experts, top_k, allowed=None):
+def random_routing(rng, m, num_experts, top_k, allowed=None, p=None):
+    """Per token top_k distinct experts of ``allowed`` (default all), drawn with probabilities p."""
     pool = np.arange(num_experts) if allowed is None else np.asarray(allowed)
-    ids = np.stack([rng.choice(pool, top_k, replace=False) for _ in range(m)]).astype(np.int32)
+    ids = np.stack([rng.choice(pool, top_k, replace=False, p=p) for _ in range(m)]).astype(np.int32)
     return ids, rng.uniform(0.05, 1.0, (m, top_k)).astype(np.float32)
 
 
@@ -90,28 +91,37 @@ def test_split_choice():
 
 
 def test_token_tile_choice():
-    from ddtree_rtc.kernels.moe_gemm import pick_nt
+    from ddtree_rtc.kernels.moe_gemm import NT4_ABOVE, pick_nt4_above
 
-    assert pick_nt(8, 384) == 1  # M=1, K2.6
-    assert pick_nt(256 * 8, 384) == 1  # 5.3 pairs per expert
-    assert pick_nt(512 * 8, 384) == 4  # 10.7
-    assert pick_nt(1024 * 8, 384) == 4
-    assert pick_nt(33 * 8, 16) == 4 and pick_nt(8 * 8, 16) == 1  # few experts fill up sooner
+    assert pick_nt4_above(1, 8, None, None) == 8  # M=1: no expert can pass the threshold, no nt 4 list
+    assert pick_nt4_above(NT4_ABOVE + 1, 8, None, None) == NT4_ABOVE
+    assert pick_nt4_above(1024, 8, None, 16) == 16
+    assert pick_nt4_above(1024, 8, 1, None) == 1024 * 8  # nt 1 forced: every expert in 8-pair blocks
+    assert pick_nt4_above(1024, 8, 4, None) == 0  # nt 4 forced
+    with pytest.raises(ValueError, match="not both"):
+        pick_nt4_above(4, 8, 4, 8)
+    with pytest.raises(ValueError, match="nt must be 1 or 4"):
+        pick_nt4_above(4, 8, 2, None)
 
 
 # ---- the CUDA launch logic transliterated (grid, blocks, warps, epilogues, reduce, combine) ----
 
-def emulate_cuda_path(x, ids, w, rex, nt, s13, s2, shared=None):
-    """moe_experts as cuda_src/moe_gemm.cu computes it, index by index; the mma fragments come
-    from the lane emulation in test_moe_repack (so this checks the launch and epilogue logic)."""
+def emulate_cuda_path(x, ids, w, rex, nt4_above, s13, s2, shared=None):
+    """moe_experts as cuda_src/moe_gemm.cu computes it, index by index, for both block lists (nt 1
+    over the small, nt 4 over the large); the mma fragments come from the lane emulation in
+    test_moe_repack (so this checks the launch and epilogue logic)."""
     from test_moe_repack import emulate_weights
 
     from ddtree_rtc.reference.moe_routing import moe_align
 
     m, hid = x.shape
     top_k, inter, p_all = ids.shape[1], rex.intermediate, ids.size
-    block = 8 * nt
-    al = moe_align(ids, rex.num_experts, block)
+    al = moe_align(ids, rex.num_experts, 8, large_block=32, large_above=nt4_above)
+    cs, bs = al.small_capacity, al.small_blocks
+    # (nt, expert, the block's pairs) of every valid block of both lists; blocks past num_blocks exit
+    blocks = [(1, int(al.block_expert[u]), al.sorted_pairs[8 * u:8 * u + 8]) for u in range(al.num_blocks[0])]
+    blocks += [(4, int(al.block_expert[bs + u]), al.sorted_pairs[cs + 32 * u:cs + 32 * u + 32])
+               for u in range(al.num_blocks[1])]
     h = np.full((p_all, inter), np.nan, np.float32)
     part13 = np.full((s13, p_all, 2 * inter), np.nan, np.float32)
     part2 = np.full((s2, p_all, hid), np.nan, np.float32)
@@ -121,15 +131,11 @@ def emulate_cuda_path(x, ids, w, rex, nt, s13, s2, shared=None):
         if kind == "down":
             act = h.astype(bfloat16).astype(np.float32)
         mode_h = kind == "gate_up" and splits == 1
-        wfull = {}
         n_ctas, k_split = -(-n_rows // 128), k_tot // splits
-        for u in range(len(al.block_expert)):
-            if u >= al.num_blocks[0]:
-                continue
-            e = int(al.block_expert[u])
-            if e not in wfull:
-                wfull[e] = emulate_weights(np.asarray(blobs[e]), n_rows, k_tot, scale_after=nt == 1)
-            blk = al.sorted_pairs[u * block:(u + 1) * block]
+        wfull = {}
+        for nt, e, blk in blocks:
+            if (e, nt) not in wfull:
+                wfull[e, nt] = emulate_weights(np.asarray(blobs[e]), n_rows, k_tot, scale_after=nt == 1)
             ntl = max(j + 1 for j in range(nt) if blk[8 * j] < p_all)
             for bx in range(n_ctas * splits):
                 n_cta, split = bx % n_ctas, bx // n_ctas
@@ -142,7 +148,7 @@ def emulate_cuda_path(x, ids, w, rex, nt, s13, s2, shared=None):
                         # padding pairs are zero-filled in shared memory
                         b = np.stack([act[c // row_div, ks] if c < p_all else np.zeros(k_split, np.float32)
                                       for c in blk[8 * j:8 * j + 8]], axis=1)  # [k, 8]
-                        acc = wfull[e][16 * tile0:16 * tile0 + 32, ks].astype(np.float64) @ b
+                        acc = wfull[e, nt][16 * tile0:16 * tile0 + 32, ks].astype(np.float64) @ b
                         for col in range(8):  # col = 2t + j' of the C fragment
                             p = blk[8 * j + col]
                             if p >= p_all:
@@ -212,14 +218,15 @@ def test_shared_memory_staging_gives_each_lane_its_fragments(nt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("m,nt,s13,s2", [(1, 1, 1, 1), (3, 1, 2, 1), (11, 4, 1, 2), (13, 1, 2, 2), (40, 4, 2, 1)])
-def test_emulated_cuda_path_matches_reference(rng, m, nt, s13, s2):
+@pytest.mark.parametrize("m,nt4_above,s13,s2", [(1, 3, 1, 1), (3, 3, 2, 1), (11, 0, 1, 2), (13, 13 * 3, 2, 2),
+                                                (40, 0, 2, 1), (40, 20, 1, 1), (21, 12, 2, 2)])
+def test_emulated_cuda_path_matches_reference(rng, m, nt4_above, s13, s2):
     e, h, i, top_k = 5, 256, 256, 3
     ex = random_compressed_experts(rng, e, h, i)
     x = random_bf16(rng, (m, h))
-    ids, w = random_routing(rng, m, e, top_k)
+    ids, w = random_routing(rng, m, e, top_k, p=[0.5, 0.2, 0.15, 0.1, 0.05])  # both lists busy
     shared = random_bf16(rng, (m, h), 0.5)
-    got = emulate_cuda_path(x, ids, w, repack_experts(ex), nt, s13, s2, shared)
+    got = emulate_cuda_path(x, ids, w, repack_experts(ex), nt4_above, s13, s2, shared)
     assert_close(got, ref_moe(x, ids, w, ex, shared=shared), "bf16_accum")
 
 
@@ -261,7 +268,7 @@ def experts_for(name):
     return _cache[name]
 
 
-def run_gpu(rng, name, m, with_shared=True, **plan_kw):
+def run_gpu(rng, name, m, with_shared=True, skew=False, **plan_kw):
     import cupy
 
     from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
@@ -270,7 +277,12 @@ def run_gpu(rng, name, m, with_shared=True, **plan_kw):
     ex, exg = experts_for(name)
     e, h, i, top_k, poison = DIMS[name]
     x = random_bf16(rng, (m, h))
-    ids, w = random_routing(rng, m, e, top_k, allowed=range(e - poison))
+    pool = e - poison
+    pr = None
+    if skew:  # a few experts draw most pairs: both block lists busy
+        pr = 1.0 / np.arange(1, pool + 1) ** 1.5
+        pr = rng.permutation(pr / pr.sum())
+    ids, w = random_routing(rng, m, e, top_k, allowed=range(pool), p=pr)
     shared = random_bf16(rng, (m, h), 0.5) if with_shared else None
     y_ref = ref_moe(x, ids, w, ex, shared=shared)
     plan = moe_plan(m, e, top_k, h, i, **plan_kw)
@@ -302,28 +314,37 @@ def test_kernel_vs_reference(rng, name, m):
 @pytest.mark.slow
 @pytest.mark.parametrize("m", MS)
 def test_kernel_vs_reference_k26_dims(rng, m):
-    from ddtree_rtc.kernels.moe_gemm import pick_nt
+    from ddtree_rtc.kernels.moe_gemm import NT4_ABOVE
 
-    plan = run_gpu(rng, "k26", m)
-    assert plan.nt == pick_nt(m * 8, 16)
+    plan = run_gpu(rng, "k26", m, skew=m > 8)
+    assert plan.tiles == ("nt1" if m <= NT4_ABOVE else f"nt1+nt4>{NT4_ABOVE}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,m,plan_kw", [
-    ("tp8", 1, {"nt": 4}),                                   # 32-pair blocks with one pair
-    ("tp8", 33, {"nt": 1}),                                  # many 8-pair blocks per expert
-    ("tp8", 3, {"split_gate_up": 2, "split_down": 2}),       # split-K reduce paths
-    ("tp8", 256, {"split_gate_up": 4, "split_down": 1}),
-    ("tp8", 1000, {"nt": 1, "split_down": 2}),
-    ("deep", 1, {"nt": 1}),                                  # the 4-stage ring wraps 4 / 2 times
-    ("deep", 21, {"nt": 1}),
-    ("deep", 50, {"nt": 4}),
-    ("deep", 50, {"nt": 4, "split_gate_up": 2}),
+@pytest.mark.parametrize("name,m,skew,plan_kw,tiles", [
+    ("tp8", 1, False, {"nt": 4}, "nt4"),                                  # 32-pair blocks with one pair
+    ("tp8", 33, False, {"nt": 1}, "nt1"),                                 # many 8-pair blocks per expert
+    ("tp8", 3, False, {"split_gate_up": 2, "split_down": 2}, "nt1"),      # split-K reduce paths
+    ("tp8", 256, False, {"split_gate_up": 4, "split_down": 1}, "nt1+nt4>8"),
+    ("tp8", 1000, False, {"nt": 1, "split_down": 2}, "nt1"),
+    ("ep8", 40, True, {}, "nt1+nt4>8"),                                   # per-expert tiles, both lists busy
+    ("ep8", 40, True, {"nt4_above": 2, "split_gate_up": 2}, "nt1+nt4>2"),
+    ("ep8", 300, True, {"nt4_above": 16, "split_down": 2}, "nt1+nt4>16"),
+    ("ep8", 1000, True, {"nt4_above": 64}, "nt1+nt4>64"),
+    ("deep", 1, False, {"nt": 1}, "nt1"),                                 # the 4-stage ring wraps 4 / 2 times
+    ("deep", 21, False, {"nt": 1}, "nt1"),
+    ("deep", 21, True, {}, "nt1+nt4>8"),                                  # (6 experts: mostly nt 4)
+    ("deep", 50, False, {"nt": 4}, "nt4"),
+    ("deep", 50, False, {"nt": 4, "split_gate_up": 2}, "nt4"),
 ])
-def test_kernel_launch_variants(rng, name, m, plan_kw):
-    plan = run_gpu(rng, name, m, with_shared=False, **plan_kw)
-    for k, v in plan_kw.items():
-        assert getattr(plan, k) == v
+def test_kernel_launch_variants(rng, name, m, skew, plan_kw, tiles):
+    plan = run_gpu(rng, name, m, with_shared=False, skew=skew, **plan_kw)
+    assert plan.tiles == tiles
+    for k in ("split_gate_up", "split_down", "nt4_above"):
+        if k in plan_kw:
+            assert getattr(plan, k) == plan_kw[k]
+    if name == "ep8":  # the skewed routing over 44 experts really used both lists
+        assert all(int(v) > 0 for v in plan.align.num_blocks.get()), plan.align.num_blocks.get()
 
 
 @pytest.mark.gpu
@@ -333,7 +354,8 @@ def test_kernel_heuristic_splits_small_shards():
     plan = moe_plan(1, 384, 8, 7168, 256, num_sms=132)  # TP8 shard at M=1: few CTAs without split-K
     assert plan.split_gate_up > 1 and plan.part_gate_up is not None
     plan = moe_plan(1024, 384, 8, 7168, 2048, num_sms=132)
-    assert (plan.split_gate_up, plan.split_down, plan.nt) == (1, 1, 4) and plan.part_gate_up is None
+    assert (plan.split_gate_up, plan.split_down, plan.tiles) == (1, 1, "nt1+nt4>8") and plan.part_gate_up is None
+    assert moe_plan(1, 384, 8, 7168, 2048, num_sms=132).tiles == "nt1"  # M=1: no nt 4 launches
 
 
 @pytest.mark.gpu

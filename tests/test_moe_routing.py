@@ -4,11 +4,13 @@ NaN rules, the align step; on the GPU the kernels vs the reference (ids exact, w
 import numpy as np
 import pytest
 
-from ddtree_rtc.reference.moe_routing import align_capacity, moe_align, moe_route, router_logits
+from ddtree_rtc.reference.moe_routing import align_capacities, moe_align, moe_route, router_logits
 from ddtree_rtc.testing import assert_close, random_bf16, to_host
 
-# (E, top_k, n_group, topk_group): K2.6, DeepSeek-V3, an EP8 shard, and small odd ones
-ROUTES = [(384, 8, 1, 1), (256, 8, 8, 4), (48, 8, 1, 1), (64, 6, 4, 2), (33, 3, 1, 1), (96, 8, 3, 2)]
+# (E, top_k, n_group, topk_group): K2.6, DeepSeek-V3, an EP8 shard, small odd ones, and every
+# register-capacity entry of the kernel (64, 128, 256, 384, 512, 1024 experts)
+ROUTES = [(384, 8, 1, 1), (256, 8, 8, 4), (48, 8, 1, 1), (64, 6, 4, 2), (33, 3, 1, 1), (96, 8, 3, 2),
+          (500, 8, 5, 2), (1000, 16, 1, 1)]
 
 
 def f64_route(logits, bias, top_k, n_group, topk_group, norm, scale):
@@ -106,25 +108,38 @@ def test_router_logits_reference(rng):
     assert_close(router_logits(x, w), x.astype(np.float64) @ w.astype(np.float64).T, "fp32")
 
 
-def check_alignment(al, ids, num_experts, block):
-    """Every in-range pair exactly once, ascending within its expert's run, runs padded to the block."""
+def check_alignment(al, ids, num_experts, block, large_block=None, large_above=None):
+    """Every in-range pair exactly once, ascending within its expert's run; an expert with more than
+    ``large_above`` pairs in the large list, runs padded to their list's block, each list in expert
+    order, block owners right, within the capacities."""
     flat = ids.reshape(-1)
     p = flat.size
+    lb, la = (block, p) if large_block is None else (large_block, min(large_above, p))
+    assert (al.block, al.large_block, al.large_above) == (block, lb, la)
+    cap_s, cap_l = align_capacities(p, num_experts, block, lb, la)
+    assert (al.small_capacity, al.large_capacity) == (cap_s, cap_l)
     counts = to_host(al.counts)
     offsets = to_host(al.offsets)
-    nb = int(to_host(al.num_blocks)[0])
-    sp = to_host(al.sorted_pairs)[:nb * block]
-    be = to_host(al.block_expert)[:nb]
+    nb = to_host(al.num_blocks)
+    sp = to_host(al.sorted_pairs)
+    be = to_host(al.block_expert)
+    assert sp.shape == (cap_s + cap_l,) and be.shape == (cap_s // block + cap_l // lb,)
     valid = (flat >= 0) & (flat < num_experts)
     assert counts.tolist() == np.bincount(flat[valid], minlength=num_experts).tolist()
-    assert offsets[0] == 0 and offsets[-1] == nb * block and (np.diff(offsets) % block == 0).all()
-    assert nb * block <= align_capacity(p, num_experts, block)
+    ends = [0, cap_s]
     for e in range(num_experts):
-        run = sp[offsets[e]:offsets[e + 1]]
         c = counts[e]
+        large = int(c > la)
+        b = lb if large else block
+        assert offsets[e] == ends[large], f"expert {e}: runs follow each other in expert order"
+        run = sp[offsets[e]:offsets[e] + -(-c // b) * b]
         assert run[:c].tolist() == np.flatnonzero(flat == e).tolist()
-        assert (run[c:] == p).all() and len(run) == -(-c // block) * block
-        assert (be[offsets[e] // block:offsets[e + 1] // block] == e).all()
+        assert (run[c:] == p).all() and len(run) == -(-c // b) * b
+        b0 = cap_s // block + (offsets[e] - cap_s) // lb if large else offsets[e] // block
+        assert (be[b0:b0 + len(run) // b] == e).all()
+        ends[large] += len(run)
+    assert nb.tolist() == [ends[0] // block, (ends[1] - cap_s) // lb]
+    assert ends[0] <= cap_s and ends[1] <= cap_s + cap_l
     assert int(to_host(al.error)[0]) == int(not valid.all())
 
 
@@ -132,6 +147,35 @@ def check_alignment(al, ids, num_experts, block):
 def test_align_reference(rng, m, top_k, e, block):
     ids = np.stack([rng.choice(e, top_k, replace=False) for _ in range(m)]).astype(np.int32)
     check_alignment(moe_align(ids, e, block), ids, e, block)
+
+
+def skewed_ids(rng, m, top_k, e):
+    """Per token top_k distinct experts, a few experts far more popular than the rest."""
+    p = rng.pareto(1.0, e) + 0.01
+    return np.stack([rng.choice(e, top_k, replace=False, p=p / p.sum()) for _ in range(m)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("m,top_k,e,large_above", [(40, 8, 64, 8), (200, 8, 384, 8), (200, 8, 384, 16),
+                                                   (5, 3, 7, 0), (30, 4, 6, 2), (9, 8, 16, 100)])
+def test_align_reference_two_lists(rng, m, top_k, e, large_above):
+    ids = skewed_ids(rng, m, top_k, e)
+    al = moe_align(ids, e, 8, large_block=32, large_above=large_above)
+    check_alignment(al, ids, e, 8, 32, large_above)
+    counts = np.bincount(ids.reshape(-1), minlength=e)
+    assert int(al.num_blocks[1]) == sum(-(-c // 32) for c in counts if c > large_above)
+
+
+def test_align_capacities_bound_the_worst_routing():
+    # every count at the threshold, or all pairs on few experts: the lists must still fit
+    for p, e, t in [(64, 8, 8), (64, 64, 8), (72, 8, 8), (2048, 384, 8), (2048, 384, 16), (30, 5, 0)]:
+        cap_s, cap_l = align_capacities(p, e, 8, 32, t)
+        for counts in ([t] * (p // max(t, 1)) + [p % max(t, 1)], [p // e] * e, [t + 1] * (p // (t + 1)), [p]):
+            counts = [c for c in counts if c][:e]
+            small = sum(-(-c // 8) * 8 for c in counts if c <= t)
+            large = sum(-(-c // 32) * 32 for c in counts if c > t)
+            assert small <= cap_s and large <= cap_l, (p, e, t, counts)
+    assert align_capacities(8, 384, 8, 32, 8)[1] == 0  # M=1: no large list at all
+    assert align_capacities(8, 384, 8, 32, 0)[0] == 0  # nt 4 forced: no small list
 
 
 def test_align_out_of_range_ids(rng):
@@ -170,26 +214,59 @@ def test_route_kernel_vs_reference(rng, e, top_k, n_group, topk_group, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("e,top_k,n_group,topk_group", ROUTES)
+def test_route_kernel_ties(rng, e, top_k, n_group, topk_group):
+    """Logits on a coarse grid: many equal scores (ties to the lower index), -0.0 / +0.0 biases
+    that must tie, NaN logits (count as -inf), and a token whose logits are all NaN."""
+    import cupy
+
+    from ddtree_rtc.kernels.moe_routing import moe_route as k_route
+
+    m = 37
+    logits = (rng.integers(-2, 3, (m, e)) / 2).astype(np.float32)
+    logits[1, ::3] = np.nan
+    logits[2] = np.nan
+    for bias in (None, np.where(rng.random(e) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)):
+        ids_ref, w_ref = moe_route(logits, bias, top_k, n_group, topk_group, True, 2.827)
+        ids, w = k_route(cupy.asarray(logits), None if bias is None else cupy.asarray(bias), top_k, n_group,
+                         topk_group, True, 2.827)
+        assert np.array_equal(ids.get(), ids_ref)
+        assert_close(w, w_ref, "fp32", "weights")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,top_k,e,block", [(1, 8, 384, 8), (3, 8, 384, 8), (33, 8, 384, 32), (256, 8, 384, 32),
                                              (1000, 8, 384, 32), (1200, 8, 48, 32), (7, 3, 5, 8)])
-def test_align_kernel_vs_reference(rng, m, top_k, e, block):
+@pytest.mark.parametrize("lists", ["one", "two", "skewed"])
+def test_align_kernel_vs_reference(rng, m, top_k, e, block, lists):
     import cupy
 
     from ddtree_rtc.kernels.moe_routing import alignment_buffers
     from ddtree_rtc.kernels.moe_routing import moe_align as k_align
 
-    ids = np.stack([rng.choice(e, top_k, replace=False) for _ in range(m)]).astype(np.int32)
-    al = alignment_buffers(ids.size, e, block)
+    if lists == "skewed":
+        ids = skewed_ids(rng, m, top_k, e)
+    else:
+        ids = np.stack([rng.choice(e, top_k, replace=False) for _ in range(m)]).astype(np.int32)
+    # two lists: 8-pair blocks up to a threshold near the mean count (both lists busy), 32 beyond
+    kw = {} if lists == "one" else {"large_block": 32, "large_above": max(1, ids.size // e)}
+    blk = block if lists == "one" else 8
+    al = alignment_buffers(ids.size, e, blk, **kw)
     for a in (al.sorted_pairs, al.block_expert, al.counts, al.offsets, al.num_blocks, al.error):
         a.fill(-99)
-    got = k_align(cupy.asarray(ids), e, block, out=al)
+    got = k_align(cupy.asarray(ids), e, blk, out=al, **kw)
     assert got is al
-    check_alignment(al, ids, e, block)
-    ref = moe_align(ids, e, block)
-    nb = int(ref.num_blocks[0])
-    assert int(al.num_blocks.get()[0]) == nb
-    assert np.array_equal(al.sorted_pairs.get()[:nb * block], ref.sorted_pairs[:nb * block])
-    assert np.array_equal(al.block_expert.get()[:nb], ref.block_expert[:nb])
+    check_alignment(al, ids, e, blk, kw.get("large_block"), kw.get("large_above"))
+    ref = moe_align(ids, e, blk, **kw)
+    assert np.array_equal(al.num_blocks.get(), ref.num_blocks)
+    assert np.array_equal(al.offsets.get(), ref.offsets)
+    nbs, nbl = (int(v) for v in ref.num_blocks)
+    cs, bs = ref.small_capacity, ref.small_blocks
+    sp, be = al.sorted_pairs.get(), al.block_expert.get()
+    assert np.array_equal(sp[:nbs * blk], ref.sorted_pairs[:nbs * blk])
+    assert np.array_equal(sp[cs:cs + nbl * ref.large_block], ref.sorted_pairs[cs:cs + nbl * ref.large_block])
+    assert np.array_equal(be[:nbs], ref.block_expert[:nbs])
+    assert np.array_equal(be[bs:bs + nbl], ref.block_expert[bs:bs + nbl])
 
 
 @pytest.mark.gpu

@@ -5,8 +5,10 @@ ceiling measured in the same run.
 Bytes counted = distinct experts touched x (packed weights + scales of gate, up, down) + the
 activations in and out (x, y) + the router logits read by the routing kernel. The router GEMM and
 the shared expert are dense bf16 linears, benchmarked with the building blocks, and are not timed
-here. Timed as one CUDA graph (the engine's way; eager launches in ``extra``). Routing: random
-fp32 logits and correction bias. Weights: random, made on the GPU. Peer: the bf16 dense grouped
+here. Timed as one CUDA graph (the engine's way; eager launches in ``extra``). Routing ``bench``:
+random fp32 logits N(0, 1) and correction bias N(0, 0.1) (skewed: some experts draw many pairs);
+``uniform``: each token's experts drawn uniformly without replacement (logits 30 there, no bias), the
+balanced load. Weights: random, made on the GPU. Peer: the bf16 dense grouped
 GEMM a user without INT4 would run over the same experts and tokens: per touched expert, cuBLAS
 gate_up, SiLU*mul, cuBLAS down (inputs gathered beforehand, outside the timing).
 """
@@ -114,7 +116,22 @@ class PeerBf16:
         return run
 
 
-def bench_config(name: str, ms, iters: int, seed: int, peer: bool) -> list[Row]:
+ROUTINGS = ("bench", "uniform")
+
+
+def uniform_logits(m: int, e: int, seed: int):
+    """fp32 logits [M, E] (GPU) whose top-8 (without bias) are TOP_K experts drawn uniformly without
+    replacement per token: 30 there (sigmoid 1.0), N(0, 1) elsewhere."""
+    import cupy
+
+    host = np.random.default_rng(seed)
+    logits = cupy.random.default_rng(seed).standard_normal((m, e), dtype=cupy.float32)
+    pick = np.stack([host.choice(e, TOP_K, replace=False) for _ in range(m)])
+    logits[cupy.asarray(np.repeat(np.arange(m), TOP_K)), cupy.asarray(pick.reshape(-1))] = 30.0
+    return logits
+
+
+def bench_config(name: str, ms, iters: int, seed: int, peer: bool, routings=("bench",)) -> list[Row]:
     import cupy
 
     from ..kernels.moe_gemm import moe_experts, moe_plan
@@ -123,43 +140,51 @@ def bench_config(name: str, ms, iters: int, seed: int, peer: bool) -> list[Row]:
     e, hidden, inter = CONFIGS[name]
     experts = int4_experts_device(e, hidden, inter, seed)
     peer_w = PeerBf16(e, hidden, inter, seed + 1000) if peer else None
-    rng = cupy.random.default_rng(seed + 1)
-    bias = (rng.standard_normal(e, dtype=cupy.float32) * 0.1).astype(cupy.float32)
     rows = []
-    for m in ms:
-        x = random_bf16_device((m, hidden), seed=seed + m)
-        logits = rng.standard_normal((m, e), dtype=cupy.float32)
-        ids = cupy.empty((m, TOP_K), cupy.int32)
-        w = cupy.empty((m, TOP_K), cupy.float32)
-        y = cupy.empty((m, hidden), cupy.uint16)
-        plan = moe_plan(m, e, TOP_K, hidden, inter)
+    for routing in routings:
+        rng = cupy.random.default_rng(seed + 1)  # the bench routing's draws, whatever else runs
+        bench_bias = (rng.standard_normal(e, dtype=cupy.float32) * 0.1).astype(cupy.float32)
+        for m in ms:
+            x = random_bf16_device((m, hidden), seed=seed + m)
+            if routing == "bench":
+                logits, bias = rng.standard_normal((m, e), dtype=cupy.float32), bench_bias
+            else:
+                logits, bias = uniform_logits(m, e, seed + 1 + m), None
+            ids = cupy.empty((m, TOP_K), cupy.int32)
+            w = cupy.empty((m, TOP_K), cupy.float32)
+            y = cupy.empty((m, hidden), cupy.uint16)
+            plan = moe_plan(m, e, TOP_K, hidden, inter)
 
-        def layer(x=x, logits=logits, ids=ids, w=w, y=y, plan=plan):
-            moe_route(logits, bias, TOP_K, 1, 1, True, SCALING, out_ids=ids, out_weights=w)
-            moe_experts(x, ids, w, experts, out=y, plan=plan, check_ids=False)
+            def layer(x=x, logits=logits, bias=bias, ids=ids, w=w, y=y, plan=plan):
+                moe_route(logits, bias, TOP_K, 1, 1, True, SCALING, out_ids=ids, out_weights=w)
+                moe_experts(x, ids, w, experts, out=y, plan=plan, check_ids=False)
 
-        layer()
-        host_ids = ids.get()
-        touched = len(np.unique(host_ids))
-        nbytes = touched * experts.expert_nbytes() + 2 * x.nbytes + logits.nbytes
-        extra = {"config": name, "M": m, "experts_touched": touched, "nt": plan.nt,
-                 "split_gate_up": plan.split_gate_up, "split_down": plan.split_down,
-                 "experts": e, "hidden": hidden, "intermediate": inter, "top_k": TOP_K}
-        us = _timed(layer, iters, extra, "moe")
-        extra["eager_us"] = time_gpu(layer, iters=iters).median_us
-        peer_us = None
-        if peer_w is not None:
-            peer_us = _timed(peer_w.runner(x, host_ids), iters, extra, "peer")
-        rows.append(Row(f"{name} M={m} ({touched} experts)", us, bytes=int(nbytes), ceiling="read",
-                        peer="cuBLAS bf16 grouped" if peer_w is not None else None, peer_us=peer_us,
-                        extra=extra))
+            layer()
+            host_ids = ids.get()
+            touched = len(np.unique(host_ids))
+            nbytes = touched * experts.expert_nbytes() + 2 * x.nbytes + logits.nbytes
+            counts = np.bincount(host_ids.reshape(-1), minlength=e)
+            extra = {"config": name, "M": m, "routing": routing, "experts_touched": touched,
+                     "max_pairs_per_expert": int(counts.max()), "tiles": plan.tiles,
+                     "split_gate_up": plan.split_gate_up, "split_down": plan.split_down,
+                     "experts": e, "hidden": hidden, "intermediate": inter, "top_k": TOP_K}
+            us = _timed(layer, iters, extra, "moe")
+            extra["eager_us"] = time_gpu(layer, iters=iters).median_us
+            peer_us = None
+            if peer_w is not None:
+                peer_us = _timed(peer_w.runner(x, host_ids), iters, extra, "peer")
+            rows.append(Row(f"{name} M={m} {routing} ({touched} experts)", us, bytes=int(nbytes), ceiling="read",
+                            peer="cuBLAS bf16 grouped" if peer_w is not None else None, peer_us=peer_us,
+                            extra=extra))
     return rows
 
 
 def print_moe_table(rows: list[Row], read_gbs: float) -> None:
     """The issue's view: M | experts touched | µs | GB/s | % of ceiling | bf16 peer µs."""
-    header = ("config", "M", "experts touched", "µs", "GB/s", "% of ceiling", "bf16 peer µs")
-    lines = [(r.extra["config"], str(r.extra["M"]), str(r.extra["experts_touched"]), f"{r.us:.1f}",
+    header = ("config", "M", "routing", "experts touched", "max pairs", "tiles", "µs", "GB/s", "% of ceiling",
+              "bf16 peer µs")
+    lines = [(r.extra["config"], str(r.extra["M"]), r.extra["routing"], str(r.extra["experts_touched"]),
+              str(r.extra["max_pairs_per_expert"]), r.extra["tiles"], f"{r.us:.1f}",
               f"{r.gbs:.0f}", f"{100 * r.gbs / read_gbs:.1f}%", "-" if r.peer_us is None else f"{r.peer_us:.1f}")
              for r in rows]
     widths = [max(len(h), *(len(ln[i]) for ln in lines)) for i, h in enumerate(header)]
@@ -178,12 +203,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--config", choices=sorted(CONFIGS), action="append",
                     help="only these shapes (repeatable; default: all)")
     ap.add_argument("--no-peer", action="store_true", help="skip the bf16 cuBLAS peer (saves ~34 GB)")
+    ap.add_argument("--routing", choices=ROUTINGS, action="append",
+                    help="token -> expert routing (repeatable; default: bench): 'bench' random logits + "
+                         "bias (skewed), 'uniform' experts drawn uniformly per token (balanced)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     rows = []
     for name in args.config or list(CONFIGS):
         ms = QUICK[name] if args.quick else MS
-        rows += bench_config(name, ms, 10 if args.quick else 50, args.seed, not args.no_peer)
+        rows += bench_config(name, ms, 10 if args.quick else 50, args.seed, not args.no_peer,
+                             args.routing or ["bench"])
         cupy.get_default_memory_pool().free_all_blocks()  # this shape's weights are garbage now
     doc = report("INT4 MoE layer (routing + experts), H200 target >= 80% read ceiling at M=1, >= 85% at M>=256",
                  rows, args.json, notes={"bytes": "experts touched x (packed + scales) + x + y + logits",

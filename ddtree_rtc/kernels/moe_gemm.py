@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..reference.moe_gemm import check_experts_layout
-from ..reference.moe_routing import MoEAlignment, align_capacity
+from ..reference.moe_routing import MoEAlignment
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from .moe_routing import alignment_buffers, moe_align
 from .registry import module
@@ -21,7 +21,13 @@ ROWS_PER_CTA = 128  # 4 warps x 32 rows
 TILE_K = 128
 BLOCK_BYTES = 1152
 STAGES = 4  # cp.async ring depth of cuda_src/moe_gemm.cu (kStages)
-NT1_MAX_PAIRS_PER_EXPERT = 6.5  # above this mean, 8-pair blocks re-stream too many experts' weights
+# Experts with more pairs than this get 32-pair (nt 4) blocks, decided per expert on the device by the
+# align step; the others 8-pair (nt 1) blocks. An expert that needs two nt 1 blocks streams its
+# weights twice and pays the (cheap, scale-after-mma) dequant twice; one nt 4 block streams them once
+# and its bf16 dequant costs about two nt 1 dequants, so from 9 pairs on nt 4 does no more dequant
+# work and halves the weight traffic through L2 and shared memory (the H200 sweep, tools/moe_sweep.py
+# --nt4-above, is the judge).
+NT4_ABOVE = 8
 _COMBINE_COLS = 256 * 4
 _MAX_GRID_Y = 65535
 
@@ -35,22 +41,29 @@ class MoEPlan:
     top_k: int
     hidden: int
     intermediate: int
-    nt: int  # n8 token tiles per CTA: 1 (few pairs per expert) or 4
     split_gate_up: int
     split_down: int
-    blocks_bound: int
-    align: MoEAlignment
+    align: MoEAlignment  # small list: nt 1 (8-pair) blocks, large list: nt 4 (32-pair) blocks
     h: object  # bf16 [P, I]
     part_gate_up: object  # fp32 [S, P, 2I] when split_gate_up > 1, else None
     part_down: object  # fp32 [S, P, H]
 
     @property
-    def block(self) -> int:
-        return 8 * self.nt
-
-    @property
     def num_pairs(self) -> int:
         return self.num_tokens * self.top_k
+
+    @property
+    def nt4_above(self) -> int:
+        """Experts with more pairs than this run as nt 4 blocks (>= num_pairs: none)."""
+        return self.align.large_above
+
+    @property
+    def tiles(self) -> str:
+        """Which GEMM variants the plan launches: 'nt1', 'nt4' or 'nt1+nt4>T' (per expert, T pairs)."""
+        al = self.align
+        if al.large_capacity == 0:
+            return "nt1"
+        return "nt4" if al.small_capacity == 0 else f"nt1+nt4>{al.large_above}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -71,12 +84,23 @@ def _pick_split(k: int, ctas: int, target: int, want: int | None, what: str) -> 
     return kb
 
 
-def pick_nt(num_pairs: int, num_experts: int) -> int:
-    """Token tile: 8-pair blocks (nt 1, the cheapest dequant) while the mean pairs per touched expert
-    stays low; 32-pair blocks (nt 4) beyond, where 8-pair blocks would stream an expert's weights
-    once per 8 pairs. Measured on the H200 at K2.6 dims: nt 1 is 91% of the read ceiling at M=256
-    (5.3 pairs per expert) against 75% for nt 4; at M=1024 (21) nt 1 falls to 32% against 58%."""
-    return 1 if num_pairs / min(num_experts, num_pairs) <= NT1_MAX_PAIRS_PER_EXPERT else 4
+def pick_nt4_above(num_tokens: int, top_k: int, nt: int | None, nt4_above: int | None) -> int:
+    """The align threshold: nt 1 forced -> every expert in 8-pair blocks (threshold = all pairs);
+    nt 4 forced -> every expert in 32-pair blocks (0); else ``nt4_above`` (default NT4_ABOVE), and
+    no nt 4 list (nor its launches) while the batch has too few tokens for an expert to exceed it
+    (ids from moe_route name an expert at most once per token; with repeats such an expert simply
+    takes several nt 1 blocks)."""
+    p = num_tokens * top_k
+    if nt is not None:
+        if nt4_above is not None:
+            raise ValueError("give nt (one tile for every expert) or nt4_above (per expert), not both")
+        if nt not in (1, 4):
+            raise ValueError(f"nt must be 1 or 4, got {nt}")
+        return p if nt == 1 else 0
+    t = NT4_ABOVE if nt4_above is None else nt4_above
+    if t < 0:
+        raise ValueError(f"nt4_above must be >= 0, got {t}")
+    return t if num_tokens > t else p
 
 
 def stage_bytes(nt: int) -> int:
@@ -93,9 +117,11 @@ def _num_sms() -> int:
 
 def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
              split_gate_up: int | None = None, split_down: int | None = None, nt: int | None = None,
-             num_sms: int | None = None) -> MoEPlan:
-    """Plan one MoE shape: token tile (8 or 32 pairs per block), split-K of each GEMM (enough CTAs
-    to cover the SMs when few experts are touched), and buffers."""
+             num_sms: int | None = None, nt4_above: int | None = None) -> MoEPlan:
+    """Plan one MoE shape: token tiles (by default per expert on the device: 8-pair blocks for
+    experts with at most ``nt4_above`` pairs, 32-pair blocks beyond; ``nt`` 1 or 4 forces one tile
+    for all), split-K of each GEMM (enough CTAs to cover the SMs when few experts are touched), and
+    buffers."""
     import cupy
 
     if num_tokens < 1:
@@ -104,22 +130,18 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
         if v <= 0 or v % TILE_K:
             raise ValueError(f"{name} size {v} must be a positive multiple of {TILE_K} (the INT4 MoE k block)")
     p = num_tokens * top_k
-    nt = nt if nt is not None else pick_nt(p, num_experts)
-    if nt not in (1, 4):
-        raise ValueError(f"nt must be 1 or 4, got {nt}")
-    block = 8 * nt
-    blocks_bound = align_capacity(p, num_experts, block) // block
-    if blocks_bound > _MAX_GRID_Y:
-        raise ValueError(f"{p} (token, expert) pairs need {blocks_bound} blocks > {_MAX_GRID_Y}; "
-                         f"split the batch")
+    align = alignment_buffers(p, num_experts, 8, 32, pick_nt4_above(num_tokens, top_k, nt, nt4_above))
+    for what, n in (("8-pair", align.small_blocks), ("32-pair", align.large_blocks)):
+        if n > _MAX_GRID_Y:
+            raise ValueError(f"{p} (token, expert) pairs need up to {n} {what} blocks > {_MAX_GRID_Y}; "
+                             f"split the batch")
     busy = min(num_experts, p)  # experts touched at most
     target = int(1.5 * (num_sms or _num_sms()))
     n13, n2 = busy * -(-2 * intermediate // ROWS_PER_CTA), busy * -(-hidden // ROWS_PER_CTA)
     s13 = _pick_split(hidden, n13, target, split_gate_up, "gate_up")
     s2 = _pick_split(intermediate, n2, target, split_down, "down")
     return MoEPlan(
-        num_tokens, num_experts, top_k, hidden, intermediate, nt, s13, s2, blocks_bound,
-        alignment_buffers(p, num_experts, block),
+        num_tokens, num_experts, top_k, hidden, intermediate, s13, s2, align,
         cupy.empty((p, intermediate), dtype=cupy.uint16),
         cupy.empty((s13, p, 2 * intermediate), dtype=cupy.float32) if s13 > 1 else None,
         cupy.empty((s2, p, hidden), dtype=cupy.float32))
@@ -174,7 +196,9 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
             raise ValueError(f"plan: made for (M, E, top_k, H, I) = {made}, called with {(m, e, top_k, h, inter)}")
     y = out_array("out", out, (m, h), BF16)
     _aligned("out", y)
-    moe_align(topk_ids, e, plan.block, out=plan.align, check_ids=check_ids)
+    al = plan.align
+    moe_align(topk_ids, e, al.block, out=al, check_ids=check_ids, large_block=al.large_block,
+              large_above=al.large_above)
     moe_gate_up(x, experts, plan)
     moe_down(experts, plan)
     null = np.uint64(0)
@@ -187,10 +211,19 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
 
 # The two GEMM steps of moe_experts, also used on their own by the per-kernel benchmark. They read
 # the routing from plan.align (filled by moe_align for the current topk_ids) and trust their inputs.
+# Each launches the nt 1 variant over the small block list and the nt 4 variant over the large one
+# (a list of capacity 0 is not launched); the two write disjoint pairs.
 
-def _routing(plan: MoEPlan) -> tuple:
+def _lists(plan: MoEPlan):
+    """(nt, grid y bound, sorted_pairs, block_expert, num_blocks) of each non-empty block list."""
     al = plan.align
-    return al.sorted_pairs, al.block_expert, al.num_blocks, np.int32(plan.num_pairs)
+    cs, bs = al.small_capacity, al.small_blocks
+    out = []
+    if al.large_capacity:
+        out.append((4, al.large_blocks, al.sorted_pairs[cs:], al.block_expert[bs:], al.num_blocks[1:]))
+    if cs:
+        out.append((1, bs, al.sorted_pairs[:cs], al.block_expert[:bs], al.num_blocks[:1]))
+    return out
 
 
 def moe_gate_up(x, experts, plan: MoEPlan) -> None:
@@ -199,12 +232,13 @@ def moe_gate_up(x, experts, plan: MoEPlan) -> None:
     null = np.uint64(0)
     h, inter, s13 = plan.hidden, plan.intermediate, plan.split_gate_up
     n13 = -(-2 * inter // ROWS_PER_CTA)
-    smem = STAGES * stage_bytes(plan.nt)
-    entry = f"moe_gemm_nt{plan.nt}_{'h' if s13 == 1 else 'f32'}"
-    _gemm_fn(mod, entry, smem)((n13 * s13, plan.blocks_bound), (ROWS_PER_CTA,), (
-        experts.w13, np.int64(experts.w13[0].nbytes), x, np.int32(plan.top_k), *_routing(plan),
-        np.int32(2 * inter), np.int32(h), np.int32(h // s13), np.int32(n13),
-        plan.h if s13 == 1 else null, plan.part_gate_up if s13 > 1 else null), shared_mem=smem)
+    for nt, bound, pairs, experts_of, count in _lists(plan):
+        smem = STAGES * stage_bytes(nt)
+        entry = f"moe_gemm_nt{nt}_{'h' if s13 == 1 else 'f32'}"
+        _gemm_fn(mod, entry, smem)((n13 * s13, bound), (ROWS_PER_CTA,), (
+            experts.w13, np.int64(experts.w13[0].nbytes), x, np.int32(plan.top_k), pairs, experts_of, count,
+            np.int32(plan.num_pairs), np.int32(2 * inter), np.int32(h), np.int32(h // s13), np.int32(n13),
+            plan.h if s13 == 1 else null, plan.part_gate_up if s13 > 1 else null), shared_mem=smem)
     if s13 > 1:
         p = plan.num_pairs
         mod.fn("moe_gate_up_reduce_kernel")((-(-p * inter // 256),), (256,), (
@@ -216,8 +250,9 @@ def moe_down(experts, plan: MoEPlan) -> None:
     mod = module("moe_gemm")
     h, inter, s2 = plan.hidden, plan.intermediate, plan.split_down
     n2 = -(-h // ROWS_PER_CTA)
-    smem = STAGES * stage_bytes(plan.nt)
-    _gemm_fn(mod, f"moe_gemm_nt{plan.nt}_f32", smem)((n2 * s2, plan.blocks_bound), (ROWS_PER_CTA,), (
-        experts.w2, np.int64(experts.w2[0].nbytes), plan.h, np.int32(1), *_routing(plan), np.int32(h),
-        np.int32(inter), np.int32(inter // s2), np.int32(n2), np.uint64(0), plan.part_down),
-        shared_mem=smem)
+    for nt, bound, pairs, experts_of, count in _lists(plan):
+        smem = STAGES * stage_bytes(nt)
+        _gemm_fn(mod, f"moe_gemm_nt{nt}_f32", smem)((n2 * s2, bound), (ROWS_PER_CTA,), (
+            experts.w2, np.int64(experts.w2[0].nbytes), plan.h, np.int32(1), pairs, experts_of, count,
+            np.int32(plan.num_pairs), np.int32(h), np.int32(inter), np.int32(inter // s2), np.int32(n2),
+            np.uint64(0), plan.part_down), shared_mem=smem)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..reference.moe_routing import MAX_EXPERTS, MoEAlignment, align_capacity, check_route_args
+from ..reference.moe_routing import MAX_EXPERTS, MoEAlignment, align_args, align_capacities, check_route_args
 from . import _cublas
 from ._args import BF16, check, out_array
 from .registry import module
 
 _ROUTE_WARPS = 4
+_ROUTE_ENTRIES = (64, 128, 256, 384, 512, 1024)  # moe_route_e<N>: experts held in registers per warp
 _ALIGN_WARPS = 8
-# Pairs staged in shared memory (32 KB; with 2E + 1 ints for E <= 1024 the total stays under the
+# Pairs staged in shared memory (32 KB; with 2E + 2 ints for E <= 1024 the total stays under the
 # 48 KB that needs no opt-in); beyond, the kernel reads the ids from global memory.
 _ALIGN_SMEM_IDS_MAX = 8192
 
@@ -55,25 +56,31 @@ def moe_route(logits, bias, top_k: int, n_group: int = 1, topk_group: int = 1, n
     args = (logits, bias if bias is not None else np.uint64(0), np.int32(m), np.int32(e), np.int32(top_k),
             np.int32(n_group), np.int32(topk_group), np.int32(bool(norm_topk_prob)),
             np.float32(routed_scaling_factor), ids, w)
-    module("moe_routing").fn("moe_route_kernel")(grid, (32 * _ROUTE_WARPS,), args,
-                                                 shared_mem=_ROUTE_WARPS * 2 * e * 4)
+    cap = next(c for c in _ROUTE_ENTRIES if c >= e)
+    module("moe_routing").fn(f"moe_route_e{cap}")(grid, (32 * _ROUTE_WARPS,), args,
+                                                 shared_mem=_ROUTE_WARPS * e * 4 if n_group > 1 else 0)
     return ids, w
 
 
-def alignment_buffers(num_pairs: int, num_experts: int, block: int) -> MoEAlignment:
+def alignment_buffers(num_pairs: int, num_experts: int, block: int, large_block: int | None = None,
+                      large_above: int | None = None) -> MoEAlignment:
     """Device buffers for ``moe_align`` (allocate once per shape, reuse across runs and graphs)."""
     import cupy
 
-    cap = align_capacity(num_pairs, num_experts, block)
+    large_block, large_above = align_args(num_pairs, block, large_block, large_above)
+    cap_s, cap_l = align_capacities(num_pairs, num_experts, block, large_block, large_above)
     z = lambda n: cupy.zeros(n, dtype=cupy.int32)  # noqa: E731
-    return MoEAlignment(z(num_experts), z(num_experts + 1), z(cap), z(cap // block), z(1), z(1),
-                        block, num_pairs)
+    return MoEAlignment(z(num_experts), z(num_experts), z(cap_s + cap_l), z(cap_s // block + cap_l // large_block),
+                        z(2), z(1), block, num_pairs, large_block, large_above, cap_s, cap_l)
 
 
 def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None = None,
-              check_ids: bool = True) -> MoEAlignment:
-    """topk_ids int32 [M, top_k] -> MoEAlignment (device arrays). With ``check_ids`` an id out of
-    [0, E) raises (one host sync); without, such pairs are left out and ``error[0]`` is set."""
+              check_ids: bool = True, large_block: int | None = None,
+              large_above: int | None = None) -> MoEAlignment:
+    """topk_ids int32 [M, top_k] -> MoEAlignment (device arrays): experts with more than
+    ``large_above`` pairs in ``large_block``-pair blocks, the others in ``block``-pair blocks (without
+    ``large_block``, all). With ``check_ids`` an id out of [0, E) raises (one host sync); without,
+    such pairs are left out and ``error[0]`` is set."""
     import cupy
 
     check("topk_ids", topk_ids, np.int32, ndim=2)
@@ -82,8 +89,7 @@ def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None =
         raise ValueError(f"topk_ids: no pairs (shape {tuple(topk_ids.shape)}); M = 0 is not a valid call")
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
-    if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}")
+    large_block, large_above = align_args(p, block, large_block, large_above)
     if check_ids:
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:
@@ -91,18 +97,20 @@ def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None =
             i = int(cupy.argmax((flat < 0) | (flat >= num_experts)))
             raise ValueError(f"topk_ids: expert id {int(flat[i])} at pair {i} (token {i // topk_ids.shape[1]}) "
                              f"is out of range [0, {num_experts})")
-    al = out if out is not None else alignment_buffers(p, num_experts, block)
-    cap = align_capacity(p, num_experts, block)
-    if al.block != block or al.num_pairs != p:
-        raise ValueError(f"out: buffers made for block {al.block} and {al.num_pairs} pairs, "
-                         f"called with block {block} and {p} pairs")
-    for name, n in (("counts", num_experts), ("offsets", num_experts + 1), ("sorted_pairs", cap),
-                    ("block_expert", cap // block), ("num_blocks", 1), ("error", 1)):
+    al = out if out is not None else alignment_buffers(p, num_experts, block, large_block, large_above)
+    made = (al.block, al.num_pairs, al.large_block, al.large_above)
+    if made != (block, p, large_block, large_above):
+        raise ValueError(f"out: buffers made for (block, pairs, large_block, large_above) = {made}, "
+                         f"called with {(block, p, large_block, large_above)}")
+    cap_s, cap_l = align_capacities(p, num_experts, block, large_block, large_above)
+    for name, n in (("counts", num_experts), ("offsets", num_experts), ("sorted_pairs", cap_s + cap_l),
+                    ("block_expert", cap_s // block + cap_l // large_block), ("num_blocks", 2), ("error", 1)):
         check(f"out.{name}", getattr(al, name), np.int32, shape=(n,))
     in_smem = p <= _ALIGN_SMEM_IDS_MAX
-    smem = (2 * num_experts + 1 + (p if in_smem else 0)) * 4
+    smem = (2 * num_experts + 2 + (p if in_smem else 0)) * 4
     grid = (-(-num_experts // _ALIGN_WARPS),)
-    args = (topk_ids, np.int32(p), np.int32(num_experts), np.int32(block), np.int32(in_smem), al.counts,
-            al.offsets, al.sorted_pairs, al.block_expert, al.num_blocks, al.error)
+    args = (topk_ids, np.int32(p), np.int32(num_experts), np.int32(block), np.int32(large_block),
+            np.int32(large_above), np.int32(cap_s), np.int32(in_smem), al.counts, al.offsets, al.sorted_pairs,
+            al.block_expert, al.num_blocks, al.error)
     module("moe_routing").fn("moe_align_kernel")(grid, (32 * _ALIGN_WARPS,), args, shared_mem=smem)
     return al

@@ -24,9 +24,11 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("tree_accept", ("tree_accept_kernel",),
                "DDTree acceptance walk: follow the children matching the target's choices"),
     # -- INT4 MoE (issue: MoE) --
-    KernelSpec("moe_routing", ("moe_route_kernel", "moe_align_kernel"),
-               "MoE routing: DeepSeek-V3 noaux_tc top-k (sigmoid, bias for selection, groups) and the "
-               "token->expert align step (per-expert runs padded to the block size)"),
+    KernelSpec("moe_routing", ("moe_route_e64", "moe_route_e128", "moe_route_e256", "moe_route_e384",
+                               "moe_route_e512", "moe_route_e1024", "moe_align_kernel"),
+               "MoE routing: DeepSeek-V3 noaux_tc top-k (sigmoid, bias for selection, groups; one warp "
+               "per token, scores in registers) and the token->expert align step (two block lists: "
+               "8-pair runs for experts with few pairs, 32-pair runs for the rest)"),
     KernelSpec("moe_gemm", ("moe_gemm_nt1_h", "moe_gemm_nt1_f32", "moe_gemm_nt4_h", "moe_gemm_nt4_f32",
                             "moe_gate_up_reduce_kernel", "moe_combine_kernel"),
                "fused INT4 W4A16 group-32 expert GEMMs (mma.sync, weights on the 16-row side): gate_up "

@@ -10,7 +10,9 @@ Rules the CUDA kernels follow bit for bit:
 - weights are the unbiased sigmoid scores of the picks, in pick order (descending score), summed
   left to right in fp32, divided by (sum + 1e-20) when normalising, then times the scaling factor.
 - align: pair p = token * top_k + slot; within an expert's run pairs ascend; the run is padded with
-  the sentinel ``num_pairs`` up to a multiple of ``block``; out-of-range ids are left out and flagged.
+  the sentinel ``num_pairs`` up to a multiple of its list's block (``block``, or ``large_block`` for
+  experts with more than ``large_above`` pairs); each list holds its runs in expert order;
+  out-of-range ids are left out and flagged.
 """
 
 from __future__ import annotations
@@ -95,62 +97,107 @@ def moe_route(logits, bias, top_k: int, n_group: int = 1, topk_group: int = 1, n
 
 @dataclass
 class MoEAlignment:
-    """Pairs grouped by expert. ``sorted_pairs[offsets[e]:offsets[e+1]]`` are expert e's pairs
-    (ascending), padded with ``num_pairs``; block ``u`` (``block`` slots) belongs to expert
-    ``block_expert[u]``; only the first ``num_blocks[0]`` blocks are valid. ``error[0]`` is 1 when
-    some id was out of range (those pairs are left out)."""
+    """Pairs grouped by expert into two block lists. An expert with at most ``large_above`` pairs has
+    its run in the small list (``sorted_pairs[:small_capacity]``, blocks of ``block`` slots), one with
+    more in the large list (``sorted_pairs[small_capacity:]``, blocks of ``large_block`` slots).
+    ``sorted_pairs[offsets[e]:offsets[e] + counts[e]]`` are expert e's pairs (ascending), its run
+    padded with ``num_pairs`` to a multiple of its block. Small block ``u`` belongs to expert
+    ``block_expert[u]``, large block ``u`` to ``block_expert[small_capacity // block + u]``; only the
+    first ``num_blocks[0]`` small and ``num_blocks[1]`` large blocks are valid. ``error[0]`` is 1
+    when some id was out of range (those pairs are left out)."""
 
     counts: object  # int32 [E]
-    offsets: object  # int32 [E + 1]
-    sorted_pairs: object  # int32 [capacity]
-    block_expert: object  # int32 [capacity // block]
-    num_blocks: object  # int32 [1]
+    offsets: object  # int32 [E]: start of each expert's run in sorted_pairs
+    sorted_pairs: object  # int32 [small_capacity + large_capacity]
+    block_expert: object  # int32 [small_capacity // block + large_capacity // large_block]
+    num_blocks: object  # int32 [2]: valid blocks of the small list, of the large list
     error: object  # int32 [1]
     block: int
     num_pairs: int
+    large_block: int
+    large_above: int  # >= num_pairs: no large list
+    small_capacity: int
+    large_capacity: int
+
+    @property
+    def small_blocks(self) -> int:
+        """Blocks the small list can hold (a launch bound)."""
+        return self.small_capacity // self.block
+
+    @property
+    def large_blocks(self) -> int:
+        return self.large_capacity // self.large_block
 
 
-def align_capacity(num_pairs: int, num_experts: int, block: int) -> int:
-    """Slots enough for any routing: every non-empty expert (at most min(E, P)) pads < block."""
-    bound = (num_pairs + min(num_experts, num_pairs) * (block - 1)) // block
-    return max(bound, 1) * block
+def align_capacities(num_pairs: int, num_experts: int, block: int, large_block: int,
+                     large_above: int) -> tuple[int, int]:
+    """Slots of the small and the large list enough for any routing: the n experts of a list pad
+    fewer than ``block`` slots each, so it needs at most (P + n (block - 1)) // block blocks, with
+    n <= min(E, P) small experts of at most ``large_above`` pairs and n <= P // (large_above + 1)
+    large ones."""
+    n = min(num_experts, num_pairs)
+    small = (num_pairs + n * (block - 1)) // block
+    if large_above >= num_pairs:
+        return small * block, 0
+    small = min(small, n * -(-large_above // block))
+    n_large = min(num_experts, num_pairs // (large_above + 1))
+    return small * block, (num_pairs + n_large * (large_block - 1)) // large_block * large_block
+
+
+def align_args(num_pairs: int, block: int, large_block: int | None, large_above: int | None) -> tuple[int, int]:
+    """(large_block, large_above) with the defaults filled in: no large list."""
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    if large_block is None:
+        return block, num_pairs
+    if large_block < 1 or large_above is None or large_above < 0:
+        raise ValueError(f"large_block {large_block} needs large_block >= 1 and large_above >= 0, "
+                         f"got large_above {large_above}")
+    return large_block, min(large_above, num_pairs)
 
 
 def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None = None,
-              check_ids: bool = True) -> MoEAlignment:
-    """topk_ids int32 [M, top_k] -> MoEAlignment (see the class)."""
+              check_ids: bool = True, large_block: int | None = None,
+              large_above: int | None = None) -> MoEAlignment:
+    """topk_ids int32 [M, top_k] -> MoEAlignment (see the class). Without ``large_block`` every
+    expert is in the small list."""
     ids = np.asarray(topk_ids)
     if ids.ndim != 2 or ids.dtype != np.int32 or ids.size == 0:
         raise ValueError(f"topk_ids: expected non-empty int32 [M, top_k], got {ids.dtype} {ids.shape}")
-    if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}")
     flat = ids.reshape(-1)
     p = flat.size
+    large_block, large_above = align_args(p, block, large_block, large_above)
     bad = (flat < 0) | (flat >= num_experts)
     if check_ids and bad.any():
         i = int(np.argmax(bad))
         raise ValueError(f"topk_ids: expert id {int(flat[i])} at pair {i} (token {i // ids.shape[1]}) "
                          f"is out of range [0, {num_experts})")
-    cap = align_capacity(p, num_experts, block)
+    cap_s, cap_l = align_capacities(p, num_experts, block, large_block, large_above)
     counts = np.bincount(flat[~bad], minlength=num_experts).astype(np.int32)
-    padded = (counts + block - 1) // block * block
-    offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
-    sorted_pairs = np.full(cap, p, dtype=np.int32)
-    block_expert = np.zeros(cap // block, dtype=np.int32)
+    large = counts > large_above
+    bsz = np.where(large, large_block, block)
+    padded = (counts + bsz - 1) // bsz * bsz
+    offsets = np.zeros(num_experts, dtype=np.int32)
+    ends = [0, cap_s]
+    for e in range(num_experts):  # each list in expert order
+        offsets[e] = ends[int(large[e])]
+        ends[int(large[e])] += int(padded[e])
+    sorted_pairs = np.full(cap_s + cap_l, p, dtype=np.int32)
+    block_expert = np.zeros(cap_s // block + cap_l // large_block, dtype=np.int32)
     order = np.argsort(np.where(bad, num_experts, flat), kind="stable")
     start = 0
     for e in range(num_experts):
         c = int(counts[e])
         sorted_pairs[offsets[e]:offsets[e] + c] = order[start:start + c]
-        block_expert[offsets[e] // block:offsets[e + 1] // block] = e
+        b0 = cap_s // block + (offsets[e] - cap_s) // large_block if large[e] else offsets[e] // block
+        block_expert[b0:b0 + padded[e] // bsz[e]] = e
         start += c
-    res = MoEAlignment(counts, offsets, sorted_pairs, block_expert,
-                       np.array([offsets[-1] // block], dtype=np.int32),
-                       np.array([int(bad.any())], dtype=np.int32), block, p)
+    num_blocks = np.array([ends[0] // block, (ends[1] - cap_s) // large_block], dtype=np.int32)
+    res = MoEAlignment(counts, offsets, sorted_pairs, block_expert, num_blocks,
+                       np.array([int(bad.any())], dtype=np.int32), block, p, large_block, large_above,
+                       cap_s, cap_l)
     if out is not None:
-        for name in ("counts", "offsets", "num_blocks", "error"):
+        for name in ("counts", "offsets", "num_blocks", "error", "sorted_pairs", "block_expert"):
             getattr(out, name)[...] = getattr(res, name)
-        out.sorted_pairs[:cap] = sorted_pairs
-        out.block_expert[:cap // block] = block_expert
         return out
     return res
