@@ -21,16 +21,92 @@ def test_reference_rejects_mismatch(rng):
         ref_linear(random_bf16(rng, (2, 3)), random_bf16(rng, (4, 5)))
 
 
+# Skinny-kernel shapes: M in 1..16 (odd ones too), N and K odd-ish multiples of 8 (partial k32
+# chunks, partial 8-row tiles), and the K2.6 decode linears.
+K26_SHAPES = [(1536, 7168), (12288, 1536), (576, 7168), (7168, 8192), (4096, 7168), (7168, 2048), (384, 7168)]
+SKINNY_SHAPES = ([(m, 584, 1048) for m in (1, 3, 7, 8, 9, 16)] + [(2, 8, 8), (5, 13, 24), (16, 1000, 776)]
+                 + [(m, n, k) for m in (1, 7, 16) for n, k in K26_SHAPES])
+IMPLS = ("auto", "skinny", "cublas")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_kernel_vs_reference(rng, m, n, k):
+def test_kernel_vs_reference(rng, m, n, k, impl):
     from ddtree_rtc.kernels.linear import linear
 
     x, w = random_bf16(rng, (m, k)), random_bf16(rng, (n, k))
     out = nan_bf16_bits((m, n))
-    got = linear(to_device_bf16(x), to_device_bf16(w), out=out)
+    got = linear(to_device_bf16(x), to_device_bf16(w), out=out, impl=impl)
     assert got is out
     assert_close(got, ref_linear(x, w), "bf16_accum")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ("skinny", "cublas"))
+@pytest.mark.parametrize("m,n,k", SKINNY_SHAPES)
+def test_skinny_vs_reference(rng, m, n, k, impl):
+    from ddtree_rtc.kernels.linear import linear, route
+
+    x, w = random_bf16(rng, (m, k)), random_bf16(rng, (n, k))
+    xd, wd = to_device_bf16(x), to_device_bf16(w)
+    assert route(xd, wd, impl) == impl
+    out = nan_bf16_bits((m, n))
+    got = linear(xd, wd, out=out, impl=impl)
+    assert got is out
+    assert_close(got, ref_linear(x, w), "bf16_accum")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 576, 7168), (16, 7168, 2048), (7, 1000, 776)])
+def test_skinny_deterministic(rng, m, n, k):
+    from ddtree_rtc.kernels.linear import linear
+
+    xd, wd = to_device_bf16(random_bf16(rng, (m, k))), to_device_bf16(random_bf16(rng, (n, k)))
+    a = linear(xd, wd, impl="skinny").get()
+    b = linear(xd, wd, out=nan_bf16_bits((m, n)), impl="skinny").get()
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_skinny_routes_to_cublas_where_it_cannot_run(rng):
+    import cupy
+
+    from ddtree_rtc.kernels.linear import linear, route
+
+    x, w = random_bf16(rng, (3, 17)), random_bf16(rng, (33, 17))
+    assert route(to_device_bf16(x), to_device_bf16(w), "skinny") == "cublas"  # K % 8 != 0
+    xs, ws = random_bf16(rng, (4, 64)), random_bf16(rng, (40, 64))
+    wd = to_device_bf16(ws)
+    xm = cupy.empty(4 * 64 + 1, dtype=cupy.uint16)[1:].reshape(4, 64)  # contiguous, 2-byte aligned
+    xm[...] = to_device_bf16(xs)
+    assert xm.data.ptr % 16 != 0 and route(xm, wd, "skinny") == "cublas"
+    got = linear(xm, wd, out=nan_bf16_bits((4, 40)), impl="skinny")
+    assert_close(got, ref_linear(xs, ws), "bf16_accum")
+    assert route(to_device_bf16(random_bf16(rng, (17, 64))), wd, "skinny") == "cublas"  # M > 16
+    with pytest.raises(ValueError, match="impl="):
+        linear(to_device_bf16(xs), wd, impl="fast")
+
+
+@pytest.mark.gpu
+def test_skinny_graph_capture(rng):
+    import cupy
+
+    from ddtree_rtc.kernels.linear import linear
+
+    x, w = random_bf16(rng, (3, 1048)), random_bf16(rng, (584, 1048))
+    xd, wd = to_device_bf16(x), to_device_bf16(w)
+    out = nan_bf16_bits((3, 584))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        linear(xd, wd, out=out, impl="skinny")  # loads the module and plans outside the capture
+        stream.begin_capture()
+        linear(xd, wd, out=out, impl="skinny")
+        graph = stream.end_capture()
+        out.fill(0x7FC0)
+        graph.launch(stream)
+        stream.synchronize()
+    assert_close(out, ref_linear(x, w), "bf16_accum")
 
 
 @pytest.mark.gpu
