@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from ml_dtypes import bfloat16
 
-from ddtree_rtc.kernels.mla_attention import _VARIANTS, MIN_SPLIT, split_work
+from ddtree_rtc.kernels.mla_attention import _VARIANTS, MIN_SPLIT, _pick_variant, _smem_bytes, split_work
 from ddtree_rtc.reference import mla_attention as ref
 from ddtree_rtc.reference.mla import decompressed_attention_f64
 from ddtree_rtc.testing import assert_close, random_bf16
@@ -152,9 +152,9 @@ def test_tree_mask_helpers(rng):
         ref.tree_mask_from_parents([0, 2, 0])
 
 
-def emulate_kernel(batch, q, cache, scale, bm, bn, num_sms):
+def emulate_kernel(batch, q, cache, scale, bm, bn, num_sms, min_split=MIN_SPLIT):
     """The CUDA dataflow in numpy: work items -> direct rows or normalised partials -> merge."""
-    work, cta_work, merge, n_part = split_work(batch, bm, bn, num_sms)
+    work, cta_work, merge, n_part = split_work(batch, bm, bn, num_sms, min_split)
     assert cta_work[0] == 0 and cta_work[-1] == len(work) and (np.diff(cta_work) >= 0).all()
     h = batch.num_heads
     qf = q.astype(np.float32).reshape(-1, ref.ROW)
@@ -195,8 +195,8 @@ def emulate_kernel(batch, q, cache, scale, bm, bn, num_sms):
 def test_work_split_emulated(rng, variant, num_sms, case):
     bt = Batch(rng, *case, dtype=np.float32)
     batch = bt.ref_plan()
-    bm, bn, _, _ = _VARIANTS[variant]
-    o, lse = emulate_kernel(batch, bt.q, bt.cache, K26_SCALE, bm, bn, num_sms)
+    v = _VARIANTS[variant]
+    o, lse = emulate_kernel(batch, bt.q, bt.cache, K26_SCALE, v.bm, v.bn, num_sms, v.min_split)
     o_ref, lse_ref = ref.attend_f32(batch, bt.q, bt.cache, K26_SCALE)
     assert_close(o, o_ref, "fp32", "o_lat")
     assert_close(lse, lse_ref, "fp32", "lse")
@@ -236,6 +236,24 @@ def test_decode_batch_fills_the_gpu():
         work, cta_work, _, _ = split_work(batch, 64, 64, 132)
         units = [sum(-(-(ke - kb) // 64) for *_, kb, ke, _p, _, _ in work[a:c]) for a, c in zip(cta_work, cta_work[1:])]
         assert max(units) == -(-sum(units) // 132), "the longest CTA is as short as possible"
+
+
+@pytest.mark.parametrize("heads,busy", [(8, 65), (64, 129)])
+def test_decode_variant_splits_finer(heads, busy):
+    """d16 at batch 1 and 4k: its shorter minimum split spreads the context over many more SMs than
+    the old 256-row minimum (17 of 132)."""
+    v = _VARIANTS["d16"]
+    batch = ref.validate_batch([4096], [1], np.zeros((1, 4097), np.int32), heads, 1, 1)
+    _, cta_work, _, _ = split_work(batch, v.bm, v.bn, 132, v.min_split)
+    assert int((np.diff(cta_work) > 0).sum()) == busy
+
+
+def test_default_variant():
+    big, sm120 = 227 * 1024, 99 * 1024
+    assert _pick_variant(8, True, big) == "d16" and _pick_variant(64, True, big) == "d16"
+    assert _pick_variant(128, False, big) == "m64" and _pick_variant(12, False, big) == "m16"
+    assert _pick_variant(8, True, sm120) == "small" and _pick_variant(64, False, sm120) == "small"
+    assert all(_smem_bytes(v) <= big for v in _VARIANTS) and _smem_bytes("small") <= sm120
 
 
 def test_plan_rejects_bad_input(rng):
@@ -343,7 +361,7 @@ def test_kernel_vs_reference(rng, ctx, n, heads, page_size, tree):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", sorted(_VARIANTS))
-@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[5], GPU_CASES[7]])
+@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (0, 1, 2, 3, 5, 7)])
 def test_every_variant(rng, variant, case):
     bt = Batch(rng, *case)
     o_ref, lse_ref = ref.mla_attention(bt.ref_plan(), bt.q, bt.cache, K26_SCALE)
@@ -432,6 +450,53 @@ def test_device_mask_and_graph_replay(rng):
     with pytest.raises(ValueError, match="does not fit"):
         big = Batch(rng, [90000], [1], 8, 16)
         k.mla_attention_plan(big.ctx, big.n, big.page_table, 8, 16, big.num_pages, num_sms=40, into=plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["d16", "m64"])
+def test_decode_graph_replay(rng, variant):
+    """A decode step captured in a CUDA graph, then a later decode plan (other lengths, so another
+    split and merge layout) written into the same buffers and replayed."""
+    import cupy
+
+    from ddtree_rtc.kernels import mla_attention as k
+    from ddtree_rtc.testing import to_device_bf16
+
+    first = Batch(rng, [3000, 100, 4100], [1, 1, 1], 8, 64)
+    second = Batch(rng, [40, 5000, 1], [1, 1, 1], 8, 64)
+    width = max(first.page_table.shape[1], second.page_table.shape[1])
+    pages = max(first.num_pages, second.num_pages)
+    caches = []
+    for bt in (first, second):
+        bt.page_table = np.pad(bt.page_table, ((0, 0), (0, width - bt.page_table.shape[1])),
+                               constant_values=SENTINEL)
+        c = np.full((pages, 64, ref.ROW), np.nan, np.float32)
+        c[:bt.num_pages] = bt.cache.astype(np.float32)
+        bt.num_pages, bt.cache = pages, c.astype(bfloat16)
+        caches.append(to_device_bf16(bt.cache))
+    plan = k.build_plan(ref.validate_batch(*first.plan_args()), num_sms=50, variant=variant)
+    q, cache = to_device_bf16(first.q), caches[0].copy()
+    out = cupy.empty((3, 8, ref.DV), cupy.uint16)
+    lse = cupy.empty((3, 8), cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        k.mla_attention(plan, q, cache, K26_SCALE, out=out, lse=lse)
+        stream.begin_capture()
+        k.mla_attention(plan, q, cache, K26_SCALE, out=out, lse=lse)
+        graph = stream.end_capture()
+    for bt, dev_cache in ((first, caches[0]), (second, caches[1])):
+        if bt is second:
+            k.build_plan(ref.validate_batch(*second.plan_args()), into=plan)
+            q.set(second.q.view(np.uint16))
+            cache[...] = dev_cache
+        with stream:
+            out.fill(0x7FC0)
+            lse.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+        o_ref, lse_ref = ref.mla_attention(bt.ref_plan(), bt.q, bt.cache, K26_SCALE)
+        assert_close(out, o_ref, "bf16", f"o_lat ({variant}, graph)")
+        assert_close(lse, lse_ref, "fp32", f"lse ({variant}, graph)")
 
 
 @pytest.mark.gpu

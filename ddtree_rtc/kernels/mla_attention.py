@@ -19,10 +19,33 @@ from . import _cublas
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from .registry import module
 
-# variant -> (BM query rows, BN cache rows per tile, warps, O row groups); mirrors cuda_src Cfg<...>
-_VARIANTS = {"m64": (64, 64, 8, 2), "m16": (16, 64, 8, 1), "small": (32, 16, 4, 1)}
 MIN_SPLIT = 256  # fewest cache rows per CTA: below that the partial write and merge dominate
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A tile variant of cuda_src/mla_attention.cu (mirrors its Cfg<...> / SplitCfg<...>).
+    ``split_k``: the warps split the 576 of Q·K^T and share P through registers (SplitCfg);
+    otherwise they split the query rows and columns of S (Cfg)."""
+
+    bm: int  # query rows per work item
+    bn: int  # cache rows per pipeline stage
+    warps: int
+    om: int = 1  # O row groups (Cfg)
+    stages: int = 2  # cp.async ring depth
+    split_k: bool = False
+    min_split: int = MIN_SPLIT  # fewest cache rows per CTA
+
+
+_VARIANTS = {
+    "m64": Variant(64, 64, 8, om=2),
+    "m16": Variant(16, 64, 8),
+    "small": Variant(32, 16, 4),
+    # decode: short stages, a 4-deep ring, lookups one stage ahead, cheap enough to split finer
+    "d16": Variant(16, 32, 4, stages=4, split_k=True, min_split=64),
+}
 _WORK_INTS, _REQ_INTS, _MERGE_INTS = 8, 4, 4
+MERGE_CTAS_PER_SM = 8  # the merge kernel's fixed grid: one wave of 128-thread CTAs
 
 
 def _cdiv(a, b):
@@ -30,13 +53,18 @@ def _cdiv(a, b):
 
 
 def _smem_bytes(variant: str) -> int:
-    bm, bn, nw, _ = _VARIANTS[variant]
-    sn = nw // (bm // 16)
-    return (bm * ROW + 2 * bn * ROW + bm * bn) * 2 + (sn * bm + 2 * bm) * 4
+    v = _VARIANTS[variant]
+    if v.split_k:
+        return (v.bm * ROW + v.stages * v.bn * ROW) * 2 + v.warps * (v.bn // 8) * 32 * 16
+    sn = v.warps // (v.bm // 16)
+    return (v.bm * ROW + 2 * v.bn * ROW + v.bm * v.bn) * 2 + (sn * v.bm + 2 * v.bm) * 4
 
 
-def _pick_variant(max_rows: int, smem_limit: int) -> str:
-    prefer = ("m16", "m64", "small") if max_rows <= 16 else ("m64", "small")
+def _pick_variant(max_rows: int, decode: bool, smem_limit: int) -> str:
+    if decode:  # every request has one new token
+        prefer = ("d16", "m16", "small") if max_rows <= 16 else ("d16", "m64", "small")
+    else:
+        prefer = ("m16", "m64", "small") if max_rows <= 16 else ("m64", "small")
     for v in prefer:
         if _smem_bytes(v) <= smem_limit:
             return v
@@ -90,7 +118,7 @@ class MLAPlan:
     threads: int
     smem: int
     grid: int  # CTAs of the attention kernel (one per SM)
-    merge_grid: int  # x-blocks of the merge kernel; 0: the plan cuts no tile, no merge launch
+    merge_grid: int  # CTAs of the merge kernel; 0: the plan cuts no tile, no merge launch
     num_work: int
     num_merge: int
     work: object  # cupy int32 [capacity, 8]
@@ -159,14 +187,16 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
     if into is not None:
         variant = into.variant
     elif variant is None:
-        variant = _pick_variant(int(batch.num_new.max()) * batch.num_heads, smem_limit)
+        variant = _pick_variant(int(batch.num_new.max()) * batch.num_heads, bool((batch.num_new == 1).all()),
+                                smem_limit)
     if _smem_bytes(variant) > smem_limit:
         raise RuntimeError(f"tile variant {variant} needs {_smem_bytes(variant)} bytes of shared memory; "
                            f"this GPU allows {smem_limit}")
-    bm, bn, nw, _ = _VARIANTS[variant]
+    v = _VARIANTS[variant]
+    bm, bn, nw = v.bm, v.bn, v.warps
     allow_dynamic_smem(module("mla_attention").fn(f"mla_attention_{variant}_kernel"), _smem_bytes(variant))
     grid = into.grid if into is not None else (num_sms or sms)
-    work, cta_work, merge, partials = split_work(batch, bm, bn, grid)
+    work, cta_work, merge, partials = split_work(batch, bm, bn, grid, v.min_split)
     req_info = np.zeros((batch.batch, _REQ_INTS), dtype=np.int32)
     req_info[:, 0], req_info[:, 1], req_info[:, 2] = batch.ctx_lens, batch.num_new, batch.q_start
     merges = np.zeros((grid, _MERGE_INTS), np.int32)
@@ -179,8 +209,8 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
         dev_mask = cupy.asarray(host_mask)
     return MLAPlan(
         batch=batch, variant=variant, bm=bm, threads=32 * nw, smem=_smem_bytes(variant), grid=grid,
-        merge_grid=grid if len(merge) else 0, num_work=len(work), num_merge=len(merge), work=cupy.asarray(work),
-        cta_work=cupy.asarray(cta_work), merge=cupy.asarray(merges),
+        merge_grid=MERGE_CTAS_PER_SM * grid if len(merge) else 0, num_work=len(work), num_merge=len(merge),
+        work=cupy.asarray(work), cta_work=cupy.asarray(cta_work), merge=cupy.asarray(merges),
         merge_count=cupy.asarray(np.array([len(merge)], np.int32)), req_info=cupy.asarray(req_info),
         page_table=cupy.asarray(batch.page_table), mask=dev_mask, owns_mask=owns_mask,
         o_part=cupy.empty((2 * grid, bm, DV), dtype=cupy.float32),
@@ -244,7 +274,7 @@ def mla_attention(plan: MLAPlan, q, cache, softmax_scale: float, out=None, lse=N
     fn((plan.grid,), (plan.threads,), args, shared_mem=plan.smem)
     if plan.merge_grid:
         mod.fn("mla_attention_merge_kernel")(
-            (plan.merge_grid, plan.bm), (DV // 4,),
+            (plan.merge_grid,), (DV // 4,),
             (plan.merge, plan.merge_count, plan.o_part, plan.lse_part, np.int32(plan.bm), out, lse))
     return out, lse
 

@@ -40,7 +40,8 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),
                "paged KV cache: write rows at slots; DDTree commit of accepted rows, in place, all layers"),
     KernelSpec("mla_attention", ("mla_attention_m64_kernel", "mla_attention_m16_kernel",
-                                 "mla_attention_small_kernel", "mla_attention_merge_kernel"),
+                                 "mla_attention_small_kernel", "mla_attention_d16_kernel",
+                                 "mla_attention_merge_kernel"),
                "absorbed MLA attention over the paged latent cache (decode / tree verify / causal "
                "prefill, mma.sync, split-K) and its split merge"),
     KernelSpec("bench_ceiling", ("read_stream_kernel", "copy_stream_kernel", "gate_wait_kernel"),
