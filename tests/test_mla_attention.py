@@ -251,6 +251,8 @@ def test_decode_variant_splits_finer(heads, busy):
 def test_default_variant():
     big, sm120 = 227 * 1024, 99 * 1024
     assert _pick_variant(8, True, big) == "d16" and _pick_variant(64, True, big) == "d16"
+    assert _pick_variant(8, True, big, batch=32) == "d16" and _pick_variant(64, True, big, batch=4) == "d16"
+    assert _pick_variant(64, True, big, batch=8) == "m64"  # 32 tiles of 16 rows: m64 was faster
     assert _pick_variant(128, False, big) == "m64" and _pick_variant(12, False, big) == "m16"
     assert _pick_variant(8, True, sm120) == "small" and _pick_variant(64, False, sm120) == "small"
     assert all(_smem_bytes(v) <= big for v in _VARIANTS) and _smem_bytes("small") <= sm120

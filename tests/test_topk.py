@@ -205,7 +205,8 @@ def test_kernel_default_variant():
     from ddtree_rtc.kernels.topk import topk_workspace
 
     assert topk_workspace((32, 7, 163_840), 512).variant == "chunked"
-    assert topk_workspace((2, 7, 163_840), 64).variant == "chunked"
+    assert topk_workspace((2, 7, 163_840), 64).variant == "slices"  # below CHUNKED_MIN_K
+    assert topk_workspace((2, 7, 163_840), 64, variant="chunked").variant == "chunked"
     assert topk_workspace((3, 1000), 4, slices=1).variant == "slices"
     assert topk_workspace((1, 2**27), 512).variant == "slices"  # the merge would not fit
 

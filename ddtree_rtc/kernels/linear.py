@@ -30,9 +30,13 @@ _BETA = np.zeros(1, dtype=np.float32)
 
 IMPLS = ("auto", "skinny", "cublas")
 SKINNY_MAX_M = 16
-# auto: the skinny kernel from this weight size (smaller ones are launch-bound either way) and below
-# this N (the lm_head [163840, 7168] already reads at the ceiling through cuBLAS).
+# auto, from the H200 (tools/linear_compare.py): skinny for M <= 8 on weights of 1M..64M elements —
+# 1.05-1.3x over cuBLAS on q_a, q_b, kv_a, o_proj, the shared expert and the router; the dense MLP
+# (264M) and lm_head read at 78-100% through cuBLAS and lose 1-10% here; at M = 16 it is even or
+# worse; and a K split of 4+ over N >= 4096 rows loses (shared w13 at M >= 2: 0.85x).
+AUTO_MAX_M = 8
 AUTO_MIN_WEIGHT_ELEMS = 1 << 20
+AUTO_MAX_WEIGHT_ELEMS = 64 << 20
 AUTO_MAX_N = 65536
 
 _THREADS = 256
@@ -105,7 +109,12 @@ def route(x, weight, impl: str = "auto") -> str:
     if impl == "skinny":
         return "skinny"
     n, k = weight.shape
-    return "skinny" if n * k >= AUTO_MIN_WEIGHT_ELEMS and n < AUTO_MAX_N else "cublas"
+    m = x.shape[0]
+    if m > AUTO_MAX_M or not AUTO_MIN_WEIGHT_ELEMS <= n * k <= AUTO_MAX_WEIGHT_ELEMS or n >= AUTO_MAX_N:
+        return "cublas"
+    if m > 1 and n >= 4096 and skinny_plan(m, n, k, _sm_count(x.device.id)).split >= 4:
+        return "cublas"
+    return "skinny"
 
 
 def _cublas_linear(x, weight, y, m: int, n: int, k: int) -> None:
