@@ -18,9 +18,10 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("topk", ("topk_bf16_kernel", "topk_f32_kernel"),
                "vocabulary top-k: fp32 log-softmax and the K best log-probs + ids per row, ties by id",
                params={"TOPK_CAP": 8192}),
-    KernelSpec("tree_build", ("tree_build_j3", "tree_build_j9", "tree_build_j17"),
+    KernelSpec("tree_build", ("tree_build_j3", "tree_build_j9", "tree_build_j17", "tree_build_level_j3",
+                              "tree_build_level_j9", "tree_build_level_j17"),
                "DDTree best-first tree build per request, bit-identical to the heapq reference"),
-    KernelSpec("tree_accept", ("tree_accept_kernel",),
+    KernelSpec("tree_accept", ("tree_accept_kernel", "tree_accept_table_kernel"),
                "DDTree acceptance walk: follow the children matching the target's choices"),
     # -- INT4 MoE (issue: MoE) --
     KernelSpec("moe_routing", ("moe_route_kernel", "moe_align_kernel"),
