@@ -15,6 +15,18 @@
 // lexicographic with a prefix first, compared by climbing both candidates' ancestor chains.
 //
 // After the loop all 128 threads write the outputs, including every unused slot up to max_budget.
+//
+// The level variant (tree_build_level_j*) first tries a parallel build that is exact whenever the
+// scores it meets are monotone (every generated child / next sibling scores <= its predecessor, as
+// sorted log-probs <= 0 give up to rounding). It grows a pool of candidates depth by depth: at
+// depth d every pool node of depth d-1 walks its child chain (first child, then siblings) in one
+// thread while the score stays >= tau, tau = the budget-th best pool score so far (ties kept).
+// Then the pool's first `budget` entries in (score desc, rank tuple asc) order are the heap's pops,
+// in that order: the pool is prefix-closed, monotone, and every successor of a kept entry that is
+// not kept scores below all kept ones (it was cut below a tau <= the final budget-th score, or it
+// is in the pool and ranks later), so the heap, popping its minimum, pops exactly those in sorted
+// order. A non-monotone step or a full pool sets a flag and the request falls back to the heap
+// loop above, so the result is exact either way.
 
 namespace {
 
@@ -210,16 +222,159 @@ __device__ void heap_loop(const Smem& s, const Limits& lim, int budget, int& n_o
   n_out = n;
 }
 
-template <int J>
+
+struct Pool {
+  double* score;  // [cap] candidate score
+  int* parent;    // [cap] parent entry (-1: the root)
+  int* pred;      // [cap] previous sibling entry, or the parent for rank 0
+  int* rank;      // [cap]
+  int* depth;     // [cap]
+  int* node;      // [cap] node index once ranked, -1 if not kept
+};
+
+__device__ __forceinline__ Pool carve_pool(unsigned char* base, int cap) {
+  Pool q;
+  q.score = reinterpret_cast<double*>((reinterpret_cast<size_t>(base) + 7) & ~size_t(7));
+  q.parent = reinterpret_cast<int*>(q.score + cap);
+  q.pred = q.parent + cap;
+  q.rank = q.pred + cap;
+  q.depth = q.rank + cap;
+  q.node = q.depth + cap;
+  return q;
+}
+
+// Rank-tuple order of two distinct pool entries (the pool twin of tuple_less).
+__device__ __noinline__ bool pool_tuple_less(const Pool& q, int a, int b) {
+  int da = q.depth[a], db = q.depth[b];
+  const bool a_shorter = da < db;
+  for (; da > db; --da) a = q.parent[a];
+  for (; db > da; --db) b = q.parent[b];
+  if (a == b) return a_shorter;
+  while (q.parent[a] != q.parent[b]) {
+    a = q.parent[a];
+    b = q.parent[b];
+  }
+  return q.rank[a] < q.rank[b];
+}
+
+struct LevelShared {
+  int count;                      // pool entries claimed (may pass cap: then `bad`)
+  int bad;                        // non-monotone step or full pool: fall back to the heap loop
+  unsigned long long tau_acc[2];  // per-level atomicMin of ord64(score), alternating buffers
+};
+
+// Returns the number of nodes written into `s`, or -1 to fall back. All THREADS threads call it.
+__device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int cap, int kc, int ks,
+                           int depth_limit, int budget) {
+  const int tid = threadIdx.x;
+  unsigned long long tau = 0ull;  // ord64 key: candidates below it are cut; 0 cuts nothing
+  int begin = 0, end = 0;
+  if (tid == 0) sh.bad = 0;
+  __syncthreads();
+  // Depth 1, all kc ranks at once (tau cuts nothing yet, kc < cap): there the sibling recurrence
+  // is exact, (s - lq[r]) + lq[r+1] with s == lq[r] gives +0 + lq[r+1], so rank r scores lq[0][0]
+  // for r = 0 and 0.0 + lq[0][r] after (only the sign of a zero differs from lq[0][r]).
+  for (int r = tid; r < kc; r += THREADS) {
+    const double sc = r == 0 ? (double)s.lq[0] : __dadd_rn(0.0, (double)s.lq[r]);
+    if (r > 0 && sc > (r == 1 ? (double)s.lq[0] : __dadd_rn(0.0, (double)s.lq[r - 1]))) sh.bad = 1;
+    q.score[r] = sc;
+    q.parent[r] = -1;
+    q.pred[r] = r - 1;
+    q.rank[r] = r;
+    q.depth[r] = 1;
+  }
+  if (tid == 0) sh.count = kc;
+  for (int d = 1; d <= depth_limit; ++d) {
+    if (tid == 0) sh.tau_acc[d & 1] = ~0ull;  // last read two barriers ago, next used after one
+    const int n_par = d == 1 ? 0 : end - begin;
+    const float* row = s.lq + (d - 1) * ks;
+    for (int i = tid; i < n_par; i += THREADS) {
+      const int p = begin + i;
+      const double ps = q.score[p];
+      double sc = ps + (double)row[0];
+      if (sc > ps) {
+        sh.bad = 1;
+        break;
+      }
+      if (ord64(sc) < tau) continue;
+      int pred = p;
+      for (int r = 0;; ++r) {
+        const int e = atomicAdd(&sh.count, 1);
+        if (e >= cap) {
+          sh.bad = 1;
+          break;
+        }
+        q.score[e] = sc;
+        q.parent[e] = p;
+        q.pred[e] = pred;
+        q.rank[e] = r;
+        q.depth[e] = d;
+        pred = e;
+        if (r + 1 >= kc) break;
+        const double s2 = (sc - (double)row[r]) + (double)row[r + 1];
+        if (s2 > sc) {
+          sh.bad = 1;
+          break;
+        }
+        if (ord64(s2) < tau) break;
+        sc = s2;
+      }
+    }
+    __syncthreads();
+    const int bad = sh.bad, count = sh.count;
+    if (!bad && count > end && count >= budget) {
+      // tau = the budget-th best score: fewer than `budget` entries beat it
+      for (int e = tid; e < count; e += THREADS) {
+        const double se = q.score[e];
+        int better = 0;
+        for (int x = 0; x < count; ++x) better += q.score[x] > se;
+        if (better < budget) atomicMin(&sh.tau_acc[d & 1], ord64(se));
+      }
+    }
+    __syncthreads();  // also: every thread has read count / bad before the next level claims entries
+    if (bad) return -1;
+    if (count == end) break;  // nothing at depth d: nothing deeper either
+    begin = end;
+    end = count;
+    if (end >= budget) tau = sh.tau_acc[d & 1];
+  }
+  const int n_pool = end, n = min(budget, n_pool);
+  for (int e = tid; e < n_pool; e += THREADS) {
+    const double se = q.score[e];
+    int before = 0;
+    for (int x = 0; x < n_pool; ++x) {
+      const double sx = q.score[x];
+      before += sx > se || (sx == se && x != e && pool_tuple_less(q, x, e));
+    }
+    q.node[e] = before < n ? before + 1 : -1;
+  }
+  __syncthreads();
+  for (int e = tid; e < n_pool; e += THREADS) {
+    const int node = q.node[e];
+    if (node < 0) continue;
+    const int pe = q.parent[e], r = q.rank[e];
+    const int p = pe < 0 ? 0 : q.node[pe];  // kept: the kept set is prefix-closed
+    s.score[node] = q.score[e];
+    s.parent[node] = p;
+    s.rank[node] = r;
+    s.depth[node] = q.depth[e];
+    if (r == 0) s.first_child[p] = node;
+    else s.next_sibling[q.node[q.pred[e]]] = node;
+  }
+  return n;
+}
+
+template <int J, bool LEVEL>
 __device__ __forceinline__ void build(const float* __restrict__ logq, const int* __restrict__ ids,
                                       int L, int K, const int* __restrict__ root_tokens,
                                       const int* __restrict__ budgets, const int* __restrict__ depths,
                                       const int* __restrict__ prefix_lens, int max_budget, int ks,
-                                      int W, int* tokens, int* parents, int* node_depth,
+                                      int W, int cap, int* tokens, int* parents, int* node_depth,
                                       int* positions, int* num_nodes, unsigned long long* mask,
                                       int* first_child, int* next_sibling, double* scores) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ int n_popped;
+  __shared__ LevelShared level_sh;
   const int b = blockIdx.x, tid = threadIdx.x;
   const int n_slots = max_budget + 1;
   const Smem s = carve(smem_raw, n_slots, L, ks);
@@ -247,7 +402,13 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
     s.score[0] = 0.0;
   }
   __syncthreads();
-  if (tid < 32) {
+  int n_level = -1;
+  if (LEVEL && budget > 0 && depth_limit > 0) {
+    const Pool q = carve_pool(reinterpret_cast<unsigned char*>(s.ids + L * ks), cap);
+    n_level = level_build(s, q, level_sh, cap, kc, ks, depth_limit, budget);  // block-uniform
+    if (tid == 0 && n_level >= 0) n_popped = n_level;
+  }
+  if (n_level < 0 && tid < 32) {
     int n = 0;
     heap_loop<J>(s, Limits{kc, ks, depth_limit}, budget, n);
     if (tid == 0) n_popped = n;
@@ -296,18 +457,23 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
 
 // logq [B, L, K] fp32, ids [B, L, K] int32; root_tokens, budgets, depths, prefix_lens [B] int32.
 // Outputs [B, 1 + max_budget] (mask [B, 1 + max_budget, W]). Grid B, block 128, dynamic shared
-// memory (1 + max_budget) * 28 + L * ks * 8 bytes, ks = max(1, min(K, max_budget)).
-#define TREE_BUILD_ENTRY(J)                                                                         \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_build_j##J(                         \
+// memory (1 + max_budget) * 28 + L * ks * 8 bytes, ks = max(1, min(K, max_budget)), plus
+// cap * 28 + 8 bytes of pool for the level variant (cap is ignored by the heap-only one).
+#define TREE_BUILD_ENTRY(NAME, J, LEVEL)                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                    \
       const float* __restrict__ logq, const int* __restrict__ ids, int L, int K,                    \
       const int* __restrict__ root_tokens, const int* __restrict__ budgets,                         \
       const int* __restrict__ depths, const int* __restrict__ prefix_lens, int max_budget, int ks,  \
-      int W, int* tokens, int* parents, int* node_depth, int* positions, int* num_nodes,            \
+      int W, int cap, int* tokens, int* parents, int* node_depth, int* positions, int* num_nodes,   \
       unsigned long long* mask, int* first_child, int* next_sibling, double* scores) {              \
-    build<J>(logq, ids, L, K, root_tokens, budgets, depths, prefix_lens, max_budget, ks, W, tokens, \
-             parents, node_depth, positions, num_nodes, mask, first_child, next_sibling, scores);   \
+    build<J, LEVEL>(logq, ids, L, K, root_tokens, budgets, depths, prefix_lens, max_budget, ks, W,  \
+                    cap, tokens, parents, node_depth, positions, num_nodes, mask, first_child,      \
+                    next_sibling, scores);                                                          \
   }
 
-TREE_BUILD_ENTRY(3)
-TREE_BUILD_ENTRY(9)
-TREE_BUILD_ENTRY(17)
+TREE_BUILD_ENTRY(tree_build_j3, 3, false)
+TREE_BUILD_ENTRY(tree_build_j9, 9, false)
+TREE_BUILD_ENTRY(tree_build_j17, 17, false)
+TREE_BUILD_ENTRY(tree_build_level_j3, 3, true)
+TREE_BUILD_ENTRY(tree_build_level_j9, 9, true)
+TREE_BUILD_ENTRY(tree_build_level_j17, 17, true)

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from ddtree_rtc.reference.tree_build import FLT_MAX, alloc_tree, mask_words, tree_build
+from ddtree_rtc.reference.tree_build import FLT_MAX, alloc_tree, build_one, mask_words, sanitize_logq, tree_build
 
 KINDS = ("sorted", "ties", "unsorted", "tiny", "equal", "weird")
 
@@ -173,6 +173,93 @@ def test_bad_shapes_are_rejected():
         tree_build(z(1, 3, 4), i(1, 3, 4), i(1), i(1), i(1), i(1), 513)
 
 
+# ---------------------------------------------------------------- the level kernel's procedure (CPU)
+
+
+def level_build_model(lq, budget, depth, cap):
+    """The procedure of cuda_src/tree_build.cu's level variant, step for step: grow a pool depth by
+    depth (each depth-(d-1) entry walks its child chain while the score stays >= tau, tau = the
+    budget-th best pool score), stop on a non-monotone step or a full pool (None: the kernel falls
+    back to the heap loop), then rank the pool by (score desc, rank tuple asc)."""
+    k = len(lq[0])
+    if budget <= 0 or depth <= 0:
+        return []
+    pool = []  # (score, parent entry, previous-sibling-or-parent entry, depth, rank)
+    tau, begin, end = -np.inf, 0, 0
+    for d in range(1, depth + 1):
+        row = lq[d - 1]
+        for p in [-1] if d == 1 else range(begin, end):
+            s = row[0] if p < 0 else pool[p][0] + row[0]
+            if p >= 0 and s > pool[p][0]:
+                return None
+            if s < tau:
+                continue
+            pred, r = p, 0
+            while True:
+                if len(pool) >= cap:
+                    return None
+                pool.append((s, p, pred, d, r))
+                pred = len(pool) - 1
+                if r + 1 >= k:
+                    break
+                s2 = (s - row[r]) + row[r + 1]
+                if s2 > s:
+                    return None
+                if s2 < tau:
+                    break
+                s, r = s2, r + 1
+        if len(pool) == end:
+            break
+        begin, end = end, len(pool)
+        if end >= budget:
+            sc = [e[0] for e in pool]
+            tau = min(x for x in sc if sum(y > x for y in sc) < budget)
+
+    def tuple_less(a, b):
+        da, db = pool[a][3], pool[b][3]
+        shorter = da < db
+        for _ in range(da - db):
+            a = pool[a][1]
+        for _ in range(db - da):
+            b = pool[b][1]
+        if a == b:
+            return shorter
+        while pool[a][1] != pool[b][1]:
+            a, b = pool[a][1], pool[b][1]
+        return pool[a][4] < pool[b][4]
+
+    n = min(budget, len(pool))
+    rank = [sum(sx > se or (sx == se and x != e and tuple_less(x, e)) for x, (sx, *_) in enumerate(pool))
+            for e, (se, *_) in enumerate(pool)]
+    node = [r + 1 if r < n else -1 for r in rank]
+    out = [None] * n
+    for e, (s, p, _, d, r) in enumerate(pool):
+        if node[e] > 0:
+            out[node[e] - 1] = (0 if p < 0 else node[p], d, r, s)
+    return out
+
+
+def test_level_procedure_equals_the_heap_loop(rng):
+    """Wherever the level procedure does not fall back it gives the heap loop's nodes, bit for bit;
+    on sorted non-positive log-probs it rarely falls back."""
+    fell_back = {kind: 0 for kind in KINDS}
+    for i in range(600):
+        kind = KINDS[i % len(KINDS)]
+        l, k, budget = int(rng.integers(1, 17)), int(rng.choice([1, 2, 3, 9, 64])), int(rng.choice([0, 1, 5, 12, 40]))
+        if i % 3 == 0:
+            l, k = 7, max(1, budget)
+        lq = sanitize_logq(make_logq(rng, (l, k), kind)).astype(np.float64)[:, :min(k, max(budget, 1))].tolist()
+        depth = int(rng.integers(0, l + 1))
+        got = level_build_model(lq, budget, depth, 4 * budget + 64)
+        if got is None:
+            fell_back[kind] += 1
+            continue
+        want = build_one(lq, budget, depth)
+        assert [g[:3] for g in got] == [w[:3] for w in want], (kind, l, k, budget, depth)
+        assert np.array([g[3] for g in got]).tobytes() == np.array([w[3] for w in want]).tobytes()
+    assert fell_back["equal"] == 0 and fell_back["sorted"] < 40, fell_back
+
+
 # ---------------------------------------------------------------- GPU
 
 
@@ -188,10 +275,10 @@ def assert_trees_equal(got, ref, what=""):
             raise AssertionError(f"{what} {name} differs at {bad}")
 
 
-def run_gpu(args, max_budget, poison=True):
+def run_gpu(args, max_budget, variant, poison=True):
     import cupy
 
-    from ddtree_rtc.kernels.tree_build import tree_build as gpu_build
+    from ddtree_rtc.kernels.tree_build import tree_build_variant
 
     dev = [cupy.asarray(a) for a in args]
     out = alloc_tree(cupy, args[0].shape[0], max_budget, args[0].shape[1])
@@ -201,26 +288,49 @@ def run_gpu(args, max_budget, poison=True):
             a.fill(0x5A5A5A5A)
         out.mask.fill(0xA5A5A5A5A5A5A5A5)
         out.scores.fill(np.nan)
-    got = gpu_build(*dev, max_budget, out=out)
+    got = tree_build_variant(variant, *dev, max_budget, out=out)
     assert got is out
     return got
 
 
+GPU_VARIANTS = ("level", "heap")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("max_budget", [0, 1, 5, 64, 95, 96, 200, 287, 288, 512])
-def test_kernel_matches_reference(rng, kind, max_budget):
+def test_kernel_matches_reference(rng, kind, max_budget, variant):
     for depth, k in ((7, max(1, min(max_budget, 163840))), (int(rng.integers(1, 17)), int(rng.choice([1, 2, 9, 600])))):
         args = make_case(rng, 96, depth, k, max_budget, kind)
-        assert_trees_equal(run_gpu(args, max_budget), tree_build(*args, max_budget),
-                           f"{kind} depth={depth} k={k} max_budget={max_budget}:")
+        assert_trees_equal(run_gpu(args, max_budget, variant), tree_build(*args, max_budget),
+                           f"{variant} {kind} depth={depth} k={k} max_budget={max_budget}:")
 
 
 @pytest.mark.gpu
-def test_kernel_thousands_of_small_trees_with_heavy_ties(rng):
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
+def test_kernel_thousands_of_small_trees_with_heavy_ties(rng, variant):
     for _ in range(4):
         args = make_case(rng, 1024, int(rng.integers(1, 9)), int(rng.integers(1, 6)), 12, "ties")
-        assert_trees_equal(run_gpu(args, 12), tree_build(*args, 12), "tiny budgets, heavy ties:")
+        assert_trees_equal(run_gpu(args, 12, variant), tree_build(*args, 12), f"{variant} tiny budgets, heavy ties:")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_budget", [16, 64, 256, 512])
+def test_level_kernel_on_drafter_like_log_probs(rng, max_budget):
+    """Sorted non-positive log-probs, Zipf-like and peaked (the level path's own case, and where a
+    full pool sends it to the heap loop), against the reference."""
+    b, depth = 64, 7
+    ranks = np.arange(1, max_budget + 1, dtype=np.float64)
+    zipf = -1.1 * np.log(ranks) - 2.3 + 0.1 * rng.standard_normal((b, depth, max_budget))
+    peaked = -np.sort(rng.exponential(1.5, (b, depth, max_budget)), axis=-1)
+    peaked[..., 0] = -0.1 * rng.random((b, depth))
+    for logq in (zipf, peaked):
+        logq = -np.sort(-logq, axis=-1).astype(np.float32)
+        args = (logq, make_case(rng, b, depth, max_budget, max_budget, "sorted")[1],
+                rng.integers(0, 1000, b).astype(np.int32), np.full(b, max_budget, np.int32),
+                np.full(b, depth, np.int32), rng.integers(0, 1000, b).astype(np.int32))
+        assert_trees_equal(run_gpu(args, max_budget, "level"), tree_build(*args, max_budget), "drafter-like:")
 
 
 @pytest.mark.gpu
@@ -228,6 +338,7 @@ def test_kernel_rejects_bad_input():
     import cupy
 
     from ddtree_rtc.kernels.tree_build import tree_build as gpu_build
+    from ddtree_rtc.kernels.tree_build import tree_build_variant
 
     z, i = cupy.zeros((2, 3, 4), cupy.float32), cupy.zeros((2, 3, 4), cupy.int32)
     v = cupy.zeros((2,), cupy.int32)
@@ -240,4 +351,6 @@ def test_kernel_rejects_bad_input():
     out = alloc_tree(cupy, 2, 8, 3)
     with pytest.raises(ValueError, match="out: made for max_budget=8"):
         gpu_build(z, i, v, v, v, v, 4, out=out)
+    with pytest.raises(ValueError, match="variant='fast'"):
+        tree_build_variant("fast", z, i, v, v, v, v, 4)
     assert mask_words(512) == 9

@@ -22,9 +22,10 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "vocabulary top-k: fp32 log-softmax and the K best log-probs + ids per row, ties by id "
                "(chunked: many blocks per row, the last merges; slices: the older one-block-per-slice kernel)",
                params={"TOPK_CAP": 8192}),
-    KernelSpec("tree_build", ("tree_build_j3", "tree_build_j9", "tree_build_j17"),
+    KernelSpec("tree_build", ("tree_build_j3", "tree_build_j9", "tree_build_j17", "tree_build_level_j3",
+                              "tree_build_level_j9", "tree_build_level_j17"),
                "DDTree best-first tree build per request, bit-identical to the heapq reference"),
-    KernelSpec("tree_accept", ("tree_accept_kernel",),
+    KernelSpec("tree_accept", ("tree_accept_kernel", "tree_accept_table_kernel"),
                "DDTree acceptance walk: follow the children matching the target's choices"),
     # -- INT4 MoE (issue: MoE) --
     KernelSpec("moe_routing", ("moe_route_e64", "moe_route_e128", "moe_route_e256", "moe_route_e384",

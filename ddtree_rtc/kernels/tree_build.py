@@ -1,6 +1,9 @@
 """DDTree best-first tree build on the GPU, one block per request. See cuda_src/tree_build.cu; the
 algorithm and every output rule are in ddtree_rtc/reference/tree_build.py, which the kernel matches
-bit for bit (nodes, order, scores, masks). One graph-capturable launch for the whole batch."""
+bit for bit (nodes, order, scores, masks). One graph-capturable launch for the whole batch.
+
+Variants: ``"level"`` (default) builds depth by depth in parallel and falls back per request to the
+sequential heap loop where its exactness conditions fail; ``"heap"`` always runs the heap loop."""
 
 from __future__ import annotations
 
@@ -13,6 +16,13 @@ from .registry import module
 _THREADS = 128  # fixed by the kernel
 _SMALL_SMEM = 48 * 1024
 _SMEM_PER_SLOT = 8 + 5 * 4  # score; parent, rank, depth, first child, next sibling
+_SMEM_PER_POOL_ENTRY = 8 + 5 * 4  # level variant: score; parent, pred, rank, depth, node
+VARIANTS = ("level", "heap")
+
+
+def pool_capacity(max_budget: int) -> int:
+    """Level variant: candidates held per request; more falls back to the heap loop."""
+    return 4 * max_budget + 64
 
 
 def _variant(max_budget: int) -> int:
@@ -38,8 +48,17 @@ def _check_out(out: TreeArrays, batch: int, max_budget: int, max_depth: int) -> 
 def tree_build(logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget: int, out=None):
     """logq ``[B, L, K]`` fp32 and ids ``[B, L, K]`` int32 from top-k; root_tokens, budgets, depths,
     prefix_lens ``[B]`` int32 (budgets clamped to [0, max_budget], depths to [0, L]).
-    Returns TreeArrays with ``1 + max_budget`` node slots per request."""
+    Returns TreeArrays with ``1 + max_budget`` node slots per request. Runs the default variant."""
+    return tree_build_variant(VARIANTS[0], logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget, out)
+
+
+def tree_build_variant(variant: str, logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget: int,
+                       out=None):
+    """``tree_build`` with the kernel variant named (one of VARIANTS), for tests and timing."""
     import cupy
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
 
     b, l, k = check_build_args(logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget)
     check("logq", logq, np.float32)
@@ -53,12 +72,16 @@ def tree_build(logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget:
         return out
     ks = max(1, min(k, max_budget))
     smem = (max_budget + 1) * _SMEM_PER_SLOT + l * ks * 8  # + the staged [L, ks] log-probs and ids
-    fn = module("tree_build").fn(f"tree_build_j{_variant(max_budget)}")
+    cap = pool_capacity(max_budget)
+    if variant == "level":
+        smem += cap * _SMEM_PER_POOL_ENTRY + 8  # + 8: the pool's doubles are 8-byte aligned
+    name = "tree_build_level" if variant == "level" else "tree_build"
+    fn = module("tree_build").fn(f"{name}_j{_variant(max_budget)}")
     if smem > _SMALL_SMEM:
         allow_dynamic_smem(fn, smem)
     fn((b,), (_THREADS,),
        (logq, ids, np.int32(l), np.int32(k), root_tokens, budgets, depths, prefix_lens, np.int32(max_budget),
-        np.int32(ks), np.int32(mask_words(max_budget)), out.tokens, out.parents, out.node_depth, out.positions,
-        out.num_nodes, out.mask, out.first_child, out.next_sibling, out.scores),
+        np.int32(ks), np.int32(mask_words(max_budget)), np.int32(cap), out.tokens, out.parents, out.node_depth,
+        out.positions, out.num_nodes, out.mask, out.first_child, out.next_sibling, out.scores),
        shared_mem=smem)
     return out
