@@ -2,8 +2,10 @@
 algorithm and every output rule are in ddtree_rtc/reference/tree_build.py, which the kernel matches
 bit for bit (nodes, order, scores, masks). One graph-capturable launch for the whole batch.
 
-Variants: ``"level"`` (default) builds depth by depth in parallel and falls back per request to the
-sequential heap loop where its exactness conditions fail; ``"heap"`` always runs the heap loop."""
+Variants: ``"heap"`` (default) runs the sequential heap loop, measured on the H200; ``"level"`` builds
+depth by depth in parallel and falls back per request to the heap loop where its exactness
+conditions fail. ``level`` has not run on a GPU yet (its GPU tests compare it with the reference):
+it becomes the default once they pass there."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ _THREADS = 128  # fixed by the kernel
 _SMALL_SMEM = 48 * 1024
 _SMEM_PER_SLOT = 8 + 5 * 4  # score; parent, rank, depth, first child, next sibling
 _SMEM_PER_POOL_ENTRY = 8 + 5 * 4  # level variant: score; parent, pred, rank, depth, node
-VARIANTS = ("level", "heap")
+VARIANTS = ("heap", "level")  # the first is the default
 
 
 def pool_capacity(max_budget: int) -> int:
