@@ -166,7 +166,7 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     from ..engine.cuda_graph import DecodeGraphs
     from ..engine.kv_cache import PagedKVCache
     from ..model.target import ForwardBatch
-    from .harness import _flush_buffer
+    from .harness import flush_buffer
 
     row_bytes = model.dims.row * 2
     per_seq = -(-(ctx + 1) // PAGE)
@@ -180,7 +180,7 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     inputs = model.prepare(step, cache)
     moe_plan = model.moe_plan(batch)
     touched = touched_experts(model, inputs, cache, moe_plan)
-    flush = _flush_buffer()
+    flush = flush_buffer()
 
     def eager():
         model.run(inputs, cache, output="logits", moe_plan=moe_plan)

@@ -28,7 +28,8 @@ class Timing:
 
 
 @functools.cache
-def _flush_buffer():
+def flush_buffer():
+    """The buffer time_gpu fills between timed runs to evict the L2 (4x its size, >= 256 MB)."""
     import cupy
 
     l2 = cupy.cuda.Device().attributes.get("L2CacheSize", 64 << 20)
@@ -43,7 +44,7 @@ def time_gpu(fn, warmup: int = 5, iters: int = 50, flush_l2: bool = True) -> Tim
         fn()
     stream = cupy.cuda.get_current_stream()
     stream.synchronize()
-    flush = _flush_buffer() if flush_l2 else None
+    flush = flush_buffer() if flush_l2 else None
     starts = [cupy.cuda.Event() for _ in range(iters)]
     ends = [cupy.cuda.Event() for _ in range(iters)]
     for i in range(iters):

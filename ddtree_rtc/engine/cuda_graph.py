@@ -1,7 +1,7 @@
 """CUDA graphs of the target model's decode forward, one per batch size.
 
 A graph is captured the first time a batch size is seen (after one eager warm-up run of the same
-step, which compiles nothing new but lets cuBLAS settle its workspace; the KV rows it writes are
+step, which compiles nothing new but lets cuBLAS pick its kernels outside the capture; the KV rows it writes are
 the ones the replay writes again) and replayed for that step and every later one of that size: per
 step the host only writes the step's tokens, positions, slots and attention plan into the graph's
 fixed device buffers (``TargetModel.prepare(..., into=...)``) and launches the graph, so the
