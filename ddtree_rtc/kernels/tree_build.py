@@ -16,7 +16,6 @@ from ._args import allow_dynamic_smem, check
 from .registry import module
 
 _THREADS = 128  # fixed by the kernel
-_SMALL_SMEM = 48 * 1024
 _SMEM_PER_SLOT = 8 + 5 * 4  # score; parent, rank, depth, first child, next sibling
 _SMEM_PER_POOL_ENTRY = 8 + 5 * 4  # level variant: score; parent, pred, rank, depth, node
 VARIANTS = ("heap", "level")  # the first is the default
@@ -79,8 +78,7 @@ def tree_build_variant(variant: str, logq, ids, root_tokens, budgets, depths, pr
         smem += cap * _SMEM_PER_POOL_ENTRY + 8  # + 8: the pool's doubles are 8-byte aligned
     name = "tree_build_level" if variant == "level" else "tree_build"
     fn = module("tree_build").fn(f"{name}_j{_variant(max_budget)}")
-    if smem > _SMALL_SMEM:
-        allow_dynamic_smem(fn, smem)
+    allow_dynamic_smem(fn, smem)  # also under 48 KB: static shared memory counts against that default
     fn((b,), (_THREADS,),
        (logq, ids, np.int32(l), np.int32(k), root_tokens, budgets, depths, prefix_lens, np.int32(max_budget),
         np.int32(ks), np.int32(mask_words(max_budget)), np.int32(cap), out.tokens, out.parents, out.node_depth,
