@@ -269,11 +269,12 @@ def make_model_cmd(preset, layers, seed, out_dir):
     click.echo(f"wrote {out_dir}: {cfg.num_hidden_layers} layers, {total / 2**20:.1f} MiB")
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                "help_option_names": []})
+@click.argument("name", required=False)
 @click.pass_context
 def bench(ctx, name):
-    """Run a benchmark on the GPU (extra arguments go to it; try `bench NAME --help`).
+    """Run a benchmark on the GPU (extra arguments go to it: `bench NAME --help` lists them).
 
     \b
     blocks     building-block kernels vs the read ceiling
@@ -282,6 +283,11 @@ def bench(ctx, name):
     attention  MLA attention vs read / matmul ceilings and a CuPy peer
     decode     AR decode step of a K2.6-dims slice: per-layer time vs byte floor, launch gaps
     """
+    if name is None or name in ("-h", "--help"):
+        click.echo(ctx.get_help())
+        return
+    if name not in BENCHMARKS:
+        raise click.BadParameter(f"{name!r} is not one of {', '.join(sorted(BENCHMARKS))}", param_hint="NAME")
     try:
         mod = importlib.import_module(f"ddtree_rtc.bench.{name}")
     except ModuleNotFoundError as e:

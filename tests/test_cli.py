@@ -21,6 +21,18 @@ def test_help_on_every_command():
         assert "Usage:" in res.output and len(res.output.splitlines()) > 3
 
 
+@pytest.mark.parametrize("name", ["attention", "blocks", "decode", "moe", "tree"])
+def test_bench_help_reaches_the_benchmark(name):
+    res = run("bench", name, "--help")
+    assert res.exit_code == 0, res.output
+    assert f"usage: ddtree-rtc bench {name}" in res.output and "--json" in res.output
+
+
+def test_bench_unknown_name_is_refused():
+    res = run("bench", "nope")
+    assert res.exit_code == 2 and "'nope' is not one of" in res.output
+
+
 def test_info_json():
     res = run("info", "--json")
     assert res.exit_code == 0, res.output

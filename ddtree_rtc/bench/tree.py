@@ -154,7 +154,7 @@ def bench_case(batch: int, budget: int, reps: int, iters: int, rng) -> list[Row]
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="ddtree-rtc bench tree", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="ddtree-rtc bench tree", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCHES}, budgets {QUICK_BUDGETS}")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
