@@ -26,7 +26,9 @@ def matching_choices(rng, tree, vocab=50, p_match=0.8):
     for i in range(b):
         kids = {}
         for j in range(1, int(tree.num_nodes[i])):
-            kids.setdefault(int(tree.parents[i, j]), []).append(int(tree.tokens[i, j]))
+            u = int(tree.parents[i, j])
+            if 0 <= u < j:  # junk parents (hand-made trees) name no node to choose at
+                kids.setdefault(u, []).append(int(tree.tokens[i, j]))
         for u, toks in kids.items():
             if rng.random() < p_match:
                 choices[i, u] = toks[rng.integers(len(toks))]

@@ -2,10 +2,12 @@
 algorithm and every output rule are in ddtree_rtc/reference/tree_build.py, which the kernel matches
 bit for bit (nodes, order, scores, masks). One graph-capturable launch for the whole batch.
 
-Variants: ``"heap"`` (default) runs the sequential heap loop, measured on the H200; ``"level"`` builds
-depth by depth in parallel and falls back per request to the heap loop where its exactness
-conditions fail. ``level`` has not run on a GPU yet (its GPU tests compare it with the reference):
-it becomes the default once they pass there."""
+Variants: ``"heap"`` runs the sequential heap loop; ``"level"`` builds depth by depth in parallel and
+falls back per request to the heap loop where its exactness conditions fail. The default picks by
+``max_budget`` from the H200 timings (tools/tree_compare.py, batch 1..64, depth 7, V = 163840,
+both bit-identical to heapq): level up to LEVEL_MAX_BUDGET (budget 64: 25-27 vs 40-41 us; 256:
+162-170 vs 235-238 us), heap above it (512: 675-686 vs 812-882 us, where level's fallbacks and
+its pool of 4 x budget candidates cost more than the loop)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from .registry import module
 _THREADS = 128  # fixed by the kernel
 _SMEM_PER_SLOT = 8 + 5 * 4  # score; parent, rank, depth, first child, next sibling
 _SMEM_PER_POOL_ENTRY = 8 + 5 * 4  # level variant: score; parent, pred, rank, depth, node
-VARIANTS = ("heap", "level")  # the first is the default
+VARIANTS = ("heap", "level")
+LEVEL_MAX_BUDGET = 256  # the default runs level up to this max_budget, heap above
 
 
 def pool_capacity(max_budget: int) -> int:
@@ -46,11 +49,17 @@ def _check_out(out: TreeArrays, batch: int, max_budget: int, max_depth: int) -> 
     return out
 
 
+def default_variant(max_budget: int) -> str:
+    """The variant ``tree_build`` runs for this max_budget (both give identical trees)."""
+    return "level" if max_budget <= LEVEL_MAX_BUDGET else "heap"
+
+
 def tree_build(logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget: int, out=None):
     """logq ``[B, L, K]`` fp32 and ids ``[B, L, K]`` int32 from top-k; root_tokens, budgets, depths,
     prefix_lens ``[B]`` int32 (budgets clamped to [0, max_budget], depths to [0, L]).
-    Returns TreeArrays with ``1 + max_budget`` node slots per request. Runs the default variant."""
-    return tree_build_variant(VARIANTS[0], logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget, out)
+    Returns TreeArrays with ``1 + max_budget`` node slots per request. Runs ``default_variant``."""
+    return tree_build_variant(default_variant(max_budget), logq, ids, root_tokens, budgets, depths, prefix_lens,
+                              max_budget, out)
 
 
 def tree_build_variant(variant: str, logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget: int,
