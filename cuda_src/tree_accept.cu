@@ -20,6 +20,23 @@ constexpr int NONE = 0x7fffffff;
 
 }  // namespace
 
+// Both variants' outputs from the finished walk: lane k holds the k-th accepted node (my_node), the
+// walk ended at a node whose choice is the bonus token. Every lane of the warp calls it.
+__device__ __forceinline__ void write_walk(const int* tok, int bon, int my_node, int len, int b, int lane,
+                                           int width, int* __restrict__ accepted, int* __restrict__ accept_len,
+                                           int* __restrict__ emitted, int* __restrict__ bonus) {
+  const int next_node = __shfl_down_sync(FULL, my_node, 1);
+  if (lane < width) {
+    const long long o = (long long)b * width + lane;
+    accepted[o] = lane < len ? my_node : -1;
+    emitted[o] = lane < len - 1 ? tok[next_node] : (lane == len - 1 ? bon : -1);
+  }
+  if (lane == 0) {
+    accept_len[b] = len;
+    bonus[b] = bon;
+  }
+}
+
 // tokens, parents, choices [B, n_slots] int32; num_nodes [B]; width = max_depth + 1 <= 17.
 // Outputs: accepted, emitted [B, width] (-1 padded), accept_len, bonus [B]. Grid ceil(B / 4), block 128.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_accept_kernel(
@@ -55,17 +72,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_accept_kernel(
     ++len;
     u = v;
   }
-  const int bon = cho[warp][u];
-  const int next_node = __shfl_down_sync(FULL, my_node, 1);
-  if (lane < width) {
-    const long long o = (long long)b * width + lane;
-    accepted[o] = lane < len ? my_node : -1;
-    emitted[o] = lane < len - 1 ? tok[warp][next_node] : (lane == len - 1 ? bon : -1);
-  }
-  if (lane == 0) {
-    accept_len[b] = len;
-    bonus[b] = bon;
-  }
+  write_walk(tok[warp], cho[warp][u], my_node, len, b, lane, width, accepted, accept_len, emitted, bonus);
 }
 
 // Same arguments and grid as tree_accept_kernel.
@@ -118,15 +125,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_accept_table_kerne
     ++len;
     u = v;
   }
-  const int bon = cho[warp][u];
-  const int next_node = __shfl_down_sync(FULL, my_node, 1);
-  if (lane < width) {
-    const long long o = (long long)b * width + lane;
-    accepted[o] = lane < len ? my_node : -1;
-    emitted[o] = lane < len - 1 ? tok[warp][next_node] : (lane == len - 1 ? bon : -1);
-  }
-  if (lane == 0) {
-    accept_len[b] = len;
-    bonus[b] = bon;
-  }
+  write_walk(tok[warp], cho[warp][u], my_node, len, b, lane, width, accepted, accept_len, emitted, bonus);
 }
