@@ -87,7 +87,8 @@ def compile_cuda(source: str, filename: str, headers: dict[str, str], options: l
     memory by include name. Raises CompileError carrying NVRTC's log (file:line: error...)."""
     nv = _nvrtc()
     sm = target.removeprefix("sm_")
-    if target not in supported_targets():
+    # NVRTC lists family arches only; an arch-specific target (sm_90a) is accepted where its family is
+    if target.removesuffix("a") not in supported_targets():
         raise CompileError(
             f"NVRTC {'.'.join(map(str, nvrtc_version()))} cannot target {target}; it supports "
             f"{', '.join(supported_targets())}. Install a newer NVRTC wheel."
