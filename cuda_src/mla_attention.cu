@@ -644,6 +644,102 @@ __device__ __forceinline__ void split_body(
   }
 }
 
+// ---- sm_90a variant (wgmma): 64 query rows x 64 cache rows per stage, two warpgroups of 128.
+// Shared tiles are stored as 9 blocks of 64 columns (one per 128-byte row segment) with the
+// hardware's 128-byte swizzle (16-byte chunk c of row r at r*128 + ((c ^ r%8) * 16) inside a
+// 1024-byte-aligned block), the canonical layout wgmma reads through a matrix descriptor:
+//   S = Q K^T   warpgroup w computes the 64 x 32 columns w*32.. of S: 36 x m64n32k16, A = Q and
+//               B = cache rows w*32.. both K-major (k contiguous; the k16 step is +32 bytes inside
+//               the swizzle atom, the next 64 columns the next block).
+//   softmax     each warpgroup's row max meets the other's in smem; both apply the same running
+//               max; P (bf16) goes to smem as a K-major 64 x 64 block.
+//   O += P V    warpgroup w owns O columns w*256..+256: per k16 step 2 x m64n128k16 with B = the
+//               cache rows' first 512 columns read MN-major (transposed): 8 kv rows 128 bytes apart,
+//               the next 8 at SBO = 1024, the next 64 columns one block (LBO = 8192) on.
+// The accumulator fragment of m64nN (thread t of a warpgroup, warp t/32 = wi, g = lane/4, tq = lane%4):
+//   d[4j + e] = (row 16 wi + g + 8 (e/2), col 8 j + 2 tq + e%2), so a thread's S rows and O rows
+// coincide and the rescale factor never leaves the thread.
+namespace w64 {
+constexpr int BM = 64, BN = 64, THREADS = 256;
+constexpr int KBLOCKS = ROW / 64;        // 9 column blocks of 128 bytes per row
+constexpr int BLK = 64 * 128;            // one column block of a 64-row tile
+constexpr int TILE = KBLOCKS * BLK;      // Q, or one KV stage (73728 bytes)
+// Shared memory (bytes), mirrored by _smem_bytes() in ddtree_rtc/kernels/mla_attention.py:
+// alignment slack 1024, Q, 2 KV stages, P [64 x 64] bf16, red [2][64] f32.
+constexpr int SMEM = 1024 + 3 * TILE + BLK + 2 * BM * 4;
+static_assert(SMEM <= 227 * 1024, "over the sm_90 opt-in limit");
+
+__device__ __forceinline__ unsigned tile_off(int r, int c) {
+  return (c >> 3) * BLK + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+// Matrix descriptor: start address, leading / stride byte offsets, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((addr >> 4) & 0x3FFF) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+         ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// D[64x32] (+)= A[64x16] B[16x32]; A, B K-major in shared memory (descriptors), f32 accumulate.
+__device__ __forceinline__ void wgmma_n32(float (&d)[16], unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// D[64x128] += A[64x16] B[16x128]; A K-major, B MN-major (transposed) in shared memory.
+__device__ __forceinline__ void wgmma_n128_tb(float (&d)[64], unsigned long long a, unsigned long long b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "n"(1));
+}
+
+// 64 rows of 72 chunks: 8 threads per row (128 contiguous bytes per instruction), 32 rows per pass.
+// Rows at or past `valid` are zero-filled.
+__device__ __forceinline__ void load_rows_q(unsigned dst, const bf16* __restrict__ q, long long row_g0, int valid) {
+  const int t = threadIdx.x, sub = t & 7;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int r = (t >> 3) + 32 * pass;
+    const bool ok = r < valid;
+    const bf16* src = ok ? q + (row_g0 + r) * ROW : q;
+#pragma unroll
+    for (int k = 0; k < 9; ++k) cp_async16(dst + tile_off(r, sub + 8 * k), src + (sub + 8 * k) * 8, ok);
+  }
+}
+
+__device__ __forceinline__ void load_rows_kv(unsigned dst, const bf16* __restrict__ cache, const int* __restrict__ pt,
+                                             int page_size, int base, int kv_end) {
+  const int t = threadIdx.x, sub = t & 7;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int r = (t >> 3) + 32 * pass, pos = base + r;
+    const bool ok = pos < kv_end;
+    const bf16* src = cache;
+    if (ok) src = cache + ((long long)__ldg(pt + pos / page_size) * page_size + pos % page_size) * ROW;
+#pragma unroll
+    for (int k = 0; k < 9; ++k) cp_async16(dst + tile_off(r, sub + 8 * k), src + (sub + 8 * k) * 8, ok);
+  }
+}
+}  // namespace w64
+
 }  // namespace
 
 // q [T*H, 576] bf16; cache [pages*page_size, 576] bf16; page_table [B, pt_stride] int32;
@@ -674,6 +770,198 @@ extern "C" __global__ void __launch_bounds__(CfgSmall::THREADS, 1)
 
 extern "C" __global__ void __launch_bounds__(CfgD16::THREADS, 1) mla_attention_d16_kernel(MLA_ATTENTION_PARAMS) {
   split_body<CfgD16>(MLA_ATTENTION_ARGS);
+}
+
+// The sm_90a wgmma variant (see namespace w64); built for other arches as a trap (never launched there).
+extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_kernel(MLA_ATTENTION_PARAMS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace w64;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const unsigned raw = smem_u32(smem), aligned = (raw + 1023u) & ~1023u;
+  const unsigned q_s = aligned, kv_s = aligned + TILE, p_s = aligned + 3 * TILE;
+  unsigned char* p_ptr = smem + (p_s - raw);
+  float* red = reinterpret_cast<float*>(p_ptr + BLK);  // [2][64]: row max per warpgroup, at the end row sums
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int g = lane >> 2, tq = lane & 3, r0 = 16 * (warp & 3) + g;  // this thread's rows: r0, r0 + 8
+
+  const int w_end = cta_work[blockIdx.x + 1];
+  for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
+    const int* item = work + (long long)w * WORK_INTS;
+    const int req = item[0], m0 = item[1], m_count = item[2], kv_begin = item[3], kv_end = item[4];
+    const int part = item[5];
+    const int ctx = req_info[req * REQ_INTS + 0], q_start = req_info[req * REQ_INTS + 2];
+    const int* pt = page_table + (long long)req * pt_stride;
+    const long long row_g0 = (long long)q_start * num_heads + m0;
+
+    bool row_ok[2];
+    int tok[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      row_ok[i] = r0 + 8 * i < m_count;
+      tok[i] = (m0 + r0 + 8 * i) / num_heads;
+    }
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+    float o[2][64];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 64; ++e) o[h][e] = 0.f;
+
+    __syncthreads();  // the previous item is done with every buffer
+    load_rows_q(q_s, q, row_g0, m_count);
+    load_rows_kv(kv_s, cache, pt, page_size, kv_begin, kv_end);
+    cp_async_commit();
+    const int n_tiles = (kv_end - kv_begin + BN - 1) / BN;
+
+    for (int t = 0; t < n_tiles; ++t) {
+      cp_async_wait_all();
+      fence_proxy_async();  // the copies are visible to the tensor cores' (async proxy) reads
+      __syncthreads();      // tile t (and Q) landed for everyone; everyone is done with tile t-1
+      if (t + 1 < n_tiles) {
+        load_rows_kv(kv_s + ((t + 1) & 1) * TILE, cache, pt, page_size, kv_begin + (t + 1) * BN, kv_end);
+        cp_async_commit();
+      }
+      const unsigned kv_t = kv_s + (t & 1) * TILE;
+      const int base = kv_begin + t * BN;
+
+      // ---- S = Q K^T, columns wg*32 .. +32
+      float s[16];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) s[e] = 0.f;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        const unsigned off = (ks >> 2) * BLK + (ks & 3) * 32;
+        wgmma_n32(s, desc(q_s + off, 16, 1024), desc(kv_t + off + wg * 32 * 128, 16, 1024), ks);
+      }
+      wgmma_commit();
+      wgmma_wait0();
+
+      // ---- scale, mask, row max of this warpgroup's columns
+      const bool edge = base + BN > ctx || base + BN > kv_end;
+      float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e >> 1;
+          float x = s[4 * j + e] * scale_log2;
+          if (edge) {
+            const int pos = base + wg * 32 + 8 * j + 2 * tq + (e & 1);
+            bool vis = pos < kv_end;
+            if (vis && pos >= ctx) {
+              const int jn = pos - ctx;
+              if (!row_ok[i]) {
+                vis = false;
+              } else if (mask) {
+                const unsigned long long word = __ldg(mask + (long long)(q_start + tok[i]) * mask_words + (jn >> 6));
+                vis = (word >> (jn & 63)) & 1ull;
+              } else {
+                vis = jn <= tok[i];
+              }
+            }
+            if (!vis) x = neg_inf();
+          }
+          s[4 * j + e] = x;
+          mx[i] = fmaxf(mx[i], x);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        if (tq == 0) red[wg * BM + r0 + 8 * i] = mx[i];
+      }
+      __syncthreads();
+
+      // ---- online softmax: both warpgroups combine the two maxima in the same order
+      float m_use[2], alpha[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = r0 + 8 * i;
+        const float m_new = fmaxf(m_run[i], fmaxf(red[r], red[BM + r]));
+        m_use[i] = m_new == neg_inf() ? 0.f : m_new;  // a row that saw nothing yet: avoid inf - inf
+        alpha[i] = exp2f(m_run[i] - m_use[i]);
+        m_run[i] = m_new;
+        l_run[i] *= alpha[i];
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float p0 = exp2f(s[4 * j + 0] - m_use[0]), p1 = exp2f(s[4 * j + 1] - m_use[0]);
+        const float p2 = exp2f(s[4 * j + 2] - m_use[1]), p3 = exp2f(s[4 * j + 3] - m_use[1]);
+        l_run[0] += p0 + p1;
+        l_run[1] += p2 + p3;
+        const int c = wg * 32 + 8 * j + 2 * tq;  // P column = cache row of the tile
+        const int r = r0;
+        *reinterpret_cast<unsigned*>(p_ptr + r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2) = pack_bf16(p0, p1);
+        *reinterpret_cast<unsigned*>(p_ptr + (r + 8) * 128 + ((((c >> 3) ^ ((r + 8) & 7))) << 4) + (c & 7) * 2) =
+            pack_bf16(p2, p3);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          o[h][4 * j + 0] *= alpha[0];
+          o[h][4 * j + 1] *= alpha[0];
+          o[h][4 * j + 2] *= alpha[1];
+          o[h][4 * j + 3] *= alpha[1];
+        }
+      fence_proxy_async();  // P's generic stores, visible to the tensor cores
+      __syncthreads();
+
+      // ---- O += P V over columns wg*256 .. +256
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks) {
+        const unsigned long long a = desc(p_s + ks * 32, 16, 1024);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          wgmma_n128_tb(o[h], a, desc(kv_t + (4 * wg + 2 * h) * BLK + ks * 16 * 128, BLK, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait0();
+    }
+
+    // ---- epilogue: total row sums (red was last read before the final P barrier)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+      l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+      if (tq == 0) red[wg * BM + r0 + 8 * i] = l_run[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = r0 + 8 * i;
+      if (r >= m_count) continue;
+      const float l = red[r] + red[BM + r];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float lse2 = l > 0.f ? m_run[i] + log2f(l) : neg_inf();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col0 = wg * 256 + h * 128 + 2 * tq;
+        if (part < 0) {
+          bf16* dst = out + (row_g0 + r) * DV + col0;
+#pragma unroll
+          for (int j = 0; j < 16; ++j)
+            *reinterpret_cast<unsigned*>(dst + 8 * j) = pack_bf16(o[h][4 * j + 2 * i] * inv, o[h][4 * j + 2 * i + 1] * inv);
+        } else {
+          float* dst = o_part + ((long long)part * BM + r) * DV + col0;
+#pragma unroll
+          for (int j = 0; j < 16; ++j)
+            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[h][4 * j + 2 * i] * inv, o[h][4 * j + 2 * i + 1] * inv);
+        }
+      }
+      if (wg == 0 && tq == 0) {
+        if (part < 0) lse[row_g0 + r] = lse2 * LN2;
+        else lse_part[(long long)part * BM + r] = lse2;
+      }
+    }
+  }
+#else
+  __trap();
+#endif
 }
 
 // Split-K merge: one CTA of 128 threads (4 columns each) per (merge item, row) pair, the pairs

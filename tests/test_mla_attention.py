@@ -256,6 +256,10 @@ def test_default_variant():
     assert _pick_variant(128, False, big) == "m64" and _pick_variant(12, False, big) == "m16"
     assert _pick_variant(8, True, sm120) == "small" and _pick_variant(64, False, sm120) == "small"
     assert all(_smem_bytes(v) <= big for v in _VARIANTS) and _smem_bytes("small") <= sm120
+    # sm_90a: the wgmma tile replaces m64, nothing else changes
+    assert _pick_variant(64, True, big, batch=8, wgmma=True) == "w64"
+    assert _pick_variant(128, False, big, wgmma=True) == "w64" and _pick_variant(12, False, big, wgmma=True) == "m16"
+    assert _pick_variant(8, True, big, wgmma=True) == "d16" and _pick_variant(64, False, sm120, wgmma=True) == "small"
 
 
 def test_plan_rejects_bad_input(rng):
@@ -334,6 +338,14 @@ GPU_CASES = [  # ctx, n, heads, page_size, tree
 ]
 
 
+def _skip_unless_built_for(variant):
+    from ddtree_rtc.kernels.mla_attention import WGMMA_ARCH
+    from ddtree_rtc.rtc.arch import detect_arch
+
+    if _VARIANTS[variant].wgmma and detect_arch() != WGMMA_ARCH:
+        pytest.skip(f"{variant} runs on {WGMMA_ARCH} only")
+
+
 def _run_kernel(bt, scale=K26_SCALE, num_sms=None, variant=None, words=None):
     import cupy
 
@@ -365,6 +377,7 @@ def test_kernel_vs_reference(rng, ctx, n, heads, page_size, tree):
 @pytest.mark.parametrize("variant", sorted(_VARIANTS))
 @pytest.mark.parametrize("case", [GPU_CASES[i] for i in (0, 1, 2, 3, 5, 7)])
 def test_every_variant(rng, variant, case):
+    _skip_unless_built_for(variant)
     bt = Batch(rng, *case)
     o_ref, lse_ref = ref.mla_attention(bt.ref_plan(), bt.q, bt.cache, K26_SCALE)
     for num_sms in (1, 64):
@@ -455,11 +468,13 @@ def test_device_mask_and_graph_replay(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["d16", "m64"])
+@pytest.mark.parametrize("variant", ["d16", "m64", "w64"])
 def test_decode_graph_replay(rng, variant):
     """A decode step captured in a CUDA graph, then a later decode plan (other lengths, so another
     split and merge layout) written into the same buffers and replayed."""
     import cupy
+
+    _skip_unless_built_for(variant)
 
     from ddtree_rtc.kernels import mla_attention as k
     from ddtree_rtc.testing import to_device_bf16

@@ -35,6 +35,7 @@ class Variant:
     stages: int = 2  # cp.async ring depth
     split_k: bool = False
     min_split: int = MIN_SPLIT  # fewest cache rows per CTA
+    wgmma: bool = False  # sm_90a only (namespace w64 of the .cu): two warpgroups, operands via descriptors
 
 
 _VARIANTS = {
@@ -43,7 +44,10 @@ _VARIANTS = {
     "small": Variant(32, 16, 4),
     # decode: short stages, a 4-deep ring, lookups one stage ahead, cheap enough to split finer
     "d16": Variant(16, 32, 4, stages=4, split_k=True, min_split=64),
+    # sm_90a: m64's tiles on wgmma (S by m64n32k16 per warpgroup, O by m64n128k16), P through smem
+    "w64": Variant(64, 64, 8, wgmma=True),
 }
+WGMMA_ARCH = "sm_90a"
 _WORK_INTS, _REQ_INTS, _MERGE_INTS = 8, 4, 4
 MERGE_CTAS_PER_SM = 8  # the merge kernel's fixed grid: one wave of 128-thread CTAs
 
@@ -54,6 +58,8 @@ def _cdiv(a, b):
 
 def _smem_bytes(variant: str) -> int:
     v = _VARIANTS[variant]
+    if v.wgmma:  # 1024 alignment slack, Q + 2 stages of 9 swizzled 64 x 64 blocks, P, red [2][64]
+        return 1024 + 3 * v.bm * ROW * 2 + v.bm * v.bn * 2 + 2 * v.bm * 4
     if v.split_k:
         return (v.bm * ROW + v.stages * v.bn * ROW) * 2 + v.warps * (v.bn // 8) * 32 * 16
     sn = v.warps // (v.bm // 16)
@@ -63,7 +69,7 @@ def _smem_bytes(variant: str) -> int:
 D16_MAX_TILES = 16  # decode with > 16 rows per request: d16 while batch x 16-row tiles <= this
 
 
-def _pick_variant(max_rows: int, decode: bool, smem_limit: int, batch: int = 1) -> str:
+def _pick_variant(max_rows: int, decode: bool, smem_limit: int, batch: int = 1, wgmma: bool = False) -> str:
     # H200, ctx 4k: d16 wins at 8 heads (b1 21.8 vs 29.9 µs, b8 32.3 vs 34.5) and at 64 heads b1
     # (25.7 vs 44.8: 4 tiles of 16 rows) but loses at 64 heads b8 (65.6 vs 52.6: 32 tiles re-read
     # the rows 4x), so wide decode batches keep m64.
@@ -73,6 +79,8 @@ def _pick_variant(max_rows: int, decode: bool, smem_limit: int, batch: int = 1) 
         prefer = ("m64", "small")
     else:
         prefer = ("m16", "m64", "small") if max_rows <= 16 else ("m64", "small")
+    if wgmma:  # sm_90a: the wgmma tile wherever the mma.sync m64 tile would run
+        prefer = tuple("w64" if v == "m64" else v for v in prefer)
     for v in prefer:
         if _smem_bytes(v) <= smem_limit:
             return v
@@ -152,11 +160,14 @@ def _host(name, a, dtype):
     return a.astype(dtype)
 
 
-def _device_props() -> tuple[int, int]:
+def _device_props() -> tuple[int, int, bool]:
+    """SM count, opt-in shared memory per block, whether the kernels are built for sm_90a (wgmma)."""
     import cupy
 
+    from ..rtc.arch import detect_arch
+
     attrs = cupy.cuda.Device().attributes
-    return attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"]
+    return attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"], detect_arch() == WGMMA_ARCH
 
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
@@ -191,12 +202,16 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
     same result; the default picks the fastest that fits the GPU)."""
     import cupy
 
-    sms, smem_limit = _device_props()
+    sms, smem_limit, wgmma = _device_props()
     if into is not None:
         variant = into.variant
     elif variant is None:
         variant = _pick_variant(int(batch.num_new.max()) * batch.num_heads, bool((batch.num_new == 1).all()),
-                                smem_limit, batch.batch)
+                                smem_limit, batch.batch, wgmma)
+    if variant not in _VARIANTS:
+        raise ValueError(f"unknown MLA attention tile variant {variant!r}; there are {sorted(_VARIANTS)}")
+    if _VARIANTS[variant].wgmma and not wgmma:
+        raise RuntimeError(f"tile variant {variant} needs {WGMMA_ARCH} (wgmma); the kernels are built for another arch")
     if _smem_bytes(variant) > smem_limit:
         raise RuntimeError(f"tile variant {variant} needs {_smem_bytes(variant)} bytes of shared memory; "
                            f"this GPU allows {smem_limit}")

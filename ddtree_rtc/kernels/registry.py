@@ -42,9 +42,10 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "paged KV cache: write rows at slots; DDTree commit of accepted rows, in place, all layers"),
     KernelSpec("mla_attention", ("mla_attention_m64_kernel", "mla_attention_m16_kernel",
                                  "mla_attention_small_kernel", "mla_attention_d16_kernel",
-                                 "mla_attention_merge_kernel"),
+                                 "mla_attention_w64_kernel", "mla_attention_merge_kernel"),
                "absorbed MLA attention over the paged latent cache (decode / tree verify / causal "
-               "prefill, mma.sync, split-K) and its split merge"),
+               "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge",
+               arch_specific=True),
     KernelSpec("bench_ceiling", ("read_stream_kernel", "copy_stream_kernel", "gate_wait_kernel"),
                "streaming read and copy kernels that measure the memory ceilings for benchmarks; a "
                "host-released gate that lets a benchmark queue a whole step before it runs"),
