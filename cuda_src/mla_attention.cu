@@ -661,6 +661,7 @@ __device__ __forceinline__ void split_body(
 // coincide and the rescale factor never leaves the thread.
 namespace w64 {
 constexpr int BM = 64, BN = 64, THREADS = 256;
+static_assert(BN == 64 && BM == 64, "the descriptors below assume 64 x 64 tiles");
 constexpr int KBLOCKS = ROW / 64;        // 9 column blocks of 128 bytes per row
 constexpr int BLK = 64 * 128;            // one column block of a 64-row tile
 constexpr int TILE = KBLOCKS * BLK;      // Q, or one KV stage (73728 bytes)
@@ -669,6 +670,7 @@ constexpr int TILE = KBLOCKS * BLK;      // Q, or one KV stage (73728 bytes)
 constexpr int SMEM = 1024 + 3 * TILE + BLK + 2 * BM * 4;
 static_assert(SMEM <= 227 * 1024, "over the sm_90 opt-in limit");
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // the helpers exist where the kernel body does
 __device__ __forceinline__ unsigned tile_off(int r, int c) {
   return (c >> 3) * BLK + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
@@ -683,6 +685,13 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Pins accumulator registers in program order around the async MMAs: without it the compiler may
+// move a read of d before the wait_group, or a write (the rescale) after the issuing wgmma.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 
 // D[64x32] (+)= A[64x16] B[16x32]; A, B K-major in shared memory (descriptors), f32 accumulate.
 __device__ __forceinline__ void wgmma_n32(float (&d)[16], unsigned long long a, unsigned long long b, int accumulate) {
@@ -738,6 +747,7 @@ __device__ __forceinline__ void load_rows_kv(unsigned dst, const bf16* __restric
     for (int k = 0; k < 9; ++k) cp_async16(dst + tile_off(r, sub + 8 * k), src + (sub + 8 * k) * 8, ok);
   }
 }
+#endif
 }  // namespace w64
 
 }  // namespace
@@ -829,6 +839,7 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
       float s[16];
 #pragma unroll
       for (int e = 0; e < 16; ++e) s[e] = 0.f;
+      fence_regs(s);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -837,6 +848,7 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
       }
       wgmma_commit();
       wgmma_wait0();
+      fence_regs(s);
 
       // ---- scale, mask, row max of this warpgroup's columns
       const bool edge = base + BN > ctx || base + BN > kv_end;
@@ -911,6 +923,8 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
       __syncthreads();
 
       // ---- O += P V over columns wg*256 .. +256
+      fence_regs(o[0]);
+      fence_regs(o[1]);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < BN / 16; ++ks) {
@@ -921,6 +935,8 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
       }
       wgmma_commit();
       wgmma_wait0();
+      fence_regs(o[0]);
+      fence_regs(o[1]);
     }
 
     // ---- epilogue: total row sums (red was last read before the final P barrier)
