@@ -67,13 +67,19 @@ def _smem_bytes(variant: str) -> int:
 
 
 D16_MAX_TILES = 16  # decode with > 16 rows per request: d16 while batch x 16-row tiles <= this
+W64_OVER_D16_CTX = 8192  # sm_90a, 64-head decode: w64 beats d16 from this context on
 
 
-def _pick_variant(max_rows: int, decode: bool, smem_limit: int, batch: int = 1, wgmma: bool = False) -> str:
+def _pick_variant(max_rows: int, decode: bool, smem_limit: int, batch: int = 1, wgmma: bool = False,
+                  max_ctx: int = 0) -> str:
     # H200, ctx 4k: d16 wins at 8 heads (b1 21.8 vs 29.9 µs, b8 32.3 vs 34.5) and at 64 heads b1
     # (25.7 vs 44.8: 4 tiles of 16 rows) but loses at 64 heads b8 (65.6 vs 52.6: 32 tiles re-read
     # the rows 4x), so wide decode batches keep m64.
-    if decode and (max_rows <= 16 or batch * -(-max_rows // 16) <= D16_MAX_TILES):
+    # sm_90a (w64, benchmarks/attention_h200.json run): 8-head decode d16 ~= w64 (ctx 16k b8 70.8 vs
+    # 70.4 µs), d16 ahead on short contexts, so 8 heads keep d16; 64 heads b1 d16 wins at 1k / 4k
+    # (18.9 / 26.0 vs 26.4 / 28.1 µs) and w64 at 16k (34.6 vs 43.4).
+    wide_d16 = batch * -(-max_rows // 16) <= D16_MAX_TILES and not (wgmma and max_ctx >= W64_OVER_D16_CTX)
+    if decode and (max_rows <= 16 or wide_d16):
         prefer = ("d16", "m16", "small") if max_rows <= 16 else ("d16", "m64", "small")
     elif decode:
         prefer = ("m64", "small")
@@ -207,7 +213,7 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
         variant = into.variant
     elif variant is None:
         variant = _pick_variant(int(batch.num_new.max()) * batch.num_heads, bool((batch.num_new == 1).all()),
-                                smem_limit, batch.batch, wgmma)
+                                smem_limit, batch.batch, wgmma, int(batch.ctx_lens.max()))
     if variant not in _VARIANTS:
         raise ValueError(f"unknown MLA attention tile variant {variant!r}; there are {sorted(_VARIANTS)}")
     if _VARIANTS[variant].wgmma and not wgmma:
