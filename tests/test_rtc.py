@@ -143,3 +143,14 @@ def test_resources_from_cubin_match_ptxas_log():
         for entry, r in log.items():
             assert (elf[entry]["registers"], elf[entry]["stack"], elf[entry]["shared"]) == \
                 (r["registers"], r["stack"], r["shared"]), (name, arch, entry)
+
+
+def test_empty_log_leaves_shared_bytes_alone():
+    """A warning-free compile has a one-byte log (its NUL). NVRTC writes the log into the buffer it
+    is given; that buffer once was `b" " * 1`, CPython's shared b" ", so every later b" " in the
+    process read b"\\x00" (it corrupted the padding of safetensors headers written after a build)."""
+    from ddtree_rtc.rtc.nvrtc import compile_cuda
+
+    res = compile_cuda('extern "C" __global__ void k() {}', "empty_log.cu", {}, ["-std=c++17"], "sm_90")
+    assert res.log.strip() == "" and res.cubin
+    assert (b" " * 1)[0] == 0x20 and b"a b".split(b" ") == [b"a", b"b"]

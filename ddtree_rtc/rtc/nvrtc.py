@@ -76,9 +76,12 @@ class CompileResult:
 
 def _read(getsize, getter, prog) -> bytes:
     size = _check(getsize(prog), getter.__name__ + "Size")
-    buf = b" " * size
+    # A mutable buffer: NVRTC writes into it. (`b" " * size` is, for size 1 (an empty log: just its
+    # NUL), CPython's shared one-byte b" " object, and writing into it turned every later b" " in
+    # the process into b"\x00", e.g. the space padding of safetensors headers written afterwards.)
+    buf = bytearray(size)
     _check(getter(prog, buf), getter.__name__)
-    return buf
+    return bytes(buf)
 
 
 def compile_cuda(source: str, filename: str, headers: dict[str, str], options: list[str],
