@@ -262,7 +262,8 @@ def test_default_variant():
     assert _pick_variant(8, True, big, wgmma=True) == "d16" and _pick_variant(64, False, sm120, wgmma=True) == "small"
     assert _pick_variant(64, True, big, wgmma=True, max_ctx=4096) == "d16"  # 64-head decode, b1, short
     assert _pick_variant(64, True, big, wgmma=True, max_ctx=16384) == "w64"  # ... and long contexts
-    assert _pick_variant(64, True, big, max_ctx=16384) == "d16" and _pick_variant(8, True, big, wgmma=True, max_ctx=65536) == "d16"
+    assert _pick_variant(64, True, big, max_ctx=16384) == "d16"
+    assert _pick_variant(8, True, big, wgmma=True, max_ctx=65536) == "d16"
 
 
 def test_plan_rejects_bad_input(rng):

@@ -10,6 +10,8 @@ grid, so a captured graph replays it.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -167,13 +169,24 @@ def _host(name, a, dtype):
 
 
 def _device_props() -> tuple[int, int, bool]:
-    """SM count, opt-in shared memory per block, whether the kernels are built for sm_90a (wgmma)."""
+    """SM count, opt-in shared memory per block, whether the kernels are built for sm_90a (wgmma).
+    Looked up once per device (and arch override): every plan, and every graph re-plan, asks."""
+    import cupy
+
+    from ..rtc.arch import ARCH_ENV
+
+    return _props_of(cupy.cuda.Device().id, os.environ.get(ARCH_ENV))
+
+
+@functools.cache
+def _props_of(device_id: int, arch_override: str | None) -> tuple[int, int, bool]:
     import cupy
 
     from ..rtc.arch import detect_arch
 
-    attrs = cupy.cuda.Device().attributes
-    return attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"], detect_arch() == WGMMA_ARCH
+    attrs = cupy.cuda.Device(device_id).attributes
+    return (attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"],
+            detect_arch(arch_override) == WGMMA_ARCH)
 
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
