@@ -96,6 +96,39 @@ __device__ __forceinline__ int swz(int r, int c) {
   return r * CHUNKS + (c ^ (r & M));
 }
 
+// One work item of the plan, with its request's fields.
+struct Item {
+  int req, m0, m_count, kv_begin, kv_end, part, ctx, q_start;
+  const int* pt;     // the request's page-table row
+  long long row_g0;  // first flattened query row
+};
+
+__device__ __forceinline__ Item load_item(const int* __restrict__ work, int w, const int* __restrict__ req_info,
+                                          const int* __restrict__ page_table, int pt_stride, int num_heads) {
+  const int* item = work + (long long)w * WORK_INTS;
+  Item it;
+  it.req = item[0], it.m0 = item[1], it.m_count = item[2], it.kv_begin = item[3], it.kv_end = item[4];
+  it.part = item[5];
+  it.ctx = req_info[it.req * REQ_INTS + 0], it.q_start = req_info[it.req * REQ_INTS + 2];
+  it.pt = page_table + (long long)it.req * pt_stride;
+  it.row_g0 = (long long)it.q_start * num_heads + it.m0;
+  return it;
+}
+
+// May a query row (token tok of its request; row_ok: a real row of the item) see cache position
+// pos? Committed rows before kv_end always; new row j = pos - ctx when bit j of the token's mask row
+// is set (tree verify) or j <= tok (causal).
+__device__ __forceinline__ bool visible(int pos, const Item& it, bool row_ok, int tok,
+                                        const unsigned long long* __restrict__ mask, int mask_words) {
+  if (pos >= it.kv_end) return false;
+  if (pos < it.ctx) return true;
+  if (!row_ok) return false;
+  const int j = pos - it.ctx;
+  if (!mask) return j <= tok;
+  const unsigned long long word = __ldg(mask + (long long)(it.q_start + tok) * mask_words + (j >> 6));
+  return (word >> (j & 63)) & 1ull;
+}
+
 // Tile shape: BM query rows x BN cache rows per step, NW warps; O split into OM row groups.
 template <int BM_, int BN_, int NW_, int OM_>
 struct Cfg {
@@ -156,12 +189,11 @@ __device__ __forceinline__ void attention_body(
 
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
-    const int* item = work + (long long)w * WORK_INTS;
-    const int req = item[0], m0 = item[1], m_count = item[2], kv_begin = item[3], kv_end = item[4];
-    const int part = item[5];
-    const int ctx = req_info[req * REQ_INTS + 0], q_start = req_info[req * REQ_INTS + 2];
-    const int* pt = page_table + (long long)req * pt_stride;
-    const long long row_g0 = (long long)q_start * num_heads + m0;  // first flattened query row
+    const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
+    const int m0 = it.m0, m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
+    const int ctx = it.ctx;
+    const int* pt = it.pt;
+    const long long row_g0 = it.row_g0;
 
     // This thread's two S rows: s_row0 + g and s_row0 + g + 8.
     bool row_ok[2];
@@ -240,20 +272,7 @@ __device__ __forceinline__ void attention_body(
           float x = s[nt][e] * scale_log2;
           if (edge) {
             const int pos = base + s_col0 + nt * 8 + tq * 2 + (e & 1);
-            bool vis = pos < kv_end;
-            if (vis && pos >= ctx) {
-              const int j = pos - ctx;
-              if (!row_ok[i]) {
-                vis = false;
-              } else if (mask) {
-                const unsigned long long word =
-                    __ldg(mask + (long long)(q_start + tok[i]) * mask_words + (j >> 6));
-                vis = (word >> (j & 63)) & 1ull;
-              } else {
-                vis = j <= tok[i];
-              }
-            }
-            if (!vis) x = neg_inf();
+            if (!visible(pos, it, row_ok[i], tok[i], mask, mask_words)) x = neg_inf();
           }
           s[nt][e] = x;
           mx[i] = fmaxf(mx[i], x);
@@ -445,12 +464,11 @@ __device__ __forceinline__ void split_body(
 
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
-    const int* item = work + (long long)w * WORK_INTS;
-    const int req = item[0], m0 = item[1], m_count = item[2], kv_begin = item[3], kv_end = item[4];
-    const int part = item[5];
-    const int ctx = req_info[req * REQ_INTS + 0], q_start = req_info[req * REQ_INTS + 2];
-    const int* pt = page_table + (long long)req * pt_stride;
-    const long long row_g0 = (long long)q_start * num_heads + m0;
+    const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
+    const int m0 = it.m0, m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
+    const int ctx = it.ctx;
+    const int* pt = it.pt;
+    const long long row_g0 = it.row_g0;
 
     // This thread's two query rows: g and g + 8.
     bool row_ok[2];
@@ -551,20 +569,7 @@ __device__ __forceinline__ void split_body(
           float xv = x[nt][e] * scale_log2;
           if (edge) {
             const int pos = base + nt * 8 + tq * 2 + (e & 1);
-            bool vis = pos < kv_end;
-            if (vis && pos >= ctx) {
-              const int jn = pos - ctx;
-              if (!row_ok[i]) {
-                vis = false;
-              } else if (mask) {
-                const unsigned long long word =
-                    __ldg(mask + (long long)(q_start + tok[i]) * mask_words + (jn >> 6));
-                vis = (word >> (jn & 63)) & 1ull;
-              } else {
-                vis = jn <= tok[i];
-              }
-            }
-            if (!vis) xv = neg_inf();
+            if (!visible(pos, it, row_ok[i], tok[i], mask, mask_words)) xv = neg_inf();
           }
           x[nt][e] = xv;
           mx[i] = fmaxf(mx[i], xv);
@@ -797,12 +802,11 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
 
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
-    const int* item = work + (long long)w * WORK_INTS;
-    const int req = item[0], m0 = item[1], m_count = item[2], kv_begin = item[3], kv_end = item[4];
-    const int part = item[5];
-    const int ctx = req_info[req * REQ_INTS + 0], q_start = req_info[req * REQ_INTS + 2];
-    const int* pt = page_table + (long long)req * pt_stride;
-    const long long row_g0 = (long long)q_start * num_heads + m0;
+    const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
+    const int m0 = it.m0, m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
+    const int ctx = it.ctx;
+    const int* pt = it.pt;
+    const long long row_g0 = it.row_g0;
 
     bool row_ok[2];
     int tok[2];
@@ -861,19 +865,7 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
           float x = s[4 * j + e] * scale_log2;
           if (edge) {
             const int pos = base + wg * 32 + 8 * j + 2 * tq + (e & 1);
-            bool vis = pos < kv_end;
-            if (vis && pos >= ctx) {
-              const int jn = pos - ctx;
-              if (!row_ok[i]) {
-                vis = false;
-              } else if (mask) {
-                const unsigned long long word = __ldg(mask + (long long)(q_start + tok[i]) * mask_words + (jn >> 6));
-                vis = (word >> (jn & 63)) & 1ull;
-              } else {
-                vis = jn <= tok[i];
-              }
-            }
-            if (!vis) x = neg_inf();
+            if (!visible(pos, it, row_ok[i], tok[i], mask, mask_words)) x = neg_inf();
           }
           s[4 * j + e] = x;
           mx[i] = fmaxf(mx[i], x);
