@@ -35,7 +35,18 @@ constexpr int kRowsPerWarp = 16 * kTilesPerWarp;
 constexpr int kRowsPerCta = kWarps * kRowsPerWarp;
 constexpr int kStepK = 128;
 constexpr int kBlockBytes = 1152;
-constexpr int kStages = 4;
+#ifndef MOE_STAGES_NT1
+#define MOE_STAGES_NT1 4
+#endif
+#ifndef MOE_STAGES_NT4
+#define MOE_STAGES_NT4 4
+#endif
+// cp.async ring depth per token tile (compile-time parameters; the host sizes shared memory from
+// the same values): the stages in flight are what keeps HBM busy when few CTAs share an SM.
+template <int NT>
+constexpr int stages() {
+  return NT == 1 ? MOE_STAGES_NT1 : MOE_STAGES_NT4;
+}
 constexpr int kWarpStageBytes = kTilesPerWarp * kBlockBytes;
 constexpr int kWeightStageBytes = kWarps * kWarpStageBytes;
 constexpr int kActTileBytes = 8 * kStepK * 2;  // one n8 tile of pairs x k128, bf16
@@ -205,6 +216,8 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
                                          const int* __restrict__ num_blocks, int P, int N, int K, int k_split,
                                          int n_ctas, bf16* __restrict__ h_out, float* __restrict__ part_out) {
   extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kStages = stages<NT>();
+  static_assert(kStages >= 2, "the ring needs two stages");
   const int u = blockIdx.y;
   if (u >= num_blocks[0]) return;  // the whole CTA: no barrier has been reached yet
   const int e = block_expert[u];

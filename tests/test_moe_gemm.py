@@ -78,6 +78,16 @@ def test_reference_rejects_bad_input(rng):
         ref_moe(random_bf16(rng, (1, 128)), ids, w, repack_experts(ex))
 
 
+def test_plan_rejects_bad_ring_depths():
+    pytest.importorskip("cupy")
+    from ddtree_rtc.kernels.moe_gemm import default_stages, moe_plan
+
+    assert all(2 <= v <= 16 for v in default_stages())
+    for bad in ((1, 4), (4, 17), (4,)):
+        with pytest.raises(ValueError, match="ring depths"):
+            moe_plan(1, 8, 2, 128, 128, stages=bad)
+
+
 def test_split_choice():
     from ddtree_rtc.kernels.moe_gemm import _pick_split
 
@@ -336,6 +346,8 @@ def test_kernel_vs_reference_k26_dims(rng, m):
     ("deep", 21, True, {}, "nt1+nt4>8"),                                  # (6 experts: mostly nt 4)
     ("deep", 50, False, {"nt": 4}, "nt4"),
     ("deep", 50, False, {"nt": 4, "split_gate_up": 2}, "nt4"),
+    ("deep", 21, True, {"stages": (2, 3)}, "nt1+nt4>8"),                 # other ring depths (wrap often)
+    ("deep", 21, True, {"stages": (7, 5)}, "nt1+nt4>8"),
 ])
 def test_kernel_launch_variants(rng, name, m, skew, plan_kw, tiles):
     plan = run_gpu(rng, name, m, with_shared=False, skew=skew, **plan_kw)

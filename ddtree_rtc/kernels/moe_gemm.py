@@ -15,12 +15,11 @@ from ..reference.moe_gemm import check_experts_layout
 from ..reference.moe_routing import MoEAlignment
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from .moe_routing import alignment_buffers, moe_align
-from .registry import module
+from .registry import module, spec
 
 ROWS_PER_CTA = 128  # 4 warps x 32 rows
 TILE_K = 128
 BLOCK_BYTES = 1152
-STAGES = 4  # cp.async ring depth of cuda_src/moe_gemm.cu (kStages)
 # Experts with more pairs than this get 32-pair (nt 4) blocks, decided per expert on the device by the
 # align step; the others 8-pair (nt 1) blocks. An expert that needs two nt 1 blocks streams its
 # weights twice and pays the (cheap, scale-after-mma) dequant twice; one nt 4 block streams them once
@@ -47,6 +46,14 @@ class MoEPlan:
     h: object  # bf16 [P, I]
     part_gate_up: object  # fp32 [S, P, 2I] when split_gate_up > 1, else None
     part_down: object  # fp32 [S, P, H]
+    stages: tuple[int, int] = (0, 0)  # cp.async ring depth of the nt 1 and nt 4 GEMMs (0: the defaults)
+
+    def module(self):
+        """The moe_gemm module built with this plan's ring depths."""
+        return _module(self.stages)
+
+    def stages_of(self, nt: int) -> int:
+        return _stages(self.stages)[0 if nt == 1 else 1]
 
     @property
     def num_pairs(self) -> int:
@@ -104,9 +111,30 @@ def pick_nt4_above(num_tokens: int, top_k: int, nt: int | None, nt4_above: int |
 
 
 def stage_bytes(nt: int) -> int:
-    """One ring stage: the CTA's 8 weight blocks + nt x 8 pairs x 128 k bf16 activations (the
-    launches take STAGES of them: 45 KB for nt 1, 68 KB for nt 4)."""
+    """One ring stage: the CTA's 8 weight blocks + nt x 8 pairs x 128 k bf16 activations (11.3 KB
+    for nt 1, 17.2 KB for nt 4); a launch takes the plan's ring depth of them."""
     return 4 * 2 * BLOCK_BYTES + nt * 8 * TILE_K * 2
+
+
+def default_stages() -> tuple[int, int]:
+    """The ring depths cuda_src/moe_gemm.cu is built with by default (nt 1, nt 4). On the H200
+    (2026-12-03, 128 K2.6-sized experts, M = 1, 2, 8, 32, 256) deeper rings never helped: (4, 4)
+    was best or within 1% everywhere, (8, 4) 3-8% slower, (12, 4) and (8, 8) 15-40% slower (more
+    shared memory per CTA, fewer CTAs per SM); the parameter stays for other GPUs' sweeps."""
+    p = spec("moe_gemm").params
+    return p["MOE_STAGES_NT1"], p["MOE_STAGES_NT4"]
+
+
+def _stages(stages: tuple[int, int]) -> tuple[int, int]:
+    d = default_stages()
+    return tuple(s or dflt for s, dflt in zip(stages, d))
+
+
+def _module(stages: tuple[int, int]):
+    s1, s4 = _stages(stages)
+    if (s1, s4) == default_stages():
+        return module("moe_gemm")
+    return module("moe_gemm", MOE_STAGES_NT1=s1, MOE_STAGES_NT4=s4)
 
 
 def _num_sms() -> int:
@@ -117,11 +145,12 @@ def _num_sms() -> int:
 
 def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
              split_gate_up: int | None = None, split_down: int | None = None, nt: int | None = None,
-             num_sms: int | None = None, nt4_above: int | None = None) -> MoEPlan:
+             num_sms: int | None = None, nt4_above: int | None = None,
+             stages: tuple[int, int] | None = None) -> MoEPlan:
     """Plan one MoE shape: token tiles (by default per expert on the device: 8-pair blocks for
     experts with at most ``nt4_above`` pairs, 32-pair blocks beyond; ``nt`` 1 or 4 forces one tile
     for all), split-K of each GEMM (enough CTAs to cover the SMs when few experts are touched), and
-    buffers."""
+    buffers. ``stages`` (nt 1, nt 4) overrides the GEMMs' cp.async ring depths (2..16; 0 = default)."""
     import cupy
 
     if num_tokens < 1:
@@ -129,6 +158,9 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     for name, v in (("hidden", hidden), ("intermediate", intermediate)):
         if v <= 0 or v % TILE_K:
             raise ValueError(f"{name} size {v} must be a positive multiple of {TILE_K} (the INT4 MoE k block)")
+    stages = (0, 0) if stages is None else tuple(int(v) for v in stages)
+    if len(stages) != 2 or any(v and not 2 <= v <= 16 for v in stages):
+        raise ValueError(f"stages={stages}: expected (nt1, nt4) ring depths in 2..16 (0 = default)")
     p = num_tokens * top_k
     align = alignment_buffers(p, num_experts, 8, 32, pick_nt4_above(num_tokens, top_k, nt, nt4_above))
     for what, n in (("8-pair", align.small_blocks), ("32-pair", align.large_blocks)):
@@ -144,7 +176,7 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
         num_tokens, num_experts, top_k, hidden, intermediate, s13, s2, align,
         cupy.empty((p, intermediate), dtype=cupy.uint16),
         cupy.empty((s13, p, 2 * intermediate), dtype=cupy.float32) if s13 > 1 else None,
-        cupy.empty((s2, p, hidden), dtype=cupy.float32))
+        cupy.empty((s2, p, hidden), dtype=cupy.float32), stages)
 
 
 def _check_experts(experts) -> None:
@@ -202,7 +234,7 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
     moe_gate_up(x, experts, plan)
     moe_down(experts, plan)
     null = np.uint64(0)
-    mod = module("moe_gemm")
+    mod = plan.module()
     mod.fn("moe_combine_kernel")((-(-h // _COMBINE_COLS), m), (256,), (
         plan.part_down, np.int32(plan.split_down), topk_ids, topk_weights, np.int32(e), np.int32(top_k), np.int32(m),
         np.int32(h), shared if shared is not None else null, y))
@@ -228,12 +260,12 @@ def _lists(plan: MoEPlan):
 
 def moe_gate_up(x, experts, plan: MoEPlan) -> None:
     """gate_up GEMM of the routed pairs with SiLU(gate) * up -> plan.h (split-K: + the reduce)."""
-    mod = module("moe_gemm")
+    mod = plan.module()
     null = np.uint64(0)
     h, inter, s13 = plan.hidden, plan.intermediate, plan.split_gate_up
     n13 = -(-2 * inter // ROWS_PER_CTA)
     for nt, bound, pairs, experts_of, count in _lists(plan):
-        smem = STAGES * stage_bytes(nt)
+        smem = plan.stages_of(nt) * stage_bytes(nt)
         entry = f"moe_gemm_nt{nt}_{'h' if s13 == 1 else 'f32'}"
         _gemm_fn(mod, entry, smem)((n13 * s13, bound), (ROWS_PER_CTA,), (
             experts.w13, np.int64(experts.w13[0].nbytes), x, np.int32(plan.top_k), pairs, experts_of, count,
@@ -247,11 +279,11 @@ def moe_gate_up(x, experts, plan: MoEPlan) -> None:
 
 def moe_down(experts, plan: MoEPlan) -> None:
     """down GEMM of plan.h -> fp32 partials plan.part_down [split_down, P, H]."""
-    mod = module("moe_gemm")
+    mod = plan.module()
     h, inter, s2 = plan.hidden, plan.intermediate, plan.split_down
     n2 = -(-h // ROWS_PER_CTA)
     for nt, bound, pairs, experts_of, count in _lists(plan):
-        smem = STAGES * stage_bytes(nt)
+        smem = plan.stages_of(nt) * stage_bytes(nt)
         _gemm_fn(mod, f"moe_gemm_nt{nt}_f32", smem)((n2 * s2, bound), (ROWS_PER_CTA,), (
             experts.w2, np.int64(experts.w2[0].nbytes), plan.h, np.int32(1), pairs, experts_of, count,
             np.int32(plan.num_pairs), np.int32(h), np.int32(inter), np.int32(inter // s2), np.int32(n2),
