@@ -3,16 +3,16 @@
 //
 // The heap holds at most one entry per tree node: the node's next unpopped child (rank 0 when the
 // node is popped, rank r+1 after its child r is popped, which is exactly the reference's "sibling
-// push"). So "slot i" = candidate child of node i. Warp 0 runs the pop loop; slot i lives in lane
-// i % 32, register j = i / 32 (J registers per lane, J*32 >= max_budget + 1). Each lane caches its
-// best slot together with that candidate's two successors (next sibling, first child), computed
-// when the best changes, so a pop is: warp argmax over the cached bests, shuffle the winner's
-// data, update two slots, and the winner lane rescans its J registers.
+// push"). So "slot i" = candidate child of node i, kept in shared memory (order key, score, rank,
+// node i's last popped child) and owned by lane i % 32 of warp 0, which runs the pop loop (J slots
+// per lane, J*32 >= max_budget + 1). Each lane caches its best slot; a pop is a warp argmax over
+// the cached bests, the winner lane writes the node and updates its two slots (next sibling, new
+// node's first child), then rescans its J slots.
 //
 // Order: larger score first (scores are float64, accumulated with the reference's exact operation
 // order: child = score + lq[d][0], sibling = (score - lq[d-1][r]) + lq[d-1][r+1]; no multiply, so
 // nothing can be contracted into an FMA); equal scores (+0 == -0) fall back to the rank tuples,
-// lexicographic with a prefix first, compared by climbing both candidates' ancestor chains.
+// lexicographic with a prefix first, compared as integer codes (16 bits per depth, 4 words).
 //
 // After the loop all 128 threads write the outputs, including every unused slot up to max_budget.
 //
@@ -27,6 +27,18 @@
 // is in the pool and ranks later), so the heap, popping its minimum, pops exactly those in sorted
 // order. A non-monotone step or a full pool sets a flag and the request falls back to the heap
 // loop above, so the result is exact either way.
+
+#ifndef TREE_PROFILE
+#define TREE_PROFILE 0
+#endif
+#if TREE_PROFILE
+// Diagnostics build only: SM clock at the phase boundaries of each block (start, staged, built, written).
+__device__ long long tree_prof[8 * 1024];
+#define TREE_STAMP(i) \
+  if (threadIdx.x == 0 && blockIdx.x < 1024) tree_prof[8 * blockIdx.x + (i)] = clock64()
+#else
+#define TREE_STAMP(i)
+#endif
 
 namespace {
 
@@ -45,6 +57,8 @@ __device__ __forceinline__ unsigned long long ord64(double x) {
   return b < 0 ? ~(unsigned long long)b : (unsigned long long)b | 0x8000000000000000ull;
 }
 
+constexpr int CODE_WORDS = 4;  // rank-tuple code: 4 fields of 16 bits per word, depth <= 16
+
 struct Smem {
   double* score;      // [N] node score
   int* parent;        // [N]
@@ -52,6 +66,11 @@ struct Smem {
   int* depth;         // [N]
   int* first_child;   // [N]
   int* next_sibling;  // [N]
+  unsigned long long* code;  // [N * CODE_WORDS] the node's rank tuple, fields most significant first
+  unsigned long long* ckey;  // [N] heap slot i (node i's next unpopped child): its order key, 0 = none
+  double* cscore;     // [N] that candidate's score
+  int* crank;         // [N] its rank
+  int* clast;         // [N] node i's last popped child (-1: none yet)
   float* lq;          // [L * ks] sanitized log-probs, row stride ks
   int* ids;           // [L * ks] their token ids
 };
@@ -59,7 +78,12 @@ struct Smem {
 __device__ __forceinline__ Smem carve(unsigned char* base, int n_slots, int L, int ks) {
   Smem s;
   s.score = reinterpret_cast<double*>(base);
-  s.parent = reinterpret_cast<int*>(s.score + n_slots);
+  s.code = reinterpret_cast<unsigned long long*>(s.score + n_slots);
+  s.ckey = s.code + n_slots * CODE_WORDS;
+  s.cscore = reinterpret_cast<double*>(s.ckey + n_slots);
+  s.crank = reinterpret_cast<int*>(s.cscore + n_slots);
+  s.clast = s.crank + n_slots;
+  s.parent = s.clast + n_slots;
   s.rank = s.parent + n_slots;
   s.depth = s.rank + n_slots;
   s.first_child = s.depth + n_slots;
@@ -69,156 +93,160 @@ __device__ __forceinline__ Smem carve(unsigned char* base, int n_slots, int L, i
   return s;
 }
 
-// Is candidate "child ra of node a" before candidate "child rb of node b" in rank-tuple order?
-// Only asked when their scores are equal. Climb the deeper one to the other's depth, then both to
-// their common ancestor: the ranks just below it decide; if one is an ancestor of the other, the
-// shorter tuple comes first.
-__device__ __noinline__ bool tuple_less(const Smem& s, int a, int ra, int b, int rb) {
-  int da = s.depth[a] + 1, db = s.depth[b] + 1;
-  const bool a_shorter = da < db;
-  while (da > db) {
-    ra = s.rank[a];
-    a = s.parent[a];
-    --da;
-  }
-  while (db > da) {
-    rb = s.rank[b];
-    b = s.parent[b];
-    --db;
-  }
-  if (a == b && ra == rb) return a_shorter;
-  while (a != b) {
-    ra = s.rank[a];
-    a = s.parent[a];
-    rb = s.rank[b];
-    b = s.parent[b];
-  }
-  return ra < rb;
+// Rank tuples as integers: the node at depth d with ranks (r1, ..., rd) has field i = r_i + 1
+// (16 bits; word (i-1) / 4, most significant field first) and zeros after, so comparing the words
+// in order is the tuple order with a prefix first (the reference's heap order on equal scores). A
+// candidate "child r of node a" is a's code with field depth(a) + 1 set to r + 1.
+__device__ __forceinline__ int code_word(int d) { return (d - 1) >> 2; }  // d = the candidate's depth >= 1
+__device__ __forceinline__ unsigned long long field(int d, int r) {
+  return (unsigned long long)(r + 1) << (48 - 16 * ((d - 1) & 3));
 }
 
-// A lane's best slot (score -inf = none) with what popping it would push.
-struct LaneBest {
-  double score, sib, child;  // candidate score; its next sibling's and first child's (-inf: none)
-  int j, rank, lastc, depth;  // register, candidate rank, last popped child, slot node's depth
-};
+// Heap order key of a candidate score: larger score, larger key (+0 and -0 alike); 0 = no candidate
+// (every score is finite: log-probs are clamped to +-FLT_MAX, at most 16 of them summed).
+__device__ __forceinline__ unsigned long long cand_key(double x) { return ord64(x); }
 
 struct Limits {
-  int kc, ks, depth_limit;
+  int kc, ks, depth_limit, n_slots;
 };
 
-__device__ __forceinline__ void successors(const Smem& s, const Limits& lim, LaneBest& b) {
-  const float* row = s.lq + b.depth * lim.ks;  // the candidate sits at depth b.depth + 1
-  b.sib = b.rank + 1 < lim.kc ? (b.score - (double)row[b.rank]) + (double)row[b.rank + 1] : neg_inf();
-  b.child = b.depth + 1 < lim.depth_limit ? b.score + (double)row[lim.ks] : neg_inf();
+// The candidate of slot i: its tuple code word w (node i's code with field depth(i) + 1 = rank + 1).
+__device__ __forceinline__ unsigned long long cand_code(const Smem& s, int i, int w) {
+  const int d = s.depth[i] + 1;
+  unsigned long long c = s.code[i * CODE_WORDS + w];
+  if (code_word(d) == w) c |= field(d, s.crank[i]);
+  return c;
 }
 
-template <int J>
-__device__ __forceinline__ LaneBest rescan(const Smem& s, const Limits& lim, int lane, const double (&sc)[J],
-                                           const int (&cr)[J], const int (&lc)[J], const int (&dp)[J]) {
-  LaneBest b{neg_inf(), neg_inf(), neg_inf(), -1, 0, -1, 0};
+__device__ __forceinline__ bool slot_less(const Smem& s, int a, int b) {  // equal keys only
 #pragma unroll
-  for (int j = 0; j < J; ++j) {
-    if (sc[j] == neg_inf()) continue;
-    bool take = b.j < 0 || sc[j] > b.score;
-    if (!take && sc[j] == b.score) take = tuple_less(s, lane + 32 * j, cr[j], lane + 32 * b.j, b.rank);
-    if (take) {
-      b.score = sc[j];
-      b.j = j;
-      b.rank = cr[j];
-      b.lastc = lc[j];
-      b.depth = dp[j];
-    }
+  for (int w = 0; w < CODE_WORDS; ++w) {
+    const unsigned long long ca = cand_code(s, a, w), cb = cand_code(s, b, w);
+    if (ca != cb) return ca < cb;
   }
-  if (b.j >= 0) successors(s, lim, b);
-  return b;
+  return false;
 }
 
+// The heap loop of the reference, one warp. The heap holds at most one entry per node: node i's
+// next unpopped child, "slot i", kept in shared memory (key, score, rank, last popped child) and
+// owned by lane i % 32. Each lane caches its best slot (largest key, then the smaller tuple code).
+// A pop: two warp max reductions over the cached keys (high, then low word; exact ties go to the
+// tuple codes); the winner lane records the node, moves slot p on to its next sibling and opens
+// the new node's slot with its first child (both scores in the reference's exact operation
+// order), then rescans its J slots; the new node's lane compares the new slot with its best.
+// One warp runs alone, so a pop costs its dependent chain: ~1000 SM cycles on the H200 (J = 3);
+// preparing each lane's pop ahead of time (the loads off the chain) measured 10% slower.
 template <int J>
 __device__ void heap_loop(const Smem& s, const Limits& lim, int budget, int& n_out) {
   const int lane = threadIdx.x & 31;
-  double sc[J];
-  int cr[J], lc[J], dp[J];  // candidate score, its rank, the slot's last popped child, slot depth
+  const int ns = lim.n_slots;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
-    sc[j] = neg_inf();
-    cr[j] = 0;
-    lc[j] = -1;
-    dp[j] = 0;
+    const int i = lane + 32 * j;
+    if (i < ns) s.ckey[i] = 0ull;
   }
-  if (lane == 0 && budget > 0 && lim.depth_limit > 0) sc[0] = (double)s.lq[0];  // (-lq[0][0], (0,), 0, 1, 0)
-  LaneBest best = rescan<J>(s, lim, lane, sc, cr, lc, dp);
-  int n = 0;
-  while (n < budget) {
-    // Warp argmax of (score, then smaller tuple) over the lanes' bests.
-    const unsigned long long key = ord64(best.score);
-    const unsigned hi = (unsigned)(key >> 32), lo = (unsigned)key;
-    const unsigned max_hi = __reduce_max_sync(FULL, hi);
-    if (max_hi == EMPTY_HI) break;  // every lane is empty: the heap is exhausted
-    unsigned tied = __ballot_sync(FULL, hi == max_hi);
-    if (__popc(tied) > 1) {
-      const unsigned max_lo = __reduce_max_sync(FULL, hi == max_hi ? lo : 0u);
-      tied = __ballot_sync(FULL, hi == max_hi && lo == max_lo);
+  if (lane == 0 && budget > 0 && lim.depth_limit > 0) {  // (-lq[0][0], (0,), 0, 1, 0)
+    const double c = (double)s.lq[0];
+    s.ckey[0] = cand_key(c);
+    s.cscore[0] = c;
+    s.crank[0] = 0;
+    s.clast[0] = -1;
+  }
+  __syncwarp();
+  unsigned long long bk = 0ull;  // this lane's best slot key (0: none) and index
+  int bi = 0;
+  auto rescan = [&]() {
+    unsigned long long k[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int i = lane + 32 * j;
+      k[j] = i < ns ? s.ckey[i] : 0ull;
     }
-    int win = __ffs(tied) - 1;
-    const int my_slot = lane + 32 * best.j;
-    if (__popc(tied) > 1) {  // equal scores: the smaller rank tuple wins (warp-uniform loop)
-      int w_slot = __shfl_sync(FULL, my_slot, win), w_rank = __shfl_sync(FULL, best.rank, win);
-      for (unsigned rest = tied & (tied - 1); rest; rest &= rest - 1) {
-        const int l = __ffs(rest) - 1;
-        const int l_slot = __shfl_sync(FULL, my_slot, l), l_rank = __shfl_sync(FULL, best.rank, l);
-        if (tuple_less(s, l_slot, l_rank, w_slot, w_rank)) {
-          win = l;
-          w_slot = l_slot;
-          w_rank = l_rank;
-        }
+    bk = 0ull;
+    bi = lane;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int i = lane + 32 * j;
+      if (k[j] > bk) {
+        bk = k[j];
+        bi = i;
+      } else if (k[j] != 0ull && k[j] == bk && slot_less(s, i, bi)) {
+        bi = i;
       }
     }
-    // The winner's data (equal scores may still differ in the sign of zero: take the winner's).
-    const double score = __shfl_sync(FULL, best.score, win);
-    const double sib = __shfl_sync(FULL, best.sib, win);
-    const double child = __shfl_sync(FULL, best.child, win);
-    const int p = __shfl_sync(FULL, my_slot, win);
-    const int r = __shfl_sync(FULL, best.rank, win);
-    const int prev = __shfl_sync(FULL, best.lastc, win);
-    const int d = __shfl_sync(FULL, best.depth, win) + 1;
+  };
+  rescan();
+  TREE_STAMP(4);
+  int n = 0;
+  while (n < budget) {
+    const unsigned hi = (unsigned)(bk >> 32), lo = (unsigned)bk;
+    const unsigned max_hi = __reduce_max_sync(FULL, hi);
+    if (max_hi == 0u) break;  // every slot is empty: the heap is exhausted
+    const unsigned max_lo = __reduce_max_sync(FULL, hi == max_hi ? lo : 0u);
+    unsigned tied = __ballot_sync(FULL, hi == max_hi && lo == max_lo);
+    if (tied & (tied - 1u)) {  // equal scores (warp-uniform): the smallest tuple code wins
+#pragma unroll
+      for (int w = 0; w < CODE_WORDS; ++w) {
+        const bool in = (tied >> lane) & 1u;  // still tied after the words before
+        const unsigned long long c = in ? cand_code(s, bi, w) : ~0ull;
+        const unsigned ch = (unsigned)(c >> 32), cl = (unsigned)c;
+        const unsigned mh = __reduce_min_sync(FULL, ch);
+        const unsigned ml = __reduce_min_sync(FULL, ch == mh ? cl : ~0u);
+        tied &= __ballot_sync(FULL, ch == mh && cl == ml);
+        if (!(tied & (tied - 1u))) break;
+      }
+    }
+    const int win = __ffs(tied) - 1;
     const int node = ++n;
-    if (lane == 0) {
+    if (lane == win) {
+      const int p = bi;
+      const double score = s.cscore[p];
+      const int r = s.crank[p], prev = s.clast[p], d = s.depth[p] + 1;
       s.score[node] = score;
       s.parent[node] = p;
       s.rank[node] = r;
       s.depth[node] = d;
+      const int cw = code_word(d);
+#pragma unroll
+      for (int w = 0; w < CODE_WORDS; ++w) {
+        unsigned long long c = s.code[p * CODE_WORDS + w];
+        if (cw == w) c |= field(d, r);
+        s.code[node * CODE_WORDS + w] = c;
+      }
       if (r == 0) s.first_child[p] = node;
       else s.next_sibling[prev] = node;
-    }
-    // Slot p now offers its next child; the new node's slot offers its first child.
-    const int pj = p >> 5, nj = node >> 5;
-    const bool owns_p = lane == win, owns_node = lane == (node & 31);
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      if (owns_p && j == pj) {
-        sc[j] = sib;
-        cr[j] = r + 1;
-        lc[j] = node;
+      const float* row = s.lq + (d - 1) * lim.ks;
+      if (r + 1 < lim.kc) {  // slot p offers its next child
+        const double sib = (score - (double)row[r]) + (double)row[r + 1];
+        s.ckey[p] = cand_key(sib);
+        s.cscore[p] = sib;
+        s.crank[p] = r + 1;
+        s.clast[p] = node;
+      } else {
+        s.ckey[p] = 0ull;
       }
-      if (owns_node && j == nj) {
-        sc[j] = child;
-        cr[j] = 0;
-        lc[j] = -1;
-        dp[j] = d;
+      if (d < lim.depth_limit) {  // the new node's slot offers its first child
+        const double c = score + (double)row[lim.ks];
+        s.ckey[node] = cand_key(c);
+        s.cscore[node] = c;
+        s.crank[node] = 0;
+        s.clast[node] = -1;
+      } else {
+        s.ckey[node] = 0ull;
       }
     }
-    __syncwarp();  // the new node's parent / rank / depth are visible to the tie-breaks below
-    if (owns_p) {
-      best = rescan<J>(s, lim, lane, sc, cr, lc, dp);
-    } else if (owns_node && child != neg_inf()) {
-      bool take = best.j < 0 || child > best.score;
-      if (!take && child == best.score) take = tuple_less(s, node, 0, lane + 32 * best.j, best.rank);
-      if (take) {
-        best = LaneBest{child, 0.0, 0.0, nj, 0, -1, d};
-        successors(s, lim, best);
+    __syncwarp();  // slot and node records are visible to every lane
+    if (lane == win) {
+      rescan();
+    } else if (lane == (node & 31)) {
+      const unsigned long long k = s.ckey[node];
+      if (k > bk || (k != 0ull && k == bk && slot_less(s, node, bi))) {
+        bk = k;
+        bi = node;
       }
     }
   }
+  TREE_STAMP(5);
   n_out = n;
 }
 
@@ -230,20 +258,25 @@ struct Pool {
   int* rank;      // [cap]
   int* depth;     // [cap]
   int* node;      // [cap] node index once ranked, -1 if not kept
+  int* live[2];   // [cap] each: the entries scoring >= tau (double-buffered)
 };
 
 __device__ __forceinline__ Pool carve_pool(unsigned char* base, int cap) {
   Pool q;
-  q.score = reinterpret_cast<double*>((reinterpret_cast<size_t>(base) + 7) & ~size_t(7));
+  // Align by offsetting base itself (not through an integer) so the compiler keeps these in shared
+  // memory (LDS/STS) rather than falling back to generic loads; base is 4-byte aligned.
+  q.score = reinterpret_cast<double*>(base + (reinterpret_cast<size_t>(base) & 4));
   q.parent = reinterpret_cast<int*>(q.score + cap);
   q.pred = q.parent + cap;
   q.rank = q.pred + cap;
   q.depth = q.rank + cap;
   q.node = q.depth + cap;
+  q.live[0] = q.node + cap;
+  q.live[1] = q.live[0] + cap;
   return q;
 }
 
-// Rank-tuple order of two distinct pool entries (the pool twin of tuple_less).
+// Rank-tuple order of two distinct pool entries (the pool twin of the heap's tuple codes).
 __device__ __noinline__ bool pool_tuple_less(const Pool& q, int a, int b) {
   int da = q.depth[a], db = q.depth[b];
   const bool a_shorter = da < db;
@@ -260,15 +293,45 @@ __device__ __noinline__ bool pool_tuple_less(const Pool& q, int a, int b) {
 struct LevelShared {
   int count;                      // pool entries claimed (may pass cap: then `bad`)
   int bad;                        // non-monotone step or full pool: fall back to the heap loop
+  int n_live, n_next;             // live entries now / being compacted
   unsigned long long tau_acc[2];  // per-level atomicMin of ord64(score), alternating buffers
 };
 
+// How many of parent p's children, walked in rank order, score >= tau (the child chain of the
+// reference: first = ps + row[0], next = (s - row[r]) + row[r + 1]); *bad on a non-monotone step.
+__device__ __forceinline__ int chain_length(const float* row, double ps, int kc, unsigned long long tau, int& bad) {
+  double sc = ps + (double)row[0];
+  if (sc > ps) {
+    bad = 1;
+    return 0;
+  }
+  if (ord64(sc) < tau) return 0;
+  int r = 0;
+  float cur = row[0];
+  while (r + 1 < kc) {
+    const float nxt = row[r + 1];
+    const double s2 = (sc - (double)cur) + (double)nxt;
+    if (s2 > sc) {
+      bad = 1;
+      return 0;
+    }
+    if (ord64(s2) < tau) break;
+    sc = s2;
+    cur = nxt;
+    ++r;
+  }
+  return r + 1;
+}
+
 // Returns the number of nodes written into `s`, or -1 to fall back. All THREADS threads call it.
+// Besides the pool, a live list holds the entries scoring >= tau: the budget-th best of the pool is
+// the budget-th best of the live entries and the new ones (at least `budget` live entries score
+// >= the old tau), so each level ranks only those, and the final order only the last live list.
 __device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int cap, int kc, int ks,
                            int depth_limit, int budget) {
   const int tid = threadIdx.x;
   unsigned long long tau = 0ull;  // ord64 key: candidates below it are cut; 0 cuts nothing
-  int begin = 0, end = 0;
+  int begin = 0, end = 0, cur = 0;
   if (tid == 0) sh.bad = 0;
   __syncthreads();
   // Depth 1, all kc ranks at once (tau cuts nothing yet, kc < cap): there the sibling recurrence
@@ -282,74 +345,93 @@ __device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int ca
     q.pred[r] = r - 1;
     q.rank[r] = r;
     q.depth[r] = 1;
+    q.live[0][r] = r;
   }
-  if (tid == 0) sh.count = kc;
+  if (tid == 0) {
+    sh.count = kc;
+    sh.n_live = kc;
+  }
   for (int d = 1; d <= depth_limit; ++d) {
-    if (tid == 0) sh.tau_acc[d & 1] = ~0ull;  // last read two barriers ago, next used after one
+    if (tid == 0) {
+      sh.tau_acc[d & 1] = ~0ull;  // last read two barriers ago, next used after one
+      sh.n_next = 0;
+    }
     const int n_par = d == 1 ? 0 : end - begin;
     const float* row = s.lq + (d - 1) * ks;
+    int bad = 0;
     for (int i = tid; i < n_par; i += THREADS) {
+      // count the parent's chain first, claim its entries with one atomic, then write them
       const int p = begin + i;
       const double ps = q.score[p];
-      double sc = ps + (double)row[0];
-      if (sc > ps) {
-        sh.bad = 1;
-        break;
+      const int len = chain_length(row, ps, kc, tau, bad);
+      if (len == 0) continue;
+      const int e0 = atomicAdd(&sh.count, len);
+      if (e0 + len > cap) {
+        bad = 1;
+        continue;
       }
-      if (ord64(sc) < tau) continue;
-      int pred = p;
-      for (int r = 0;; ++r) {
-        const int e = atomicAdd(&sh.count, 1);
-        if (e >= cap) {
-          sh.bad = 1;
-          break;
-        }
+      double sc = ps + (double)row[0];
+      for (int r = 0; r < len; ++r) {
+        const int e = e0 + r;
+        if (r > 0) sc = (sc - (double)row[r - 1]) + (double)row[r];
         q.score[e] = sc;
         q.parent[e] = p;
-        q.pred[e] = pred;
+        q.pred[e] = r == 0 ? p : e - 1;
         q.rank[e] = r;
         q.depth[e] = d;
-        pred = e;
-        if (r + 1 >= kc) break;
-        const double s2 = (sc - (double)row[r]) + (double)row[r + 1];
-        if (s2 > sc) {
-          sh.bad = 1;
-          break;
-        }
-        if (ord64(s2) < tau) break;
-        sc = s2;
       }
     }
+    if (bad) sh.bad = 1;
     __syncthreads();
-    const int bad = sh.bad, count = sh.count;
-    if (!bad && count > end && count >= budget) {
-      // tau = the budget-th best score: fewer than `budget` entries beat it
-      for (int e = tid; e < count; e += THREADS) {
+    const int count = sh.count, n_live = sh.n_live;
+    if (sh.bad) return -1;  // uniform: read after the barrier by every thread
+    if (count == end) break;  // nothing at depth d: nothing deeper either
+    // the candidates for tau: the live entries, then the new ones [new_lo, count)
+    const int new_lo = d == 1 ? count : end;
+    const int nc = n_live + (count - new_lo);
+    const int* lv = q.live[cur];
+    if (nc >= budget) {
+      // tau = the budget-th best score: fewer than `budget` candidates beat it
+      for (int i = tid; i < nc; i += THREADS) {
+        const int e = i < n_live ? lv[i] : new_lo + (i - n_live);
         const double se = q.score[e];
         int better = 0;
-        for (int x = 0; x < count; ++x) better += q.score[x] > se;
+        for (int x = 0; x < n_live && better < budget; ++x) better += q.score[lv[x]] > se;
+        for (int x = new_lo; x < count && better < budget; ++x) better += q.score[x] > se;
         if (better < budget) atomicMin(&sh.tau_acc[d & 1], ord64(se));
       }
+      __syncthreads();
+      tau = sh.tau_acc[d & 1];
     }
-    __syncthreads();  // also: every thread has read count / bad before the next level claims entries
-    if (bad) return -1;
-    if (count == end) break;  // nothing at depth d: nothing deeper either
+    // the next live list: the candidates scoring >= tau (all of them while tau cuts nothing)
+    int* nl = q.live[cur ^ 1];
+    for (int i = tid; i < nc; i += THREADS) {
+      const int e = i < n_live ? lv[i] : new_lo + (i - n_live);
+      if (ord64(q.score[e]) >= tau) nl[atomicAdd(&sh.n_next, 1)] = e;
+    }
+    __syncthreads();  // also: every thread has read count / n_live before the next level changes them
+    if (tid == 0) sh.n_live = sh.n_next;
+    cur ^= 1;
     begin = end;
     end = count;
-    if (end >= budget) tau = sh.tau_acc[d & 1];
   }
-  const int n_pool = end, n = min(budget, n_pool);
-  for (int e = tid; e < n_pool; e += THREADS) {
+  __syncthreads();  // n_live
+  const int n_live = sh.n_live, n = min(budget, n_live);
+  const int* lv = q.live[cur];
+  for (int i = tid; i < n_live; i += THREADS) {
+    const int e = lv[i];
     const double se = q.score[e];
     int before = 0;
-    for (int x = 0; x < n_pool; ++x) {
-      const double sx = q.score[x];
-      before += sx > se || (sx == se && x != e && pool_tuple_less(q, x, e));
+    for (int x = 0; x < n_live; ++x) {
+      const int ex = lv[x];
+      const double sx = q.score[ex];
+      before += sx > se || (sx == se && ex != e && pool_tuple_less(q, ex, e));
     }
     q.node[e] = before < n ? before + 1 : -1;
   }
   __syncthreads();
-  for (int e = tid; e < n_pool; e += THREADS) {
+  for (int i = tid; i < n_live; i += THREADS) {
+    const int e = lv[i];
     const int node = q.node[e];
     if (node < 0) continue;
     const int pe = q.parent[e], r = q.rank[e];
@@ -375,6 +457,7 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ int n_popped;
   __shared__ LevelShared level_sh;
+  TREE_STAMP(0);
   const int b = blockIdx.x, tid = threadIdx.x;
   const int n_slots = max_budget + 1;
   const Smem s = carve(smem_raw, n_slots, L, ks);
@@ -400,8 +483,11 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
     s.depth[0] = 0;
     s.parent[0] = -1;
     s.score[0] = 0.0;
+#pragma unroll
+    for (int w = 0; w < CODE_WORDS; ++w) s.code[w] = 0ull;
   }
   __syncthreads();
+  TREE_STAMP(1);
   int n_level = -1;
   if (LEVEL && budget > 0 && depth_limit > 0) {
     const Pool q = carve_pool(reinterpret_cast<unsigned char*>(s.ids + L * ks), cap);
@@ -410,10 +496,11 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
   }
   if (n_level < 0 && tid < 32) {
     int n = 0;
-    heap_loop<J>(s, Limits{kc, ks, depth_limit}, budget, n);
+    heap_loop<J>(s, Limits{kc, ks, depth_limit, n_slots}, budget, n);
     if (tid == 0) n_popped = n;
   }
   __syncthreads();
+  TREE_STAMP(2);
 
   const int n_nodes = n_popped + 1;
   const long long row0 = (long long)b * n_slots;
@@ -451,14 +538,18 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
       if (w < W) m[w] = words[w];
   }
   if (tid == 0) num_nodes[b] = n_nodes;
+#if TREE_PROFILE
+  __syncthreads();
+#endif
+  TREE_STAMP(3);
 }
 
 }  // namespace
 
 // logq [B, L, K] fp32, ids [B, L, K] int32; root_tokens, budgets, depths, prefix_lens [B] int32.
 // Outputs [B, 1 + max_budget] (mask [B, 1 + max_budget, W]). Grid B, block 128, dynamic shared
-// memory (1 + max_budget) * 28 + L * ks * 8 bytes, ks = max(1, min(K, max_budget)), plus
-// cap * 28 + 8 bytes of pool for the level variant (cap is ignored by the heap-only one).
+// memory (1 + max_budget) * 84 + L * ks * 8 bytes, ks = max(1, min(K, max_budget)), plus
+// cap * 36 + 8 bytes of pool for the level variant (cap is ignored by the heap-only one).
 #define TREE_BUILD_ENTRY(NAME, J, LEVEL)                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                    \
       const float* __restrict__ logq, const int* __restrict__ ids, int L, int K,                    \

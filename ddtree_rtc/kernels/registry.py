@@ -24,7 +24,8 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                params={"TOPK_CAP": 8192}),
     KernelSpec("tree_build", ("tree_build_j3", "tree_build_j9", "tree_build_j17", "tree_build_level_j3",
                               "tree_build_level_j9", "tree_build_level_j17"),
-               "DDTree best-first tree build per request, bit-identical to the heapq reference"),
+               "DDTree best-first tree build per request, bit-identical to the heapq reference",
+               params={"TREE_PROFILE": 0}),
     KernelSpec("tree_accept", ("tree_accept_kernel", "tree_accept_table_kernel"),
                "DDTree acceptance walk: follow the children matching the target's choices"),
     # -- INT4 MoE (issue: MoE) --
