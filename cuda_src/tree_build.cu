@@ -12,7 +12,7 @@
 // Order: larger score first (scores are float64, accumulated with the reference's exact operation
 // order: child = score + lq[d][0], sibling = (score - lq[d-1][r]) + lq[d-1][r+1]; no multiply, so
 // nothing can be contracted into an FMA); equal scores (+0 == -0) fall back to the rank tuples,
-// lexicographic with a prefix first, compared as integer codes (16 bits per depth, 4 words).
+// lexicographic with a prefix first, compared as integer codes (10 bits per depth, 3 words).
 //
 // After the loop all 128 threads write the outputs, including every unused slot up to max_budget.
 //
@@ -57,7 +57,9 @@ __device__ __forceinline__ unsigned long long ord64(double x) {
   return b < 0 ? ~(unsigned long long)b : (unsigned long long)b | 0x8000000000000000ull;
 }
 
-constexpr int CODE_WORDS = 4;  // rank-tuple code: 4 fields of 16 bits per word, depth <= 16
+constexpr int CODE_WORDS = 3;       // rank-tuple code: 6 fields of 10 bits per word, depth <= 18
+constexpr int CODE_FIELD_BITS = 10;  // rank + 1 <= 512 < 1024; 0 = no rank (a shorter tuple)
+constexpr int CODE_FIELDS = 6;
 
 struct Smem {
   double* score;      // [N] node score
@@ -93,13 +95,13 @@ __device__ __forceinline__ Smem carve(unsigned char* base, int n_slots, int L, i
   return s;
 }
 
-// Rank tuples as integers: the node at depth d with ranks (r1, ..., rd) has field i = r_i + 1
-// (16 bits; word (i-1) / 4, most significant field first) and zeros after, so comparing the words
-// in order is the tuple order with a prefix first (the reference's heap order on equal scores). A
-// candidate "child r of node a" is a's code with field depth(a) + 1 set to r + 1.
-__device__ __forceinline__ int code_word(int d) { return (d - 1) >> 2; }  // d = the candidate's depth >= 1
+// Rank tuples as integers: the node at depth d with ranks (r1, ..., rd) has field i = r_i + 1 (word
+// (i-1) / 6, most significant field first) and zeros after, so comparing the words in order is the
+// tuple order with a prefix first (the reference's heap order on equal scores). A candidate "child
+// r of node a" is a's code with field depth(a) + 1 set to r + 1.
+__device__ __forceinline__ int code_word(int d) { return (d - 1) / CODE_FIELDS; }  // d = candidate depth >= 1
 __device__ __forceinline__ unsigned long long field(int d, int r) {
-  return (unsigned long long)(r + 1) << (48 - 16 * ((d - 1) & 3));
+  return (unsigned long long)(r + 1) << (CODE_FIELD_BITS * (CODE_FIELDS - 1 - (d - 1) % CODE_FIELDS));
 }
 
 // Heap order key of a candidate score: larger score, larger key (+0 and -0 alike); 0 = no candidate
@@ -134,8 +136,9 @@ __device__ __forceinline__ bool slot_less(const Smem& s, int a, int b) {  // equ
 // tuple codes); the winner lane records the node, moves slot p on to its next sibling and opens
 // the new node's slot with its first child (both scores in the reference's exact operation
 // order), then rescans its J slots; the new node's lane compares the new slot with its best.
-// One warp runs alone, so a pop costs its dependent chain: ~1000 SM cycles on the H200 (J = 3);
-// preparing each lane's pop ahead of time (the loads off the chain) measured 10% slower.
+// One warp runs alone, so a pop costs its dependent chain: ~1000 SM cycles on the H200 (J = 3), where
+// one dependent REDUX, SHFL, VOTE or LDS step of a lone warp measured 110-145 cycles; preparing each
+// lane's pop ahead of time (the loads off the chain) measured 10% slower.
 template <int J>
 __device__ void heap_loop(const Smem& s, const Limits& lim, int budget, int& n_out) {
   const int lane = threadIdx.x & 31;
@@ -258,7 +261,6 @@ struct Pool {
   int* rank;      // [cap]
   int* depth;     // [cap]
   int* node;      // [cap] node index once ranked, -1 if not kept
-  int* live[2];   // [cap] each: the entries scoring >= tau (double-buffered)
 };
 
 __device__ __forceinline__ Pool carve_pool(unsigned char* base, int cap) {
@@ -271,8 +273,6 @@ __device__ __forceinline__ Pool carve_pool(unsigned char* base, int cap) {
   q.rank = q.pred + cap;
   q.depth = q.rank + cap;
   q.node = q.depth + cap;
-  q.live[0] = q.node + cap;
-  q.live[1] = q.live[0] + cap;
   return q;
 }
 
@@ -293,45 +293,15 @@ __device__ __noinline__ bool pool_tuple_less(const Pool& q, int a, int b) {
 struct LevelShared {
   int count;                      // pool entries claimed (may pass cap: then `bad`)
   int bad;                        // non-monotone step or full pool: fall back to the heap loop
-  int n_live, n_next;             // live entries now / being compacted
   unsigned long long tau_acc[2];  // per-level atomicMin of ord64(score), alternating buffers
 };
 
-// How many of parent p's children, walked in rank order, score >= tau (the child chain of the
-// reference: first = ps + row[0], next = (s - row[r]) + row[r + 1]); *bad on a non-monotone step.
-__device__ __forceinline__ int chain_length(const float* row, double ps, int kc, unsigned long long tau, int& bad) {
-  double sc = ps + (double)row[0];
-  if (sc > ps) {
-    bad = 1;
-    return 0;
-  }
-  if (ord64(sc) < tau) return 0;
-  int r = 0;
-  float cur = row[0];
-  while (r + 1 < kc) {
-    const float nxt = row[r + 1];
-    const double s2 = (sc - (double)cur) + (double)nxt;
-    if (s2 > sc) {
-      bad = 1;
-      return 0;
-    }
-    if (ord64(s2) < tau) break;
-    sc = s2;
-    cur = nxt;
-    ++r;
-  }
-  return r + 1;
-}
-
 // Returns the number of nodes written into `s`, or -1 to fall back. All THREADS threads call it.
-// Besides the pool, a live list holds the entries scoring >= tau: the budget-th best of the pool is
-// the budget-th best of the live entries and the new ones (at least `budget` live entries score
-// >= the old tau), so each level ranks only those, and the final order only the last live list.
 __device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int cap, int kc, int ks,
                            int depth_limit, int budget) {
   const int tid = threadIdx.x;
   unsigned long long tau = 0ull;  // ord64 key: candidates below it are cut; 0 cuts nothing
-  int begin = 0, end = 0, cur = 0;
+  int begin = 0, end = 0;
   if (tid == 0) sh.bad = 0;
   __syncthreads();
   // Depth 1, all kc ranks at once (tau cuts nothing yet, kc < cap): there the sibling recurrence
@@ -345,93 +315,74 @@ __device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int ca
     q.pred[r] = r - 1;
     q.rank[r] = r;
     q.depth[r] = 1;
-    q.live[0][r] = r;
   }
-  if (tid == 0) {
-    sh.count = kc;
-    sh.n_live = kc;
-  }
+  if (tid == 0) sh.count = kc;
   for (int d = 1; d <= depth_limit; ++d) {
-    if (tid == 0) {
-      sh.tau_acc[d & 1] = ~0ull;  // last read two barriers ago, next used after one
-      sh.n_next = 0;
-    }
+    if (tid == 0) sh.tau_acc[d & 1] = ~0ull;  // last read two barriers ago, next used after one
     const int n_par = d == 1 ? 0 : end - begin;
     const float* row = s.lq + (d - 1) * ks;
-    int bad = 0;
     for (int i = tid; i < n_par; i += THREADS) {
-      // count the parent's chain first, claim its entries with one atomic, then write them
       const int p = begin + i;
       const double ps = q.score[p];
-      const int len = chain_length(row, ps, kc, tau, bad);
-      if (len == 0) continue;
-      const int e0 = atomicAdd(&sh.count, len);
-      if (e0 + len > cap) {
-        bad = 1;
-        continue;
-      }
       double sc = ps + (double)row[0];
-      for (int r = 0; r < len; ++r) {
-        const int e = e0 + r;
-        if (r > 0) sc = (sc - (double)row[r - 1]) + (double)row[r];
+      if (sc > ps) {
+        sh.bad = 1;
+        break;
+      }
+      if (ord64(sc) < tau) continue;
+      int pred = p;
+      for (int r = 0;; ++r) {
+        const int e = atomicAdd(&sh.count, 1);
+        if (e >= cap) {
+          sh.bad = 1;
+          break;
+        }
         q.score[e] = sc;
         q.parent[e] = p;
-        q.pred[e] = r == 0 ? p : e - 1;
+        q.pred[e] = pred;
         q.rank[e] = r;
         q.depth[e] = d;
+        pred = e;
+        if (r + 1 >= kc) break;
+        const double s2 = (sc - (double)row[r]) + (double)row[r + 1];
+        if (s2 > sc) {
+          sh.bad = 1;
+          break;
+        }
+        if (ord64(s2) < tau) break;
+        sc = s2;
       }
     }
-    if (bad) sh.bad = 1;
     __syncthreads();
-    const int count = sh.count, n_live = sh.n_live;
-    if (sh.bad) return -1;  // uniform: read after the barrier by every thread
-    if (count == end) break;  // nothing at depth d: nothing deeper either
-    // the candidates for tau: the live entries, then the new ones [new_lo, count)
-    const int new_lo = d == 1 ? count : end;
-    const int nc = n_live + (count - new_lo);
-    const int* lv = q.live[cur];
-    if (nc >= budget) {
-      // tau = the budget-th best score: fewer than `budget` candidates beat it
-      for (int i = tid; i < nc; i += THREADS) {
-        const int e = i < n_live ? lv[i] : new_lo + (i - n_live);
+    const int bad = sh.bad, count = sh.count;
+    if (!bad && count > end && count >= budget) {
+      // tau = the budget-th best score: fewer than `budget` entries beat it
+      for (int e = tid; e < count; e += THREADS) {
         const double se = q.score[e];
         int better = 0;
-        for (int x = 0; x < n_live && better < budget; ++x) better += q.score[lv[x]] > se;
-        for (int x = new_lo; x < count && better < budget; ++x) better += q.score[x] > se;
+        for (int x = 0; x < count; ++x) better += q.score[x] > se;
         if (better < budget) atomicMin(&sh.tau_acc[d & 1], ord64(se));
       }
-      __syncthreads();
-      tau = sh.tau_acc[d & 1];
     }
-    // the next live list: the candidates scoring >= tau (all of them while tau cuts nothing)
-    int* nl = q.live[cur ^ 1];
-    for (int i = tid; i < nc; i += THREADS) {
-      const int e = i < n_live ? lv[i] : new_lo + (i - n_live);
-      if (ord64(q.score[e]) >= tau) nl[atomicAdd(&sh.n_next, 1)] = e;
-    }
-    __syncthreads();  // also: every thread has read count / n_live before the next level changes them
-    if (tid == 0) sh.n_live = sh.n_next;
-    cur ^= 1;
+    __syncthreads();  // also: every thread has read count / bad before the next level claims entries
+    if (bad) return -1;
+    if (count == end) break;  // nothing at depth d: nothing deeper either
     begin = end;
     end = count;
+    if (end >= budget) tau = sh.tau_acc[d & 1];
   }
-  __syncthreads();  // n_live
-  const int n_live = sh.n_live, n = min(budget, n_live);
-  const int* lv = q.live[cur];
-  for (int i = tid; i < n_live; i += THREADS) {
-    const int e = lv[i];
+  const int n_pool = end, n = min(budget, n_pool);
+  for (int e = tid; e < n_pool; e += THREADS) {
     const double se = q.score[e];
     int before = 0;
-    for (int x = 0; x < n_live; ++x) {
-      const int ex = lv[x];
-      const double sx = q.score[ex];
-      before += sx > se || (sx == se && ex != e && pool_tuple_less(q, ex, e));
+    for (int x = 0; x < n_pool; ++x) {
+      const double sx = q.score[x];
+      before += sx > se || (sx == se && x != e && pool_tuple_less(q, x, e));
     }
     q.node[e] = before < n ? before + 1 : -1;
   }
   __syncthreads();
-  for (int i = tid; i < n_live; i += THREADS) {
-    const int e = lv[i];
+  for (int e = tid; e < n_pool; e += THREADS) {
     const int node = q.node[e];
     if (node < 0) continue;
     const int pe = q.parent[e], r = q.rank[e];
@@ -548,8 +499,8 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
 
 // logq [B, L, K] fp32, ids [B, L, K] int32; root_tokens, budgets, depths, prefix_lens [B] int32.
 // Outputs [B, 1 + max_budget] (mask [B, 1 + max_budget, W]). Grid B, block 128, dynamic shared
-// memory (1 + max_budget) * 84 + L * ks * 8 bytes, ks = max(1, min(K, max_budget)), plus
-// cap * 36 + 8 bytes of pool for the level variant (cap is ignored by the heap-only one).
+// memory (1 + max_budget) * 76 + L * ks * 8 bytes, ks = max(1, min(K, max_budget)), plus
+// cap * 28 + 8 bytes of pool for the level variant (cap is ignored by the heap-only one).
 #define TREE_BUILD_ENTRY(NAME, J, LEVEL)                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                    \
       const float* __restrict__ logq, const int* __restrict__ ids, int L, int K,                    \

@@ -123,7 +123,17 @@ def test_load_layer_checks_dense_tensors(rng, tmp_path):
 def test_cuda_moe_vs_numpy_moe(rng, m, rc, i_shared):
     h, i = 512, 256
     ex, gate, bias, w13, w2 = make_layer(rng, rc.num_experts, h, i, i_shared)
-    x = random_bf16(rng, (m, h))
+    # Tokens whose expert choice is a near-tie are not compared (cuBLAS and numpy sum the router
+    # logits in different orders); redraw the tokens until at most 5% of them are (with m = 3 one
+    # near-tie in a draw is a ~1% event, and the comparison must cover the tokens).
+    for _ in range(10):
+        x = random_bf16(rng, (m, h))
+        logits = (x.astype(np.float64) @ gate.astype(np.float64).T).astype(np.float32)
+        *_, margin = f64_route(logits, bias, rc.top_k, rc.n_group, rc.topk_group, True, 1.0)
+        clear = margin > 1e-4
+        if clear.sum() >= 0.95 * m:
+            break
+    assert clear.sum() >= 0.95 * m
     y_ref = moe(x, MoELayerWeights(gate, bias, ex, w13, w2), rc, Backend("numpy"))
     be = Backend("cuda")
     dev = be.asarray
@@ -132,8 +142,4 @@ def test_cuda_moe_vs_numpy_moe(rng, m, rc, i_shared):
     y1 = moe(dev(x), lw, rc, be)
     y2 = moe(dev(x), lw, rc, be)
     assert np.array_equal(y1.get(), y2.get())
-    logits = (x.astype(np.float64) @ gate.astype(np.float64).T).astype(np.float32)
-    *_, margin = f64_route(logits, bias, rc.top_k, rc.n_group, rc.topk_group, True, 1.0)
-    clear = margin > 1e-4  # cuBLAS and numpy sum the router logits in different orders
-    assert clear.sum() >= 0.95 * m
     assert_close(y1.get()[clear], y_ref[clear].view(np.uint16), "bf16_accum")

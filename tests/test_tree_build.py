@@ -185,14 +185,12 @@ def level_build_model(lq, budget, depth, cap):
     """The procedure of cuda_src/tree_build.cu's level variant, step for step: grow a pool depth by
     depth (each depth-(d-1) entry walks its child chain while the score stays >= tau, tau = the
     budget-th best pool score), stop on a non-monotone step or a full pool (None: the kernel falls
-    back to the heap loop), then rank the pool by (score desc, rank tuple asc). Like the kernel, tau
-    and the final ranks come from the live list only (the entries scoring >= tau, then the new
-    ones), which gives the whole pool's answer."""
+    back to the heap loop), then rank the pool by (score desc, rank tuple asc)."""
     k = len(lq[0])
     if budget <= 0 or depth <= 0:
         return []
     pool = []  # (score, parent entry, previous-sibling-or-parent entry, depth, rank)
-    tau, begin, end, live = -np.inf, 0, 0, []
+    tau, begin, end = -np.inf, 0, 0
     for d in range(1, depth + 1):
         row = lq[d - 1]
         for p in [-1] if d == 1 else range(begin, end):
@@ -217,12 +215,10 @@ def level_build_model(lq, budget, depth, cap):
                 s, r = s2, r + 1
         if len(pool) == end:
             break
-        cand = live + list(range(end, len(pool)))
         begin, end = end, len(pool)
-        if len(cand) >= budget:
-            sc = [pool[e][0] for e in cand]
+        if end >= budget:
+            sc = [e[0] for e in pool]
             tau = min(x for x in sc if sum(y > x for y in sc) < budget)
-        live = [e for e in cand if pool[e][0] >= tau]
 
     def tuple_less(a, b):
         da, db = pool[a][3], pool[b][3]
@@ -237,16 +233,13 @@ def level_build_model(lq, budget, depth, cap):
             a, b = pool[a][1], pool[b][1]
         return pool[a][4] < pool[b][4]
 
-    n = min(budget, len(live))
-    node = {}
-    for e in live:
-        se = pool[e][0]
-        rank = sum(pool[x][0] > se or (pool[x][0] == se and x != e and tuple_less(x, e)) for x in live)
-        node[e] = rank + 1 if rank < n else -1
+    n = min(budget, len(pool))
+    rank = [sum(sx > se or (sx == se and x != e and tuple_less(x, e)) for x, (sx, *_) in enumerate(pool))
+            for e, (se, *_) in enumerate(pool)]
+    node = [r + 1 if r < n else -1 for r in rank]
     out = [None] * n
-    for e in live:
+    for e, (s, p, _, d, r) in enumerate(pool):
         if node[e] > 0:
-            s, p, _, d, r = pool[e]
             out[node[e] - 1] = (0 if p < 0 else node[p], d, r, s)
     return out
 

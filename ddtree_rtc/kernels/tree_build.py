@@ -18,9 +18,9 @@ from ._args import allow_dynamic_smem, check
 from .registry import module
 
 _THREADS = 128  # fixed by the kernel
-_SMEM_PER_SLOT = 8 + 4 * 8 + 8 + 8 + 4 + 4 + 5 * 4  # node score, code; heap slot key, score, rank, last child;
+_SMEM_PER_SLOT = 8 + 3 * 8 + 8 + 8 + 4 + 4 + 5 * 4  # node score, code; heap slot key, score, rank, last child;
 # node parent, rank, depth, first child, next sibling
-_SMEM_PER_POOL_ENTRY = 8 + 7 * 4  # level variant: score; parent, pred, rank, depth, node, 2 live lists
+_SMEM_PER_POOL_ENTRY = 8 + 5 * 4  # level variant: score; parent, pred, rank, depth, node
 VARIANTS = ("heap", "level")
 LEVEL_MAX_BUDGET = 256  # the default runs level up to this max_budget, heap above
 
