@@ -4,10 +4,14 @@ bit for bit (nodes, order, scores, masks). One graph-capturable launch for the w
 
 Variants: ``"heap"`` runs the sequential heap loop; ``"level"`` builds depth by depth in parallel and
 falls back per request to the heap loop where its exactness conditions fail. The default picks by
-``max_budget`` from the H200 timings (tools/tree_compare.py, batch 1..64, depth 7, V = 163840,
-both bit-identical to heapq): level up to LEVEL_MAX_BUDGET (budget 64: 25-27 vs 40-41 us; 256:
-162-170 vs 235-238 us), heap above it (512: 675-686 vs 812-882 us, where level's fallbacks and
-its pool of 4 x budget candidates cost more than the loop)."""
+``max_budget`` from the H200 timings (2026-12-03, batch 1 and 32, depth 7, V = 163840, Zipf logits,
+both bit-identical to heapq, L2 flushed): level (budget 16: 11-12 us, 64: 24 us, 256: 150 us, 512:
+549-593 us) beats the heap loop (14-15, 40-41, 219-220, 602-607 us) at every budget since the level
+pool is addressed as shared memory (it had been going through generic loads: 812-882 us at 512), so
+LEVEL_MAX_BUDGET covers them all; the heap loop stays as the fallback and a variant. Inside one
+block the heap loop costs ~1000 SM cycles per pop (one warp's dependent chain), the level build ~500
+cycles per node at budget 64; staging and the outputs ~3500 cycles (cuda_src/tree_build.cu,
+TREE_PROFILE)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ _SMEM_PER_SLOT = 8 + 3 * 8 + 8 + 8 + 4 + 4 + 5 * 4  # node score, code; heap slo
 # node parent, rank, depth, first child, next sibling
 _SMEM_PER_POOL_ENTRY = 8 + 5 * 4  # level variant: score; parent, pred, rank, depth, node
 VARIANTS = ("heap", "level")
-LEVEL_MAX_BUDGET = 256  # the default runs level up to this max_budget, heap above
+LEVEL_MAX_BUDGET = 512  # the default runs level up to this max_budget (all of them), heap above
 
 
 def pool_capacity(max_budget: int) -> int:
