@@ -32,7 +32,8 @@
 #define TREE_PROFILE 0
 #endif
 #if TREE_PROFILE
-// Diagnostics build only: SM clock at the phase boundaries of each block (start, staged, built, written).
+// Diagnostics build only: SM clock at the phase boundaries of each block (0 start, 1 staged, 2 built,
+// 3 written; 4 and 5 the heap loop's start and end when it runs).
 __device__ long long tree_prof[8 * 1024];
 #define TREE_STAMP(i) \
   if (threadIdx.x == 0 && blockIdx.x < 1024) tree_prof[8 * blockIdx.x + (i)] = clock64()
@@ -46,12 +47,9 @@ constexpr int THREADS = 128;
 constexpr unsigned FULL = 0xffffffffu;
 constexpr int MAX_WORDS = (512 + 1 + 63) / 64;  // mask words for the largest budget
 constexpr float FLT_MAX_F = 3.402823466e+38f;
-constexpr unsigned EMPTY_HI = 0x000fffffu;  // high word of ord64(-inf)
-
-__device__ __forceinline__ double neg_inf() { return __longlong_as_double(0xfff0000000000000ll); }
 
 // Monotone map double -> u64 (larger double, larger key); +0 and -0 map alike, as they compare equal.
-// -inf (an empty slot) maps to 0x000fffff'ffffffff; every finite double's high word is above it.
+// -inf maps to 0x000fffff'ffffffff and every finite double above it, so key 0 marks an empty heap slot.
 __device__ __forceinline__ unsigned long long ord64(double x) {
   long long b = x == 0.0 ? 0ll : __double_as_longlong(x);
   return b < 0 ? ~(unsigned long long)b : (unsigned long long)b | 0x8000000000000000ull;
