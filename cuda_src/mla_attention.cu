@@ -115,6 +115,16 @@ __device__ __forceinline__ Item load_item(const int* __restrict__ work, int w, c
   return it;
 }
 
+// The two query rows r and r + 8 of an item that a thread's mma fragments cover: inside the item,
+// and the query token each belongs to (rows are token-major, num_heads per token).
+__device__ __forceinline__ void item_rows(const Item& it, int r, int num_heads, bool (&row_ok)[2], int (&tok)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row_ok[i] = r + 8 * i < it.m_count;
+    tok[i] = (it.m0 + r + 8 * i) / num_heads;
+  }
+}
+
 // May a query row (token tok of its request; row_ok: a real row of the item) see cache position
 // pos? Committed rows before kv_end always; new row j = pos - ctx when bit j of the token's mask row
 // is set (tree verify) or j <= tok (causal).
@@ -190,7 +200,7 @@ __device__ __forceinline__ void attention_body(
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
     const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
-    const int m0 = it.m0, m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
+    const int m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
     const int ctx = it.ctx;
     const int* pt = it.pt;
     const long long row_g0 = it.row_g0;
@@ -198,12 +208,7 @@ __device__ __forceinline__ void attention_body(
     // This thread's two S rows: s_row0 + g and s_row0 + g + 8.
     bool row_ok[2];
     int tok[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = s_row0 + g + 8 * i;
-      row_ok[i] = r < m_count;
-      tok[i] = (m0 + r) / num_heads;
-    }
+    item_rows(it, s_row0 + g, num_heads, row_ok, tok);
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
     float acc[C::OMT][C::ONT][4];
 #pragma unroll
@@ -465,7 +470,7 @@ __device__ __forceinline__ void split_body(
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
     const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
-    const int m0 = it.m0, m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
+    const int m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
     const int ctx = it.ctx;
     const int* pt = it.pt;
     const long long row_g0 = it.row_g0;
@@ -473,11 +478,7 @@ __device__ __forceinline__ void split_body(
     // This thread's two query rows: g and g + 8.
     bool row_ok[2];
     int tok[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      row_ok[i] = g + 8 * i < m_count;
-      tok[i] = (m0 + g + 8 * i) / num_heads;
-    }
+    item_rows(it, g, num_heads, row_ok, tok);
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
     float acc[C::ONT][4];
 #pragma unroll
@@ -803,18 +804,14 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
     const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
-    const int m0 = it.m0, m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
+    const int m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
     const int ctx = it.ctx;
     const int* pt = it.pt;
     const long long row_g0 = it.row_g0;
 
     bool row_ok[2];
     int tok[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      row_ok[i] = r0 + 8 * i < m_count;
-      tok[i] = (m0 + r0 + 8 * i) / num_heads;
-    }
+    item_rows(it, r0, num_heads, row_ok, tok);
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
     float o[2][64];
 #pragma unroll
