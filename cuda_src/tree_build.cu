@@ -49,7 +49,8 @@ constexpr int MAX_WORDS = (512 + 1 + 63) / 64;  // mask words for the largest bu
 constexpr float FLT_MAX_F = 3.402823466e+38f;
 
 // Monotone map double -> u64 (larger double, larger key); +0 and -0 map alike, as they compare equal.
-// -inf maps to 0x000fffff'ffffffff and every finite double above it, so key 0 marks an empty heap slot.
+// -inf maps to 0x000fffff'ffffffff and every finite double above it, so key 0 marks an empty heap slot
+// (every score is finite: log-probs are clamped to +-FLT_MAX, at most 16 of them summed).
 __device__ __forceinline__ unsigned long long ord64(double x) {
   long long b = x == 0.0 ? 0ll : __double_as_longlong(x);
   return b < 0 ? ~(unsigned long long)b : (unsigned long long)b | 0x8000000000000000ull;
@@ -102,10 +103,6 @@ __device__ __forceinline__ unsigned long long field(int d, int r) {
   return (unsigned long long)(r + 1) << (CODE_FIELD_BITS * (CODE_FIELDS - 1 - (d - 1) % CODE_FIELDS));
 }
 
-// Heap order key of a candidate score: larger score, larger key (+0 and -0 alike); 0 = no candidate
-// (every score is finite: log-probs are clamped to +-FLT_MAX, at most 16 of them summed).
-__device__ __forceinline__ unsigned long long cand_key(double x) { return ord64(x); }
-
 struct Limits {
   int kc, ks, depth_limit, n_slots;
 };
@@ -148,7 +145,7 @@ __device__ void heap_loop(const Smem& s, const Limits& lim, int budget, int& n_o
   }
   if (lane == 0 && budget > 0 && lim.depth_limit > 0) {  // (-lq[0][0], (0,), 0, 1, 0)
     const double c = (double)s.lq[0];
-    s.ckey[0] = cand_key(c);
+    s.ckey[0] = ord64(c);
     s.cscore[0] = c;
     s.crank[0] = 0;
     s.clast[0] = -1;
@@ -219,7 +216,7 @@ __device__ void heap_loop(const Smem& s, const Limits& lim, int budget, int& n_o
       const float* row = s.lq + (d - 1) * lim.ks;
       if (r + 1 < lim.kc) {  // slot p offers its next child
         const double sib = (score - (double)row[r]) + (double)row[r + 1];
-        s.ckey[p] = cand_key(sib);
+        s.ckey[p] = ord64(sib);
         s.cscore[p] = sib;
         s.crank[p] = r + 1;
         s.clast[p] = node;
@@ -228,7 +225,7 @@ __device__ void heap_loop(const Smem& s, const Limits& lim, int budget, int& n_o
       }
       if (d < lim.depth_limit) {  // the new node's slot offers its first child
         const double c = score + (double)row[lim.ks];
-        s.ckey[node] = cand_key(c);
+        s.ckey[node] = ord64(c);
         s.cscore[node] = c;
         s.crank[node] = 0;
         s.clast[node] = -1;

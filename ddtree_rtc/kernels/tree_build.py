@@ -8,7 +8,7 @@ falls back per request to the heap loop where its exactness conditions fail. The
 both bit-identical to heapq, L2 flushed): level (budget 16: 11-12 us, 64: 24 us, 256: 150 us, 512:
 549-593 us) beats the heap loop (14-15, 40-41, 219-220, 602-607 us) at every budget since the level
 pool is addressed as shared memory (it had been going through generic loads: 812-882 us at 512), so
-LEVEL_MAX_BUDGET covers them all; the heap loop stays as the fallback and a variant. Inside one
+it is the default at every budget; the heap loop stays as the fallback and a variant. Inside one
 block the heap loop costs ~1000 SM cycles per pop (one warp's dependent chain), the level build ~500
 cycles per node at budget 64; staging and the outputs ~3500 cycles (cuda_src/tree_build.cu,
 TREE_PROFILE)."""
@@ -22,11 +22,11 @@ from ._args import allow_dynamic_smem, check
 from .registry import module
 
 _THREADS = 128  # fixed by the kernel
-_SMEM_PER_SLOT = 8 + 3 * 8 + 8 + 8 + 4 + 4 + 5 * 4  # node score, code; heap slot key, score, rank, last child;
-# node parent, rank, depth, first child, next sibling
+# per node slot: score, 3-word tuple code; heap slot key, score, rank, last child; parent, rank, depth,
+# first child, next sibling
+_SMEM_PER_SLOT = 8 + 3 * 8 + 8 + 8 + 4 + 4 + 5 * 4
 _SMEM_PER_POOL_ENTRY = 8 + 5 * 4  # level variant: score; parent, pred, rank, depth, node
 VARIANTS = ("heap", "level")
-LEVEL_MAX_BUDGET = 512  # the default runs level up to this max_budget (all of them), heap above
 
 
 def pool_capacity(max_budget: int) -> int:
@@ -55,8 +55,9 @@ def _check_out(out: TreeArrays, batch: int, max_budget: int, max_depth: int) -> 
 
 
 def default_variant(max_budget: int) -> str:
-    """The variant ``tree_build`` runs for this max_budget (both give identical trees)."""
-    return "level" if max_budget <= LEVEL_MAX_BUDGET else "heap"
+    """The variant ``tree_build`` runs for this max_budget (both give identical trees): level at
+    every budget up to MAX_BUDGET (see the module docstring)."""
+    return "level"
 
 
 def tree_build(logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget: int, out=None):
