@@ -46,14 +46,16 @@ class MoEPlan:
     h: object  # bf16 [P, I]
     part_gate_up: object  # fp32 [S, P, 2I] when split_gate_up > 1, else None
     part_down: object  # fp32 [S, P, H]
-    stages: tuple[int, int] = (0, 0)  # cp.async ring depth of the nt 1 and nt 4 GEMMs (0: the defaults)
+    stages: tuple[int, int]  # cp.async ring depth of the nt 1 and nt 4 GEMMs
 
     def module(self):
         """The moe_gemm module built with this plan's ring depths."""
-        return _module(self.stages)
+        if self.stages == default_stages():
+            return module("moe_gemm")
+        return module("moe_gemm", MOE_STAGES_NT1=self.stages[0], MOE_STAGES_NT4=self.stages[1])
 
     def stages_of(self, nt: int) -> int:
-        return _stages(self.stages)[0 if nt == 1 else 1]
+        return self.stages[0 if nt == 1 else 1]
 
     @property
     def num_pairs(self) -> int:
@@ -125,18 +127,6 @@ def default_stages() -> tuple[int, int]:
     return p["MOE_STAGES_NT1"], p["MOE_STAGES_NT4"]
 
 
-def _stages(stages: tuple[int, int]) -> tuple[int, int]:
-    d = default_stages()
-    return tuple(s or dflt for s, dflt in zip(stages, d))
-
-
-def _module(stages: tuple[int, int]):
-    s1, s4 = _stages(stages)
-    if (s1, s4) == default_stages():
-        return module("moe_gemm")
-    return module("moe_gemm", MOE_STAGES_NT1=s1, MOE_STAGES_NT4=s4)
-
-
 def _num_sms() -> int:
     import cupy
 
@@ -161,6 +151,7 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     stages = (0, 0) if stages is None else tuple(int(v) for v in stages)
     if len(stages) != 2 or any(v and not 2 <= v <= 16 for v in stages):
         raise ValueError(f"stages={stages}: expected (nt1, nt4) ring depths in 2..16 (0 = default)")
+    stages = tuple(v or d for v, d in zip(stages, default_stages()))
     p = num_tokens * top_k
     align = alignment_buffers(p, num_experts, 8, 32, pick_nt4_above(num_tokens, top_k, nt, nt4_above))
     for what, n in (("8-pair", align.small_blocks), ("32-pair", align.large_blocks)):
