@@ -1,4 +1,5 @@
-"""One comparison helper and the tolerances, named per dtype, used by every kernel test.
+"""One comparison helper and the tolerances, named per dtype, used by every kernel test (and a few
+input / model helpers the tests share).
 
 First NaN/inf positions must match exactly (a poisoned read shows up as NaN), then the relative
 error ||a - b|| / ||b|| must be under the dtype's tolerance and every element within atol+rtol|b|.
@@ -73,3 +74,16 @@ def to_device_bf16(a: np.ndarray):
     import cupy
 
     return cupy.asarray(np.ascontiguousarray(a).astype(bfloat16).view(np.uint16))
+
+
+def last_logits(model, tokens, page_size: int = 16) -> np.ndarray:
+    """A TargetModel's logits (float64, host) at the last of ``tokens``: one causal prefill on a
+    fresh paged cache, the reference point tests use to judge a greedy divergence."""
+    from .engine.kv_cache import PagedKVCache
+    from .model.target import ForwardBatch
+
+    tokens = list(tokens)
+    cache = PagedKVCache(model.backend, model.num_layers, -(-len(tokens) // page_size), page_size)
+    cache.reserve(0, len(tokens))
+    out = model.forward(ForwardBatch.causal([0], [0], [tokens]), cache, output="logits").logits
+    return model.backend.to_host(out).astype(np.float64).reshape(-1, model.cfg.vocab_size)[-1]

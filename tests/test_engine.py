@@ -14,7 +14,7 @@ from ddtree_rtc.engine.request import Request, RequestError
 from ddtree_rtc.model.config import preset_config
 from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
-from ddtree_rtc.testing import assert_close
+from ddtree_rtc.testing import assert_close, last_logits
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +51,6 @@ def test_hidden_states_are_returned(tiny):
     assert out.tokens.shape == (1,)
 
 
-def _last_logits(model, tokens):
-    cache = PagedKVCache(model.backend, model.num_layers, 8, 16)
-    cache.reserve(0, len(tokens))
-    out = model.forward(ForwardBatch.causal([0], [0], [tokens]), cache, output="logits")
-    return model.backend.to_host(out.logits[0]).astype(np.float32)
-
-
 def test_batched_engine_equals_one_at_a_time(tiny, rng):
     """Greedy tokens agree wherever the choice is clear: a divergence is allowed only at a near-tie
     (batch size changes the summation order of the matmuls)."""
@@ -73,7 +66,7 @@ def test_batched_engine_equals_one_at_a_time(tiny, rng):
             assert len(alone.output) == len(r.output)
         else:
             k = diff[0]
-            logits = _last_logits(tiny, prompts[r.rid] + alone.output[:k])
+            logits = last_logits(tiny, prompts[r.rid] + alone.output[:k]).astype(np.float32)
             gap = abs(logits[alone.output[k]] - logits[r.output[k]])
             assert gap < 0.05 * np.abs(logits).max(), f"request {r.rid} diverged at {k} with a clear margin {gap}"
 

@@ -18,6 +18,7 @@ from ddtree_rtc.engine.request import Request
 from ddtree_rtc.model.make_model import QUANTIZATION_CONFIG, pack_int4
 from ddtree_rtc.model.safetensors_io import write_file
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
+from ddtree_rtc.testing import last_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -155,18 +156,10 @@ def test_matches_hf_transformers(tmp_path, backend, case):
             if ours_out[k] != int(logits.argmax()):
                 top = np.sort(logits)[-2:]
                 margin = (top[1] - top[0]) / np.abs(logits).max()
-                mine = _last_logits(ours, be, seq)
+                mine = last_logits(ours, seq)
                 moved = np.linalg.norm(mine - logits) / np.linalg.norm(logits)
                 assert margin < 0.05 or moved >= 5e-2, (
                     f"greedy token {k} differs at a clear margin ({margin:.3f} of max|logit|) where our "
                     f"logits are within {moved:.2%} of HF's")
                 break
             seq.append(int(logits.argmax()))
-
-
-def _last_logits(model, be, ids):
-    """Our logits at the last position of ``ids`` (prefill path, fresh cache)."""
-    cache = PagedKVCache(be, model.num_layers, -(-len(ids) // 16), 16)
-    cache.reserve(0, len(ids))
-    out = model.forward(ForwardBatch.causal([0], [0], [ids]), cache, output="logits").logits
-    return be.to_host(out).astype(np.float64).reshape(-1, model.cfg.vocab_size)[-1]
