@@ -200,10 +200,6 @@ __device__ __forceinline__ void attention_body(
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
     const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
-    const int m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
-    const int ctx = it.ctx;
-    const int* pt = it.pt;
-    const long long row_g0 = it.row_g0;
 
     // This thread's two S rows: s_row0 + g and s_row0 + g + 8.
     bool row_ok[2];
@@ -220,24 +216,24 @@ __device__ __forceinline__ void attention_body(
 
     __syncthreads();  // the previous item is done with q_s, kv_s and red_s
     for (int r = warp; r < C::BM; r += C::NW) {
-      const bool ok = r < m_count;
-      const bf16* src = ok ? q + (row_g0 + r) * ROW : q;
+      const bool ok = r < it.m_count;
+      const bf16* src = ok ? q + (it.row_g0 + r) * ROW : q;
       for (int c = lane; c < ROW_CHUNKS; c += 32) cp_async16(q_base + swz<ROW_CHUNKS>(r, c) * 16, src + c * 8, ok);
     }
-    const int n_tiles = (kv_end - kv_begin + C::BN - 1) / C::BN;
-    load_kv_tile<C>(kv_base, cache, pt, page_size, kv_begin, kv_end);
+    const int n_tiles = (it.kv_end - it.kv_begin + C::BN - 1) / C::BN;
+    load_kv_tile<C>(kv_base, cache, it.pt, page_size, it.kv_begin, it.kv_end);
     cp_async_commit();
 
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait_all();
       __syncthreads();  // tile t (and Q) landed for everyone; everyone is done with tile t-1's buffer
       if (t + 1 < n_tiles) {
-        load_kv_tile<C>(kv_base + ((t + 1) & 1) * KV_STAGE, cache, pt, page_size, kv_begin + (t + 1) * C::BN,
-                        kv_end);
+        load_kv_tile<C>(kv_base + ((t + 1) & 1) * KV_STAGE, cache, it.pt, page_size, it.kv_begin + (t + 1) * C::BN,
+                        it.kv_end);
         cp_async_commit();
       }
       const unsigned kv_t = kv_base + (t & 1) * KV_STAGE;
-      const int base = kv_begin + t * C::BN;
+      const int base = it.kv_begin + t * C::BN;
 
       // ---- S = Q K^T: rows s_row0..+16, cols s_col0..+SCOLS of the tile
       float s[C::SNT][4];
@@ -267,7 +263,7 @@ __device__ __forceinline__ void attention_body(
       }
 
       // ---- scale, mask, row max (only tiles touching new rows or the range end need the mask)
-      const bool edge = base + C::BN > ctx || base + C::BN > kv_end;
+      const bool edge = base + C::BN > it.ctx || base + C::BN > it.kv_end;
       float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
       for (int nt = 0; nt < C::SNT; ++nt) {
@@ -368,26 +364,26 @@ __device__ __forceinline__ void attention_body(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = o_row0 + mt * 16 + g + 8 * h;
-        if (r >= m_count) continue;
+        if (r >= it.m_count) continue;
         float l = 0.f;
 #pragma unroll
         for (int sn = 0; sn < C::SN; ++sn) l += red_s[sn * C::BM + r];
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const float lse2 = l > 0.f ? m_s[r] + log2f(l) : neg_inf();
-        if (part < 0) {
-          bf16* dst = out + (row_g0 + r) * DV + o_col0 + tq * 2;
+        if (it.part < 0) {
+          bf16* dst = out + (it.row_g0 + r) * DV + o_col0 + tq * 2;
 #pragma unroll
           for (int nt = 0; nt < C::ONT; ++nt)
             *reinterpret_cast<unsigned*>(dst + nt * 8) =
                 pack_bf16(acc[mt][nt][2 * h] * inv, acc[mt][nt][2 * h + 1] * inv);
-          if (o_col0 == 0 && tq == 0) lse[row_g0 + r] = lse2 * LN2;
+          if (o_col0 == 0 && tq == 0) lse[it.row_g0 + r] = lse2 * LN2;
         } else {
-          float* dst = o_part + ((long long)part * C::BM + r) * DV + o_col0 + tq * 2;
+          float* dst = o_part + ((long long)it.part * C::BM + r) * DV + o_col0 + tq * 2;
 #pragma unroll
           for (int nt = 0; nt < C::ONT; ++nt)
             *reinterpret_cast<float2*>(dst + nt * 8) =
                 make_float2(acc[mt][nt][2 * h] * inv, acc[mt][nt][2 * h + 1] * inv);
-          if (o_col0 == 0 && tq == 0) lse_part[(long long)part * C::BM + r] = lse2;
+          if (o_col0 == 0 && tq == 0) lse_part[(long long)it.part * C::BM + r] = lse2;
         }
       }
     }
@@ -470,10 +466,6 @@ __device__ __forceinline__ void split_body(
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
     const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
-    const int m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
-    const int ctx = it.ctx;
-    const int* pt = it.pt;
-    const long long row_g0 = it.row_g0;
 
     // This thread's two query rows: g and g + 8.
     bool row_ok[2];
@@ -489,22 +481,23 @@ __device__ __forceinline__ void split_body(
     cp_async_wait<0>();  // (nothing is pending: stages past an item's end issue no copies)
     __syncthreads();     // the previous item is done with q_s, kv_s and red_s
     for (int r = warp; r < C::BM; r += C::NW) {
-      const bool ok = r < m_count;
-      const bf16* src = ok ? q + (row_g0 + r) * ROW : q;
+      const bool ok = r < it.m_count;
+      const bf16* src = ok ? q + (it.row_g0 + r) * ROW : q;
       for (int c = lane; c < ROW_CHUNKS; c += 32) cp_async16(q_base + swz<ROW_CHUNKS>(r, c) * 16, src + c * 8, ok);
     }
-    const int n_tiles = (kv_end - kv_begin + C::BN - 1) / C::BN;
+    const int n_tiles = (it.kv_end - it.kv_begin + C::BN - 1) / C::BN;
     // Prologue: stages 0 .. STAGES-2, one commit group each (Q rides with stage 0), whether or not
     // the item has that many, so that the group count per stage stays fixed.
     int slots[C::STAGES - 1];  // all lookups first: their latencies overlap
 #pragma unroll
-    for (int st = 0; st < C::STAGES - 1; ++st) slots[st] = stage_slot<C>(pt, page_size, kv_begin + st * C::BN, kv_end);
+    for (int st = 0; st < C::STAGES - 1; ++st)
+      slots[st] = stage_slot<C>(it.pt, page_size, it.kv_begin + st * C::BN, it.kv_end);
 #pragma unroll
     for (int st = 0; st < C::STAGES - 1; ++st) {
       copy_stage<C>(kv_base + st * KV_STAGE, cache, slots[st], st < n_tiles);
       cp_async_commit();
     }
-    int next_slot = stage_slot<C>(pt, page_size, kv_begin + (C::STAGES - 1) * C::BN, kv_end);
+    int next_slot = stage_slot<C>(it.pt, page_size, it.kv_begin + (C::STAGES - 1) * C::BN, it.kv_end);
 
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait<C::STAGES - 2>();  // groups 0..t are complete: stage t (and Q) landed
@@ -512,9 +505,9 @@ __device__ __forceinline__ void split_body(
       copy_stage<C>(kv_base + ((t + C::STAGES - 1) % C::STAGES) * KV_STAGE, cache, next_slot,
                     t + C::STAGES - 1 < n_tiles);
       cp_async_commit();
-      next_slot = stage_slot<C>(pt, page_size, kv_begin + (t + C::STAGES) * C::BN, kv_end);
+      next_slot = stage_slot<C>(it.pt, page_size, it.kv_begin + (t + C::STAGES) * C::BN, it.kv_end);
       const unsigned kv_t = kv_base + (t % C::STAGES) * KV_STAGE;
-      const int base = kv_begin + t * C::BN;
+      const int base = it.kv_begin + t * C::BN;
 
       // ---- partial S over this warp's k16 steps
       float s[2][C::NT][4];
@@ -546,7 +539,7 @@ __device__ __forceinline__ void split_body(
       __syncthreads();
 
       // ---- full S (partials summed in warp order: identical in every warp), scale, mask, row max
-      const bool edge = base + C::BN > ctx || base + C::BN > kv_end;
+      const bool edge = base + C::BN > it.ctx || base + C::BN > it.kv_end;
       float x[C::NT][4];
       float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
@@ -630,21 +623,21 @@ __device__ __forceinline__ void split_body(
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int r = g + 8 * h;
-      if (r >= m_count) continue;
+      if (r >= it.m_count) continue;
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const float lse2 = l > 0.f ? m_run[h] + log2f(l) : neg_inf();
-      if (part < 0) {
-        bf16* dst = out + (row_g0 + r) * DV + o_col0 + tq * 2;
+      if (it.part < 0) {
+        bf16* dst = out + (it.row_g0 + r) * DV + o_col0 + tq * 2;
 #pragma unroll
         for (int nt = 0; nt < C::ONT; ++nt)
           *reinterpret_cast<unsigned*>(dst + nt * 8) = pack_bf16(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
-        if (warp == 0 && tq == 0) lse[row_g0 + r] = lse2 * LN2;
+        if (warp == 0 && tq == 0) lse[it.row_g0 + r] = lse2 * LN2;
       } else {
-        float* dst = o_part + ((long long)part * C::BM + r) * DV + o_col0 + tq * 2;
+        float* dst = o_part + ((long long)it.part * C::BM + r) * DV + o_col0 + tq * 2;
 #pragma unroll
         for (int nt = 0; nt < C::ONT; ++nt)
           *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
-        if (warp == 0 && tq == 0) lse_part[(long long)part * C::BM + r] = lse2;
+        if (warp == 0 && tq == 0) lse_part[(long long)it.part * C::BM + r] = lse2;
       }
     }
   }
@@ -804,10 +797,6 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
     const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
-    const int m_count = it.m_count, kv_begin = it.kv_begin, kv_end = it.kv_end, part = it.part;
-    const int ctx = it.ctx;
-    const int* pt = it.pt;
-    const long long row_g0 = it.row_g0;
 
     bool row_ok[2];
     int tok[2];
@@ -820,21 +809,21 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
       for (int e = 0; e < 64; ++e) o[h][e] = 0.f;
 
     __syncthreads();  // the previous item is done with every buffer
-    load_rows_q(q_s, q, row_g0, m_count);
-    load_rows_kv(kv_s, cache, pt, page_size, kv_begin, kv_end);
+    load_rows_q(q_s, q, it.row_g0, it.m_count);
+    load_rows_kv(kv_s, cache, it.pt, page_size, it.kv_begin, it.kv_end);
     cp_async_commit();
-    const int n_tiles = (kv_end - kv_begin + BN - 1) / BN;
+    const int n_tiles = (it.kv_end - it.kv_begin + BN - 1) / BN;
 
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait_all();
       fence_proxy_async();  // the copies are visible to the tensor cores' (async proxy) reads
       __syncthreads();      // tile t (and Q) landed for everyone; everyone is done with tile t-1
       if (t + 1 < n_tiles) {
-        load_rows_kv(kv_s + ((t + 1) & 1) * TILE, cache, pt, page_size, kv_begin + (t + 1) * BN, kv_end);
+        load_rows_kv(kv_s + ((t + 1) & 1) * TILE, cache, it.pt, page_size, it.kv_begin + (t + 1) * BN, it.kv_end);
         cp_async_commit();
       }
       const unsigned kv_t = kv_s + (t & 1) * TILE;
-      const int base = kv_begin + t * BN;
+      const int base = it.kv_begin + t * BN;
 
       // ---- S = Q K^T, columns wg*32 .. +32
       float s[16];
@@ -852,7 +841,7 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
       fence_regs(s);
 
       // ---- scale, mask, row max of this warpgroup's columns
-      const bool edge = base + BN > ctx || base + BN > kv_end;
+      const bool edge = base + BN > it.ctx || base + BN > it.kv_end;
       float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -939,28 +928,28 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = r0 + 8 * i;
-      if (r >= m_count) continue;
+      if (r >= it.m_count) continue;
       const float l = red[r] + red[BM + r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const float lse2 = l > 0.f ? m_run[i] + log2f(l) : neg_inf();
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col0 = wg * 256 + h * 128 + 2 * tq;
-        if (part < 0) {
-          bf16* dst = out + (row_g0 + r) * DV + col0;
+        if (it.part < 0) {
+          bf16* dst = out + (it.row_g0 + r) * DV + col0;
 #pragma unroll
           for (int j = 0; j < 16; ++j)
             *reinterpret_cast<unsigned*>(dst + 8 * j) = pack_bf16(o[h][4 * j + 2 * i] * inv, o[h][4 * j + 2 * i + 1] * inv);
         } else {
-          float* dst = o_part + ((long long)part * BM + r) * DV + col0;
+          float* dst = o_part + ((long long)it.part * BM + r) * DV + col0;
 #pragma unroll
           for (int j = 0; j < 16; ++j)
             *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[h][4 * j + 2 * i] * inv, o[h][4 * j + 2 * i + 1] * inv);
         }
       }
       if (wg == 0 && tq == 0) {
-        if (part < 0) lse[row_g0 + r] = lse2 * LN2;
-        else lse_part[(long long)part * BM + r] = lse2;
+        if (it.part < 0) lse[it.row_g0 + r] = lse2 * LN2;
+        else lse_part[(long long)it.part * BM + r] = lse2;
       }
     }
   }
