@@ -18,6 +18,20 @@
 #ifndef TOPK_CAP
 #define TOPK_CAP 8192
 #endif
+#ifndef TOPK_PROFILE
+#define TOPK_PROFILE 0  // stream variant: per-phase SM clock stamps in topk_prof[8 * block]
+#endif
+#if TOPK_PROFILE
+__device__ long long topk_prof[8 * 8192];
+#define TOPK_STAMP(i)                                                 \
+  if (threadIdx.x == 0 && blockIdx.y * gridDim.x + blockIdx.x < 8192) \
+  topk_prof[8 * (blockIdx.y * gridDim.x + blockIdx.x) + (i)] = clock64()
+#else
+#define TOPK_STAMP(i)
+#endif
+#ifndef TOPK_STREAM_BLOCKS
+#define TOPK_STREAM_BLOCKS 2  // stream variant: blocks per SM the registers are sized for
+#endif
 
 namespace {
 
@@ -149,12 +163,38 @@ __device__ void block_or_and(unsigned long long& o, unsigned long long& a, const
   }
 }
 
+// Warp 0: the bin of hist[256] holding the need-th largest key (bins in increasing key order):
+// scalars[1] = the bin, [2] = keys in higher bins, [3] = keys in it. Suffix sums over 8 bins per lane.
+__device__ __forceinline__ void pick_bin(unsigned need, const Shared& sh) {
+  const int lane = threadIdx.x & 31;
+  unsigned local = 0u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) local += sh.hist[lane * 8 + i];
+  unsigned incl = local;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned t = __shfl_down_sync(FULL, incl, d);
+    if (lane + d < 32) incl += t;
+  }
+  unsigned above = incl - local;
+#pragma unroll
+  for (int i = 7; i >= 0; --i) {
+    const unsigned c = sh.hist[lane * 8 + i];
+    if (above < need && need <= above + c) {
+      sh.scalars[1] = (unsigned)(lane * 8 + i);
+      sh.scalars[2] = above;
+      sh.scalars[3] = c;
+    }
+    above += c;
+  }
+}
+
 // A threshold t with exactly kk keys >= t among a[0, n) when the keys are distinct (1 <= kk <= n),
 // at least kk when some are equal (only the zero keys of threads without elements can be).
 // MSD radix select: each round splits the active keys on the 8 bits below their highest differing bit.
 template <int NT>
 __device__ unsigned long long radix_select(const unsigned long long* a, int n, int kk, const Shared& sh) {
-  const int tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x;
   unsigned long long prefix = 0ull, fixed = 0ull;  // fixed: the decided high bits; prefix: their value
   unsigned need = (unsigned)kk;
   while (true) {
@@ -181,28 +221,7 @@ __device__ unsigned long long radix_select(const unsigned long long* a, int n, i
       if ((k & fixed) == prefix) atomicAdd(&sh.hist[(unsigned)(k >> shift) & dmask], 1u);
     }
     __syncthreads();
-    if (tid < 32) {  // the bin holding the need-th largest: suffix sums over 8 bins per lane
-      unsigned local = 0u;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) local += sh.hist[lane * 8 + i];
-      unsigned incl = local;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const unsigned t = __shfl_down_sync(FULL, incl, d);
-        if (lane + d < 32) incl += t;
-      }
-      unsigned above = incl - local;
-#pragma unroll
-      for (int i = 7; i >= 0; --i) {
-        const unsigned c = sh.hist[lane * 8 + i];
-        if (above < need && need <= above + c) {
-          sh.scalars[1] = (unsigned)(lane * 8 + i);
-          sh.scalars[2] = above;
-          sh.scalars[3] = c;
-        }
-        above += c;
-      }
-    }
+    if (tid < 32) pick_bin(need, sh);
     __syncthreads();
     const unsigned digit = sh.scalars[1], above = sh.scalars[2], in_bin = sh.scalars[3];
     need -= above;
@@ -348,9 +367,11 @@ __device__ __forceinline__ void slice_bounds(int V, int S, int slice, int& lo, i
   hi = min(V, lo + chunk);
 }
 
+__device__ __forceinline__ float row_lse(float m, float s) { return m == neg_inf() ? 0.f : m + logf(s); }
+
 template <int NT>
 __device__ void write_row(int K, float m, float s, float* logq, int* ids, const Shared& sh) {
-  const float lse = m == neg_inf() ? 0.f : m + logf(s);
+  const float lse = row_lse(m, s);
   for (int i = threadIdx.x; i < K; i += NT) {
     const unsigned long long k = sh.top[i];
     logq[i] = fmaxf(unord32((unsigned)(k >> 32)) - lse, -FLT_MAX_F);
@@ -563,12 +584,69 @@ __device__ __forceinline__ unsigned chunk_collect(const uint4* data, unsigned pa
   return cnt;
 }
 
+// Split rows: publish this block's (m, s) (its keys are in its slot ws_keys[row, c] already);
+// true in the last of the row's C blocks to arrive, which then holds every block's (m, s) in
+// (m, s) (for every thread) and its keys in a[0, *n) (chunk j has min(K, min(chunk, V - j * chunk));
+// C * K fit in a),
+// and has reset the row's counter for the next launch (and graph replay).
+template <int NT>
+__device__ bool gather_split(int V, int K, int C, int chunk, int row, int c, float& m, float& s,
+                             unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count, unsigned long long* a,
+                             int* n, const Shared& sh) {
+  __shared__ int is_last;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    ws_ms[2 * (row * C + c)] = m;
+    ws_ms[2 * (row * C + c) + 1] = s;
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(&ws_count[row], 1u) == (unsigned)(C - 1);
+  __syncthreads();
+  if (!is_last) return false;
+  __threadfence();
+  // Chunks j < C - 1 are full (kk = min(K, chunk)); all their loads are issued at once.
+  const int full = min(K, chunk), last = min(K, V - (C - 1) * chunk), nm = (C - 1) * full + last;
+  const unsigned long long* keys = ws_keys + (long long)row * C * K;
+  for (int i = tid; i < nm; i += NT) {
+    const int j = i / full, e = i - j * full;
+    a[i] = __ldcg(keys + (long long)j * K + e);
+  }
+  m = neg_inf();
+  s = 0.f;
+  for (int j = tid; j < C; j += NT) lse_combine(m, s, __ldcg(ws_ms + 2 * (row * C + j)), __ldcg(ws_ms + 2 * (row * C + j) + 1));
+  if (tid == 0) ws_count[row] = 0u;
+  block_lse<NT>(m, s, sh);  // its barriers also publish the keys
+  *n = nm;
+  return true;
+}
+
+// The end of a chunk block whose kk best keys are in place (sh.top for C == 1, else its slot
+// ws_keys[row, c]): one chunk sorts and writes them; with C > 1 the last of the row's blocks to
+// finish merges every chunk's keys into the sorted top K.
+template <int NT>
+__device__ void finish_chunk(int V, int K, int C, int chunk, int row, int c, float m, float s, float* logq_out,
+                             int* ids_out, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count,
+                             const Shared& sh) {
+  const long long out_row = (long long)row * K;
+  if (C == 1) {  // kk = K: the chunk is the whole row
+    __syncthreads();
+    sort_top<NT>(K, sh);
+    write_row<NT>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+    return;
+  }
+  int nm;
+  if (!gather_split<NT>(V, K, C, chunk, row, c, m, s, ws_keys, ws_ms, ws_count, sh.cand, &nm, sh)) return;
+  gather<NT>(sh.cand, nm, radix_select<NT>(sh.cand, nm, K, sh), sh);
+  sort_top<NT>(K, sh);
+  write_row<NT>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+}
+
 template <typename T, bool VL>
 __device__ void chunk_block(const T* logits, int V, int K, int C, int chunk, float* logq_out, int* ids_out,
                             unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count, const Shared& sh) {
   using W = Vec16<T>;
   constexpr int VEC = W::N;
-  __shared__ int is_last;
   const int tid = threadIdx.x, lane = tid & 31;
   const int c = blockIdx.x, row = blockIdx.y;  // a row's chunks run side by side: merges spread out
   const int lo = c * chunk;  // < V: the host launches ceil(V / chunk) chunks per row
@@ -625,39 +703,447 @@ __device__ void chunk_block(const T* logits, int V, int K, int C, int chunk, flo
     const unsigned long long k = cand[i];
     if (k >= thr2) dst[atomicAdd(&sh.scalars[5], 1u)] = k;  // exactly kk pass: keys are distinct
   }
-  const long long out_row = (long long)row * K;
-  if (C == 1) {  // kk = K: the chunk is the whole row
+  finish_chunk<CT>(V, K, C, chunk, row, c, m, s, logq_out, ids_out, ws_keys, ws_ms, ws_count, sh);
+}
+
+// ---------------------------------------------------------------- stream variant
+// Each row is cut into C chunks, one block of ST threads per chunk, reading it once from HBM in
+// steps of STEP 16-byte vectors (SU per thread, coalesced) and keeping no copy of it. Per step:
+//   stats: online max and sum of exponentials per thread (the max from packed bf16x2 compares);
+//   filter: a vector whose largest element reaches the block's threshold T goes to a shared buffer
+//     of SB vectors (its 16 bytes and its vector key: the key of its largest element);
+//   when the buffer could not take another step, it is compacted: T rises to the value of the
+//     kk-th largest vector key (a lower bound of the chunk's kk-th largest element: kk distinct
+//     elements reach it), and only vectors whose key reaches T stay. The value-only select takes
+//     one 8-bit histogram round per byte of the element type (2 for bf16); when ties at that value
+//     would leave too many vectors, an exact radix select on the keys keeps exactly kk.
+// Invariant: the buffer holds every vector read so far whose key reaches T (and perhaps a few
+// below it), so the chunk's kk best elements all lie in it. At the end a last compaction, the
+// elements of the kept vectors that reach T (at most 8 per vector) are selected exactly, and the
+// chunk ends like the chunked variant (sort, or publish and let the row's last block merge).
+// NaN / +inf: the first pass works on raw values; if any thread's sum came out non-finite the
+// block starts over with sanitized values (re-reading its chunk).
+constexpr int ST = 256;
+constexpr int SU = 4;
+constexpr int STEP = ST * SU;
+constexpr int SB = 2048;
+constexpr int STREAM_MAX_K = 256;
+
+constexpr int SB_ROOM = SB - STEP;  // the buffer is compacted once it holds more than this
+// The final candidates go into the data area after the kept vectors: 2 keys per vector there, so
+// with nb kept vectors there is room for 2 * SB - 2 * nb >= 8 * nb candidates when nb <= FINAL_MAX.
+constexpr int FINAL_MAX = 2 * SB / 10;
+static_assert(SB_ROOM >= STREAM_MAX_K && FINAL_MAX >= STREAM_MAX_K, "the buffer must hold kk vectors and a step");
+
+constexpr int RANK_MAX = SB_ROOM / 2;  // candidates ranked directly (the rest go the exact way)
+
+struct StreamShared {
+  unsigned long long* keys;  // [SB] vector keys
+  uint4* data;               // [SB] the vectors' bytes
+  int* holes;                // [SB_ROOM] compaction scratch; at the end it holds
+  unsigned long long* rank;  // [RANK_MAX] the candidates to rank, or base.top (the exact path)
+  unsigned* count;           // [3]: buffered vectors, two compaction counters
+  Shared base;
+};
+
+// -inf in every element of a 16-byte vector of T.
+template <typename T>
+__device__ __forceinline__ uint4 neg_inf_vec() {
+  const unsigned w = sizeof(T) == 2 ? 0xff80ff80u : 0xff800000u;
+  return make_uint4(w, w, w, w);
+}
+
+__device__ __forceinline__ unsigned bf16x2_max(unsigned a, unsigned b) {
+  unsigned d;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));  // a NaN half loses to a number
+  return d;
+}
+
+// The largest element of a vector as a float, NaN-ignoring (a vector of NaN gives NaN). SAN: the
+// elements are sanitized first (so +inf and NaN count as -inf).
+template <typename T, bool SAN>
+__device__ __forceinline__ float vec_max(const uint4& r) {
+  using W = Vec16<T>;
+  if (!SAN && sizeof(T) == 2) {
+    const unsigned w = bf16x2_max(bf16x2_max(r.x, r.y), bf16x2_max(r.z, r.w));
+    return fmaxf(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+  float x[W::N];
+  W::unpack(r, x);
+  float vm = neg_inf();
+#pragma unroll
+  for (int e = 0; e < W::N; ++e) vm = fmaxf(vm, SAN ? sanitize(x[e]) : x[e]);
+  return vm;
+}
+
+// The key of a vector: that of its largest element (sanitized, the smaller id among equal ones);
+// elements at or past n (chunk-relative) do not count.
+template <typename T>
+__device__ __forceinline__ unsigned long long vec_key(const uint4& r, int lo, int v, int n) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  float x[VEC];
+  W::unpack(r, x);
+  float vm = neg_inf();
+  int vi = 0;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const float y = sanitize(x[e]);
+    if (v * VEC + e < n && y > vm) {
+      vm = y;
+      vi = e;
+    }
+  }
+  return make_key(ord32(canon(vm)), lo + v * VEC + vi);
+}
+
+// Value of a threshold key as a float for the fast filter (vm >= it <=> the vector's key value
+// reaches the threshold's); -inf while the threshold is at or below every key.
+__device__ __forceinline__ float thr_value(unsigned long long t) {
+  const unsigned o = (unsigned)(t >> 32);
+  return o <= ord32(neg_inf()) ? neg_inf() : unord32(o);
+}
+
+// Warp-aggregated append: this lane's position among the warp's takers after one atomicAdd on
+// *counter per warp (same-address shared atomics serialise). Every lane of the warp calls it.
+__device__ __forceinline__ unsigned warp_append(bool take, unsigned* counter) {
+  const int lane = threadIdx.x & 31;
+  const unsigned bal = __ballot_sync(FULL, take);
+  if (bal == 0u) return 0u;
+  const int leader = __ffs(bal) - 1;
+  unsigned pos = 0u;
+  if (lane == leader) pos = atomicAdd(counter, (unsigned)__popc(bal));
+  return __shfl_sync(FULL, pos, leader) + __popc(bal & ((1u << lane) - 1u));
+}
+
+// The largest threshold t whose value bits are those of a key and whose id bits are 0, such that
+// at least kk of a[0, n) are >= t (1 <= kk <= n); *count = how many are. One 8-bit histogram round
+// per byte of the value (VBITS = 16 for bf16: the low half of their float bits is 0).
+template <int VBITS>
+__device__ unsigned long long value_select(const unsigned long long* a, int n, int kk, unsigned* count,
+                                           const Shared& sh) {
+  const int tid = threadIdx.x;
+  unsigned long long prefix = 0ull;
+  unsigned need = (unsigned)kk, above_all = 0u, in_bin = 0u;
+#pragma unroll 1
+  for (int r = 0; r < VBITS / 8; ++r) {
+    const int shift = 56 - 8 * r;
+    const unsigned long long fixed = r == 0 ? 0ull : ~0ull << (shift + 8);
+    for (int i = tid; i < 256; i += ST) sh.hist[i] = 0u;
     __syncthreads();
-    sort_top<CT>(K, sh);
-    write_row<CT>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
-    return;
+    for (int i = tid; i < n; i += ST) {
+      const unsigned long long k = a[i];
+      if ((k & fixed) == prefix) atomicAdd(&sh.hist[(unsigned)(k >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (tid < 32) pick_bin(need, sh);
+    __syncthreads();
+    const unsigned above = sh.scalars[2];
+    in_bin = sh.scalars[3];
+    prefix |= (unsigned long long)sh.scalars[1] << shift;
+    need -= above;
+    above_all += above;
+    if (in_bin == need) break;  // the whole bin is in: lower value bits 0 take all of it
   }
+  *count = above_all + in_bin;
+  return prefix;
+}
+
+// Keep the buffered vectors with key >= thr (exactly n_keep of the first n) in [0, n_keep): the
+// ones below it in that range become holes, filled by the ones kept from above it.
+__device__ void compact(int n, unsigned long long thr, int n_keep, const StreamShared& ss) {
+  const int tid = threadIdx.x;
   if (tid == 0) {
-    ws_ms[2 * (row * C + c)] = m;
-    ws_ms[2 * (row * C + c) + 1] = s;
+    ss.count[1] = 0u;
+    ss.count[2] = 0u;
   }
-  __threadfence();
   __syncthreads();
-  if (tid == 0) is_last = atomicAdd(&ws_count[row], 1u) == (unsigned)(C - 1);
+  for (int i0 = 0; i0 < n_keep; i0 += ST) {
+    const int i = i0 + tid;
+    const bool hole = i < n_keep && ss.keys[i] < thr;
+    const unsigned h = warp_append(hole, &ss.count[1]);
+    if (hole) ss.holes[h] = i;
+  }
   __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  // The last block of the row merges every chunk's keys (C * K fit, see the layout above).
-  int nm = 0;
+  for (int i0 = n_keep; i0 < n; i0 += ST) {
+    const int i = i0 + tid;
+    const unsigned long long k = i < n ? ss.keys[i] : 0ull;
+    const bool move = i < n && k >= thr;
+    const unsigned h = warp_append(move, &ss.count[2]);
+    if (move) {
+      ss.keys[ss.holes[h]] = k;
+      ss.data[ss.holes[h]] = ss.data[i];
+    }
+  }
+  if (tid == 0) ss.count[0] = (unsigned)n_keep;
+  __syncthreads();
+}
+
+// Shrink the buffer of n > kk vectors to those reaching the value of its kk-th largest key, or to
+// exactly kk of them (exact select) if that leaves more than most; returns the new threshold.
+template <typename T>
+__device__ unsigned long long shrink(int n, int kk, int most, const StreamShared& ss) {
+  unsigned c;
+  unsigned long long t = value_select<sizeof(T) * 8>(ss.keys, n, kk, &c, ss.base);
+  if ((int)c > most) {
+    t = radix_select<ST>(ss.keys, n, kk, ss.base);
+    c = (unsigned)kk;
+  }
+  compact(n, t, (int)c, ss);
+  return t;
+}
+
+// This thread's SU vectors of the step at vector `base` (-inf past the end). (A cp.async ring of
+// 2 or 3 steps in shared memory instead of registers was 3-20% slower on the H200.)
+template <typename T, bool VL>
+__device__ __forceinline__ void stream_load(const T* src, int base, int n, int nvec, uint4 (&raw)[SU]) {
+  using W = Vec16<T>;
+#pragma unroll
+  for (int u = 0; u < SU; ++u) {
+    const int v = base + u * ST + threadIdx.x;
+    if (v >= nvec) raw[u] = neg_inf_vec<T>();
+    else if (VL) raw[u] = __ldcs(reinterpret_cast<const uint4*>(src) + v);
+    else raw[u] = W::load_scalar(src + v * W::N, n - v * W::N);
+  }
+}
+
+// One pass over the chunk: (m, s) of this thread's elements, the buffer of candidate vectors and
+// the threshold thr (both start empty / 0).
+template <typename T, bool VL, bool SAN>
+__device__ void stream_pass(const T* src, int lo, int n, int kk, float& m, float& s, unsigned long long& thr,
+                            const StreamShared& ss) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  const int tid = threadIdx.x;
+  const int nvec = (n + VEC - 1) / VEC;
   m = neg_inf();
   s = 0.f;
-  for (int j = 0; j < C; ++j) {
-    const int jk = min(K, min(chunk, V - j * chunk));
-    const unsigned long long* keys = ws_keys + ((long long)row * C + j) * K;
-    for (int i = tid; i < jk; i += CT) sh.cand[nm + i] = __ldcg(keys + i);
-    lse_combine(m, s, __ldcg(ws_ms + 2 * (row * C + j)), __ldcg(ws_ms + 2 * (row * C + j) + 1));
-    nm += jk;
+  float tf = thr_value(thr);
+  uint4 next[SU];  // the next step's vectors, loading while this one is worked on
+  stream_load<T, VL>(src, 0, n, nvec, next);
+#pragma unroll 1
+  for (int base = 0; base < nvec; base += STEP) {
+    uint4 raw[SU];
+#pragma unroll
+    for (int u = 0; u < SU; ++u) raw[u] = next[u];
+    if (base + STEP < nvec) stream_load<T, VL>(src, base + STEP, n, nvec, next);
+    float vm[SU];
+    float mx = neg_inf();
+#pragma unroll
+    for (int u = 0; u < SU; ++u) {
+      vm[u] = vec_max<T, SAN>(raw[u]);
+      mx = fmaxf(mx, vm[u]);
+    }
+    if (mx > m) {
+      s *= fast_exp2((m - mx) * LOG2E);  // m = -inf: s is 0 and stays 0
+      m = mx;
+    }
+    const float ml = m == neg_inf() ? 0.f : m * LOG2E;  // all -inf so far: every term is 0
+    float s2 = 0.f;
+#pragma unroll
+    for (int u = 0; u < SU; ++u) {
+      float x[VEC];
+      W::unpack(raw[u], x);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float y = fast_exp2(fmaf(SAN ? sanitize(x[e]) : x[e], LOG2E, -ml));
+        if (e & 1) s2 += y;
+        else s += y;
+      }
+    }
+    s += s2;
+#pragma unroll
+    for (int u = 0; u < SU; ++u) {
+      const int v = base + u * ST + tid;
+      const bool take = v < nvec && vm[u] >= tf;
+      const unsigned pos = warp_append(take, &ss.count[0]);
+      if (take) {  // pos < SB: at most SB_ROOM before the step, STEP in it
+        ss.keys[pos] = vec_key<T>(raw[u], lo, v, n);
+        ss.data[pos] = raw[u];
+      }
+    }
+    __syncthreads();
+    const int nb = (int)ss.count[0];
+    if (nb > SB_ROOM || (base == 0 && base + STEP < nvec && nb > 2 * kk)) {  // full, or after the first step
+#if TOPK_PROFILE
+      const long long t0 = clock64();
+#endif
+      thr = shrink<T>(nb, kk, SB_ROOM, ss);
+      tf = thr_value(thr);
+#if TOPK_PROFILE
+      if (tid == 0 && blockIdx.y * gridDim.x + blockIdx.x < 8192) topk_prof[8 * (blockIdx.y * gridDim.x + blockIdx.x) + 7] += clock64() - t0;
+#endif
+    }
   }
-  if (tid == 0) ws_count[row] = 0u;  // ready for the next launch (and graph replay)
+}
+
+// The kk best of cand[0, n) (distinct keys, kk <= n) in descending order: a key's place is the
+// number of larger ones. Written as keys to dst, or (dst null) as log-probs and ids.
+template <int NT>
+__device__ void rank_write(const unsigned long long* cand, int n, int kk, unsigned long long* dst, float lse,
+                           float* logq, int* ids) {
+  for (int i = threadIdx.x; i < n; i += NT) {
+    const unsigned long long k = cand[i];
+    int r = 0;
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) r += cand[j] > k;
+    if (r < kk) {
+      if (dst != nullptr) {
+        dst[r] = k;
+      } else {
+        logq[r] = fmaxf(unord32((unsigned)(k >> 32)) - lse, -FLT_MAX_F);
+        ids[r] = (int)~(unsigned)k;
+      }
+    }
+  }
+}
+
+template <typename T, bool VL>
+__device__ void stream_block(const T* logits, int V, int K, int C, int chunk, float* logq_out, int* ids_out,
+                             unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count, const StreamShared& ss) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  const int tid = threadIdx.x;
+  const int c = blockIdx.x, row = blockIdx.y;
+  const int lo = c * chunk;  // < V: the host launches ceil(V / chunk) chunks per row
+  const int n = min(chunk, V - lo);
+  const int kk = min(K, n);
+  const T* src = logits + (long long)row * V + lo;
+  const Shared& sh = ss.base;
+  TOPK_STAMP(0);
+#if TOPK_PROFILE
+  if (tid == 0 && blockIdx.y * gridDim.x + blockIdx.x < 8192) topk_prof[8 * (blockIdx.y * gridDim.x + blockIdx.x) + 7] = 0;
+#endif
+  if (tid == 0) ss.count[0] = 0u;
   __syncthreads();
-  gather<CT>(sh.cand, nm, radix_select<CT>(sh.cand, nm, K, sh), sh);
-  sort_top<CT>(K, sh);
-  write_row<CT>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+  float m, s;
+  unsigned long long thr = 0ull;
+  stream_pass<T, VL, false>(src, lo, n, kk, m, s, thr, ss);
+  TOPK_STAMP(1);
+  if (__syncthreads_or(!(s <= FLT_MAX_F))) {  // a NaN or +inf somewhere in the chunk
+    thr = 0ull;
+    if (tid == 0) ss.count[0] = 0u;
+    __syncthreads();
+    stream_pass<T, VL, true>(src, lo, n, kk, m, s, thr, ss);
+  }
+  block_lse<ST>(m, s, sh);  // its barriers also publish the buffer count
+  TOPK_STAMP(2);
+  const int nb = (int)ss.count[0];
+  const long long out_row = (long long)row * K;
+  unsigned long long* slot = C == 1 ? nullptr : ws_keys + ((long long)row * C + c) * K;
+  // Fast path: the value of the kk-th largest vector key bounds the chunk's kk-th element from
+  // below; the elements reaching it (about kk of them unless values tie) are ranked directly.
+  unsigned cv;
+  const unsigned long long t = nb > kk ? value_select<sizeof(T) * 8>(ss.keys, nb, kk, &cv, sh) : thr;
+  TOPK_STAMP(3);
+  if (tid == 0) sh.scalars[4] = 0u;
+  __syncthreads();
+  for (int i0 = 0; i0 < nb; i0 += ST) {
+    const int i = i0 + tid;
+    const bool in = i < nb && ss.keys[i] >= t;
+    if (!__any_sync(FULL, in)) continue;
+    const int v = in ? (int)(~(unsigned)ss.keys[i] - (unsigned)lo) / VEC : 0;  // the vector of its largest element
+    float x[VEC];
+    W::unpack(in ? ss.data[i] : neg_inf_vec<T>(), x);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const unsigned long long k = make_key(ord32(canon(sanitize(x[e]))), lo + v * VEC + e);
+      const bool take = in && v * VEC + e < n && k >= t;
+      const unsigned pos = warp_append(take, &sh.scalars[4]);
+      if (take && pos < (unsigned)RANK_MAX) ss.rank[pos] = k;
+    }
+  }
+  __syncthreads();
+  const int nc = (int)sh.scalars[4];  // >= kk: kk vectors reach t, each with its largest element
+  TOPK_STAMP(4);
+  if (nc <= RANK_MAX) {
+    rank_write<ST>(ss.rank, nc, kk, slot, row_lse(m, s), logq_out + out_row, ids_out + out_row);
+    TOPK_STAMP(5);
+  } else {  // many ties at the threshold: exact selects
+    int nk = nb;
+    unsigned long long thr2 = thr;
+    if (nb > kk) {
+      thr2 = shrink<T>(nb, kk, FINAL_MAX, ss);
+      nk = (int)ss.count[0];
+    }
+    // The candidates: elements of the kept vectors with key >= thr2, written after them.
+    unsigned long long* cand = reinterpret_cast<unsigned long long*>(ss.data + nk);
+    if (tid == 0) {
+      sh.scalars[4] = 0u;
+      sh.scalars[5] = 0u;
+    }
+    __syncthreads();
+    for (int i = tid; i < nk; i += ST) {
+      const int v = (int)(~(unsigned)ss.keys[i] - (unsigned)lo) / VEC;
+      float x[VEC];
+      W::unpack(ss.data[i], x);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const unsigned long long k = make_key(ord32(canon(sanitize(x[e]))), lo + v * VEC + e);
+        if (v * VEC + e < n && k >= thr2) cand[atomicAdd(&sh.scalars[4], 1u)] = k;
+      }
+    }
+    __syncthreads();
+    const int nx = (int)sh.scalars[4];  // kk <= nx <= VEC * nk
+    const unsigned long long thr3 = nx > kk ? radix_select<ST>(cand, nx, kk, sh) : 0ull;
+    unsigned long long* dst = C == 1 ? sh.top : slot;
+    for (int i = tid; i < nx; i += ST) {
+      const unsigned long long k = cand[i];
+      if (k >= thr3) dst[atomicAdd(&sh.scalars[5], 1u)] = k;  // exactly kk pass: keys are distinct
+    }
+    if (C == 1) {
+      __syncthreads();
+      sort_top<ST>(K, sh);
+      write_row<ST>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+    }
+  }
+  if (C == 1) return;
+  int nm;
+  if (!gather_split<ST>(V, K, C, chunk, row, c, m, s, ws_keys, ws_ms, ws_count, sh.cand, &nm, sh)) return;
+  TOPK_STAMP(6);
+  // The row's merge, the same way: value threshold, rank the keys reaching it, else exact.
+  const unsigned long long tm = value_select<sizeof(T) * 8>(sh.cand, nm, K, &cv, sh);
+  if (cv <= (unsigned)RANK_MAX) {
+    if (tid == 0) sh.scalars[4] = 0u;
+    __syncthreads();
+    for (int i0 = 0; i0 < nm; i0 += ST) {
+      const int i = i0 + tid;
+      const unsigned long long k = i < nm ? sh.cand[i] : 0ull;
+      const bool take = i < nm && k >= tm;
+      const unsigned pos = warp_append(take, &sh.scalars[4]);
+      if (take) ss.rank[pos] = k;
+    }
+    __syncthreads();
+    rank_write<ST>(ss.rank, (int)cv, K, nullptr, row_lse(m, s), logq_out + out_row, ids_out + out_row);
+    return;
+  }
+  gather<ST>(sh.cand, nm, radix_select<ST>(sh.cand, nm, K, sh), sh);
+  sort_top<ST>(K, sh);
+  write_row<ST>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+}
+
+__device__ __forceinline__ StreamShared stream_carve() {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ unsigned hist[256];
+  __shared__ unsigned long long red[2 * (ST / 32)];
+  __shared__ float red_f[2 * (ST / 32)];
+  __shared__ unsigned scalars[6];
+  __shared__ unsigned count[3];
+  __shared__ __align__(16) unsigned long long scratch[SB_ROOM / 2];  // holes, later the top keys
+  static_assert(SB_ROOM / 2 >= STREAM_MAX_K, "the top keys share the holes' space");
+  StreamShared ss;
+  ss.keys = reinterpret_cast<unsigned long long*>(smem_raw);
+  ss.data = reinterpret_cast<uint4*>(smem_raw + SB * 8);
+  ss.holes = reinterpret_cast<int*>(scratch);
+  ss.rank = scratch;
+  ss.count = count;
+  ss.base.cand = ss.keys;  // the row merge reuses the whole dynamic area
+  ss.base.top = scratch;
+  ss.base.hist = hist;
+  ss.base.red = red;
+  ss.base.red_f = red_f;
+  ss.base.scalars = scalars;
+  return ss;
 }
 
 // Dynamic shared memory: the candidate keys, then (top == nullptr) MAX_K keys for the selected ones.
@@ -718,4 +1204,23 @@ extern "C" __global__ void __launch_bounds__(CT, 4) topk_chunk_f32_kernel(
   const Shared sh = carve(0, top);
   if (vec) chunk_block<float, true>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, sh);
   else chunk_block<float, false>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, sh);
+}
+
+// Stream variant. grid (C, rows), block 256, dynamic shared memory 2048 * 24 bytes (C * K <= 6144);
+// K <= 256, chunk a multiple of 8, C = ceil(V / chunk). vec = 1: rows are 16-byte aligned and
+// V % (16 / element size) == 0. C > 1: workspace as for the chunked variant.
+extern "C" __global__ void __launch_bounds__(ST, TOPK_STREAM_BLOCKS) topk_stream_bf16_kernel(
+    const unsigned short* __restrict__ logits, int V, int K, int C, int chunk, int vec, float* __restrict__ logq,
+    int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
+  const StreamShared ss = stream_carve();
+  if (vec) stream_block<unsigned short, true>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, ss);
+  else stream_block<unsigned short, false>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, ss);
+}
+
+extern "C" __global__ void __launch_bounds__(ST, TOPK_STREAM_BLOCKS) topk_stream_f32_kernel(
+    const float* __restrict__ logits, int V, int K, int C, int chunk, int vec, float* __restrict__ logq,
+    int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
+  const StreamShared ss = stream_carve();
+  if (vec) stream_block<float, true>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, ss);
+  else stream_block<float, false>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, ss);
 }

@@ -1,6 +1,7 @@
-"""Vocabulary top-k: the reference against a float64 full sort and its rules (CPU), then both kernel
-variants against the reference: ids exactly, log-probs to fp32 tolerance, on every path (vectorised
-or not, one or several blocks per row, chunk sizes, candidate-buffer overflow of the slices kernel)."""
+"""Vocabulary top-k: the reference against a float64 full sort and its rules (CPU), then the three
+kernel variants against the reference: ids exactly, log-probs to fp32 tolerance, on every path
+(vectorised or not, one or several blocks per row, chunk sizes, the stream kernel's compactions and
+its restart on NaN / +inf, candidate-buffer overflow of the slices kernel)."""
 
 import numpy as np
 import pytest
@@ -106,7 +107,7 @@ def test_reference_bad_k():
 # ---------------------------------------------------------------- GPU
 
 
-def run_gpu(x, k, slices=None, cap=None, offset=0, repeat=1, variant=None, vectors=None):
+def run_gpu(x, k, slices=None, cap=None, offset=0, repeat=1, variant=None, vectors=None, chunk=None):
     """Kernel on host logits ``x``; outputs pre-filled with NaN / -1. ``offset`` elements in front
     of the data make the rows unaligned (the scalar path); the tail behind the data is NaN."""
     import cupy
@@ -119,7 +120,7 @@ def run_gpu(x, k, slices=None, cap=None, offset=0, repeat=1, variant=None, vecto
         flat = flat.view(cupy.uint16)  # NaN bits (0x7fc0) in each half
     flat[offset:offset + bits.size] = cupy.asarray(bits.ravel())
     dev = flat[offset:offset + bits.size].reshape(x.shape)
-    ws = topk.topk_workspace(x.shape, k, slices=slices, cap=cap, variant=variant, vectors=vectors)
+    ws = topk.topk_workspace(x.shape, k, slices=slices, cap=cap, variant=variant, vectors=vectors, chunk=chunk)
     assert ws.variant == (variant or ws.variant)
     logq = cupy.full((*x.shape[:-1], k), np.nan, dtype=cupy.float32)
     ids = cupy.full((*x.shape[:-1], k), -1, dtype=cupy.int32)
@@ -141,13 +142,13 @@ def check_gpu(x, k, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["chunked", "slices"])
+@pytest.mark.parametrize("variant", ["stream", "chunked", "slices"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16])
 @pytest.mark.parametrize("vocab", [1, 7, 1000, 4099, 20_000, 163_840])
 def test_kernel_matches_reference(rng, kind, dtype, vocab, variant):
     x = make_logits(rng, 3, vocab, kind).astype(dtype)
-    for k in sorted({1, min(vocab, 64), min(vocab, 512)}):
+    for k in sorted({1, min(vocab, 64), min(vocab, 256 if variant == "stream" else 512)}):
         check_gpu(x, k, variant=variant, repeat=2)
         check_gpu(x, k, offset=1, variant=variant)
 
@@ -172,6 +173,25 @@ def test_kernel_chunk_sizes(rng, vectors, kind, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [8192, 16384, 57344])
+@pytest.mark.parametrize("kind", ["zipf_sorted", "zipf_perm", "equal", "quant", "zeros", "weird"])
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_kernel_stream_chunks(rng, chunk, kind, dtype):
+    """Stream: one to many chunks per row, a last chunk shorter than k, rows whose buffer is
+    compacted many times (zipf_sorted: the best tokens first; equal / zeros: ties that force the
+    exact select), a NaN / +inf restart, the scalar path and repeated launches."""
+    from ddtree_rtc.kernels import topk
+
+    for vocab, ks in ((3 * chunk + 100, (1, 100, 256)), (chunk + 1, (37, 256)), (163_840, (16, 64, 256))):
+        x = make_logits(rng, 4, vocab, kind).astype(dtype)
+        for k in ks:
+            if -(-vocab // chunk) * k > topk._STREAM_MERGE_KEYS:  # the wrapper refuses: merge too big
+                continue
+            check_gpu(x, k, variant="stream", chunk=chunk, repeat=2)
+            check_gpu(x, k, variant="stream", chunk=chunk, offset=3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("slices", [2, 3, 8])
 @pytest.mark.parametrize("kind", ["zipf_perm", "equal", "weird"])
 def test_kernel_split_rows(rng, slices, kind):
@@ -192,11 +212,11 @@ def test_kernel_candidate_overflow(rng, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["chunked", "slices"])
+@pytest.mark.parametrize("variant", ["stream", "chunked", "slices"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_kernel_batch_of_drafter_rows(rng, variant, batch):
     x = make_logits(rng, batch * 7, 163_840, "zipf_perm").astype(bfloat16).reshape(batch, 7, 163_840)
-    for k in (64, 512):
+    for k in (64, 256 if variant == "stream" else 512):
         check_gpu(x, k, variant=variant, repeat=2)
 
 
@@ -205,8 +225,11 @@ def test_kernel_default_variant():
     from ddtree_rtc.kernels.topk import topk_workspace
 
     assert topk_workspace((32, 7, 163_840), 512).variant == "chunked"
-    assert topk_workspace((2, 7, 163_840), 64).variant == "slices"  # below CHUNKED_MIN_K
+    assert topk_workspace((32, 7, 163_840), 256).variant == "stream"
+    assert topk_workspace((2, 7, 163_840), 64).variant == "stream"
+    assert topk_workspace((2, 7, 163_840), 300).variant == "slices"  # below CHUNKED_MIN_K, above stream
     assert topk_workspace((2, 7, 163_840), 64, variant="chunked").variant == "chunked"
+    assert topk_workspace((1, 2**27), 64).variant == "stream"  # larger chunks keep the merge in bounds
     assert topk_workspace((3, 1000), 4, slices=1).variant == "slices"
     assert topk_workspace((1, 2**27), 512).variant == "slices"  # the merge would not fit
 
@@ -215,8 +238,8 @@ def test_kernel_default_variant():
 def test_kernel_rejects_bad_input():
     import cupy
 
+    from ddtree_rtc.kernels.topk import _STREAM_STEP, topk_workspace
     from ddtree_rtc.kernels.topk import topk_logprobs as gpu_topk
-    from ddtree_rtc.kernels.topk import topk_workspace
 
     x = cupy.zeros((4, 1000), dtype=cupy.float32)
     with pytest.raises(ValueError, match="larger than the vocabulary"):
@@ -239,3 +262,11 @@ def test_kernel_rejects_bad_input():
         topk_workspace((4, 1000), 4, variant="heap")
     with pytest.raises(ValueError, match="does not fit"):
         topk_workspace((1, 2**27), 512, variant="chunked")
+    with pytest.raises(ValueError, match="k <= 256"):
+        topk_workspace((4, 1000), 300, variant="stream")
+    with pytest.raises(ValueError, match="chunk=1000"):
+        topk_workspace((4, 1000), 4, variant="stream", chunk=1000)
+    with pytest.raises(ValueError, match="chunk belongs"):
+        topk_workspace((4, 1000), 4, variant="chunked", chunk=8192)
+    with pytest.raises(ValueError, match="exceed the merge buffer"):
+        topk_workspace((1, 327_680), 256, variant="stream", chunk=_STREAM_STEP)

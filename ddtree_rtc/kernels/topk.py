@@ -2,11 +2,14 @@
 ties, clamping) are in ddtree_rtc/reference/topk.py. Ids match the reference exactly, log-probs to
 fp32 rounding.
 
-Two variants, same results:
-  * ``chunked`` (default): every row is cut into chunks of up to 16 K bf16 / 8 K fp32 tokens, one
-    256-thread block each, reading its chunk once; the last block of a row merges.
+Three variants, same results:
+  * ``stream`` (default for k <= 256): every row is cut into chunks (multiples of 8 K tokens), one
+    256-thread block each, reading its chunk once from HBM and keeping only the 16-byte vectors
+    that reach a threshold rising as it goes; the last block of a row merges.
+  * ``chunked`` (default for k = 257..512): chunks of up to 16 K bf16 / 8 K fp32 tokens, each
+    copied once into shared memory and selected there; the last block of a row merges.
   * ``slices``: the older kernel, one 512-thread block per row slice (at most 8 per row), which
-    re-reads its slice (mostly from L2). Used where the chunked merge buffer would not fit.
+    re-reads its slice (mostly from L2). Used where neither merge buffer would fit.
 
 Plan/run: ``topk_workspace`` (host, once per shape) picks the split and allocates its scratch;
 ``topk_logprobs`` with a workspace and outputs given is one graph-capturable launch.
@@ -23,7 +26,7 @@ from ..reference.topk import check_k
 from ._args import BF16, allow_dynamic_smem, check, dtype_name, out_array
 from .registry import module, spec
 
-VARIANTS = ("chunked", "slices")
+VARIANTS = ("stream", "chunked", "slices")
 _THREADS = 512  # fixed by the slices kernel
 _CHUNK_THREADS = 256  # fixed by the chunked kernel (CT)
 _MAX_VECS = 2048  # 16-byte vectors per chunk at most (MAX_VECS)
@@ -34,6 +37,12 @@ _MAX_ROWS = 65535  # rows are the grid's y
 # selects small k from L2-resident slices cheaply); the default takes it from here
 CHUNKED_MIN_K = 512
 _MAX_SLICES = 8
+_STREAM_THREADS = 256  # ST in the kernel
+STREAM_MAX_K = 256  # STREAM_MAX_K
+_STREAM_STEP = 8192  # chunk granularity in tokens: one block step of bf16 vectors (two of fp32)
+_STREAM_BUFFER = 2048 * 24  # bytes of dynamic shared memory: the vector buffer (keys and bytes)
+_STREAM_MERGE_KEYS = _STREAM_BUFFER // 8  # chunks x k keys the merging block holds in that area
+_STREAM_MAX_CHUNKS = 5  # H200: more chunks per row cost more in per-block selects than they gain
 _MIN_SLICE = 16384  # below this a slice's selection and the merge cost more than the split saves
 
 
@@ -55,10 +64,11 @@ class TopkWorkspace:
     count: object  # [rows] uint32 arrival counters, zero between launches
     variant: str = "slices"
     vectors: int = 0  # chunked: 16-byte vectors per chunk
+    tokens: int = 0  # stream: tokens per chunk
 
     def chunk(self, itemsize: int) -> int:
-        """Chunk length in tokens for logits of this element size (chunked variant)."""
-        return self.vectors * (16 // itemsize)
+        """Chunk length in tokens for logits of this element size (chunked and stream variants)."""
+        return self.tokens if self.variant == "stream" else self.vectors * (16 // itemsize)
 
 
 def _chunks(vocab: int, vectors: int, itemsize: int) -> int:
@@ -82,6 +92,32 @@ def _plan_vectors(rows: int, vocab: int, k: int) -> int | None:
     return vectors
 
 
+def _plan_stream(rows: int, vocab: int, k: int) -> int | None:
+    """Tokens per stream chunk: enough chunks per row to give every SM a block (at most 5), in
+    steps of 8 K tokens; None when k is too large for the variant."""
+    if k > STREAM_MAX_K or rows > _MAX_ROWS:
+        return None
+    want = min(_STREAM_MAX_CHUNKS, -(-_sm_count() // max(rows, 1)))
+    chunk = -(-vocab // max(want, 1))
+    chunk = -(-chunk // _STREAM_STEP) * _STREAM_STEP
+    while -(-vocab // chunk) * k > _STREAM_MERGE_KEYS:
+        chunk += _STREAM_STEP
+    return chunk
+
+
+
+
+def _split(rows: int, vocab: int, k: int, chunks: int, variant: str, **fields) -> TopkWorkspace:
+    """A workspace with ``chunks`` blocks per row (their scratch only when there are several)."""
+    import cupy
+
+    if chunks == 1:
+        return TopkWorkspace(rows, vocab, k, 1, None, None, None, variant, **fields)
+    return TopkWorkspace(rows, vocab, k, chunks, cupy.empty((rows, chunks, k), dtype=np.uint64),
+                         cupy.empty((rows, chunks, 2), dtype=np.float32), cupy.zeros((rows,), dtype=np.uint32),
+                         variant, **fields)
+
+
 def _sm_count() -> int:
     import cupy
 
@@ -89,12 +125,14 @@ def _sm_count() -> int:
 
 
 def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = None,
-                   variant: str | None = None, vectors: int | None = None):
-    """Scratch for logits of ``shape`` (``[..., V]``). ``variant`` None: chunked where its merge
-    fits (V * k small enough, at most 65535 rows), else slices. Chunked: ``vectors`` 16-byte vectors
-    per chunk (256..2048, default: full chunks, smaller while the grid is under two blocks per SM).
-    Slices: ``slices`` blocks per row (default: enough rows x slices to give every SM one block, at
-    most 8, at least 16 K tokens per slice), ``cap`` the candidate buffer."""
+                   variant: str | None = None, vectors: int | None = None, chunk: int | None = None):
+    """Scratch for logits of ``shape`` (``[..., V]``). ``variant`` None: stream for k <= 256,
+    chunked for larger k where its merge fits, else slices. Stream: ``chunk`` tokens per chunk (a
+    multiple of 8192; default: the fewest chunks that give a full wave of blocks). Chunked:
+    ``vectors`` 16-byte vectors per chunk (256..2048, default: full chunks, smaller while the grid is
+    under two blocks per SM). Slices: ``slices`` blocks per row (default: enough rows x slices to
+    give every SM one block, at most 8, at least 16 K tokens per slice), ``cap`` the candidate
+    buffer."""
     import cupy
 
     vocab = int(shape[-1])
@@ -102,9 +140,29 @@ def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = N
     k = check_k(k, vocab)
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
-    if variant is None:
-        variant = ("chunked" if slices is None and cap is None and k >= CHUNKED_MIN_K and _plan_vectors(rows, vocab, k)
-                   else "slices")
+    if variant is None and slices is None and cap is None and vectors is None:
+        if chunk is not None or _plan_stream(rows, vocab, k):
+            variant = "stream"
+        elif k >= CHUNKED_MIN_K and _plan_vectors(rows, vocab, k):
+            variant = "chunked"
+    variant = variant or "slices"
+    if chunk is not None and variant != "stream":
+        raise ValueError("chunk belongs to the stream variant")
+    if variant == "stream":
+        if slices is not None or cap is not None or vectors is not None:
+            raise ValueError("slices, cap and vectors belong to the slices and chunked variants")
+        if k > STREAM_MAX_K or rows > _MAX_ROWS:
+            raise ValueError(f"variant='stream' takes k <= {STREAM_MAX_K} and at most {_MAX_ROWS} rows "
+                             f"(got k={k}, {rows} rows)")
+        if chunk is None:
+            chunk = _plan_stream(rows, vocab, k)
+        elif int(chunk) <= 0 or int(chunk) % _STREAM_STEP:
+            raise ValueError(f"chunk={chunk} is out of range: a positive multiple of {_STREAM_STEP}")
+        chunk = int(chunk)
+        chunks = -(-vocab // chunk)
+        if chunks * k > _STREAM_MERGE_KEYS:
+            raise ValueError(f"chunk={chunk}: {chunks} chunks x k={k} exceed the merge buffer ({_STREAM_MERGE_KEYS})")
+        return _split(rows, vocab, k, chunks, "stream", tokens=chunk)
     if variant == "chunked":
         if slices is not None or cap is not None:
             raise ValueError("slices and cap belong to the slices variant")
@@ -120,11 +178,7 @@ def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = N
         chunks = _chunks(vocab, vectors, 4)
         if chunks * k > _MERGE_KEYS:
             raise ValueError(f"vectors={vectors}: {chunks} chunks x k={k} exceed the merge buffer ({_MERGE_KEYS})")
-        if chunks == 1:
-            return TopkWorkspace(rows, vocab, k, 1, None, None, None, "chunked", vectors)
-        return TopkWorkspace(rows, vocab, k, chunks, cupy.empty((rows, chunks, k), dtype=np.uint64),
-                             cupy.empty((rows, chunks, 2), dtype=np.float32),
-                             cupy.zeros((rows,), dtype=np.uint32), "chunked", vectors)
+        return _split(rows, vocab, k, chunks, "chunked", vectors=vectors)
     if vectors is not None:
         raise ValueError("vectors belongs to the chunked variant")
     cap = default_cap() if cap is None else int(cap)
@@ -178,6 +232,19 @@ def launch(logits, k: int, out_logq=None, out_ids=None, workspace=None, cap: int
     per16 = 16 // logits.dtype.itemsize
     vec = int(vocab % per16 == 0 and logits.data.ptr % 16 == 0)
     null = np.uint64(0)
+    if ws.variant == "stream":
+        if cap is not None:
+            raise ValueError("cap belongs to the slices variant; the workspace is stream")
+        chunks = ws.slices
+        split = chunks > 1
+        fn = module("topk").fn("topk_stream_bf16_kernel" if logits.dtype == BF16 else "topk_stream_f32_kernel")
+        smem = _STREAM_BUFFER  # the merge's chunks x k keys fit in the buffer
+        allow_dynamic_smem(fn, smem)
+        fn((chunks, rows), (_STREAM_THREADS,),
+           (logits, np.int32(vocab), np.int32(k), np.int32(chunks), np.int32(ws.tokens), np.int32(vec), logq, ids,
+            ws.keys if split else null, ws.ms if split else null, ws.count if split else null),
+           shared_mem=smem)
+        return logq, ids
     if ws.variant == "chunked":
         if cap is not None:
             raise ValueError("cap belongs to the slices variant; the workspace is chunked")
