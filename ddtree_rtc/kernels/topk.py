@@ -6,10 +6,10 @@ Three variants, same results:
   * ``stream`` (default for k <= 256): every row is cut into chunks (multiples of 8 K tokens), one
     256-thread block each, reading its chunk once from HBM and keeping only the 16-byte vectors
     that reach a threshold rising as it goes; the last block of a row merges.
-  * ``chunked`` (default for k = 257..512): chunks of up to 16 K bf16 / 8 K fp32 tokens, each
-    copied once into shared memory and selected there; the last block of a row merges.
+  * ``chunked`` (default for k = 512): chunks of up to 16 K bf16 / 8 K fp32 tokens, each copied
+    once into shared memory and selected there; the last block of a row merges.
   * ``slices``: the older kernel, one 512-thread block per row slice (at most 8 per row), which
-    re-reads its slice (mostly from L2). Used where neither merge buffer would fit.
+    re-reads its slice (mostly from L2). Used for k = 257..511 and where no merge buffer would fit.
 
 Plan/run: ``topk_workspace`` (host, once per shape) picks the split and allocates its scratch;
 ``topk_logprobs`` with a workspace and outputs given is one graph-capturable launch.
