@@ -45,3 +45,14 @@ extern "C" __global__ void __launch_bounds__(32) gate_wait_kernel(const volatile
   const long long t0 = clock64();
   while (*flag == 0 && clock64() - t0 < max_cycles) __nanosleep(2000);
 }
+
+// The latency floor of a small kernel such as the tree build or the acceptance walk: each block
+// makes `trips` dependent round trips to global memory (a load whose address depends on the last
+// one) and writes the result. Timed like the kernel under test, it gives the launch + memory
+// latency that no per-request kernel of that shape can go below.
+extern "C" __global__ void __launch_bounds__(128) latency_floor_kernel(const int* __restrict__ src, int trips,
+                                                                       int* __restrict__ dst) {
+  int at = blockIdx.x;
+  for (int t = 0; t < trips; ++t) at = src[at];
+  if (threadIdx.x == 0) dst[blockIdx.x] = at;
+}

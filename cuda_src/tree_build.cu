@@ -32,18 +32,23 @@
 #define TREE_PROFILE 0
 #endif
 #if TREE_PROFILE
-// Diagnostics build only: SM clock at the phase boundaries of each block (0 start, 1 staged, 2 built,
-// 3 written; 4 and 5 the heap loop's start and end when it runs).
-__device__ long long tree_prof[8 * 1024];
+// Diagnostics build only, 32 slots per block: SM clock at the phase boundaries (0 start, 1 staged,
+// 2 built, 3 written; 4 and 5 the heap loop's start and end when it runs); the prune variant's pool
+// and list sizes in 6 and 7 and the clock after each of its steps from 8 on (see prune_build).
+__device__ long long tree_prof[32 * 1024];
 #define TREE_STAMP(i) \
-  if (threadIdx.x == 0 && blockIdx.x < 1024) tree_prof[8 * blockIdx.x + (i)] = clock64()
+  if (threadIdx.x == 0 && blockIdx.x < 1024) tree_prof[32 * blockIdx.x + (i)] = clock64()
 #else
 #define TREE_STAMP(i)
 #endif
 
 namespace {
 
-constexpr int THREADS = 128;
+#ifndef TREE_THREADS
+#define TREE_THREADS 512
+#endif
+constexpr int THREADS = TREE_THREADS;  // a multiple of 32, at most 1024
+static_assert(THREADS % 32 == 0 && THREADS >= 64 && THREADS <= 1024, "TREE_THREADS");
 constexpr unsigned FULL = 0xffffffffu;
 constexpr int MAX_WORDS = (512 + 1 + 63) / 64;  // mask words for the largest budget
 constexpr float FLT_MAX_F = 3.402823466e+38f;
@@ -392,7 +397,361 @@ __device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int ca
   return n;
 }
 
-template <int J, bool LEVEL>
+// ---------------------------------------------------------------- the prune variant
+//
+// The level variant's pool and exactness argument, with the two quadratic steps replaced. The pool
+// grows depth by depth as there, but (1) each parent's child chain is walked twice, once to count
+// and once to store, so a warp claims its entries with one scan and one shared atomic instead of
+// one atomic per entry, and chains lie contiguously (the previous sibling of entry e is e - 1);
+// (2) tau is not the exact budget-th score but a lower bound from one 256-bin histogram of the
+// entries' order keys: with bins (key - lo) >> shift (the top bin also taking everything above),
+// the lower edge lo + (j << shift) of the highest bin j whose suffix count reaches the budget has
+// at least `budget` entries at or above it, which is all the pruning needs (an entry below a bound
+// that `budget` others reach can never be popped). At the end, histogram rounds on the bin of the
+// bound narrow it (8 bits each) until at most budget + PRUNE_SLACK entries reach it; only those are
+// ranked by (score desc, rank tuple asc), all pairs among them.
+
+constexpr int NB = 256;          // bins per histogram round (8 per lane of warp 0)
+constexpr int PRUNE_SLACK = 16;  // final list size over the budget that stops narrowing
+constexpr int PRUNE_LIST_EXTRA = 63;  // listed entries with tuple codes: 1 + max_budget + this
+
+struct PrunePool {
+  double* score;   // [cap] candidate score
+  unsigned long long* lkey;  // [cap] the final list's order keys, in list order
+  unsigned long long* lcode;  // [lcap * CODE_WORDS] the first lcap listed entries' rank-tuple codes
+  int* parent;     // [cap] parent entry (-1: the root)
+  int* rank;       // [cap]
+  int* depth;      // [cap]
+  int* node;       // [cap] node index of a listed entry, -1 if listed but not kept
+  int* list;       // [cap] entries reaching the final bound
+};
+
+__device__ __forceinline__ PrunePool carve_prune(unsigned char* base, int cap, int lcap) {
+  PrunePool q;
+  q.score = reinterpret_cast<double*>(base + (reinterpret_cast<size_t>(base) & 4));  // see carve_pool
+  q.lkey = reinterpret_cast<unsigned long long*>(q.score + cap);
+  q.lcode = q.lkey + cap;
+  q.parent = reinterpret_cast<int*>(q.lcode + lcap * CODE_WORDS);
+  q.rank = q.parent + cap;
+  q.depth = q.rank + cap;
+  q.node = q.depth + cap;
+  q.list = q.node + cap;
+  return q;
+}
+
+// Rank-tuple order of two distinct pool entries (as pool_tuple_less, on the prune pool).
+__device__ __noinline__ bool prune_tuple_less(const PrunePool& q, int a, int b) {
+  int da = q.depth[a], db = q.depth[b];
+  const bool a_shorter = da < db;
+  for (; da > db; --da) a = q.parent[a];
+  for (; db > da; --db) b = q.parent[b];
+  if (a == b) return a_shorter;
+  while (q.parent[a] != q.parent[b]) {
+    a = q.parent[a];
+    b = q.parent[b];
+  }
+  return q.rank[a] < q.rank[b];
+}
+
+struct PruneShared {
+  int count;  // pool entries claimed (may pass cap: then `bad`)
+  int bad;    // non-monotone step or full pool: fall back to the heap loop
+  int m;      // entries at or above the last round's bound
+  int n_list;
+  unsigned long long tau;      // the last round's bound
+  unsigned long long min_key;  // smallest key in the pool (a round's base before any bound exists)
+  int hist[NB];
+};
+
+__device__ __forceinline__ void put_entry(const PrunePool& q, int e, double sc, int p, int r, int d) {
+  q.score[e] = sc;
+  q.parent[e] = p;
+  q.rank[e] = r;
+  q.depth[e] = d;
+}
+
+// Child chain of a parent scoring ps at depth d: child 0 = ps + row[0], child r + 1 =
+// (child r - row[r]) + row[r + 1] (the reference's operations), while the key stays >= tau.
+// Returns its length; STORE writes the entries from e0 on. A step that scores above its
+// predecessor sets bad (the same in both walks, so both return the same length). (Scoring four
+// children at once as fl(ps + row[r]) while TwoSum shows every sum so far exact, where the
+// recurrence collapses to that, measured slower on the H200: a lone warp pays per instruction.)
+template <bool STORE>
+__device__ __forceinline__ int walk_chain(const PrunePool& q, double ps, int p, int d, const float* row, int kc,
+                                          unsigned long long tau, int e0, int& bad) {
+  double sc = ps + (double)row[0];
+  if (sc > ps) {
+    bad = 1;
+    return 0;
+  }
+  if (ord64(sc) < tau) return 0;
+  float cur = row[0], next = kc > 1 ? row[1] : 0.f;
+  for (int r = 0;; ++r) {
+    if (STORE) put_entry(q, e0 + r, sc, p, r, d);
+    if (r + 1 >= kc) return r + 1;
+    const float after = r + 2 < kc ? row[r + 2] : 0.f;  // loaded one step ahead of its use
+    const double s2 = (sc - (double)cur) + (double)next;
+    if (s2 > sc) {
+      bad = 1;
+      return r + 1;
+    }
+    if (ord64(s2) < tau) return r + 1;
+    sc = s2;
+    cur = next;
+    next = after;
+  }
+}
+
+// Smallest key among entries [0, count) into sh.min_key. All threads call it.
+__device__ unsigned long long pool_min_key(const PrunePool& q, PruneShared& sh, int count) {
+  if (threadIdx.x == 0) sh.min_key = ~0ull;
+  __syncthreads();
+  unsigned long long mn = ~0ull;
+  for (int e = threadIdx.x; e < count; e += THREADS) mn = min(mn, ord64(q.score[e]));
+  atomicMin(&sh.min_key, mn);
+  __syncthreads();
+  return sh.min_key;
+}
+
+// One histogram round over entries [0, count): the new bound lo + (j << shift) (see above), and
+// sh.m = the entries reaching it. At least `need` entries must reach lo. All threads call it.
+__device__ unsigned long long hist_round(const PrunePool& q, PruneShared& sh, int count, unsigned long long lo,
+                                         int shift, int need) {
+  for (int e = threadIdx.x; e < count; e += THREADS) {
+    const unsigned long long key = ord64(q.score[e]);
+    if (key >= lo) {
+      const unsigned long long bin = (key - lo) >> shift;
+      atomicAdd(&sh.hist[bin < NB - 1 ? (int)bin : NB - 1], 1);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int h[NB / 32], local = 0;
+#pragma unroll
+    for (int i = 0; i < NB / 32; ++i) {
+      h[i] = sh.hist[lane * (NB / 32) + i];
+      local += h[i];
+      sh.hist[lane * (NB / 32) + i] = 0;  // ready for the next round (after a barrier)
+    }
+    int suf = local;  // entries in this lane's bins and above
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_down_sync(FULL, suf, o);
+      if (lane + o < 32) suf += v;
+    }
+    const unsigned ok = __ballot_sync(FULL, suf >= need);
+    const int top = ok ? 31 - __clz(ok) : 0;  // the highest lane whose suffix reaches `need`
+    if (lane == top) {
+      int run = suf - local, j = -1, m = 0;
+#pragma unroll
+      for (int i = NB / 32 - 1; i >= 0; --i) {
+        run += h[i];
+        if (j < 0 && run >= need) {
+          j = lane * (NB / 32) + i;
+          m = run;
+        }
+      }
+      if (j < 0) {  // unreachable while the caller's promise holds; lo itself is then the bound
+        j = 0;
+        m = run;
+      }
+      sh.tau = lo + ((unsigned long long)j << shift);
+      sh.m = m;
+    }
+  }
+  __syncthreads();
+  return sh.tau;
+}
+
+__device__ __forceinline__ int span_shift(unsigned long long lo, unsigned long long hi) {
+  const int bits = hi > lo ? 64 - __clzll((long long)(hi - lo)) : 0;
+  return max(0, bits - 8);  // (hi - lo) >> shift < NB
+}
+
+// Returns the number of nodes written into `s`, or -1 to fall back. All THREADS threads call it.
+__device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, int cap, int lcap, int kc,
+                           int ks, int depth_limit, int budget) {
+  const int tid = threadIdx.x, lane = tid & 31;
+#if TREE_PROFILE
+  int step = 8;  // the next profile slot (thread 0)
+#define PRUNE_STAMP() \
+  if (step < 32) TREE_STAMP(step++)
+#else
+#define PRUNE_STAMP()
+#endif
+  if (tid == 0) {
+    sh.bad = 0;
+    sh.count = kc;
+    sh.n_list = 0;
+  }
+  for (int i = tid; i < NB; i += THREADS) sh.hist[i] = 0;
+  __syncthreads();
+  // Depth 1, all kc ranks at once (kc <= budget <= cap); as in level_build, rank r > 0 scores
+  // 0.0 + lq[0][r] by the exact sibling recurrence.
+  int bad1 = 0;
+  for (int r = tid; r < kc; r += THREADS) {
+    const double sc = r == 0 ? (double)s.lq[0] : __dadd_rn(0.0, (double)s.lq[r]);
+    if (r > 0 && sc > (r == 1 ? (double)s.lq[0] : __dadd_rn(0.0, (double)s.lq[r - 1]))) bad1 = 1;
+    q.score[r] = sc;
+    q.parent[r] = -1;
+    q.rank[r] = r;
+    q.depth[r] = 1;
+  }
+  if (bad1) sh.bad = 1;
+  __syncthreads();
+  if (sh.bad) return -1;
+  PRUNE_STAMP();  // depth 1
+  // Depth 1 is sorted (checked above): its budget-th score is the budget-th best so far.
+  unsigned long long tau = kc >= budget ? ord64(q.score[budget - 1]) : 0ull;
+  const unsigned long long hi = ord64(q.score[0]);  // the best score of all (monotone)
+  int begin = 0, end = kc, shift = -1;              // shift < 0: no histogram round yet
+  for (int d = 2; d <= depth_limit; ++d) {
+    const float* row = s.lq + (d - 1) * ks;
+    int total = 0, bad = 0;
+    for (int p = begin + tid; p < end; p += THREADS)
+      total += walk_chain<false>(q, q.score[p], p, d, row, kc, tau, 0, bad);
+    int incl = total;  // warp inclusive scan of the chain lengths, then one claim per warp
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(FULL, incl, o);
+      if (lane >= o) incl += v;
+    }
+    int base = 0;
+    if (lane == 31 && incl > 0) base = atomicAdd(&sh.count, incl);
+    base = __shfl_sync(FULL, base, 31) + incl - total;
+    if (base + total > cap) {
+      bad = 1;  // the pool is full: store nothing
+    } else if (total > 0) {
+      for (int p = begin + tid; p < end; p += THREADS)
+        base += walk_chain<true>(q, q.score[p], p, d, row, kc, tau, base, bad);
+    }
+    if (bad) sh.bad = 1;
+    __syncthreads();
+    const int count = sh.count;
+    if (sh.bad) return -1;
+    PRUNE_STAMP();  // depth d generated
+    if (count == end) break;  // nothing at depth d: nothing deeper either
+    begin = end;
+    end = count;
+    if (end >= budget) {
+      const unsigned long long lo = tau ? tau : pool_min_key(q, sh, end);
+      shift = span_shift(lo, hi);
+      tau = hist_round(q, sh, end, lo, shift, budget);
+      PRUNE_STAMP();  // its bound
+    }
+  }
+  const int count = end, n = min(budget, count);
+  if (count > budget) {  // narrow the bound, then list the entries reaching it
+    if (shift < 0) {     // no round yet (cannot happen: count > budget needs a round), keep exact
+      const unsigned long long lo = tau ? tau : pool_min_key(q, sh, count);
+      shift = span_shift(lo, hi);
+      tau = hist_round(q, sh, count, lo, shift, budget);
+    }
+    while (sh.m > budget + PRUNE_SLACK && shift > 0) {  // sh.m, shift: block-uniform
+      shift = max(0, shift - 8);
+      tau = hist_round(q, sh, count, tau, shift, budget);
+    }
+  } else {
+    tau = 0ull;
+  }
+  PRUNE_STAMP();  // narrowed
+  for (int e0 = tid - lane; e0 < count; e0 += THREADS) {  // warp-uniform trips
+    const int e = e0 + lane;
+    const unsigned long long key = e < count ? ord64(q.score[e]) : 0ull;
+    const bool in = e < count && key >= tau;
+    const unsigned in_mask = __ballot_sync(FULL, in);
+    int at = 0;
+    if (lane == 0 && in_mask) at = atomicAdd(&sh.n_list, __popc(in_mask));
+    at = __shfl_sync(FULL, at, 0) + __popc(in_mask & ((1u << lane) - 1u));
+    if (in) {
+      q.list[at] = e;
+      q.lkey[at] = key;
+    }
+  }
+  __syncthreads();
+  const int m = sh.n_list;
+  PRUNE_STAMP();  // listed
+  // Rank the listed entries by (key desc, rank tuple asc): entry i's node is 1 + the entries
+  // before it. The m * m comparisons are spread over the block: `h` threads per entry, each
+  // taking every h-th other entry, summed with shared atomics (a lone warp per scheduler pays
+  // for every instruction it issues, so fewer per thread is what shortens this).
+  const bool codes = m <= lcap;  // rank-tuple codes for ties; else pairs walk their ancestors
+  for (int i = tid; i < m; i += THREADS) {
+    q.node[q.list[i]] = 0;
+    if (codes) {
+      unsigned long long c0 = 0ull, c1 = 0ull, c2 = 0ull;  // scalars: an indexed array goes to local memory
+      for (int a = q.list[i]; a >= 0; a = q.parent[a]) {  // <= 16 steps
+        const int dd = q.depth[a], w = code_word(dd);
+        const unsigned long long f = field(dd, q.rank[a]);
+        c0 |= w == 0 ? f : 0ull;
+        c1 |= w == 1 ? f : 0ull;
+        c2 |= w == 2 ? f : 0ull;
+      }
+      q.lcode[i * CODE_WORDS] = c0;
+      q.lcode[i * CODE_WORDS + 1] = c1;
+      q.lcode[i * CODE_WORDS + 2] = c2;
+    }
+  }
+  static_assert(CODE_WORDS == 3, "the code words above");
+  __syncthreads();
+  const int h = m > 0 ? max(1, min(THREADS / m, 32)) : 1;
+  for (int t = tid; t < m * h; t += THREADS) {
+    const int i = t % m, part = t / m, e = q.list[i];
+    const unsigned long long ke = q.lkey[i];
+    int before = 0;
+    if (codes) {  // one pass: a larger key, or an equal key with a smaller code (never i itself)
+      const unsigned long long e0 = q.lcode[i * CODE_WORDS], e1 = q.lcode[i * CODE_WORDS + 1],
+                               e2 = q.lcode[i * CODE_WORDS + 2];
+#pragma unroll 4
+      for (int x = part; x < m; x += h) {
+        const unsigned long long kx = q.lkey[x];
+        bool less = kx > ke;
+        if (kx == ke) {
+          const unsigned long long* cx = q.lcode + x * CODE_WORDS;
+          less = cx[0] != e0 ? cx[0] < e0 : cx[1] != e1 ? cx[1] < e1 : cx[2] < e2;
+        }
+        before += less;
+      }
+    } else {
+      for (int x = part; x < m; x += h) {
+        const unsigned long long kx = q.lkey[x];
+        before += kx > ke || (kx == ke && x != i && prune_tuple_less(q, q.list[x], e));
+      }
+    }
+    if (before) atomicAdd(&q.node[e], before);
+  }
+  __syncthreads();
+  for (int i = tid; i < m; i += THREADS) {
+    const int e = q.list[i], before = q.node[e];
+    q.node[e] = before < n ? before + 1 : -1;
+  }
+  __syncthreads();
+  PRUNE_STAMP();  // ranked
+  for (int i = tid; i < m; i += THREADS) {
+    const int e = q.list[i], node = q.node[e];
+    if (node < 0) continue;
+    const int pe = q.parent[e], r = q.rank[e];
+    const int p = pe < 0 ? 0 : q.node[pe];  // kept: the kept set is prefix-closed
+    s.score[node] = q.score[e];
+    s.parent[node] = p;
+    s.rank[node] = r;
+    s.depth[node] = q.depth[e];
+    if (r == 0) s.first_child[p] = node;
+    else s.next_sibling[q.node[e - 1]] = node;  // chains are contiguous: e - 1 is sibling r - 1
+  }
+  PRUNE_STAMP();  // nodes written
+#undef PRUNE_STAMP
+#if TREE_PROFILE
+  if (tid == 0 && blockIdx.x < 1024) {
+    tree_prof[32 * blockIdx.x + 6] = count;
+    tree_prof[32 * blockIdx.x + 7] = m;
+  }
+#endif
+  return n;
+}
+
+template <int J, int MODE>  // MODE: 0 heap loop, 1 level, 2 prune
 __device__ __forceinline__ void build(const float* __restrict__ logq, const int* __restrict__ ids,
                                       int L, int K, const int* __restrict__ root_tokens,
                                       const int* __restrict__ budgets, const int* __restrict__ depths,
@@ -403,6 +762,7 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ int n_popped;
   __shared__ LevelShared level_sh;
+  __shared__ PruneShared prune_sh;
   TREE_STAMP(0);
   const int b = blockIdx.x, tid = threadIdx.x;
   const int n_slots = max_budget + 1;
@@ -435,9 +795,15 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
   __syncthreads();
   TREE_STAMP(1);
   int n_level = -1;
-  if (LEVEL && budget > 0 && depth_limit > 0) {
+  if (MODE == 1 && budget > 0 && depth_limit > 0) {
     const Pool q = carve_pool(reinterpret_cast<unsigned char*>(s.ids + L * ks), cap);
     n_level = level_build(s, q, level_sh, cap, kc, ks, depth_limit, budget);  // block-uniform
+    if (tid == 0 && n_level >= 0) n_popped = n_level;
+  }
+  if (MODE == 2 && budget > 0 && depth_limit > 0) {
+    const int lcap = n_slots + PRUNE_LIST_EXTRA;
+    const PrunePool q = carve_prune(reinterpret_cast<unsigned char*>(s.ids + L * ks), cap, lcap);
+    n_level = prune_build(s, q, prune_sh, cap, lcap, kc, ks, depth_limit, budget);  // block-uniform
     if (tid == 0 && n_level >= 0) n_popped = n_level;
   }
   if (n_level < 0 && tid < 32) {
@@ -495,22 +861,26 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
 // logq [B, L, K] fp32, ids [B, L, K] int32; root_tokens, budgets, depths, prefix_lens [B] int32.
 // Outputs [B, 1 + max_budget] (mask [B, 1 + max_budget, W]). Grid B, block 128, dynamic shared
 // memory (1 + max_budget) * 76 + L * ks * 8 bytes, ks = max(1, min(K, max_budget)), plus
-// cap * 28 + 8 bytes of pool for the level variant (cap is ignored by the heap-only one).
-#define TREE_BUILD_ENTRY(NAME, J, LEVEL)                                                            \
+// cap * 28 + 8 bytes of pool for the level variant, cap * 36 + 8 + (max_budget + 64) * 24 for the
+// prune one (cap is ignored by the heap-only one).
+#define TREE_BUILD_ENTRY(NAME, J, MODE)                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                    \
       const float* __restrict__ logq, const int* __restrict__ ids, int L, int K,                    \
       const int* __restrict__ root_tokens, const int* __restrict__ budgets,                         \
       const int* __restrict__ depths, const int* __restrict__ prefix_lens, int max_budget, int ks,  \
       int W, int cap, int* tokens, int* parents, int* node_depth, int* positions, int* num_nodes,   \
       unsigned long long* mask, int* first_child, int* next_sibling, double* scores) {              \
-    build<J, LEVEL>(logq, ids, L, K, root_tokens, budgets, depths, prefix_lens, max_budget, ks, W,  \
+    build<J, MODE>(logq, ids, L, K, root_tokens, budgets, depths, prefix_lens, max_budget, ks, W,  \
                     cap, tokens, parents, node_depth, positions, num_nodes, mask, first_child,      \
                     next_sibling, scores);                                                          \
   }
 
-TREE_BUILD_ENTRY(tree_build_j3, 3, false)
-TREE_BUILD_ENTRY(tree_build_j9, 9, false)
-TREE_BUILD_ENTRY(tree_build_j17, 17, false)
-TREE_BUILD_ENTRY(tree_build_level_j3, 3, true)
-TREE_BUILD_ENTRY(tree_build_level_j9, 9, true)
-TREE_BUILD_ENTRY(tree_build_level_j17, 17, true)
+TREE_BUILD_ENTRY(tree_build_j3, 3, 0)
+TREE_BUILD_ENTRY(tree_build_j9, 9, 0)
+TREE_BUILD_ENTRY(tree_build_j17, 17, 0)
+TREE_BUILD_ENTRY(tree_build_level_j3, 3, 1)
+TREE_BUILD_ENTRY(tree_build_level_j9, 9, 1)
+TREE_BUILD_ENTRY(tree_build_level_j17, 17, 1)
+TREE_BUILD_ENTRY(tree_build_prune_j3, 3, 2)
+TREE_BUILD_ENTRY(tree_build_prune_j9, 9, 2)
+TREE_BUILD_ENTRY(tree_build_prune_j17, 17, 2)

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Tree build and accept, old kernel variants against the new ones: time (CUDA events, L2 flushed,
-median) at batch {1, 8, 32, 64} x budget {16, 64, 256, 512}, depth 7, V = 163840 Zipf drafter
-logits through TreeBuffers, with the heapq reference's time and a bit-for-bit check of both build
-variants against it. Prints one table; about a minute on an H200."""
+"""Tree build and accept, every kernel variant: time (CUDA events, L2 flushed, median) at batch
+{1, 8, 32, 64} x budget {16, 64, 256, 512}, depth 7, V = 163840 Zipf drafter logits through
+TreeBuffers, with the heapq reference's time, a bit-for-bit check of every build variant against
+it, and the latency floor of one and of two back-to-back kernels of the same grid (launch plus one
+dependent memory trip each; bench_ceiling.cu's latency_floor_kernel). Prints one table; about a
+minute on an H200."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import time
 import numpy as np
 
 from ddtree_rtc.backend import Backend
-from ddtree_rtc.bench.harness import time_gpu
+from ddtree_rtc.bench.harness import latency_floor_us, time_gpu
 from ddtree_rtc.bench.tree import DEPTH, VOCAB, target_choices, zipf_logits
 from ddtree_rtc.kernels.tree_accept import tree_accept_variant
-from ddtree_rtc.kernels.tree_build import tree_build_variant
+from ddtree_rtc.kernels.tree_build import VARIANTS, default_variant, tree_build_variant
 from ddtree_rtc.reference.tree_build import tree_build as ref_tree_build
 from ddtree_rtc.spec.tree import TreeBuffers, TreeShape
 
@@ -49,7 +51,7 @@ def case(batch: int, budget: int, rng) -> dict:
     ref = ref_tree_build(*host)
     ref_us = (time.perf_counter() - t0) * 1e6
     row = {"batch": batch, "budget": budget, "heapq_us": ref_us}
-    for v in ("heap", "level"):
+    for v in VARIANTS:
         row[f"build_{v}_us"] = time_gpu(lambda v=v: tree_build_variant(v, *inputs, out=bufs.tree)).median_us
         tree_build_variant(v, *inputs, out=bufs.tree)
         row[f"build_{v}_ok"] = same_tree(bufs.tree, ref)
@@ -57,7 +59,9 @@ def case(batch: int, budget: int, rng) -> dict:
     for v in ("scan", "table"):
         accept = lambda v=v: tree_accept_variant(v, bufs.tree, choices, out=bufs.result)  # noqa: E731
         row[f"accept_{v}_us"] = time_gpu(accept).median_us
-    row["both_new_us"] = time_gpu(lambda: (tree_build_variant("level", *inputs, out=bufs.tree),
+    row["floor1_us"], row["floor2_us"] = latency_floor_us(batch), latency_floor_us(batch, kernels=2)
+    best = default_variant(budget)
+    row["both_new_us"] = time_gpu(lambda: (tree_build_variant(best, *inputs, out=bufs.tree),
                                            tree_accept_variant("table", bufs.tree, choices, out=bufs.result))).median_us
     return row
 
@@ -65,14 +69,15 @@ def case(batch: int, budget: int, rng) -> dict:
 def main():
     rng = np.random.default_rng(0)
     rows = [case(b, n, rng) for b in BATCHES for n in BUDGETS]
-    head = ("batch", "budget", "heapq us", "build heap", "build level", "accept scan", "accept table",
-            "level+table", "x heapq", "exact heap/level")
+    head = ("batch", "budget", "heapq us", *(f"build {v}" for v in VARIANTS), "accept scan", "accept table",
+            "default+table", "x heapq", "floor 1 / 2 kernels", f"exact {'/'.join(VARIANTS)}")
     print(" | ".join(head))
     for r in rows:
-        print(" | ".join((f"{r['batch']}", f"{r['budget']}", f"{r['heapq_us']:.0f}", f"{r['build_heap_us']:.2f}",
-                          f"{r['build_level_us']:.2f}", f"{r['accept_scan_us']:.2f}", f"{r['accept_table_us']:.2f}",
-                          f"{r['both_new_us']:.2f}", f"{r['heapq_us'] / r['both_new_us']:.0f}",
-                          f"{r['build_heap_ok']}/{r['build_level_ok']}")))
+        print(" | ".join((f"{r['batch']}", f"{r['budget']}", f"{r['heapq_us']:.0f}",
+                          *(f"{r[f'build_{v}_us']:.2f}" for v in VARIANTS), f"{r['accept_scan_us']:.2f}",
+                          f"{r['accept_table_us']:.2f}", f"{r['both_new_us']:.2f}",
+                          f"{r['heapq_us'] / r['both_new_us']:.0f}", f"{r['floor1_us']:.2f} / {r['floor2_us']:.2f}",
+                          "/".join(str(r[f"build_{v}_ok"]) for v in VARIANTS))))
 
 
 if __name__ == "__main__":

@@ -94,6 +94,27 @@ def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / t.median_us / 1e3
 
 
+@functools.cache
+def latency_floor_us(blocks: int, kernels: int = 1, trips: int = 1) -> float:
+    """Median µs (timed as time_gpu times, L2 flushed) of ``kernels`` launches back to back, each
+    ``blocks`` blocks of 128 threads making ``trips`` dependent global loads and one store: the floor
+    of a latency-bound per-request kernel (launch + memory round trips, nothing computed)."""
+    import cupy
+
+    from ..kernels.registry import module
+
+    n = 1 << 22
+    src = cupy.asarray(((np.arange(n, dtype=np.int64) * 7919 + 1_048_573) % n).astype(np.int32))
+    dst = cupy.zeros(max(blocks, 1), dtype=np.int32)
+    fn = module("bench_ceiling").fn("latency_floor_kernel")
+
+    def run():
+        for _ in range(kernels):
+            fn((blocks,), (128,), (src, np.int32(trips), dst))
+
+    return time_gpu(run, warmup=3, iters=30).median_us
+
+
 def random_bf16_device(shape, scale: float = 1.0, seed: int = 0):
     """Random bf16 (uint16 bits) made on the GPU: round-to-nearest of normal fp32 samples."""
     import cupy

@@ -25,9 +25,10 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "each chunk copied to shared memory; slices: the older one-block-per-slice kernel)",
                params={"TOPK_CAP": 8192, "TOPK_STREAM_BLOCKS": 2, "TOPK_PROFILE": 0}),
     KernelSpec("tree_build", ("tree_build_j3", "tree_build_j9", "tree_build_j17", "tree_build_level_j3",
-                              "tree_build_level_j9", "tree_build_level_j17"),
+                              "tree_build_level_j9", "tree_build_level_j17", "tree_build_prune_j3",
+                              "tree_build_prune_j9", "tree_build_prune_j17"),
                "DDTree best-first tree build per request, bit-identical to the heapq reference",
-               params={"TREE_PROFILE": 0}),
+               params={"TREE_PROFILE": 0, "TREE_THREADS": 512}),
     KernelSpec("tree_accept", ("tree_accept_kernel", "tree_accept_table_kernel"),
                "DDTree acceptance walk: follow the children matching the target's choices"),
     # -- INT4 MoE (issue: MoE) --
@@ -50,9 +51,11 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "absorbed MLA attention over the paged latent cache (decode / tree verify / causal "
                "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge",
                arch_specific=True),
-    KernelSpec("bench_ceiling", ("read_stream_kernel", "copy_stream_kernel", "gate_wait_kernel"),
+    KernelSpec("bench_ceiling", ("read_stream_kernel", "copy_stream_kernel", "gate_wait_kernel",
+                                 "latency_floor_kernel"),
                "streaming read and copy kernels that measure the memory ceilings for benchmarks; a "
-               "host-released gate that lets a benchmark queue a whole step before it runs"),
+               "host-released gate that lets a benchmark queue a whole step before it runs; a kernel "
+               "of dependent loads that gives a small kernel's latency floor"),
 )}
 
 

@@ -21,12 +21,20 @@ from ..reference.tree_build import TreeArrays, alloc_tree, check_build_args, mas
 from ._args import allow_dynamic_smem, check
 from .registry import module
 
-_THREADS = 128  # fixed by the kernel
 # per node slot: score, 3-word tuple code; heap slot key, score, rank, last child; parent, rank, depth,
 # first child, next sibling
 _SMEM_PER_SLOT = 8 + 3 * 8 + 8 + 8 + 4 + 4 + 5 * 4
 _SMEM_PER_POOL_ENTRY = 8 + 5 * 4  # level variant: score; parent, pred, rank, depth, node
-VARIANTS = ("heap", "level")
+_SMEM_PER_PRUNE_ENTRY = 2 * 8 + 5 * 4  # prune variant: score, list score; parent, rank, depth, node, list
+_PRUNE_LIST_EXTRA = 63  # prune variant: tuple codes (3 words) for 1 + max_budget + this listed entries
+VARIANTS = ("heap", "level", "prune")
+
+
+def block_threads() -> int:
+    """Threads per block the module is built with (its TREE_THREADS parameter)."""
+    from .registry import spec
+
+    return int(spec("tree_build").params["TREE_THREADS"])
 
 
 def pool_capacity(max_budget: int) -> int:
@@ -57,7 +65,7 @@ def _check_out(out: TreeArrays, batch: int, max_budget: int, max_depth: int) -> 
 def default_variant(max_budget: int) -> str:
     """The variant ``tree_build`` runs for this max_budget (both give identical trees): level at
     every budget up to MAX_BUDGET (see the module docstring)."""
-    return "level"
+    return "prune"
 
 
 def tree_build(logq, ids, root_tokens, budgets, depths, prefix_lens, max_budget: int, out=None):
@@ -89,12 +97,14 @@ def tree_build_variant(variant: str, logq, ids, root_tokens, budgets, depths, pr
     ks = max(1, min(k, max_budget))
     smem = (max_budget + 1) * _SMEM_PER_SLOT + l * ks * 8  # + the staged [L, ks] log-probs and ids
     cap = pool_capacity(max_budget)
-    if variant == "level":
-        smem += cap * _SMEM_PER_POOL_ENTRY + 8  # + 8: the pool's doubles are 8-byte aligned
-    name = "tree_build_level" if variant == "level" else "tree_build"
+    if variant != "heap":  # + 8: the pool's doubles are 8-byte aligned
+        smem += cap * (_SMEM_PER_POOL_ENTRY if variant == "level" else _SMEM_PER_PRUNE_ENTRY) + 8
+        if variant == "prune":
+            smem += (max_budget + 1 + _PRUNE_LIST_EXTRA) * 3 * 8
+    name = "tree_build" if variant == "heap" else f"tree_build_{variant}"
     fn = module("tree_build").fn(f"{name}_j{_variant(max_budget)}")
     allow_dynamic_smem(fn, smem)  # also under 48 KB: static shared memory counts against that default
-    fn((b,), (_THREADS,),
+    fn((b,), (block_threads(),),
        (logq, ids, np.int32(l), np.int32(k), root_tokens, budgets, depths, prefix_lens, np.int32(max_budget),
         np.int32(ks), np.int32(mask_words(max_budget)), np.int32(cap), out.tokens, out.parents, out.node_depth,
         out.positions, out.num_nodes, out.mask, out.first_child, out.next_sibling, out.scores),
