@@ -3,14 +3,14 @@ algorithm and every output rule are in ddtree_rtc/reference/tree_build.py, which
 bit for bit (nodes, order, scores, masks). One graph-capturable launch for the whole batch.
 
 Variants: ``"heap"`` runs the sequential heap loop; ``"level"`` builds depth by depth in parallel and
-falls back per request to the heap loop where its exactness conditions fail. The default picks by
-``max_budget`` from the H200 timings (2026-12-03, batch 1 and 32, depth 7, V = 163840, Zipf logits,
-both bit-identical to heapq, L2 flushed): level (budget 16: 11-12 us, 64: 24 us, 256: 150 us, 512:
-549-593 us) beats the heap loop (14-15, 40-41, 219-220, 602-607 us) at every budget since the level
-pool is addressed as shared memory (it had been going through generic loads: 812-882 us at 512), so
-it is the default at every budget; the heap loop stays as the fallback and a variant. Inside one
-block the heap loop costs ~1000 SM cycles per pop (one warp's dependent chain), the level build ~500
-cycles per node at budget 64; staging and the outputs ~3500 cycles (cuda_src/tree_build.cu,
+falls back per request to the heap loop where its exactness conditions fail; ``"prune"`` (the
+default) is the level build with tau a histogram lower bound instead of the exact budget-th score
+(no quadratic step), contiguous chains and a ranking of only the narrowed final list. H200 timings
+(2026-12-03, `tools/tree_compare.py`, depth 7, V = 163840, Zipf logits, L2 flushed, all three
+bit-identical to heapq; TREE_THREADS = 512): budget 16: prune 10.1-10.8 us, level 11.6-13.1, heap
+14.1-14.7; 64: 13.6-14.5 / 23.9-25.6 / 39-40; 256: 31.7-35.1 / 66-68 / 220-222; 512: 67.6-71.9 /
+221-238 / 596-601 us. Inside one block the heap loop costs ~1000 SM cycles per pop, the prune build
+~15 k cycles in all at budget 64, staging and the outputs ~3600 cycles (cuda_src/tree_build.cu,
 TREE_PROFILE)."""
 
 from __future__ import annotations
