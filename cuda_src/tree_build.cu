@@ -422,7 +422,7 @@ struct PrunePool {
   int* parent;     // [cap] parent entry (-1: the root)
   int* rank;       // [cap]
   int* depth;      // [cap]
-  int* node;       // [cap] node index of a listed entry, -1 if listed but not kept
+  int* node;       // [cap] a listed entry: how many listed entries rank before it (node = 1 + that)
   int* list;       // [cap] entries reaching the final bound
 };
 
@@ -667,8 +667,23 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
     if (in) {
       q.list[at] = e;
       q.lkey[at] = key;
+      q.node[e] = 0;
+      if (at < lcap) {  // its rank-tuple code, from its ancestors (used if every listed entry has one)
+        unsigned long long c0 = 0ull, c1 = 0ull, c2 = 0ull;  // scalars: an indexed array goes to local memory
+        for (int a = e; a >= 0; a = q.parent[a]) {  // <= 16 steps
+          const int dd = q.depth[a], w = code_word(dd);
+          const unsigned long long f = field(dd, q.rank[a]);
+          c0 |= w == 0 ? f : 0ull;
+          c1 |= w == 1 ? f : 0ull;
+          c2 |= w == 2 ? f : 0ull;
+        }
+        q.lcode[at * CODE_WORDS] = c0;
+        q.lcode[at * CODE_WORDS + 1] = c1;
+        q.lcode[at * CODE_WORDS + 2] = c2;
+      }
     }
   }
+  static_assert(CODE_WORDS == 3, "the code words above");
   __syncthreads();
   const int m = sh.n_list;
   PRUNE_STAMP();  // listed
@@ -677,24 +692,6 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
   // taking every h-th other entry, summed with shared atomics (a lone warp per scheduler pays
   // for every instruction it issues, so fewer per thread is what shortens this).
   const bool codes = m <= lcap;  // rank-tuple codes for ties; else pairs walk their ancestors
-  for (int i = tid; i < m; i += THREADS) {
-    q.node[q.list[i]] = 0;
-    if (codes) {
-      unsigned long long c0 = 0ull, c1 = 0ull, c2 = 0ull;  // scalars: an indexed array goes to local memory
-      for (int a = q.list[i]; a >= 0; a = q.parent[a]) {  // <= 16 steps
-        const int dd = q.depth[a], w = code_word(dd);
-        const unsigned long long f = field(dd, q.rank[a]);
-        c0 |= w == 0 ? f : 0ull;
-        c1 |= w == 1 ? f : 0ull;
-        c2 |= w == 2 ? f : 0ull;
-      }
-      q.lcode[i * CODE_WORDS] = c0;
-      q.lcode[i * CODE_WORDS + 1] = c1;
-      q.lcode[i * CODE_WORDS + 2] = c2;
-    }
-  }
-  static_assert(CODE_WORDS == 3, "the code words above");
-  __syncthreads();
   const int h = m > 0 ? max(1, min(THREADS / m, 32)) : 1;
   for (int t = tid; t < m * h; t += THREADS) {
     const int i = t % m, part = t / m, e = q.list[i];
@@ -722,23 +719,18 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
     if (before) atomicAdd(&q.node[e], before);
   }
   __syncthreads();
-  for (int i = tid; i < m; i += THREADS) {
-    const int e = q.list[i], before = q.node[e];
-    q.node[e] = before < n ? before + 1 : -1;
-  }
-  __syncthreads();
   PRUNE_STAMP();  // ranked
-  for (int i = tid; i < m; i += THREADS) {
-    const int e = q.list[i], node = q.node[e];
-    if (node < 0) continue;
+  for (int i = tid; i < m; i += THREADS) {  // the first n in that order are nodes 1..n
+    const int e = q.list[i], node = q.node[e] + 1;
+    if (node > n) continue;
     const int pe = q.parent[e], r = q.rank[e];
-    const int p = pe < 0 ? 0 : q.node[pe];  // kept: the kept set is prefix-closed
+    const int p = pe < 0 ? 0 : q.node[pe] + 1;  // kept: the kept set is prefix-closed
     s.score[node] = q.score[e];
     s.parent[node] = p;
     s.rank[node] = r;
     s.depth[node] = q.depth[e];
     if (r == 0) s.first_child[p] = node;
-    else s.next_sibling[q.node[e - 1]] = node;  // chains are contiguous: e - 1 is sibling r - 1
+    else s.next_sibling[q.node[e - 1] + 1] = node;  // chains are contiguous: e - 1 is sibling r - 1
   }
   PRUNE_STAMP();  // nodes written
 #undef PRUNE_STAMP
