@@ -7,8 +7,15 @@ error ||a - b|| / ||b|| must be under the dtype's tolerance and every element wi
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 from ml_dtypes import bfloat16
+
+from .engine.kv_cache import PagedKVCache
+from .model.moe import MoELayerWeights
+from .model.target import ForwardBatch, TargetModel
+from .reference.moe_routing import descending, group_scores, limit_to_groups, selection_scores
 
 # (relative-norm tolerance, elementwise rtol, elementwise atol)
 TOLERANCES = {
@@ -79,11 +86,94 @@ def to_device_bf16(a: np.ndarray):
 def last_logits(model, tokens, page_size: int = 16) -> np.ndarray:
     """A TargetModel's logits (float64, host) at the last of ``tokens``: one causal prefill on a
     fresh paged cache, the reference point tests use to judge a greedy divergence."""
-    from .engine.kv_cache import PagedKVCache
-    from .model.target import ForwardBatch
-
     tokens = list(tokens)
     cache = PagedKVCache(model.backend, model.num_layers, -(-len(tokens) // page_size), page_size)
     cache.reserve(0, len(tokens))
     out = model.forward(ForwardBatch.causal([0], [0], [tokens]), cache, output="logits").logits
     return model.backend.to_host(out).astype(np.float64).reshape(-1, model.cfg.vocab_size)[-1]
+
+
+@dataclass(frozen=True)
+class RoutePick:
+    """One token's routing decision in one MoE layer: the kept groups (all of them when the routing
+    is not group-limited) and the picked experts, ascending, and how close each choice was: the
+    selection-score gap between the last kept group / picked expert and the best one left out
+    (inf where none is left out); ``scores``: the selection scores (fp32 [E], before the group limit)."""
+
+    groups: tuple
+    experts: tuple
+    group_margin: float
+    expert_margin: float
+    scores: np.ndarray = field(repr=False, compare=False)
+
+    def flip_margin(self, other: RoutePick) -> float | None:
+        """None when ``other`` made the same choice; else how clear the differing choice was in the
+        clearer of the two: the group margin if the groups differ, else the expert margin."""
+        if self.groups != other.groups:
+            return max(self.group_margin, other.group_margin)
+        if self.experts != other.experts:
+            return max(self.expert_margin, other.expert_margin)
+        return None
+
+
+def _gaps(scores: np.ndarray, order: np.ndarray, k: int) -> np.ndarray:
+    """scores[order[k-1]] - scores[order[k]] per row, float64; inf where nothing finite is left out."""
+    if k >= scores.shape[1]:
+        return np.full(len(scores), np.inf)
+    pick = np.take_along_axis(scores, order[:, k - 1:k + 1], axis=-1).astype(np.float64)
+    gap = pick[:, 0] - pick[:, 1]
+    return np.where(np.isnan(gap), np.inf, gap)
+
+
+def route_picks(model: TargetModel, layer: int, x) -> list[RoutePick]:
+    """The routing decision of MoE layer ``layer`` for each row of its MLP input ``x`` [T, H]:
+    the backend's router logits over all of ``x`` (as the layer computes them: a row's sums can
+    depend on the rows beside it), then the reference routing's selection and group scores."""
+    be, rc, mlp = model.backend, model.routing, model.layers[layer].mlp
+    logits_dev = be.router_logits(x, mlp.gate_weight)
+    bias_dev = mlp.e_score_correction_bias
+    logits = be.to_host(logits_dev)
+    bias = None if bias_dev is None else be.to_host(bias_dev)
+    _, scores = selection_scores(logits, bias)
+    b = scores
+    groups = np.broadcast_to(np.arange(rc.n_group), (len(b), rc.n_group))
+    group_margin = np.full(len(b), np.inf)
+    if rc.n_group > 1:
+        gscore = group_scores(b, rc.n_group)
+        gorder = descending(gscore)
+        groups, group_margin = np.sort(gorder[:, :rc.topk_group], axis=-1), _gaps(gscore, gorder, rc.topk_group)
+        b = limit_to_groups(b, rc.n_group, rc.topk_group)
+    order = descending(b)
+    experts, expert_margin = np.sort(order[:, :rc.top_k], axis=-1), _gaps(b, order, rc.top_k)
+    ids, _ = be.moe_route(logits_dev, bias_dev, rc.top_k, rc.n_group, rc.topk_group)
+    if not np.array_equal(np.sort(be.to_host(ids), axis=-1), experts):
+        raise AssertionError(f"layer {layer}: route_picks disagrees with the backend's moe_route")
+    return [RoutePick(tuple(g.tolist()), tuple(e.tolist()), float(gm), float(em), sc)
+            for g, e, gm, em, sc in zip(groups, experts, group_margin, expert_margin, scores)]
+
+
+class RouteRecorder(TargetModel):
+    """``model`` (the same weights and backend) recording the routing of every token it runs:
+    ``picks[(seq_id, i)]`` = {MoE layer: RoutePick} for token i of sequence seq_id (cache position
+    ctx + j; a token run again keeps its latest). Hand it to an Engine to see the experts each token
+    really went to in that run, batch neighbours' rounding included."""
+
+    def __init__(self, model: TargetModel):
+        self.__dict__.update(model.__dict__)
+        self.picks: dict = {}
+
+    def run(self, inputs, cache, output="argmax", hidden_layers=(), moe_plan=None, mark=None):
+        b = inputs.batch
+        keys = [(s, int(c) + j) for s, c, n in zip(b.seq_ids, b.ctx_lens, b.num_new) for j in range(int(n))]
+        rows = [{} for _ in keys]
+
+        def record(stage, layer, x):
+            if mark is not None:
+                mark(stage, layer, x)
+            if stage == "mlp" and isinstance(self.layers[layer].mlp, MoELayerWeights):
+                for row, pick in zip(rows, route_picks(self, layer, x)):
+                    row[layer] = pick
+
+        out = super().run(inputs, cache, output, hidden_layers, moe_plan, record)
+        self.picks.update(zip(keys, rows))
+        return out

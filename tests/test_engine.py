@@ -14,7 +14,7 @@ from ddtree_rtc.engine.request import Request, RequestError
 from ddtree_rtc.model.config import preset_config
 from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
-from ddtree_rtc.testing import assert_close, last_logits
+from ddtree_rtc.testing import RouteRecorder, assert_close, last_logits
 
 
 @pytest.fixture(scope="module")
@@ -51,24 +51,59 @@ def test_hidden_states_are_returned(tiny):
     assert out.tokens.shape == (1,)
 
 
+# Batch shape moves the tiny model's router selection scores by rounding only (< 0.007 seen over
+# 2000 seeded runs, two OpenBLAS kernels) and so flips only near-tied choices (margins < 0.0062
+# seen over 472 flips); more is a bug.
+SCORE_TOL = 0.02
+NEAR_TIE = 0.01
+
+
 def test_batched_engine_equals_one_at_a_time(tiny, rng):
-    """Greedy tokens agree wherever the choice is clear: a divergence is allowed only at a near-tie
-    (batch size changes the summation order of the matmuls)."""
+    """Batched and alone runs agree unless rounding explains the difference. Batch size changes the
+    summation order of the matmuls, so an activation can round 1 bf16 ulp apart; that can flip a
+    near-tied MoE routing choice, and a flipped pick moves the logits a lot. So, per request and up
+    to its first differing token, the routing each token really got in the two runs is compared in
+    (token, layer) order, except where an earlier flip (at this or an earlier token, in an earlier
+    layer) feeds it: the selection scores must agree within SCORE_TOL, and a differing choice must
+    be a near-tie (margin < NEAR_TIE) in both runs. A differing token is allowed after such a flip
+    (at this or an earlier token), or, with no flip before it, only at a logit near-tie."""
     prompts = [rng.integers(3, 1000, n).tolist() for n in (4, 9, 17, 6, 30)]
-    batched = Engine(tiny, max_batch=3, page_size=16, max_context=64).run(
+    batched_model = RouteRecorder(tiny)
+    batched = Engine(batched_model, max_batch=3, page_size=16, max_context=64).run(
         [Request(i, p, 7) for i, p in enumerate(prompts)])
     for r in batched:
-        alone = Engine(tiny, max_batch=1, page_size=16, max_context=64).run([Request(0, prompts[r.rid], 7)])[0]
+        alone_model = RouteRecorder(tiny)
+        alone = Engine(alone_model, max_batch=1, page_size=16, max_context=64).run([Request(0, prompts[r.rid], 7)])[0]
         for out in (r, alone):  # the full 7 tokens, or fewer ending on EOS
             assert len(out.output) == 7 or (out.finish.value == "eos" and len(out.output) < 7), out
         diff = [k for k, (a, b) in enumerate(zip(alone.output, r.output)) if a != b]
         if not diff:  # same tokens: the same EOS (if any) ends both
             assert len(alone.output) == len(r.output)
-        else:
-            k = diff[0]
+        # tokens 0 .. n+k-1 are the same in both runs (prompt, then output[:k]); all but the last output ran
+        n, k = len(prompts[r.rid]), diff[0] if diff else len(alone.output)
+        flips = []  # (token, layer) of the near-tie flips
+        for i in range(min(n + k, n + len(alone.output) - 1)):
+            for layer, want in sorted(alone_model.picks[(0, i)].items()):
+                if any(t <= i and lay < layer for t, lay in flips):
+                    continue  # fed by an earlier flip: anything goes
+                got = batched_model.picks[(r.rid, i)][layer]
+                where = f"request {r.rid}, token {i} (prompt length {n}), layer {layer}"
+                moved = float(np.abs(got.scores - want.scores).max())
+                assert moved < SCORE_TOL, (
+                    f"{where}: router selection scores {moved:.4f} apart batched vs alone (>= {SCORE_TOL}), "
+                    f"with no routing flip before")
+                margin = got.flip_margin(want)
+                if margin is None:
+                    continue
+                assert margin < NEAR_TIE, (
+                    f"{where}: routed {got} batched but {want} alone, a clear choice "
+                    f"(margin {margin:.4f} >= {NEAR_TIE})")
+                flips.append((i, layer))
+        if diff and not flips:
             logits = last_logits(tiny, prompts[r.rid] + alone.output[:k]).astype(np.float32)
             gap = abs(logits[alone.output[k]] - logits[r.output[k]])
-            assert gap < 0.05 * np.abs(logits).max(), f"request {r.rid} diverged at {k} with a clear margin {gap}"
+            assert gap < 0.05 * np.abs(logits).max(), (
+                f"request {r.rid} diverged at output {k} with a clear logit margin {gap} and no routing flip before")
 
 
 def test_engine_stops_on_eos_and_frees_pages(tiny):

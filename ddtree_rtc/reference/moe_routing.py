@@ -59,26 +59,48 @@ def sigmoid_f32(logits) -> np.ndarray:
         return (1.0 / (1.0 + np.exp(-np.asarray(logits, dtype=np.float64)))).astype(np.float32)
 
 
+def selection_scores(logits, bias) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 logits [M, E], bias fp32 [E] or None -> (s, b): the sigmoid scores s (what the weights
+    are made of) and the selection scores b = s + bias (fp32, NaN -> -inf) that pick groups and experts."""
+    s = sigmoid_f32(logits)
+    b = s if bias is None else s + np.asarray(bias, dtype=np.float32)[None, :]
+    return s, np.where(np.isnan(b), np.float32(-np.inf), b).astype(np.float32)
+
+
+def descending(scores) -> np.ndarray:
+    """Indices by descending score along the last axis; equal scores keep the lower index first."""
+    return np.argsort(-scores, axis=-1, kind="stable")
+
+
+def group_scores(b, n_group: int) -> np.ndarray:
+    """Selection scores b [M, E] -> group scores [M, n_group]: the sum of each group's two largest
+    (-inf for every group when groups hold one expert)."""
+    m, e = b.shape
+    gs = e // n_group
+    top2 = -np.sort(-b.reshape(m, n_group, gs), axis=-1, kind="stable")[..., :2]
+    return (top2[..., 0] + top2[..., 1]) if gs > 1 else top2[..., 0] + np.float32(-np.inf)
+
+
+def limit_to_groups(b, n_group: int, topk_group: int) -> np.ndarray:
+    """Selection scores b [M, E] with the experts outside each row's ``topk_group`` best groups
+    (by ``group_scores``) set to -inf."""
+    m, e = b.shape
+    keep = np.zeros((m, n_group), dtype=bool)
+    np.put_along_axis(keep, descending(group_scores(b, n_group))[:, :topk_group], True, axis=-1)
+    return np.where(np.repeat(keep, e // n_group, axis=1), b, np.float32(-np.inf))
+
+
 def moe_route(logits, bias, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
               routed_scaling_factor: float = 1.0, out_ids=None, out_weights=None):
     """logits fp32 [M, E], bias fp32 [E] or None -> (ids int32 [M, top_k], weights fp32 [M, top_k])."""
     logits = np.asarray(logits)
     if logits.ndim != 2 or logits.dtype != np.float32:
         raise ValueError(f"logits: expected fp32 [M, E], got {logits.dtype} {logits.shape}")
-    m, e = logits.shape
-    check_route_args(e, top_k, n_group, topk_group)
-    s = sigmoid_f32(logits)
-    b = s if bias is None else s + np.asarray(bias, dtype=np.float32)[None, :]
-    b = np.where(np.isnan(b), np.float32(-np.inf), b).astype(np.float32)
+    check_route_args(logits.shape[1], top_k, n_group, topk_group)
+    s, b = selection_scores(logits, bias)
     if n_group > 1:
-        gs = e // n_group
-        top2 = -np.sort(-b.reshape(m, n_group, gs), axis=-1, kind="stable")[..., :2]
-        gscore = (top2[..., 0] + top2[..., 1]) if gs > 1 else top2[..., 0] + np.float32(-np.inf)
-        gorder = np.argsort(-gscore, axis=-1, kind="stable")  # stable: ties -> lower group index
-        keep = np.zeros((m, n_group), dtype=bool)
-        np.put_along_axis(keep, gorder[:, :topk_group], True, axis=-1)
-        b = np.where(np.repeat(keep, gs, axis=1), b, np.float32(-np.inf))
-    ids = np.argsort(-b, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+        b = limit_to_groups(b, n_group, topk_group)
+    ids = descending(b)[:, :top_k].astype(np.int32)
     w = np.take_along_axis(s, ids, axis=-1)
     if norm_topk_prob:
         total = w[:, 0].copy()
