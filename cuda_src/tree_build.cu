@@ -276,18 +276,23 @@ __device__ __forceinline__ Pool carve_pool(unsigned char* base, int cap) {
   return q;
 }
 
-// Rank-tuple order of two distinct pool entries (the pool twin of the heap's tuple codes).
-__device__ __noinline__ bool pool_tuple_less(const Pool& q, int a, int b) {
-  int da = q.depth[a], db = q.depth[b];
+// Rank-tuple order of two distinct pool entries, from their parent / rank / depth links (the pool
+// twin of the heap's tuple codes; the level and prune pools both call it).
+__device__ __noinline__ bool entry_tuple_less(const int* parent, const int* rank, const int* depth, int a, int b) {
+  int da = depth[a], db = depth[b];
   const bool a_shorter = da < db;
-  for (; da > db; --da) a = q.parent[a];
-  for (; db > da; --db) b = q.parent[b];
+  for (; da > db; --da) a = parent[a];
+  for (; db > da; --db) b = parent[b];
   if (a == b) return a_shorter;
-  while (q.parent[a] != q.parent[b]) {
-    a = q.parent[a];
-    b = q.parent[b];
+  while (parent[a] != parent[b]) {
+    a = parent[a];
+    b = parent[b];
   }
-  return q.rank[a] < q.rank[b];
+  return rank[a] < rank[b];
+}
+
+__device__ __forceinline__ bool pool_tuple_less(const Pool& q, int a, int b) {
+  return entry_tuple_less(q.parent, q.rank, q.depth, a, b);
 }
 
 struct LevelShared {
@@ -439,18 +444,8 @@ __device__ __forceinline__ PrunePool carve_prune(unsigned char* base, int cap, i
   return q;
 }
 
-// Rank-tuple order of two distinct pool entries (as pool_tuple_less, on the prune pool).
-__device__ __noinline__ bool prune_tuple_less(const PrunePool& q, int a, int b) {
-  int da = q.depth[a], db = q.depth[b];
-  const bool a_shorter = da < db;
-  for (; da > db; --da) a = q.parent[a];
-  for (; db > da; --db) b = q.parent[b];
-  if (a == b) return a_shorter;
-  while (q.parent[a] != q.parent[b]) {
-    a = q.parent[a];
-    b = q.parent[b];
-  }
-  return q.rank[a] < q.rank[b];
+__device__ __forceinline__ bool prune_tuple_less(const PrunePool& q, int a, int b) {
+  return entry_tuple_less(q.parent, q.rank, q.depth, a, b);
 }
 
 struct PruneShared {

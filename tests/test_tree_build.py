@@ -181,6 +181,22 @@ def test_bad_shapes_are_rejected():
 # ---------------------------------------------------------------- the level kernel's procedure (CPU)
 
 
+def entry_tuple_less(pool, a, b, depth: int, rank: int) -> bool:
+    """Rank-tuple order of two distinct pool entries (tuples with the parent entry at index 1 and
+    the depth and rank at the given indices), as the kernel's entry_tuple_less."""
+    da, db = pool[a][depth], pool[b][depth]
+    shorter = da < db
+    for _ in range(da - db):
+        a = pool[a][1]
+    for _ in range(db - da):
+        b = pool[b][1]
+    if a == b:
+        return shorter
+    while pool[a][1] != pool[b][1]:
+        a, b = pool[a][1], pool[b][1]
+    return pool[a][rank] < pool[b][rank]
+
+
 def level_build_model(lq, budget, depth, cap):
     """The procedure of cuda_src/tree_build.cu's level variant, step for step: grow a pool depth by
     depth (each depth-(d-1) entry walks its child chain while the score stays >= tau, tau = the
@@ -221,17 +237,7 @@ def level_build_model(lq, budget, depth, cap):
             tau = min(x for x in sc if sum(y > x for y in sc) < budget)
 
     def tuple_less(a, b):
-        da, db = pool[a][3], pool[b][3]
-        shorter = da < db
-        for _ in range(da - db):
-            a = pool[a][1]
-        for _ in range(db - da):
-            b = pool[b][1]
-        if a == b:
-            return shorter
-        while pool[a][1] != pool[b][1]:
-            a, b = pool[a][1], pool[b][1]
-        return pool[a][4] < pool[b][4]
+        return entry_tuple_less(pool, a, b, depth=3, rank=4)
 
     n = min(budget, len(pool))
     rank = [sum(sx > se or (sx == se and x != e and tuple_less(x, e)) for x, (sx, *_) in enumerate(pool))
@@ -350,17 +356,7 @@ def prune_build_model(lq, budget, depth, cap, slack=16):
     listed = [e for e in range(count) if ord64(pool[e][0]) >= tau]
 
     def tuple_less(a, b):
-        da, db = pool[a][2], pool[b][2]
-        shorter = da < db
-        for _ in range(da - db):
-            a = pool[a][1]
-        for _ in range(db - da):
-            b = pool[b][1]
-        if a == b:
-            return shorter
-        while pool[a][1] != pool[b][1]:
-            a, b = pool[a][1], pool[b][1]
-        return pool[a][3] < pool[b][3]
+        return entry_tuple_less(pool, a, b, depth=2, rank=3)
 
     node = {}
     for e in listed:
