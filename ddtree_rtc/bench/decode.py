@@ -23,7 +23,7 @@ import statistics
 import numpy as np
 from ml_dtypes import bfloat16
 
-from .harness import Row, random_bf16_device, read_ceiling_gbs, report, time_gpu
+from .harness import Row, flush_l2, random_bf16_device, read_ceiling_gbs, report, time_gpu
 
 PAGE = 64
 BATCHES = (1, 8, 32)
@@ -117,14 +117,14 @@ class Gate:
         self.flag[0] = 1
 
 
-def queued_stage_times(model, inputs, cache, moe_plan, flush, gate: Gate, reps: int):
+def queued_stage_times(model, inputs, cache, moe_plan, gate: Gate, reps: int):
     """Median GPU time of the whole step and of each stage, the step enqueued behind the gate."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
     totals, per_stage = [], []
     for _ in range(reps):
-        flush.fill(0)
+        flush_l2()
         gate.close()
         marks = [(None, None, cupy.cuda.Event())]
         marks[0][2].record(stream)
@@ -166,8 +166,6 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     from ..engine.cuda_graph import DecodeGraphs
     from ..engine.kv_cache import PagedKVCache
     from ..model.target import ForwardBatch
-    from .harness import flush_buffer
-
     row_bytes = model.dims.row * 2
     per_seq = -(-(ctx + 1) // PAGE)
     cache = PagedKVCache(model.backend, model.num_layers, batch * per_seq, PAGE, model.dims.row)
@@ -180,13 +178,12 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     inputs = model.prepare(step, cache)
     moe_plan = model.moe_plan(batch)
     touched = touched_experts(model, inputs, cache, moe_plan)
-    flush = flush_buffer()
 
     def eager():
         model.run(inputs, cache, output="logits", moe_plan=moe_plan)
 
     t_eager = time_gpu(eager, warmup=2, iters=iters).median_us
-    t_queued, stages = queued_stage_times(model, inputs, cache, moe_plan, flush, gate, iters)
+    t_queued, stages = queued_stage_times(model, inputs, cache, moe_plan, gate, iters)
     graphs = DecodeGraphs(model, cache, ctx + 1)
     graphs.forward(step)  # capture
     launch = graphs.graph_of(batch).launch

@@ -1,8 +1,10 @@
 """Timing and ceilings shared by every benchmark.
 
 Times with CUDA events after warm-up, median of many runs, the L2 flushed between timed runs
-(outside the timed region). Ceilings are measured in the same run: streaming read and device copy
-through our own 16-byte-access kernels, bf16 matmul through cuBLAS on random data.
+(outside the timed region: the flush buffer written, then read, so the timed run starts with an L2
+of clean lines that are no use to it; see ``flush_l2``). Ceilings are measured in the same run:
+streaming read and device copy through our own 16-byte-access kernels, bf16 matmul through cuBLAS
+on random data.
 """
 
 from __future__ import annotations
@@ -36,20 +38,49 @@ def flush_buffer():
     return cupy.empty(max(4 * l2, 256 << 20), dtype=cupy.uint8)
 
 
-def time_gpu(fn, warmup: int = 5, iters: int = 50, flush_l2: bool = True) -> Timing:
-    """Median/min/p90 of ``fn()`` (which enqueues GPU work on the current stream), in µs."""
+def flush_l2(i: int = 0, clean: bool = True) -> None:
+    """Evict the L2 on the current stream: write the flush buffer (several L2 sizes), then, with
+    ``clean``, read all of it back. The write alone leaves the L2 full of the buffer's dirty lines,
+    and the next kernel pays for writing them back (up to 50 MB on the H200, ~12 µs of HBM time
+    that no decode step spends: its L2 holds the previous kernels' few MB of outputs); the read
+    pass writes them back here, outside the timed region. ``clean=False`` is the write alone (the
+    harness before 2026-12-04; results committed before then were timed that way)."""
+    from ..kernels.registry import module
+
+    buf = flush_buffer()
+    buf.fill(i & 0xFF)
+    if clean:
+        n16 = buf.nbytes // 16
+        module("bench_ceiling").fn("l2_clean_kernel")((_sm_count() * 4,), (512,), (buf, np.int64(n16), _sink()))
+
+
+@functools.cache
+def _sink():
+    import cupy
+
+    return cupy.zeros(1, dtype=cupy.uint32)
+
+
+_flush = flush_l2
+
+
+def time_gpu(fn, warmup: int = 5, iters: int = 50, flush_l2: bool | str = True) -> Timing:
+    """Median/min/p90 of ``fn()`` (which enqueues GPU work on the current stream), in µs.
+    ``flush_l2``: True (clean flush before each timed run), "dirty" (the buffer written only, the
+    older way), False (none: the L2 as the previous run left it)."""
     import cupy
 
     for _ in range(warmup):
         fn()
     stream = cupy.cuda.get_current_stream()
     stream.synchronize()
-    flush = flush_buffer() if flush_l2 else None
+    if flush_l2 not in (True, False, "dirty"):
+        raise ValueError(f"flush_l2={flush_l2!r}: expected True, False or 'dirty'")
     starts = [cupy.cuda.Event() for _ in range(iters)]
     ends = [cupy.cuda.Event() for _ in range(iters)]
     for i in range(iters):
-        if flush is not None:
-            flush.fill(i & 0xFF)
+        if flush_l2:
+            _flush(i, clean=flush_l2 is True)
         starts[i].record(stream)
         fn()
         ends[i].record(stream)

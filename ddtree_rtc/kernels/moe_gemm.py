@@ -122,7 +122,9 @@ def default_stages() -> tuple[int, int]:
     """The ring depths cuda_src/moe_gemm.cu is built with by default (nt 1, nt 4). On the H200
     (2026-12-03, 128 K2.6-sized experts, M = 1, 2, 8, 32, 256) deeper rings never helped: (4, 4)
     was best or within 1% everywhere, (8, 4) 3-8% slower, (12, 4) and (8, 8) 15-40% slower (more
-    shared memory per CTA, fewer CTAs per SM); the parameter stays for other GPUs' sweeps."""
+    shared memory per CTA, fewer CTAs per SM); the parameter stays for other GPUs' sweeps. Later
+    (2026-12-04, K2.6, M = 16..1024) nt 4 went to 3 stages with MOE_MIN_CTAS_NT4 = 4 (128 registers,
+    four CTAs per SM): 1.5-4% faster at M >= 256, equal below."""
     p = spec("moe_gemm").params
     return p["MOE_STAGES_NT1"], p["MOE_STAGES_NT4"]
 
