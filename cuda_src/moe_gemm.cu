@@ -44,9 +44,15 @@ constexpr int kBlockBytes = 1152;
 // Minimum nt 4 CTAs per SM for __launch_bounds__: 4 caps the registers at 128 (no spills), so with
 // the 3-stage ring (52 KB) four CTAs = 16 warps share an SM. The nt 4 blocks of busy experts are
 // issue / latency bound (ncu, M = 1024: 57% issue slots busy, 1.0 eligible of 3 warps per
-// scheduler at 3 CTAs/SM); the fourth CTA gave 1.5-4% at M = 256..1024 on the H200.
+// scheduler at 3 CTAs/SM); the fourth CTA gave 1.5-4% at M = 256..1024 on the H200. Applied on
+// sm_90 only, where it was measured: on sm_100a the same cap spills 56 bytes, so other archs keep 1.
 #ifndef MOE_MIN_CTAS_NT4
 #define MOE_MIN_CTAS_NT4 4
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define MOE_NT4_BOUNDS MOE_MIN_CTAS_NT4
+#else
+#define MOE_NT4_BOUNDS 1
 #endif
 // cp.async ring depth per token tile (compile-time parameters; the host sizes shared memory from
 // the same values): the stages in flight are what keeps HBM busy when few CTAs share an SM.
@@ -364,10 +370,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_nt1_h(MOE_GEM
 extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_nt1_f32(MOE_GEMM_ARGS) {
   moe_gemm<1, 1>(MOE_GEMM_PASS);
 }
-extern "C" __global__ void __launch_bounds__(kThreads, MOE_MIN_CTAS_NT4) moe_gemm_nt4_h(MOE_GEMM_ARGS) {
+extern "C" __global__ void __launch_bounds__(kThreads, MOE_NT4_BOUNDS) moe_gemm_nt4_h(MOE_GEMM_ARGS) {
   moe_gemm<4, 0>(MOE_GEMM_PASS);
 }
-extern "C" __global__ void __launch_bounds__(kThreads, MOE_MIN_CTAS_NT4) moe_gemm_nt4_f32(MOE_GEMM_ARGS) {
+extern "C" __global__ void __launch_bounds__(kThreads, MOE_NT4_BOUNDS) moe_gemm_nt4_f32(MOE_GEMM_ARGS) {
   moe_gemm<4, 1>(MOE_GEMM_PASS);
 }
 
