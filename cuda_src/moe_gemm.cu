@@ -36,7 +36,7 @@ constexpr int kRowsPerCta = kWarps * kRowsPerWarp;
 constexpr int kStepK = 128;
 constexpr int kBlockBytes = 1152;
 #ifndef MOE_STAGES_NT1
-#define MOE_STAGES_NT1 4
+#define MOE_STAGES_NT1 3
 #endif
 #ifndef MOE_STAGES_NT4
 #define MOE_STAGES_NT4 3
