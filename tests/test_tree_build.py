@@ -387,10 +387,17 @@ def test_prune_procedure_equals_the_heap_loop(rng):
         depth = int(rng.integers(0, l + 1))
         cap = 4 * budget + 64
         got, listed = prune_build_model(lq, budget, depth, cap)
-        if (got is None) != (level_build_model(lq, budget, depth, cap) is None):
-            # the bounds differ (a histogram edge against the exact budget-th score), so only a
-            # full pool may differ between the two; a non-monotone step fails both
-            assert kind not in ("sorted", "equal"), (kind, l, k, budget, depth)
+        lev = level_build_model(lq, budget, depth, cap)
+        if (got is None) != (lev is None) and kind in ("sorted", "equal"):
+            # the bounds differ (a histogram edge against the exact budget-th score), so on rows
+            # without a non-monotone step only a full pool may differ: the side that fell back
+            # succeeds with room for every entry (seed 3295738292: prune's looser bound fills the
+            # 112-entry pool of budget 12, the level's exact one does not)
+            unbounded = 10**9
+            if got is None:
+                assert prune_build_model(lq, budget, depth, unbounded)[0] is not None, (kind, l, k, budget, depth)
+            else:
+                assert level_build_model(lq, budget, depth, unbounded) is not None, (kind, l, k, budget, depth)
         if got is None:
             continue
         want = build_one(lq, budget, depth)
