@@ -3,8 +3,6 @@
 //     token's scores in registers (entry = the smallest expert capacity >= E).
 //   moe_align_kernel: (token, slot) pairs grouped by expert into two block lists: experts with few
 //     pairs in `block`-pair runs, experts with many in `large_block`-pair runs.
-//   moe_route_align_e{64..1024}: both in one launch for few tokens (every CTA routes all tokens
-//     into shared memory, then aligns them; CTA 0 writes the ids and weights).
 // Exact rules (ties, NaN, sum order) are those of ddtree_rtc/reference/moe_routing.py.
 #include "common.cuh"
 
@@ -64,12 +62,14 @@ __device__ __forceinline__ void lane_best(const unsigned (&key)[EPL], const floa
 // One warp per token; lane l holds experts l + 32 j (j < EPL) in registers. top_k rounds of a
 // warp-wide max of the lanes' best keys (redux.sync), lowest expert index among the tied lanes;
 // only the winning lane rescans its registers.
-// Token m; `sel` = E floats of this warp's shared memory (used when n_group > 1).
 template <int EPL>
 __device__ __forceinline__ void route_token(const float* __restrict__ logits, const float* __restrict__ bias,
-                                            int m, int E, int top_k, int n_group, int topk_group, int norm,
-                                            float scaling, int* out_ids, float* out_w, float* sel) {
-  const int lane = threadIdx.x & 31;
+                                            int M, int E, int top_k, int n_group, int topk_group, int norm,
+                                            float scaling, int* __restrict__ out_ids, float* __restrict__ out_w) {
+  extern __shared__ float route_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int m = blockIdx.x * kRouteWarps + warp;
+  if (m >= M) return;
   const float* row = logits + (long long)m * E;
   float x[EPL], bb[EPL];
 #pragma unroll
@@ -89,6 +89,7 @@ __device__ __forceinline__ void route_token(const float* __restrict__ logits, co
   }
   if (n_group > 1) {
     // group scores need the group's values together: go through this warp's E floats of smem
+    float* sel = route_smem + warp * E;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       const int e = lane + 32 * j;
@@ -168,11 +169,7 @@ __device__ __forceinline__ void route_token(const float* __restrict__ logits, co
       const float* __restrict__ logits, const float* __restrict__ bias, int M, int E, int top_k,        \
       int n_group, int topk_group, int norm, float scaling, int* __restrict__ out_ids,                  \
       float* __restrict__ out_w) {                                                                      \
-    extern __shared__ float route_smem[];                                                               \
-    const int warp = threadIdx.x >> 5, m = blockIdx.x * kRouteWarps + warp;                             \
-    if (m < M)                                                                                          \
-      route_token<EPL>(logits, bias, m, E, top_k, n_group, topk_group, norm, scaling, out_ids, out_w,   \
-                       route_smem + warp * E);                                                          \
+    route_token<EPL>(logits, bias, M, E, top_k, n_group, topk_group, norm, scaling, out_ids, out_w);    \
   }
 MOE_ROUTE_ENTRY(moe_route_e64, 2)
 MOE_ROUTE_ENTRY(moe_route_e128, 4)
@@ -180,8 +177,6 @@ MOE_ROUTE_ENTRY(moe_route_e256, 8)
 MOE_ROUTE_ENTRY(moe_route_e384, 12)
 MOE_ROUTE_ENTRY(moe_route_e512, 16)
 MOE_ROUTE_ENTRY(moe_route_e1024, 32)
-
-namespace {
 
 // ids int32 [P] (P = M * top_k pairs). An expert with at most `large_above` pairs gets a run padded
 // to `block` in the small list: sorted_pairs[0, cap_small), blocks block_expert[0, cap_small / block);
@@ -192,13 +187,15 @@ namespace {
 // gridDim.x * kAlignWarps-th after it) with ballots, so each run lists its pairs in ascending order.
 // CTA 0 writes counts, offsets (each expert's run start), num_blocks and the error flag.
 // Dynamic shared memory: (2E + 2) ints, plus P ints when ids_in_smem.
-// The align step of one CTA; cnt, off [E] and tot [2] in shared memory, sids [P] too when
-// ids_in_smem (the ids copied there on the first pass); ids may itself point to shared memory.
-__device__ __forceinline__ void align_pairs(const int* ids, int P, int E, int block, int large_block, int large_above,
-                                            int cap_small, int ids_in_smem, int* cnt, int* off, int* tot,
-                                            int* sids, int* __restrict__ counts, int* __restrict__ offsets,
-                                            int* __restrict__ sorted_pairs, int* __restrict__ block_expert,
-                                            int* __restrict__ num_blocks, int* __restrict__ error) {
+extern "C" __global__ void __launch_bounds__(kAlignThreads, 1) moe_align_kernel(
+    const int* __restrict__ ids, int P, int E, int block, int large_block, int large_above, int cap_small,
+    int ids_in_smem, int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ sorted_pairs,
+    int* __restrict__ block_expert, int* __restrict__ num_blocks, int* __restrict__ error) {
+  extern __shared__ int align_smem[];
+  int* cnt = align_smem;    // [E]
+  int* off = cnt + E;       // [E]
+  int* tot = off + E;       // [2]: padded pairs of the small / large list
+  int* sids = tot + 2;      // [P] when ids_in_smem
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int e = tid; e < E; e += kAlignThreads) cnt[e] = 0;
   __syncthreads();
@@ -280,71 +277,3 @@ __device__ __forceinline__ void align_pairs(const int* ids, int P, int E, int bl
     for (int j = lane; j < padded / b; j += 32) block_expert[blk0 + j] = e;
   }
 }
-
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(kAlignThreads, 1) moe_align_kernel(
-    const int* __restrict__ ids, int P, int E, int block, int large_block, int large_above, int cap_small,
-    int ids_in_smem, int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ sorted_pairs,
-    int* __restrict__ block_expert, int* __restrict__ num_blocks, int* __restrict__ error) {
-  extern __shared__ int align_smem[];
-  int* cnt = align_smem;  // [E]
-  int* off = cnt + E;     // [E]
-  int* tot = off + E;     // [2]: padded pairs of the small / large list
-  align_pairs(ids, P, E, block, large_block, large_above, cap_small, ids_in_smem, cnt, off, tot, tot + 2, counts,
-              offsets, sorted_pairs, block_expert, num_blocks, error);
-}
-
-// Routing and align in one launch, for few tokens (P = M * top_k pairs fit in shared memory; the
-// host bounds M): the align grid, each CTA routes every token (warp w takes tokens w, w + 8, ...)
-// into shared memory and aligns from there, so no CTA waits on another; CTA 0 writes out_ids and
-// out_w. Same results as moe_route_e* followed by moe_align_kernel. Dynamic shared memory:
-// (2E + 2 + 2P) 4-byte words, plus kAlignWarps * E floats when n_group > 1.
-namespace {
-template <int EPL>
-__device__ __forceinline__ void route_align(const float* __restrict__ logits, const float* __restrict__ bias, int M,
-                                            int E, int top_k, int n_group, int topk_group, int norm, float scaling,
-                                            int* __restrict__ out_ids, float* __restrict__ out_w, int block,
-                                            int large_block, int large_above, int cap_small,
-                                            int* __restrict__ counts, int* __restrict__ offsets,
-                                            int* __restrict__ sorted_pairs, int* __restrict__ block_expert,
-                                            int* __restrict__ num_blocks, int* __restrict__ error) {
-  extern __shared__ int ra_smem[];
-  const int P = M * top_k;
-  int* cnt = ra_smem;
-  int* off = cnt + E;
-  int* tot = off + E;
-  int* rid = tot + 2;                                      // [P]
-  float* rw = reinterpret_cast<float*>(rid + P);           // [P]
-  float* sel = rw + P;                                     // [kAlignWarps][E] when n_group > 1
-  const int warp = threadIdx.x >> 5;
-  for (int m = warp; m < M; m += kAlignWarps)
-    route_token<EPL>(logits, bias, m, E, top_k, n_group, topk_group, norm, scaling, rid, rw, sel + warp * E);
-  __syncthreads();
-  if (blockIdx.x == 0)
-    for (int p = threadIdx.x; p < P; p += kAlignThreads) {
-      out_ids[p] = rid[p];
-      out_w[p] = rw[p];
-    }
-  align_pairs(rid, P, E, block, large_block, large_above, cap_small, 0, cnt, off, tot, nullptr, counts, offsets,
-              sorted_pairs, block_expert, num_blocks, error);
-}
-}  // namespace
-
-#define MOE_ROUTE_ALIGN_ENTRY(NAME, EPL)                                                                \
-  extern "C" __global__ void __launch_bounds__(kAlignThreads, 1) NAME(                                  \
-      const float* __restrict__ logits, const float* __restrict__ bias, int M, int E, int top_k,        \
-      int n_group, int topk_group, int norm, float scaling, int* __restrict__ out_ids,                  \
-      float* __restrict__ out_w, int block, int large_block, int large_above, int cap_small,            \
-      int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ sorted_pairs,              \
-      int* __restrict__ block_expert, int* __restrict__ num_blocks, int* __restrict__ error) {          \
-    route_align<EPL>(logits, bias, M, E, top_k, n_group, topk_group, norm, scaling, out_ids, out_w, block, \
-                     large_block, large_above, cap_small, counts, offsets, sorted_pairs, block_expert,  \
-                     num_blocks, error);                                                                \
-  }
-MOE_ROUTE_ALIGN_ENTRY(moe_route_align_e64, 2)
-MOE_ROUTE_ALIGN_ENTRY(moe_route_align_e128, 4)
-MOE_ROUTE_ALIGN_ENTRY(moe_route_align_e256, 8)
-MOE_ROUTE_ALIGN_ENTRY(moe_route_align_e384, 12)
-MOE_ROUTE_ALIGN_ENTRY(moe_route_align_e512, 16)
-MOE_ROUTE_ALIGN_ENTRY(moe_route_align_e1024, 32)

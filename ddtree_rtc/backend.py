@@ -29,7 +29,6 @@ OPS: dict[str, str] = {
     "router_logits": "moe_routing",
     "moe_route": "moe_routing",
     "moe_align": "moe_routing",
-    "moe_route_align": "moe_routing",
     "moe_plan": "moe_gemm",
     "moe_experts": "moe_gemm",
     # -- MLA attention and the paged latent KV cache (issue: MLA) --

@@ -5,8 +5,7 @@ ceiling measured in the same run.
 Bytes counted = distinct experts touched x (packed weights + scales of gate, up, down) + the
 activations in and out (x, y) + the router logits read by the routing kernel. The router GEMM and
 the shared expert are dense bf16 linears, benchmarked with the building blocks, and are not timed
-here. Timed as one CUDA graph of ``moe_route_align`` (routing and align in one launch up to 64
-tokens) and ``moe_experts`` (the engine's way; eager launches in ``extra``). Routing ``bench``:
+here. Timed as one CUDA graph (the engine's way; eager launches in ``extra``). Routing ``bench``:
 random fp32 logits N(0, 1) and correction bias N(0, 0.1) (skewed: some experts draw many pairs);
 ``uniform``: each token's experts drawn uniformly without replacement (logits 30 there, no bias), the
 balanced load. Weights: random, made on the GPU. Peer: the bf16 dense grouped
@@ -136,7 +135,7 @@ def bench_config(name: str, ms, iters: int, seed: int, peer: bool, routings=("be
     import cupy
 
     from ..kernels.moe_gemm import moe_experts, moe_plan
-    from ..kernels.moe_routing import moe_route_align
+    from ..kernels.moe_routing import moe_route
 
     e, hidden, inter = CONFIGS[name]
     experts = int4_experts_device(e, hidden, inter, seed)
@@ -157,8 +156,8 @@ def bench_config(name: str, ms, iters: int, seed: int, peer: bool, routings=("be
             plan = moe_plan(m, e, TOP_K, hidden, inter)
 
             def layer(x=x, logits=logits, bias=bias, ids=ids, w=w, y=y, plan=plan):
-                moe_route_align(logits, bias, TOP_K, 1, 1, True, SCALING, ids, w, plan.align)
-                moe_experts(x, ids, w, experts, out=y, plan=plan, check_ids=False, aligned=True)
+                moe_route(logits, bias, TOP_K, 1, 1, True, SCALING, out_ids=ids, out_weights=w)
+                moe_experts(x, ids, w, experts, out=y, plan=plan, check_ids=False)
 
             layer()
             host_ids = ids.get()
@@ -217,8 +216,7 @@ def main(argv=None) -> dict:
         cupy.get_default_memory_pool().free_all_blocks()  # this shape's weights are garbage now
     doc = report("INT4 MoE layer (routing + experts), H200 target >= 80% read ceiling at M=1, >= 85% at M>=256",
                  rows, args.json, notes={"bytes": "experts touched x (packed + scales) + x + y + logits",
-                                         "timing": "CUDA graph of moe_route_align + moe_experts(aligned); "
-                                                   "eager in extra"})
+                                         "timing": "CUDA graph of moe_route + moe_experts; eager in extra"})
     print()
     print_moe_table(rows, doc["ceilings"]["read_gbs"])
     return doc

@@ -46,8 +46,6 @@ class MoEPlan:
     h: object  # bf16 [P, I]
     part_gate_up: object  # fp32 [S, P, 2I] when split_gate_up > 1, else None
     part_down: object  # fp32 [S, P, H]
-    topk_ids: object  # int32 [M, top_k]: routing output buffer for moe_route_align (the model's path)
-    topk_weights: object  # fp32 [M, top_k]
     stages: tuple[int, int]  # cp.async ring depth of the nt 1 and nt 4 GEMMs
 
     def module(self):
@@ -172,8 +170,7 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
         num_tokens, num_experts, top_k, hidden, intermediate, s13, s2, align,
         cupy.empty((p, intermediate), dtype=cupy.uint16),
         cupy.empty((s13, p, 2 * intermediate), dtype=cupy.float32) if s13 > 1 else None,
-        cupy.empty((s2, p, hidden), dtype=cupy.float32), cupy.zeros((num_tokens, top_k), dtype=cupy.int32),
-        cupy.zeros((num_tokens, top_k), dtype=cupy.float32), stages)
+        cupy.empty((s2, p, hidden), dtype=cupy.float32), stages)
 
 
 def _check_experts(experts) -> None:
@@ -197,13 +194,11 @@ def _aligned(name: str, a) -> None:
 
 
 def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan: MoEPlan | None = None,
-                check_ids: bool = True, aligned: bool = False):
+                check_ids: bool = True):
     """x [M, H] bf16, topk_ids int32 [M, k], topk_weights fp32 [M, k], experts (layout 'mma'),
     shared bf16 [M, H] or None (added to the output) -> y bf16 [M, H].
     ``check_ids`` validates the ids on the host (one sync); pass False for ids from ``moe_route``
-    (always in range) and for graph capture; out-of-range pairs then contribute nothing.
-    ``aligned``: plan.align already holds these ids' alignment (``moe_route_align`` into
-    plan.topk_ids / plan.topk_weights / plan.align), so the align launch is skipped."""
+    (always in range) and for graph capture; out-of-range pairs then contribute nothing."""
     _check_experts(experts)
     check("x", x, BF16, ndim=2)
     m, h = x.shape
@@ -228,12 +223,8 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
     y = out_array("out", out, (m, h), BF16)
     _aligned("out", y)
     al = plan.align
-    if aligned:
-        if check_ids:
-            raise ValueError("aligned=True: the ids come from moe_route_align (always in range); pass check_ids=False")
-    else:
-        moe_align(topk_ids, e, al.block, out=al, check_ids=check_ids, large_block=al.large_block,
-                  large_above=al.large_above)
+    moe_align(topk_ids, e, al.block, out=al, check_ids=check_ids, large_block=al.large_block,
+              large_above=al.large_above)
     moe_gate_up(x, experts, plan)
     moe_down(experts, plan)
     null = np.uint64(0)

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..reference.moe_routing import MAX_EXPERTS, MoEAlignment, align_args, align_capacities, check_route_args
 from . import _cublas
-from ._args import BF16, allow_dynamic_smem, check, out_array
+from ._args import BF16, check, out_array
 from .registry import module
 
 _ROUTE_WARPS = 4
@@ -60,46 +60,6 @@ def moe_route(logits, bias, top_k: int, n_group: int = 1, topk_group: int = 1, n
     module("moe_routing").fn(f"moe_route_e{cap}")(grid, (32 * _ROUTE_WARPS,), args,
                                                  shared_mem=_ROUTE_WARPS * e * 4 if n_group > 1 else 0)
     return ids, w
-
-
-# moe_route_align fuses the two launches while every CTA can route all tokens itself cheaply.
-ROUTE_ALIGN_MAX_TOKENS = 64
-
-
-def moe_route_align(logits, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
-                    routed_scaling_factor: float, out_ids, out_weights, align: MoEAlignment):
-    """``moe_route`` into ``out_ids`` / ``out_weights``, then ``moe_align`` of those ids into
-    ``align`` (buffers from ``alignment_buffers``; block sizes and threshold as made there). Up to
-    ROUTE_ALIGN_MAX_TOKENS tokens in one launch (each CTA of the align grid routes every token into
-    shared memory), beyond in the two launches; the results are the same. No host sync."""
-    check("logits", logits, np.float32, ndim=2)
-    m, e = logits.shape
-    check_route_args(e, top_k, n_group, topk_group)
-    if bias is not None:
-        check("bias", bias, np.float32, shape=(e,))
-    check("out_ids", out_ids, np.int32, shape=(m, top_k))
-    check("out_weights", out_weights, np.float32, shape=(m, top_k))
-    p = m * top_k
-    if m == 0:
-        raise ValueError("logits: M = 0 tokens; route at least one")
-    if (align.num_pairs, align.counts.size) != (p, e):
-        raise ValueError(f"align: buffers made for {align.num_pairs} pairs of {align.counts.size} experts, "
-                         f"called with {p} pairs ({m} tokens x {top_k}) of {e}")
-    if m > ROUTE_ALIGN_MAX_TOKENS:
-        moe_route(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor, out_ids, out_weights)
-        return moe_align(out_ids, e, align.block, out=align, check_ids=False, large_block=align.large_block,
-                         large_above=align.large_above)
-    smem = (2 * e + 2 + 2 * p) * 4 + (_ALIGN_WARPS * e * 4 if n_group > 1 else 0)
-    cap = next(c for c in _ROUTE_ENTRIES if c >= e)
-    fn = module("moe_routing").fn(f"moe_route_align_e{cap}")
-    allow_dynamic_smem(fn, smem)
-    fn((-(-e // _ALIGN_WARPS),), (32 * _ALIGN_WARPS,), (
-        logits, bias if bias is not None else np.uint64(0), np.int32(m), np.int32(e), np.int32(top_k),
-        np.int32(n_group), np.int32(topk_group), np.int32(bool(norm_topk_prob)), np.float32(routed_scaling_factor),
-        out_ids, out_weights, np.int32(align.block), np.int32(align.large_block), np.int32(align.large_above),
-        np.int32(align.small_capacity), align.counts, align.offsets, align.sorted_pairs, align.block_expert,
-        align.num_blocks, align.error), shared_mem=smem)
-    return align
 
 
 def alignment_buffers(num_pairs: int, num_experts: int, block: int, large_block: int | None = None,

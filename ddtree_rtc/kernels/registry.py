@@ -33,9 +33,7 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "DDTree acceptance walk: follow the children matching the target's choices"),
     # -- INT4 MoE (issue: MoE) --
     KernelSpec("moe_routing", ("moe_route_e64", "moe_route_e128", "moe_route_e256", "moe_route_e384",
-                               "moe_route_e512", "moe_route_e1024", "moe_align_kernel",
-                               "moe_route_align_e64", "moe_route_align_e128", "moe_route_align_e256",
-                               "moe_route_align_e384", "moe_route_align_e512", "moe_route_align_e1024"),
+                               "moe_route_e512", "moe_route_e1024", "moe_align_kernel"),
                "MoE routing: DeepSeek-V3 noaux_tc top-k (sigmoid, bias for selection, groups; one warp "
                "per token, scores in registers) and the token->expert align step (two block lists: "
                "8-pair runs for experts with few pairs, 32-pair runs for the rest)"),

@@ -86,19 +86,12 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
         raise ValueError(f"routing config has {rc.num_experts} experts, the layer weights "
                          f"{lw.experts.num_experts}")
     logits = backend.router_logits(x, lw.gate_weight)
-    route = (logits, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group, rc.norm_topk_prob,
-             rc.routed_scaling_factor)
-    aligned = plan is not None  # CUDA with a plan: route and align in one launch, into the plan's buffers
-    if aligned:
-        backend.moe_route_align(*route, plan.topk_ids, plan.topk_weights, plan.align)
-        ids, w = plan.topk_ids, plan.topk_weights
-    else:
-        ids, w = backend.moe_route(*route)
+    ids, w = backend.moe_route(logits, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group,
+                               rc.norm_topk_prob, rc.routed_scaling_factor)
     shared = None
     if lw.shared_w13 is not None:
         shared = backend.linear(backend.silu_mul(backend.linear(x, lw.shared_w13)), lw.shared_w2)
-    return backend.moe_experts(x, ids, w, lw.experts, shared=shared, out=out, plan=plan, check_ids=False,
-                               aligned=aligned)
+    return backend.moe_experts(x, ids, w, lw.experts, shared=shared, out=out, plan=plan, check_ids=False)
 
 
 def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, hidden: int,

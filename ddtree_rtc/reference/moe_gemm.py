@@ -43,11 +43,10 @@ def check_experts_layout(experts, layout: str) -> None:
                         f"backend with ddtree_rtc.model.int4_repack.prepare_experts)")
 
 
-def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=None, check_ids: bool = True,
-                aligned: bool = False):
+def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=None, check_ids: bool = True):
     """x [M, H] bf16, topk_ids int32 [M, k], topk_weights fp32 [M, k], experts (layout
-    'compressed-tensors'), shared bf16 [M, H] or None -> y bf16 [M, H]. ``plan`` and ``aligned``
-    are the CUDA wrapper's and are ignored here. Pairs whose id is out of range contribute nothing (with
+    'compressed-tensors'), shared bf16 [M, H] or None -> y bf16 [M, H]. ``plan`` is the CUDA
+    wrapper's and is ignored here. Pairs whose id is out of range contribute nothing (with
     ``check_ids`` they raise instead)."""
     check_experts_layout(experts, "compressed-tensors")
     m, hidden = x.shape

@@ -223,13 +223,3 @@ def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None =
             getattr(out, name)[...] = getattr(res, name)
         return out
     return res
-
-
-def moe_route_align(logits, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
-                    routed_scaling_factor: float, out_ids, out_weights, align: MoEAlignment) -> MoEAlignment:
-    """``moe_route`` into ``out_ids`` / ``out_weights``, then ``moe_align`` of those ids into
-    ``align`` (its block sizes and threshold); the GPU runs both in one launch for few tokens."""
-    ids, _ = moe_route(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
-                       out_ids, out_weights)
-    return moe_align(ids, align.counts.size, align.block, out=align, check_ids=False,
-                     large_block=align.large_block, large_above=align.large_above)
