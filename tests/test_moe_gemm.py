@@ -360,6 +360,44 @@ def test_kernel_launch_variants(rng, name, m, skew, plan_kw, tiles):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name,m", [("ep8", 40), ("ep8", 300), ("k26", 64)])
+def test_concurrent_lists_match_serial_and_capture(name, m):
+    """The nt 4 launch on the side stream beside the nt 1 launch: bitwise the serial result, eagerly
+    and replayed from a CUDA graph (the fork and join are captured as two branches)."""
+    import cupy
+
+    from ddtree_rtc.bench.moe import graphed
+    from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
+    from ddtree_rtc.testing import to_device_bf16
+
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    ex, exg = experts_for(name)
+    e, h, i, top_k, poison = DIMS[name]
+    pr = 1.0 / np.arange(1, e - poison + 1) ** 1.5
+    ids_h, w_h = random_routing(rng, m, e, top_k, allowed=range(e - poison), p=rng.permutation(pr / pr.sum()))
+    x_h = random_bf16(rng, (m, h))
+    x, ids, w = to_device_bf16(x_h), cupy.asarray(ids_h), cupy.asarray(w_h)
+    ys = {}
+    for concurrent in (False, True):
+        plan = moe_plan(m, e, top_k, h, i, concurrent=concurrent)
+        assert (plan.side is not None) == concurrent, "both lists must be busy"
+        y = moe_experts(x, ids, w, exg, plan=plan, check_ids=False)
+        ys[concurrent] = y.get()
+        if concurrent:
+            out = cupy.zeros_like(y)
+            launch = graphed(lambda out=out, plan=plan: moe_experts(x, ids, w, exg, out=out, plan=plan,
+                                                                     check_ids=False))
+            out.fill(0x7FC0)
+            launch()
+            cupy.cuda.get_current_stream().synchronize()
+            assert np.array_equal(out.get(), ys[True])
+    assert np.array_equal(ys[True], ys[False])
+    assert_close(ys[True], ref_moe(x_h, ids_h, w_h, ex), "bf16_accum")
+
+
+@pytest.mark.gpu
 def test_kernel_heuristic_splits_small_shards():
     from ddtree_rtc.kernels.moe_gemm import moe_plan
 

@@ -27,6 +27,7 @@ BLOCK_BYTES = 1152
 # work and halves the weight traffic through L2 and shared memory (the H200 sweep, tools/moe_sweep.py
 # --nt4-above, is the judge).
 NT4_ABOVE = 8
+CONCURRENT = True
 _COMBINE_COLS = 256 * 4
 _MAX_GRID_Y = 65535
 
@@ -47,6 +48,8 @@ class MoEPlan:
     part_gate_up: object  # fp32 [S, P, 2I] when split_gate_up > 1, else None
     part_down: object  # fp32 [S, P, H]
     stages: tuple[int, int]  # cp.async ring depth of the nt 1 and nt 4 GEMMs
+    side: object = None  # with both lists: a second stream that runs the nt 4 launch beside the nt 1 one
+    events: tuple = ()  # (fork, join) events of that side stream
 
     def module(self):
         """The moe_gemm module built with this plan's ring depths."""
@@ -139,11 +142,14 @@ def _num_sms() -> int:
 def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
              split_gate_up: int | None = None, split_down: int | None = None, nt: int | None = None,
              num_sms: int | None = None, nt4_above: int | None = None,
-             stages: tuple[int, int] | None = None) -> MoEPlan:
+             stages: tuple[int, int] | None = None, concurrent: bool | None = None) -> MoEPlan:
     """Plan one MoE shape: token tiles (by default per expert on the device: 8-pair blocks for
     experts with at most ``nt4_above`` pairs, 32-pair blocks beyond; ``nt`` 1 or 4 forces one tile
     for all), split-K of each GEMM (enough CTAs to cover the SMs when few experts are touched), and
-    buffers. ``stages`` (nt 1, nt 4) overrides the GEMMs' cp.async ring depths (2..16; 0 = default)."""
+    buffers. ``stages`` (nt 1, nt 4) overrides the GEMMs' cp.async ring depths (2..16; 0 = default).
+    ``concurrent`` (default CONCURRENT): with both block lists, the nt 4 and nt 1 launches of each
+    GEMM run on two streams (forked and joined by events, so a CUDA graph captures them as two
+    branches) and share the SMs: the compute-bound 32-pair blocks beside the byte-bound 8-pair ones."""
     import cupy
 
     if num_tokens < 1:
@@ -166,11 +172,15 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     n13, n2 = busy * -(-2 * intermediate // ROWS_PER_CTA), busy * -(-hidden // ROWS_PER_CTA)
     s13 = _pick_split(hidden, n13, target, split_gate_up, "gate_up")
     s2 = _pick_split(intermediate, n2, target, split_down, "down")
-    return MoEPlan(
+    plan = MoEPlan(
         num_tokens, num_experts, top_k, hidden, intermediate, s13, s2, align,
         cupy.empty((p, intermediate), dtype=cupy.uint16),
         cupy.empty((s13, p, 2 * intermediate), dtype=cupy.float32) if s13 > 1 else None,
         cupy.empty((s2, p, hidden), dtype=cupy.float32), stages)
+    if (CONCURRENT if concurrent is None else concurrent) and align.large_capacity and align.small_capacity:
+        plan.side = cupy.cuda.Stream(non_blocking=True)
+        plan.events = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True))
+    return plan
 
 
 def _check_experts(experts) -> None:
@@ -252,19 +262,42 @@ def _lists(plan: MoEPlan):
     return out
 
 
+def _streams(plan: MoEPlan, n: int):
+    """The stream of each of the n launches of a GEMM step: with a side stream and both lists, the
+    first (nt 4) on the side stream, forked from the current one; ``_join`` ends the fork."""
+    import cupy
+
+    cur = cupy.cuda.get_current_stream()
+    if plan.side is None or n < 2:
+        return [cur] * n
+    plan.events[0].record(cur)
+    plan.side.wait_event(plan.events[0])
+    return [plan.side] + [cur] * (n - 1)
+
+
+def _join(plan: MoEPlan, n: int) -> None:
+    import cupy
+
+    if plan.side is not None and n >= 2:
+        plan.events[1].record(plan.side)
+        cupy.cuda.get_current_stream().wait_event(plan.events[1])
+
+
 def moe_gate_up(x, experts, plan: MoEPlan) -> None:
     """gate_up GEMM of the routed pairs with SiLU(gate) * up -> plan.h (split-K: + the reduce)."""
     mod = plan.module()
     null = np.uint64(0)
     h, inter, s13 = plan.hidden, plan.intermediate, plan.split_gate_up
     n13 = -(-2 * inter // ROWS_PER_CTA)
-    for nt, bound, pairs, experts_of, count in _lists(plan):
+    lists = _lists(plan)
+    for (nt, bound, pairs, experts_of, count), stream in zip(lists, _streams(plan, len(lists))):
         smem = plan.stages_of(nt) * stage_bytes(nt)
         entry = f"moe_gemm_nt{nt}_{'h' if s13 == 1 else 'f32'}"
         _gemm_fn(mod, entry, smem)((n13 * s13, bound), (ROWS_PER_CTA,), (
             experts.w13, np.int64(experts.w13[0].nbytes), x, np.int32(plan.top_k), pairs, experts_of, count,
             np.int32(plan.num_pairs), np.int32(2 * inter), np.int32(h), np.int32(h // s13), np.int32(n13),
-            plan.h if s13 == 1 else null, plan.part_gate_up if s13 > 1 else null), shared_mem=smem)
+            plan.h if s13 == 1 else null, plan.part_gate_up if s13 > 1 else null), shared_mem=smem, stream=stream)
+    _join(plan, len(lists))
     if s13 > 1:
         p = plan.num_pairs
         mod.fn("moe_gate_up_reduce_kernel")((-(-p * inter // 256),), (256,), (
@@ -276,9 +309,11 @@ def moe_down(experts, plan: MoEPlan) -> None:
     mod = plan.module()
     h, inter, s2 = plan.hidden, plan.intermediate, plan.split_down
     n2 = -(-h // ROWS_PER_CTA)
-    for nt, bound, pairs, experts_of, count in _lists(plan):
+    lists = _lists(plan)
+    for (nt, bound, pairs, experts_of, count), stream in zip(lists, _streams(plan, len(lists))):
         smem = plan.stages_of(nt) * stage_bytes(nt)
         _gemm_fn(mod, f"moe_gemm_nt{nt}_f32", smem)((n2 * s2, bound), (ROWS_PER_CTA,), (
             experts.w2, np.int64(experts.w2[0].nbytes), plan.h, np.int32(1), pairs, experts_of, count,
             np.int32(plan.num_pairs), np.int32(h), np.int32(inter), np.int32(inter // s2), np.int32(n2),
-            np.uint64(0), plan.part_down), shared_mem=smem)
+            np.uint64(0), plan.part_down), shared_mem=smem, stream=stream)
+    _join(plan, len(lists))
