@@ -29,6 +29,9 @@ __device__ long long topk_prof[8 * 8192];
 #else
 #define TOPK_STAMP(i)
 #endif
+#ifndef TOPK_REGS_BLOCKS
+#define TOPK_REGS_BLOCKS 6  // regs variant: blocks per SM the registers are sized for
+#endif
 #ifndef TOPK_STREAM_BLOCKS
 #define TOPK_STREAM_BLOCKS 2  // stream variant: blocks per SM the registers are sized for
 #endif
@@ -1163,6 +1166,398 @@ __device__ __forceinline__ Shared carve(int cand_keys, unsigned long long* top) 
   return sh;
 }
 
+// ---------------------------------------------------------------- regs variant
+// Each row is cut into chunks of RVECS 16-byte vectors (8192 bf16 / 4096 fp32 tokens), one block of
+// RT threads per chunk. A thread loads its RU vectors at once and keeps them in registers, so the
+// whole chunk is in flight together and many small blocks fill every SM. Per block:
+//   stats: per thread the vector maxima (packed bf16x2 max), its max and sum of exponentials; a
+//     thread whose sum came out non-finite (a NaN or +inf) redoes them on sanitized values;
+//   threshold: a histogram of how far each vector max lies below the chunk's max (order-key
+//     distance in bins of 2^18, 4 bf16 steps; if kk vectors are not within 256 bins, again in bins
+//     of 2^24, which hold every value) gives the lower edge T of the bin where the count reaches
+//     kk. kk vectors have an element >= T, so the chunk's kk best elements are all >= T;
+//   collect the elements >= T (about kk, plus those in T's bin) as keys in shared memory: the
+//     vectors whose max reaches T are staged in shared memory, then one thread per staged vector
+//     takes its elements. If more than VCAP vectors reach T (heavy ties), the exact way: the kk-th
+//     largest vector key by radix select and the elements >= it, which lie in kk vectors;
+//   publish up to 2 K of them (more: radix select to exactly kk) with (max, sum, count). The last
+//     block of the row merges: the same distance threshold over the gathered keys below the row's
+//     max, then the keys reaching it are ranked directly (radix select and sort when > RRANK tie).
+constexpr int RT = 128;
+constexpr int RU = 8;
+constexpr int RVECS = RT * RU;
+constexpr int REGS_MAX_K = 128;
+constexpr int REGS_MAX_CHUNKS = 64;
+constexpr int VCAP = 256;   // candidate vectors a chunk stages
+constexpr int RCAP = 2048;  // candidate keys a chunk collects (8 per staged vector)
+constexpr int RRANK = 512;  // keys ranked directly at the end
+static_assert(RCAP >= VCAP * 8 && RCAP >= RVECS + REGS_MAX_K * 8 && VCAP >= REGS_MAX_K,
+              "the candidates of the staged vectors, and in the exact path the vector keys and kk vectors' elements");
+
+struct RegsShared {
+  unsigned long long* cand;  // dynamic [max(RCAP, C * 2K)]: candidates; in the merge the gathered keys
+  unsigned long long* rank;  // dynamic, after them [RRANK]: the keys ranked directly
+  unsigned* cnt;             // [REGS_MAX_CHUNKS] the merge: keys per chunk
+  unsigned* off;             // [REGS_MAX_CHUNKS] and where they go
+  unsigned* count;           // [4] two counter pairs of regs_collect
+  uint4* vbuf;               // [VCAP] staged candidate vectors
+  int* vid;                  // [VCAP] and their vector index in the chunk
+  Shared base;               // top holds REGS_MAX_K keys
+};
+
+// Warp 0: the first bin (in order 0, 1, ...: by distance below the max) where the running count
+// of hist reaches need -> scalars[1], the count in the bins before it -> scalars[2]; scalars[1] =
+// 256 when the total stays below need.
+__device__ __forceinline__ void first_bin(unsigned need, const Shared& sh) {
+  const int lane = threadIdx.x & 31;
+  unsigned local = 0u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) local += sh.hist[lane * 8 + i];
+  unsigned incl = local;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned t = __shfl_up_sync(FULL, incl, d);
+    if (lane >= d) incl += t;
+  }
+  unsigned before = incl - local;
+  if (lane == 31 && incl < need) sh.scalars[1] = 256u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const unsigned c = sh.hist[lane * 8 + i];
+    if (before < need && need <= before + c) {
+      sh.scalars[1] = (unsigned)(lane * 8 + i);
+      sh.scalars[2] = before;
+    }
+    before += c;
+  }
+}
+
+// Order bits T such that at least kk of the visited values (order bits o <= om, the largest) are
+// >= T (T = 0 when fewer than kk are visited), by the distance d = om - o: first a histogram of
+// d >> 18 (4 bf16 steps per bin, 1024 steps in all); if kk values are not that close (far below
+// the max, or across zero), d >> 24 over every value and then (d >> 16) & 255 within the bin
+// found, which ends on a bf16 step. visit(f) calls f(o) on this thread's values; every thread of
+// the block calls this.
+template <typename Visit>
+__device__ unsigned dist_threshold(unsigned om, int kk, Visit visit, const Shared& sh) {
+  const int tid = threadIdx.x;
+  unsigned need = (unsigned)kk, top = 0u;  // round 2: the d >> 24 bin of the kk-th value
+#pragma unroll 1
+  for (int r = 0; r < 3; ++r) {
+    for (int i = tid; i < 256; i += RT) sh.hist[i] = 0u;
+    __syncthreads();
+    visit([&](unsigned o) {
+      const unsigned d = om - o;
+      const unsigned bin = r == 0 ? d >> 18 : r == 1 ? d >> 24 : (d >> 16) & 255u;
+      if (r == 0 ? bin < 256u : r == 1 || d >> 24 == top) atomicAdd(&sh.hist[bin], 1u);
+    });
+    __syncthreads();
+    if (tid < 32) first_bin(need, sh);
+    __syncthreads();
+    const unsigned b = sh.scalars[1];
+    unsigned long long span;  // the values with d < span are in
+    if (r == 0) {
+      if (b == 256u) continue;
+      span = (b + 1ull) << 18;
+    } else if (r == 1) {
+      if (b == 256u) return 0u;  // fewer than kk values
+      top = b;
+      need -= sh.scalars[2];
+      continue;
+    } else {
+      span = ((unsigned long long)top << 24) + ((b + 1ull) << 16);  // b < 256: the bin holds need values
+    }
+    return om >= span ? (unsigned)(om - span + 1ull) : 0u;
+  }
+  return 0u;
+}
+
+// Vector maxima vm, max m and sum s of exp(x - m) of this thread's RU vectors (SAN: sanitized).
+template <typename T, bool SAN>
+__device__ __forceinline__ void regs_stats(const uint4 (&raw)[RU], float (&vm)[RU], float& m, float& s) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  m = neg_inf();
+#pragma unroll
+  for (int u = 0; u < RU; ++u) {
+    vm[u] = vec_max<T, SAN>(raw[u]);
+    m = fmaxf(m, vm[u]);
+  }
+  const float ml = m == neg_inf() ? 0.f : m * LOG2E;  // all -inf: every term is 0
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int u = 0; u < RU; ++u) {
+    float x[VEC];
+    W::unpack(raw[u], x);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const float y = fast_exp2(fmaf(SAN ? sanitize(x[e]) : x[e], LOG2E, -ml));
+      if (e & 1) s1 += y;
+      else s0 += y;
+    }
+  }
+  s = s0 + s1;
+}
+
+// This lane's place among the warp's c values (c summed over the warp, one atomicAdd on *counter
+// per warp). Every lane of the warp calls it.
+__device__ __forceinline__ unsigned warp_reserve(unsigned c, unsigned* counter) {
+  const int lane = threadIdx.x & 31;
+  unsigned incl = c;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned t = __shfl_up_sync(FULL, incl, d);
+    if (lane >= d) incl += t;
+  }
+  unsigned base = 0u;
+  if (lane == 31 && incl) base = atomicAdd(counter, incl);
+  return __shfl_sync(FULL, base, 31) + incl - c;
+}
+
+// The keys >= thr of the elements of this thread's vectors flagged in `in` (bit u: vector
+// u * RT + tid), appended to cand. The flagged vectors are staged in shared memory first, then one
+// thread per staged vector appends its elements' keys, so a warp does element work only for the
+// few vectors that can hold candidates. Returns the count (<= 8 * VCAP), or -1 when more than VCAP
+// vectors are flagged (nothing appended). counters: two zeroed ones, used up. Every thread of the
+// block calls it.
+template <typename T>
+__device__ int regs_collect(const uint4 (&raw)[RU], unsigned in, int lo, int n, unsigned long long thr,
+                            unsigned long long* cand, unsigned* counters, const RegsShared& rs) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  const int tid = threadIdx.x;
+  unsigned pos = warp_reserve(__popc(in), &counters[0]);
+#pragma unroll
+  for (int u = 0; u < RU; ++u) {
+    if ((in >> u) & 1u) {
+      if (pos < (unsigned)VCAP) {
+        rs.vbuf[pos] = raw[u];
+        rs.vid[pos] = u * RT + tid;
+      }
+      ++pos;
+    }
+  }
+  __syncthreads();
+  const int nv = (int)counters[0];
+  if (nv > VCAP) return -1;
+  for (int i0 = 0; i0 < nv; i0 += RT) {
+    const int i = i0 + tid;
+    unsigned long long k[VEC];
+    unsigned take = 0u;
+    if (i < nv) {
+      const int v = rs.vid[i];
+      float x[VEC];
+      W::unpack(rs.vbuf[i], x);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        k[e] = make_key(ord32(canon(sanitize(x[e]))), lo + v * VEC + e);
+        if (v * VEC + e < n && k[e] >= thr) take |= 1u << e;
+      }
+    }
+    unsigned p = warp_reserve(__popc(take), &counters[1]);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+      if ((take >> e) & 1u) cand[p++] = k[e];
+  }
+  __syncthreads();
+  return (int)counters[1];
+}
+
+// The sorted K best of the keys a[0, n) (n >= K, they hold the row's K best), written as log-probs
+// and ids: the keys within one distance bin of the K-th are ranked directly; many ties: exact.
+__device__ __forceinline__ RegsShared regs_carve(int K, int C);
+
+// Not inlined: the chunk's registers are dead by then, and inlined its selects spill them.
+__device__ __noinline__ void regs_final(const unsigned long long* a, int n, int K, int C, float m, float s,
+                                        float* logq, int* ids) {
+  const RegsShared rs = regs_carve(K, C);
+  const Shared& sh = rs.base;
+  const int tid = threadIdx.x;
+  const unsigned t = dist_threshold(ord32(canon(m)), K, [&](auto f) {
+    for (int i = tid; i < n; i += RT) f((unsigned)(a[i] >> 32));
+  }, sh);
+  if (tid == 0) sh.scalars[4] = 0u;
+  __syncthreads();
+  for (int i0 = 0; i0 < n; i0 += RT) {
+    const int i = i0 + tid;
+    const unsigned long long k = i < n ? a[i] : 0ull;
+    const bool take = i < n && (unsigned)(k >> 32) >= t;
+    const unsigned pos = warp_append(take, &sh.scalars[4]);
+    if (take && pos < (unsigned)RRANK) rs.rank[pos] = k;
+  }
+  __syncthreads();
+  const int nr = (int)sh.scalars[4];  // >= K
+  if (nr <= RRANK) {
+    rank_write<RT>(rs.rank, nr, K, nullptr, row_lse(m, s), logq, ids);
+    return;
+  }
+  gather<RT>(a, n, radix_select<RT>(a, n, K, sh), sh);
+  sort_top<RT>(K, sh);
+  write_row<RT>(K, m, s, logq, ids, sh);
+}
+
+template <typename T, bool VL>
+__device__ void regs_block(const T* logits, int V, int K, int C, float* logq_out, int* ids_out,
+                           unsigned long long* ws_keys, float4* ws_ms, unsigned* ws_count, const RegsShared& rs) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  __shared__ int is_last;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int c = blockIdx.x, row = blockIdx.y;
+  const int lo = c * (RVECS * VEC);  // < V: the host launches ceil(V / chunk) chunks per row
+  const int n = min(RVECS * VEC, V - lo);
+  const int nvec = (n + VEC - 1) / VEC;
+  const int kk = min(K, n);
+  const long long out_row = (long long)row * K;
+  const Shared& sh = rs.base;
+  const T* src = logits + (long long)row * V + lo;
+  TOPK_STAMP(0);
+  uint4 raw[RU];
+#pragma unroll
+  for (int u = 0; u < RU; ++u) {
+    const int v = u * RT + tid;
+    if (v >= nvec) raw[u] = neg_inf_vec<T>();
+    else if (VL) raw[u] = __ldcs(reinterpret_cast<const uint4*>(src) + v);
+    else raw[u] = W::load_scalar(src + v * VEC, n - v * VEC);
+  }
+  if (tid < 4) rs.count[tid] = 0u;
+  float vm[RU], m, s;
+  regs_stats<T, false>(raw, vm, m, s);
+  if (!(s <= FLT_MAX_F)) regs_stats<T, true>(raw, vm, m, s);  // NaN or +inf in this thread's vectors
+  block_lse<RT>(m, s, sh);  // m: the chunk's max; the barriers also publish the zeroed counters
+  TOPK_STAMP(1);
+  const unsigned t = dist_threshold(ord32(canon(m)), kk, [&](auto f) {
+#pragma unroll
+    for (int u = 0; u < RU; ++u)
+      if (u * RT + tid < nvec) f(ord32(canon(vm[u])));
+  }, sh);
+  TOPK_STAMP(2);
+  unsigned in = 0u;
+#pragma unroll
+  for (int u = 0; u < RU; ++u)
+    if (u * RT + tid < nvec && ord32(canon(vm[u])) >= t) in |= 1u << u;
+  int nc = regs_collect<T>(raw, in, lo, n, (unsigned long long)t << 32, rs.cand, rs.count, rs);
+  TOPK_STAMP(3);
+#if TOPK_PROFILE
+  if (tid == 0 && blockIdx.y * gridDim.x + blockIdx.x < 8192) topk_prof[8 * (blockIdx.y * gridDim.x + blockIdx.x) + 6] = nc;
+#endif
+  unsigned long long* cs = rs.cand;
+  if (nc < 0) {  // heavy ties at T: the kk best vector keys bound the candidates to kk vectors
+#pragma unroll
+    for (int u = 0; u < RU; ++u) {
+      const int v = u * RT + tid;
+      if (v < nvec) rs.cand[v] = vec_key<T>(raw[u], lo, v, n);
+    }
+    __syncthreads();
+    const unsigned long long vt = nvec > kk ? radix_select<RT>(rs.cand, nvec, kk, sh) : 0ull;
+    in = 0u;
+#pragma unroll
+    for (int u = 0; u < RU; ++u)
+      if (u * RT + tid < nvec && rs.cand[u * RT + tid] >= vt) in |= 1u << u;
+    cs = rs.cand + RVECS;
+    nc = regs_collect<T>(raw, in, lo, n, vt, cs, rs.count + 2, rs);  // kk <= nc <= kk * VEC
+  }
+  const unsigned long long* fin = cs;  // the keys the row's top K is selected from
+  int nf = nc;
+  if (C > 1) {
+    // Publish at most 2 K keys holding the chunk's kk best, then (m, s, count).
+    unsigned long long* slot = ws_keys + ((long long)row * C + c) * (2 * K);
+    int np = nc;
+    if (nc > 2 * K) {
+      const unsigned long long t2 = radix_select<RT>(cs, nc, kk, sh);
+      if (tid == 0) sh.scalars[5] = 0u;
+      __syncthreads();
+      for (int i = tid; i < nc; i += RT) {
+        const unsigned long long k = cs[i];
+        if (k >= t2) slot[atomicAdd(&sh.scalars[5], 1u)] = k;  // exactly kk: the keys are distinct
+      }
+      np = kk;
+    } else {
+      for (int i = tid; i < nc; i += RT) slot[i] = cs[i];
+    }
+    TOPK_STAMP(4);
+    if (tid == 0) ws_ms[(long long)row * C + c] = make_float4(m, s, __int_as_float(np), 0.f);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(&ws_count[row], 1u) == (unsigned)(C - 1);
+    __syncthreads();
+    TOPK_STAMP(5);
+    if (!is_last) return;
+    __threadfence();
+    // The row's merge: every chunk's (m, s) and keys.
+    m = neg_inf();
+    s = 0.f;
+    for (int j = tid; j < C; j += RT) {
+      const float4 q = __ldcg(ws_ms + (long long)row * C + j);
+      lse_combine(m, s, q.x, q.y);
+      rs.cnt[j] = (unsigned)__float_as_int(q.z);
+    }
+    if (tid == 0) ws_count[row] = 0u;  // ready for the next launch (and graph replay)
+    block_lse<RT>(m, s, sh);           // the barriers also publish cnt
+    if (tid < 32) {                    // offsets: two chunks per lane (C <= 64)
+      const unsigned a = 2 * lane < C ? rs.cnt[2 * lane] : 0u, b = 2 * lane + 1 < C ? rs.cnt[2 * lane + 1] : 0u;
+      unsigned incl = a + b;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const unsigned x = __shfl_up_sync(FULL, incl, d);
+        if (lane >= d) incl += x;
+      }
+      rs.off[2 * lane] = incl - a - b;
+      rs.off[2 * lane + 1] = incl - b;
+      if (lane == 31) sh.scalars[5] = incl;
+    }
+    __syncthreads();
+    const int nm = (int)sh.scalars[5], per = 2 * K;
+    const unsigned long long* keys = ws_keys + (long long)row * C * per;
+    for (int i0 = tid; i0 < C * per; i0 += 8 * RT) {  // 8 loads in flight per thread
+      unsigned long long v[8];
+      int dst[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const int i = i0 + q * RT, j = i / per, e = i - j * per;
+        dst[q] = i < C * per && e < (int)rs.cnt[j] ? (int)rs.off[j] + e : -1;
+        if (dst[q] >= 0) v[q] = __ldcg(keys + i);
+      }
+#pragma unroll
+      for (int q = 0; q < 8; ++q)
+        if (dst[q] >= 0) rs.cand[dst[q]] = v[q];
+    }
+    __syncthreads();
+    fin = rs.cand;
+    nf = nm;
+  }  // C == 1: the chunk is the whole row (kk = K)
+  regs_final(fin, nf, K, C, m, s, logq_out + out_row, ids_out + out_row);
+  TOPK_STAMP(7);
+}
+
+__device__ __forceinline__ RegsShared regs_carve(int K, int C) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ unsigned hist[256];
+  __shared__ unsigned long long red[2 * (RT / 32)];
+  __shared__ float red_f[2 * (RT / 32)];
+  __shared__ unsigned scalars[6];
+  __shared__ unsigned cnt[2 * REGS_MAX_CHUNKS];
+  __shared__ unsigned long long top[REGS_MAX_K];
+  __shared__ unsigned count[4];
+  __shared__ uint4 vbuf[VCAP];
+  __shared__ int vid[VCAP];
+  RegsShared rs;
+  rs.cand = reinterpret_cast<unsigned long long*>(smem_raw);
+  rs.rank = rs.cand + max(RCAP, C == 1 ? 0 : C * 2 * K);
+  rs.cnt = cnt;
+  rs.off = cnt + REGS_MAX_CHUNKS;
+  rs.count = count;
+  rs.vbuf = vbuf;
+  rs.vid = vid;
+  rs.base.cand = rs.cand;
+  rs.base.top = top;
+  rs.base.hist = hist;
+  rs.base.red = red;
+  rs.base.red_f = red_f;
+  rs.base.scalars = scalars;
+  return rs;
+}
+
 }  // namespace
 
 // logits [rows, V]; logq [rows, K] fp32, ids [rows, K] int32; grid rows * S, block 512, dynamic
@@ -1223,4 +1618,24 @@ extern "C" __global__ void __launch_bounds__(ST, TOPK_STREAM_BLOCKS) topk_stream
   const StreamShared ss = stream_carve();
   if (vec) stream_block<float, true>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, ss);
   else stream_block<float, false>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, ss);
+}
+
+// Regs variant. grid (C, rows), block 128, dynamic shared memory (max(2048, C * 2K) + 512) * 8
+// bytes (2048 + 512 for C = 1); K <= 128, C = ceil(V / chunk) <= 64 with chunk = 8192 bf16 / 4096
+// fp32 tokens. vec = 1: rows are 16-byte aligned and V % (16 / element size) == 0. C > 1: ws_keys
+// [rows, >= C, 2K], ws_ms [rows, >= C] float4, ws_count [rows] zeroed once (reset by the kernel).
+extern "C" __global__ void __launch_bounds__(RT, TOPK_REGS_BLOCKS) topk_regs_bf16_kernel(
+    const unsigned short* __restrict__ logits, int V, int K, int C, int vec, float* __restrict__ logq,
+    int* __restrict__ ids, unsigned long long* ws_keys, float4* ws_ms, unsigned* ws_count) {
+  const RegsShared rs = regs_carve(K, C);
+  if (vec) regs_block<unsigned short, true>(logits, V, K, C, logq, ids, ws_keys, ws_ms, ws_count, rs);
+  else regs_block<unsigned short, false>(logits, V, K, C, logq, ids, ws_keys, ws_ms, ws_count, rs);
+}
+
+extern "C" __global__ void __launch_bounds__(RT, TOPK_REGS_BLOCKS) topk_regs_f32_kernel(
+    const float* __restrict__ logits, int V, int K, int C, int vec, float* __restrict__ logq,
+    int* __restrict__ ids, unsigned long long* ws_keys, float4* ws_ms, unsigned* ws_count) {
+  const RegsShared rs = regs_carve(K, C);
+  if (vec) regs_block<float, true>(logits, V, K, C, logq, ids, ws_keys, ws_ms, ws_count, rs);
+  else regs_block<float, false>(logits, V, K, C, logq, ids, ws_keys, ws_ms, ws_count, rs);
 }
