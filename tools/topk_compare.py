@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Vocabulary top-k: the regs, stream, chunked and slices kernels side by side on drafter-shaped logits.
+"""Vocabulary top-k: the stream, chunked and slices kernels side by side on drafter-shaped logits.
 
 Batch {1, 8, 32, 64} x k {16, 64, 256, 512}, depth 7, V = 163840, bf16 Zipf logits
 (ddtree_rtc.bench.tree.zipf_logits), plus one fp32 case. Per case: each variant's median time
-(L2 flushed between runs) and % of the streaming-read ceiling on the logits' bytes (regs takes
-k <= 128 only, stream k <= 256), and whether every variant's ids and log-probs equal the slices kernel's.
+(L2 flushed between runs) and % of the streaming-read ceiling on the logits' bytes (stream takes
+k <= 256 only), and whether every variant's ids and log-probs equal the slices kernel's.
 Run from the repo root: PYTHONPATH=. python tools/topk_compare.py
 """
 
@@ -19,7 +19,7 @@ from ddtree_rtc.bench.tree import DEPTH, VOCAB, zipf_logits
 from ddtree_rtc.kernels import topk
 
 BATCHES = (1, 8, 32, 64)
-KS = (16, 64, 128, 256, 512)
+KS = (16, 64, 256, 512)
 FP32_CASE = (32, 64)  # (batch, k)
 
 
@@ -30,7 +30,7 @@ def run_case(logits, k: int, iters: int, ceiling: float) -> dict:
     out = {}
     results = {}
     for variant in topk.VARIANTS:
-        if (variant == "stream" and k > topk.STREAM_MAX_K) or (variant == "regs" and k > topk.REGS_MAX_K):
+        if variant == "stream" and k > topk.STREAM_MAX_K:
             continue
         ws = topk.topk_workspace(logits.shape, k, variant=variant)
         logq = cupy.empty((*lead, k), dtype=cupy.float32)

@@ -2,11 +2,7 @@
 ties, clamping) are in ddtree_rtc/reference/topk.py. Ids match the reference exactly, log-probs to
 fp32 rounding.
 
-Four variants, same results:
-  * ``regs`` (k <= 128, V <= 262144): chunks of 16 KB, one 128-thread block each, held in
-    registers (the whole chunk in flight at once, many small blocks per SM); a histogram of the
-    vector maxima's distance below the chunk's max gives the candidates; the last block of a row
-    merges.
+Three variants, same results:
   * ``stream`` (default for k <= 256): every row is cut into chunks (multiples of 8 K tokens), one
     256-thread block each, reading its chunk once from HBM and keeping only the 16-byte vectors
     that reach a threshold rising as it goes; the last block of a row merges.
@@ -30,7 +26,7 @@ from ..reference.topk import check_k
 from ._args import BF16, allow_dynamic_smem, check, dtype_name, out_array
 from .registry import module, spec
 
-VARIANTS = ("regs", "stream", "chunked", "slices")
+VARIANTS = ("stream", "chunked", "slices")
 _THREADS = 512  # fixed by the slices kernel
 _CHUNK_THREADS = 256  # fixed by the chunked kernel (CT)
 _MAX_VECS = 2048  # 16-byte vectors per chunk at most (MAX_VECS)
@@ -47,12 +43,6 @@ _STREAM_STEP = 8192  # chunk granularity in tokens: one block step of bf16 vecto
 _STREAM_BUFFER = 2048 * 24  # bytes of dynamic shared memory: the vector buffer (keys and bytes)
 _STREAM_MERGE_KEYS = _STREAM_BUFFER // 8  # chunks x k keys the merging block holds in that area
 _STREAM_MAX_CHUNKS = 5  # H200: more chunks per row cost more in per-block selects than they gain
-_REGS_THREADS = 128  # RT in the kernel
-REGS_MAX_K = 128  # REGS_MAX_K
-_REGS_VECS = 1024  # RVECS: 16-byte vectors per chunk
-_REGS_MAX_CHUNKS = 64  # REGS_MAX_CHUNKS
-_REGS_CAP, _REGS_RANK = 2048, 512  # RCAP, RRANK (keys)
-_REGS_MAX_SMEM = 96 * 1024  # dynamic shared memory at most (sm_120 has 99 KB per block)
 _MIN_SLICE = 16384  # below this a slice's selection and the merge cost more than the split saves
 
 
@@ -77,9 +67,7 @@ class TopkWorkspace:
     tokens: int = 0  # stream: tokens per chunk
 
     def chunk(self, itemsize: int) -> int:
-        """Chunk length in tokens for logits of this element size (regs, chunked and stream variants)."""
-        if self.variant == "regs":
-            return _REGS_VECS * (16 // itemsize)
+        """Chunk length in tokens for logits of this element size (chunked and stream variants)."""
         return self.tokens if self.variant == "stream" else self.vectors * (16 // itemsize)
 
 
@@ -117,20 +105,6 @@ def _plan_stream(rows: int, vocab: int, k: int) -> int | None:
     return chunk
 
 
-
-
-def _regs_smem(k: int, chunks: int) -> int:
-    """Dynamic shared memory of the regs kernel: candidates (or the merge's chunks x 2k keys), then
-    the keys ranked directly."""
-    return 8 * (max(_REGS_CAP, 0 if chunks == 1 else chunks * 2 * k) + _REGS_RANK)
-
-
-def _regs_fits(rows: int, vocab: int, k: int) -> bool:
-    """The regs variant takes k <= 128, at most 64 chunks per row (of fp32, the smaller ones) and a
-    merge that fits in shared memory."""
-    chunks = _chunks(vocab, _REGS_VECS, 4)
-    return (k <= REGS_MAX_K and rows <= _MAX_ROWS and chunks <= _REGS_MAX_CHUNKS
-            and _regs_smem(k, chunks) <= _REGS_MAX_SMEM)
 
 
 def _split(rows: int, vocab: int, k: int, chunks: int, variant: str, **fields) -> TopkWorkspace:
@@ -174,18 +148,6 @@ def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = N
     variant = variant or "slices"
     if chunk is not None and variant != "stream":
         raise ValueError("chunk belongs to the stream variant")
-    if variant == "regs":
-        if slices is not None or cap is not None or vectors is not None:
-            raise ValueError("slices, cap and vectors belong to the slices and chunked variants")
-        if not _regs_fits(rows, vocab, k):
-            raise ValueError(f"variant='regs' takes k <= {REGS_MAX_K}, at most {_MAX_ROWS} rows and a vocabulary "
-                             f"of at most {_REGS_MAX_CHUNKS * _REGS_VECS * 4} (got k={k}, {rows} rows, vocab {vocab})")
-        chunks = _chunks(vocab, _REGS_VECS, 4)  # fp32 chunks: bf16 logits use fewer of the slots
-        if chunks == 1:
-            return TopkWorkspace(rows, vocab, k, 1, None, None, None, "regs")
-        return TopkWorkspace(rows, vocab, k, chunks, cupy.empty((rows, chunks, 2 * k), dtype=np.uint64),
-                             cupy.empty((rows, chunks, 4), dtype=np.float32), cupy.zeros((rows,), dtype=np.uint32),
-                             "regs")
     if variant == "stream":
         if slices is not None or cap is not None or vectors is not None:
             raise ValueError("slices, cap and vectors belong to the slices and chunked variants")
@@ -270,19 +232,6 @@ def launch(logits, k: int, out_logq=None, out_ids=None, workspace=None, cap: int
     per16 = 16 // logits.dtype.itemsize
     vec = int(vocab % per16 == 0 and logits.data.ptr % 16 == 0)
     null = np.uint64(0)
-    if ws.variant == "regs":
-        if cap is not None:
-            raise ValueError("cap belongs to the slices variant; the workspace is regs")
-        chunks = _chunks(vocab, _REGS_VECS, logits.dtype.itemsize)
-        split = chunks > 1
-        fn = module("topk").fn("topk_regs_bf16_kernel" if logits.dtype == BF16 else "topk_regs_f32_kernel")
-        smem = _regs_smem(k, chunks)
-        allow_dynamic_smem(fn, smem)
-        fn((chunks, rows), (_REGS_THREADS,),
-           (logits, np.int32(vocab), np.int32(k), np.int32(chunks), np.int32(vec), logq, ids,
-            ws.keys if split else null, ws.ms if split else null, ws.count if split else null),
-           shared_mem=smem)
-        return logq, ids
     if ws.variant == "stream":
         if cap is not None:
             raise ValueError("cap belongs to the slices variant; the workspace is stream")
