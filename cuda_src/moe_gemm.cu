@@ -18,8 +18,10 @@
 // Dequant: NT = 1 scales after the mma in fp32 (mma_chunk_post, fewest instructions per weight);
 // NT = 4 dequantizes to bf16 q * s before the mma (mma_chunk), which amortizes over the n-tiles.
 //
-// Entries: moe_gemm_nt{1,4}_{h,f32}. `h`: gate_up with SiLU(gate) * up fused, writes bf16 h [P, I].
-// `f32`: writes fp32 partial sums [split][P][N] (gate_up with split-K, or down). Then
+// Entries: moe_gemm_nt{1,4}_{h,f32,down}. `h`: gate_up with SiLU(gate) * up fused, writes bf16 h
+// [P, I]. `f32`: writes fp32 partial sums [split][P][N] (gate_up with split-K, the nt 4 down);
+// `nt1_down` the same for the 8-pair down GEMM, whose weights start streaming before its PDL wait
+// (EARLY below; on nt 4 the extra live state spills at the sm_90 register cap). Then
 // moe_gate_up_reduce_kernel (split-K gate_up -> h) and moe_combine_kernel (down partials ->
 // y = sum_slot w * down + shared).
 #include "common.cuh"
@@ -46,6 +48,11 @@ constexpr int kBlockBytes = 1152;
 // issue / latency bound (ncu, M = 1024: 57% issue slots busy, 1.0 eligible of 3 warps per
 // scheduler at 3 CTAs/SM); the fourth CTA gave 1.5-4% at M = 256..1024 on the H200. Applied on
 // sm_90 only, where it was measured: on sm_100a the same cap spills 56 bytes, so other archs keep 1.
+// With PDL, the down GEMM may also prefetch this many further k steps of its weights into L2
+// before its wait (0: only the ring's first stages; an experiment knob, measured on the H200).
+#ifndef MOE_L2_PREFETCH_STEPS
+#define MOE_L2_PREFETCH_STEPS 0
+#endif
 #ifndef MOE_MIN_CTAS_NT4
 #define MOE_MIN_CTAS_NT4 4
 #endif
@@ -221,7 +228,11 @@ __device__ __forceinline__ void stage_chunk(float (&acc)[kTilesPerWarp][NT][4], 
 }
 
 // MODE 0: gate_up, write h = bf16(silu(gate) * up) [P, N/2]. MODE 1: write fp32 [split][P][N].
-template <int NT, int MODE>
+// EARLY (the down GEMM under PDL, ddtree_rtc/kernels/_launch.py): the block lists were written two
+// or more kernels back (by the align step, before the gate_up GEMM), so they and the weights are
+// read before pdl_wait and the first stages' weight copies go out while the previous kernel (gate_up,
+// whose h this one reads) finishes. Otherwise the kernel waits first.
+template <int NT, int MODE, bool EARLY>
 __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, long long w_expert_bytes,
                                          const bf16* __restrict__ act, int act_row_div,
                                          const int* __restrict__ sorted_pairs,
@@ -231,8 +242,12 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kStages = stages<NT>();
   static_assert(kStages >= 2, "the ring needs two stages");
+  if constexpr (!EARLY) {
+    pdl_wait();
+    pdl_trigger();
+  }
   const int u = blockIdx.y;
-  if (u >= num_blocks[0]) return;  // the whole CTA: no barrier has been reached yet
+  if (u >= num_blocks[0]) return;  // the whole CTA (exiting counts as triggering): no barrier yet
   const int e = block_expert[u];
   const int n_cta = blockIdx.x % n_ctas, split = blockIdx.x / n_ctas;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -274,7 +289,7 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
   const unsigned abase = smem_u32(smem);
   const unsigned long long pol = evict_first_policy();
 
-  auto issue = [&](int step, int stage) {
+  auto issue_weights = [&](int step, int stage) {
     const unsigned sb = stage * stage_bytes<NT>();
     if (active) {
       const unsigned char* src = wsrc + (long long)step * kBlockBytes;
@@ -287,9 +302,16 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
       if (lane < 16) cp_async_weights(wdst + sb + sc_tile * kBlockBytes + sc_off,
                                       src + sc_tile * tile_stride + sc_off, pol);
     }
+  };
+  auto issue_act = [&](int step, int stage) {
+    const unsigned sb = stage * stage_bytes<NT>();
 #pragma unroll
     for (int m = 0; m < NT; ++m)
       if (m < ntl) cp_async_zfill(abase + sb + adst[m], asrc[m] + step * kStepK, abytes[m]);
+  };
+  auto issue = [&](int step, int stage) {
+    issue_weights(step, stage);
+    issue_act(step, stage);
   };
 
   float acc[kTilesPerWarp][NT][4];
@@ -300,10 +322,31 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.f;
 
+  if constexpr (EARLY) {
+    // weights of the first stages, then (after the wait) their activations: group 0 holds the
+    // weights of every prologue stage and stage 0's activations, group s stage s's activations
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < steps) issue(s, s);
-    cp_async_commit();  // empty groups keep the count uniform
+    for (int s = 0; s < kStages - 1; ++s)
+      if (s < steps) issue_weights(s, s);
+    if (MOE_L2_PREFETCH_STEPS > 0 && active) {  // 18 lines of 128 B per warp and step: 2 tiles x 1152 B
+      const int r = lane / 9, line = lane % 9;
+      for (int st = kStages - 1; st < min(steps, kStages - 1 + MOE_L2_PREFETCH_STEPS); ++st)
+        if (lane < 18)
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(wsrc + r * tile_stride + (long long)st * kBlockBytes + 128 * line));
+    }
+    pdl_wait();
+    pdl_trigger();
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < steps) issue_act(s, s);
+      cp_async_commit();
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < steps) issue(s, s);
+      cp_async_commit();  // empty groups keep the count uniform
+    }
   }
   int stage = 0;
   for (int step = 0; step < steps; ++step) {
@@ -365,21 +408,26 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
   w, w_expert_bytes, act, act_row_div, sorted_pairs, block_expert, num_blocks, P, N, K, k_split, n_ctas, h_out, part_out
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_nt1_h(MOE_GEMM_ARGS) {
-  moe_gemm<1, 0>(MOE_GEMM_PASS);
+  moe_gemm<1, 0, false>(MOE_GEMM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_nt1_f32(MOE_GEMM_ARGS) {
-  moe_gemm<1, 1>(MOE_GEMM_PASS);
+  moe_gemm<1, 1, false>(MOE_GEMM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_nt1_down(MOE_GEMM_ARGS) {
+  moe_gemm<1, 1, true>(MOE_GEMM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(kThreads, MOE_NT4_BOUNDS) moe_gemm_nt4_h(MOE_GEMM_ARGS) {
-  moe_gemm<4, 0>(MOE_GEMM_PASS);
+  moe_gemm<4, 0, false>(MOE_GEMM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(kThreads, MOE_NT4_BOUNDS) moe_gemm_nt4_f32(MOE_GEMM_ARGS) {
-  moe_gemm<4, 1>(MOE_GEMM_PASS);
+  moe_gemm<4, 1, false>(MOE_GEMM_PASS);
 }
 
 // Split-K gate_up: part fp32 [S][P][2I] in fused tile order -> h bf16 [P, I]; splits summed in order.
 extern "C" __global__ void __launch_bounds__(256, 1) moe_gate_up_reduce_kernel(
     const float* __restrict__ part, int S, int P, int I, bf16* __restrict__ h) {
+  pdl_wait();
+  pdl_trigger();
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (long long)P * I) return;
   const long long p = idx / I;
@@ -404,6 +452,8 @@ constexpr int kCombineSlots = 8;
 extern "C" __global__ void __launch_bounds__(256, 1) moe_combine_kernel(
     const float* __restrict__ part, int S, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
     int E, int top_k, int M, int H, const bf16* __restrict__ shared, bf16* __restrict__ y) {
+  pdl_wait();
+  pdl_trigger();
   const int m = blockIdx.y;
   const int n = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (n >= H) return;

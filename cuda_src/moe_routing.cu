@@ -67,6 +67,8 @@ __device__ __forceinline__ void route_token(const float* __restrict__ logits, co
                                             int M, int E, int top_k, int n_group, int topk_group, int norm,
                                             float scaling, int* __restrict__ out_ids, float* __restrict__ out_w) {
   extern __shared__ float route_smem[];
+  ddt::pdl_wait();  // the logits come from the previous kernel
+  ddt::pdl_trigger();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int m = blockIdx.x * kRouteWarps + warp;
   if (m >= M) return;
@@ -192,6 +194,8 @@ extern "C" __global__ void __launch_bounds__(kAlignThreads, 1) moe_align_kernel(
     int ids_in_smem, int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ sorted_pairs,
     int* __restrict__ block_expert, int* __restrict__ num_blocks, int* __restrict__ error) {
   extern __shared__ int align_smem[];
+  ddt::pdl_wait();  // the ids come from the previous kernel (the routing)
+  ddt::pdl_trigger();
   int* cnt = align_smem;    // [E]
   int* off = cnt + E;       // [E]
   int* tot = off + E;       // [2]: padded pairs of the small / large list

@@ -88,6 +88,19 @@ def test_plan_rejects_bad_ring_depths():
             moe_plan(1, 8, 2, 128, 128, stages=bad)
 
 
+def test_pdl_launch_params_keep_the_c_types():
+    """cuLaunchKernelEx gets every numpy scalar with its C type; anything else is refused by position."""
+    import ctypes
+
+    from ddtree_rtc.kernels._launch import _params
+
+    vals, types = _params((np.int32(-3), np.int64(1 << 40), np.uint64(0), np.float32(0.5)))
+    assert vals == (-3, 1 << 40, 0, 0.5)
+    assert types == (ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float)
+    with pytest.raises(TypeError, match="argument 1: expected a cupy array or a numpy scalar"):
+        _params((np.int32(1), 7))
+
+
 def test_split_choice():
     from ddtree_rtc.kernels.moe_gemm import _pick_split
 
@@ -357,6 +370,43 @@ def test_kernel_launch_variants(rng, name, m, skew, plan_kw, tiles):
             assert getattr(plan, k) == plan_kw[k]
     if name == "ep8":  # the skewed routing over 44 experts really used both lists
         assert all(int(v) > 0 for v in plan.align.num_blocks.get()), plan.align.num_blocks.get()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,m,plan_kw", [
+    ("k26", 1, {}), ("tp8", 3, {"split_gate_up": 2, "split_down": 2}), ("deep", 21, {"concurrent": False}),
+    ("tp8", 256, {"split_gate_up": 4, "concurrent": False}), ("ep8", 300, {"concurrent": False}),
+])
+def test_pdl_launches_match_plain_and_capture(name, m, plan_kw):
+    """Programmatic dependent launches (the down GEMM's weights copied before its wait): bitwise the
+    plain launches' result, eagerly and replayed from a CUDA graph, and close to the reference."""
+    import cupy
+
+    from ddtree_rtc.bench.moe import graphed
+    from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
+    from ddtree_rtc.testing import to_device_bf16
+
+    rng = np.random.default_rng(m)
+    ex, exg = experts_for(name)
+    e, h, i, top_k, poison = DIMS[name]
+    pr = 1.0 / np.arange(1, e - poison + 1) ** 1.5
+    ids_h, w_h = random_routing(rng, m, e, top_k, allowed=range(e - poison), p=rng.permutation(pr / pr.sum()))
+    x_h = random_bf16(rng, (m, h))
+    x, ids, w = to_device_bf16(x_h), cupy.asarray(ids_h), cupy.asarray(w_h)
+    ys = {}
+    for pdl in (False, True):
+        plan = moe_plan(m, e, top_k, h, i, pdl=pdl, **plan_kw)
+        assert plan.pdl == pdl
+        ys[pdl] = moe_experts(x, ids, w, exg, plan=plan, check_ids=False).get()
+        out = cupy.zeros_like(x)
+        launch = graphed(lambda out=out, plan=plan: moe_experts(x, ids, w, exg, out=out, plan=plan, check_ids=False))
+        for _ in range(2):
+            out.fill(0x7FC0)
+            launch()
+            cupy.cuda.get_current_stream().synchronize()
+            assert np.array_equal(out.get(), ys[pdl]), f"graph replay (pdl={pdl}) differs from the eager run"
+    assert np.array_equal(ys[True], ys[False])
+    assert_close(ys[True], ref_moe(x_h, ids_h, w_h, ex), "bf16_accum")
 
 
 @pytest.mark.gpu

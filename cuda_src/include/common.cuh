@@ -47,4 +47,19 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return warp_max(v);
 }
 
+// Programmatic dependent launch (ddtree_rtc/kernels/_launch.py). pdl_wait: until the previous
+// kernel on the stream has completed and its writes are visible (returns at once for a launch
+// without the PDL attribute); pdl_trigger: let the next kernel start launching. Kernels call
+// pdl_trigger only after pdl_wait, so a kernel that starts may rely on the one two back being done.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace ddt

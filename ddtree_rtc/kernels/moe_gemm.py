@@ -14,6 +14,7 @@ import numpy as np
 from ..reference.moe_gemm import check_experts_layout
 from ..reference.moe_routing import MoEAlignment
 from ._args import BF16, allow_dynamic_smem, check, out_array
+from ._launch import launch, pdl_supported
 from .moe_routing import alignment_buffers, moe_align
 from .registry import module, spec
 
@@ -28,6 +29,10 @@ BLOCK_BYTES = 1152
 # --nt4-above, is the judge).
 NT4_ABOVE = 8
 CONCURRENT = True
+# Programmatic dependent launches inside moe_experts (kernels/_launch.py): each kernel starts while
+# the previous one drains, and the down GEMM's first weight stages are in flight before gate_up ends.
+# Only on one stream (a plan with a side stream launches as before).
+PDL = True
 _COMBINE_COLS = 256 * 4
 _MAX_GRID_Y = 65535
 
@@ -50,6 +55,7 @@ class MoEPlan:
     stages: tuple[int, int]  # cp.async ring depth of the nt 1 and nt 4 GEMMs
     side: object = None  # with both lists: a second stream that runs the nt 4 launch beside the nt 1 one
     events: tuple = ()  # (fork, join) events of that side stream
+    pdl: bool = False  # programmatic dependent launches (one stream only)
 
     def module(self):
         """The moe_gemm module built with this plan's ring depths."""
@@ -142,14 +148,17 @@ def _num_sms() -> int:
 def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
              split_gate_up: int | None = None, split_down: int | None = None, nt: int | None = None,
              num_sms: int | None = None, nt4_above: int | None = None,
-             stages: tuple[int, int] | None = None, concurrent: bool | None = None) -> MoEPlan:
+             stages: tuple[int, int] | None = None, concurrent: bool | None = None,
+             pdl: bool | None = None) -> MoEPlan:
     """Plan one MoE shape: token tiles (by default per expert on the device: 8-pair blocks for
     experts with at most ``nt4_above`` pairs, 32-pair blocks beyond; ``nt`` 1 or 4 forces one tile
     for all), split-K of each GEMM (enough CTAs to cover the SMs when few experts are touched), and
     buffers. ``stages`` (nt 1, nt 4) overrides the GEMMs' cp.async ring depths (2..16; 0 = default).
     ``concurrent`` (default CONCURRENT): with both block lists, the nt 4 and nt 1 launches of each
     GEMM run on two streams (forked and joined by events, so a CUDA graph captures them as two
-    branches) and share the SMs: the compute-bound 32-pair blocks beside the byte-bound 8-pair ones."""
+    branches) and share the SMs: the compute-bound 32-pair blocks beside the byte-bound 8-pair ones.
+    ``pdl`` (default PDL, on GPUs that have it): programmatic dependent launches of moe_experts'
+    kernels, for a plan without the side stream (asking for both is an error)."""
     import cupy
 
     if num_tokens < 1:
@@ -180,6 +189,10 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     if (CONCURRENT if concurrent is None else concurrent) and align.large_capacity and align.small_capacity:
         plan.side = cupy.cuda.Stream(non_blocking=True)
         plan.events = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True))
+    if pdl and plan.side is not None:
+        raise ValueError("pdl=True with the concurrent side stream: programmatic launches need one stream "
+                         "(pass concurrent=False)")
+    plan.pdl = (PDL if pdl is None else pdl) and plan.side is None and pdl_supported()
     return plan
 
 
@@ -234,14 +247,14 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
     _aligned("out", y)
     al = plan.align
     moe_align(topk_ids, e, al.block, out=al, check_ids=check_ids, large_block=al.large_block,
-              large_above=al.large_above)
+              large_above=al.large_above, pdl=plan.pdl)
     moe_gate_up(x, experts, plan)
     moe_down(experts, plan)
     null = np.uint64(0)
     mod = plan.module()
-    mod.fn("moe_combine_kernel")((-(-h // _COMBINE_COLS), m), (256,), (
+    launch(mod.fn("moe_combine_kernel"), (-(-h // _COMBINE_COLS), m), (256,), (
         plan.part_down, np.int32(plan.split_down), topk_ids, topk_weights, np.int32(e), np.int32(top_k), np.int32(m),
-        np.int32(h), shared if shared is not None else null, y))
+        np.int32(h), shared if shared is not None else null, y), pdl=plan.pdl)
     return y
 
 
@@ -293,15 +306,16 @@ def moe_gate_up(x, experts, plan: MoEPlan) -> None:
     for (nt, bound, pairs, experts_of, count), stream in zip(lists, _streams(plan, len(lists))):
         smem = plan.stages_of(nt) * stage_bytes(nt)
         entry = f"moe_gemm_nt{nt}_{'h' if s13 == 1 else 'f32'}"
-        _gemm_fn(mod, entry, smem)((n13 * s13, bound), (ROWS_PER_CTA,), (
+        launch(_gemm_fn(mod, entry, smem), (n13 * s13, bound), (ROWS_PER_CTA,), (
             experts.w13, np.int64(experts.w13[0].nbytes), x, np.int32(plan.top_k), pairs, experts_of, count,
             np.int32(plan.num_pairs), np.int32(2 * inter), np.int32(h), np.int32(h // s13), np.int32(n13),
-            plan.h if s13 == 1 else null, plan.part_gate_up if s13 > 1 else null), shared_mem=smem, stream=stream)
+            plan.h if s13 == 1 else null, plan.part_gate_up if s13 > 1 else null), shared_mem=smem,
+            stream=stream, pdl=plan.pdl)
     _join(plan, len(lists))
     if s13 > 1:
         p = plan.num_pairs
-        mod.fn("moe_gate_up_reduce_kernel")((-(-p * inter // 256),), (256,), (
-            plan.part_gate_up, np.int32(s13), np.int32(p), np.int32(inter), plan.h))
+        launch(mod.fn("moe_gate_up_reduce_kernel"), (-(-p * inter // 256),), (256,), (
+            plan.part_gate_up, np.int32(s13), np.int32(p), np.int32(inter), plan.h), pdl=plan.pdl)
 
 
 def moe_down(experts, plan: MoEPlan) -> None:
@@ -312,8 +326,11 @@ def moe_down(experts, plan: MoEPlan) -> None:
     lists = _lists(plan)
     for (nt, bound, pairs, experts_of, count), stream in zip(lists, _streams(plan, len(lists))):
         smem = plan.stages_of(nt) * stage_bytes(nt)
-        _gemm_fn(mod, f"moe_gemm_nt{nt}_f32", smem)((n2 * s2, bound), (ROWS_PER_CTA,), (
+        # nt1_down reads the block lists (the align step's, two or more launches back) and starts
+        # its weight copies before the PDL wait (see moe_gemm.cu)
+        entry = "moe_gemm_nt1_down" if nt == 1 else "moe_gemm_nt4_f32"
+        launch(_gemm_fn(mod, entry, smem), (n2 * s2, bound), (ROWS_PER_CTA,), (
             experts.w2, np.int64(experts.w2[0].nbytes), plan.h, np.int32(1), pairs, experts_of, count,
             np.int32(plan.num_pairs), np.int32(h), np.int32(inter), np.int32(inter // s2), np.int32(n2),
-            np.uint64(0), plan.part_down), shared_mem=smem, stream=stream)
+            np.uint64(0), plan.part_down), shared_mem=smem, stream=stream, pdl=plan.pdl)
     _join(plan, len(lists))

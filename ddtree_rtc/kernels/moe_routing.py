@@ -8,6 +8,7 @@ import numpy as np
 from ..reference.moe_routing import MAX_EXPERTS, MoEAlignment, align_args, align_capacities, check_route_args
 from . import _cublas
 from ._args import BF16, check, out_array
+from ._launch import launch
 from .registry import module
 
 _ROUTE_WARPS = 4
@@ -76,11 +77,12 @@ def alignment_buffers(num_pairs: int, num_experts: int, block: int, large_block:
 
 def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None = None,
               check_ids: bool = True, large_block: int | None = None,
-              large_above: int | None = None) -> MoEAlignment:
+              large_above: int | None = None, pdl: bool = False) -> MoEAlignment:
     """topk_ids int32 [M, top_k] -> MoEAlignment (device arrays): experts with more than
     ``large_above`` pairs in ``large_block``-pair blocks, the others in ``block``-pair blocks (without
     ``large_block``, all). With ``check_ids`` an id out of [0, E) raises (one host sync); without,
-    such pairs are left out and ``error[0]`` is set."""
+    such pairs are left out and ``error[0]`` is set. ``pdl``: a programmatic dependent launch
+    (kernels/_launch.py), for a call right after the kernel that wrote ``topk_ids``."""
     import cupy
 
     check("topk_ids", topk_ids, np.int32, ndim=2)
@@ -112,5 +114,5 @@ def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None =
     args = (topk_ids, np.int32(p), np.int32(num_experts), np.int32(block), np.int32(large_block),
             np.int32(large_above), np.int32(cap_s), np.int32(in_smem), al.counts, al.offsets, al.sorted_pairs,
             al.block_expert, al.num_blocks, al.error)
-    module("moe_routing").fn("moe_align_kernel")(grid, (32 * _ALIGN_WARPS,), args, shared_mem=smem)
+    launch(module("moe_routing").fn("moe_align_kernel"), grid, (32 * _ALIGN_WARPS,), args, shared_mem=smem, pdl=pdl)
     return al
