@@ -18,7 +18,7 @@
 // Dequant: NT = 1 scales after the mma in fp32 (mma_chunk_post, fewest instructions per weight);
 // NT = 4 dequantizes to bf16 q * s before the mma (mma_chunk), which amortizes over the n-tiles.
 //
-// Entries: moe_gemm_nt{1,4}_{h,f32,down}. `h`: gate_up with SiLU(gate) * up fused, writes bf16 h
+// Entries: moe_gemm_nt{1,4}_{h,f32} and moe_gemm_nt1_down. `h`: gate_up with SiLU(gate) * up fused, writes bf16 h
 // [P, I]. `f32`: writes fp32 partial sums [split][P][N] (gate_up with split-K, the nt 4 down);
 // `nt1_down` the same for the 8-pair down GEMM, whose weights start streaming before its PDL wait
 // (EARLY below; on nt 4 the extra live state spills at the sm_90 register cap). Then
@@ -48,11 +48,6 @@ constexpr int kBlockBytes = 1152;
 // issue / latency bound (ncu, M = 1024: 57% issue slots busy, 1.0 eligible of 3 warps per
 // scheduler at 3 CTAs/SM); the fourth CTA gave 1.5-4% at M = 256..1024 on the H200. Applied on
 // sm_90 only, where it was measured: on sm_100a the same cap spills 56 bytes, so other archs keep 1.
-// With PDL, the down GEMM may also prefetch this many further k steps of its weights into L2
-// before its wait (0: only the ring's first stages; an experiment knob, measured on the H200).
-#ifndef MOE_L2_PREFETCH_STEPS
-#define MOE_L2_PREFETCH_STEPS 0
-#endif
 #ifndef MOE_MIN_CTAS_NT4
 #define MOE_MIN_CTAS_NT4 4
 #endif
@@ -328,12 +323,6 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s)
       if (s < steps) issue_weights(s, s);
-    if (MOE_L2_PREFETCH_STEPS > 0 && active) {  // 18 lines of 128 B per warp and step: 2 tiles x 1152 B
-      const int r = lane / 9, line = lane % 9;
-      for (int st = kStages - 1; st < min(steps, kStages - 1 + MOE_L2_PREFETCH_STEPS); ++st)
-        if (lane < 18)
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(wsrc + r * tile_stride + (long long)st * kBlockBytes + 128 * line));
-    }
     pdl_wait();
     pdl_trigger();
 #pragma unroll

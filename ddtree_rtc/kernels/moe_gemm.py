@@ -29,9 +29,12 @@ BLOCK_BYTES = 1152
 # --nt4-above, is the judge).
 NT4_ABOVE = 8
 CONCURRENT = True
-# Programmatic dependent launches inside moe_experts (kernels/_launch.py): each kernel starts while
-# the previous one drains, and the down GEMM's first weight stages are in flight before gate_up ends.
-# Only on one stream (a plan with a side stream launches as before).
+# Programmatic dependent launches inside moe_experts (kernels/_launch.py): the align, split-K reduce,
+# down and combine launches start while the previous kernel drains, and the down GEMM's first weight
+# stages are in flight before gate_up ends. Only on one stream (a plan with a side stream launches as
+# before). The gate_up GEMM itself launches plainly: launched early beside the align step it made the
+# M = 1 layer 97.9 µs instead of 76.6 (H200, K2.6 dims; all other launches PDL: 73.5 µs; M = 2..8
+# 3-5 µs faster, M = 64 1.4; benchmarks/variants_h200.txt, stop 16).
 PDL = True
 _COMBINE_COLS = 256 * 4
 _MAX_GRID_Y = 65535
@@ -310,7 +313,7 @@ def moe_gate_up(x, experts, plan: MoEPlan) -> None:
             experts.w13, np.int64(experts.w13[0].nbytes), x, np.int32(plan.top_k), pairs, experts_of, count,
             np.int32(plan.num_pairs), np.int32(2 * inter), np.int32(h), np.int32(h // s13), np.int32(n13),
             plan.h if s13 == 1 else null, plan.part_gate_up if s13 > 1 else null), shared_mem=smem,
-            stream=stream, pdl=plan.pdl)
+            stream=stream)  # never PDL (see PDL above); the kernel still triggers the next launch
     _join(plan, len(lists))
     if s13 > 1:
         p = plan.num_pairs

@@ -42,7 +42,7 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                             "moe_gate_up_reduce_kernel", "moe_combine_kernel"),
                "fused INT4 W4A16 group-32 expert GEMMs (mma.sync, weights on the 16-row side): gate_up "
                "with SiLU*up, down, split-K reduce, weighted top-k combine",
-               params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4, "MOE_L2_PREFETCH_STEPS": 0}),
+               params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4}),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),
                "paged KV cache: write rows at slots; DDTree commit of accepted rows, in place, all layers"),
