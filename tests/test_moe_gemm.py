@@ -372,6 +372,20 @@ def test_kernel_launch_variants(rng, name, m, skew, plan_kw, tiles):
         assert all(int(v) > 0 for v in plan.align.num_blocks.get()), plan.align.num_blocks.get()
 
 
+def skewed_inputs(rng, name, m):
+    """Host x, ids, weights and their device copies for shape ``name``: top_k of the unpoisoned
+    experts per token, drawn with Zipf-like (1.5) probabilities so both block lists are busy."""
+    import cupy
+
+    from ddtree_rtc.testing import to_device_bf16
+
+    e, h, _, top_k, poison = DIMS[name]
+    pr = 1.0 / np.arange(1, e - poison + 1) ** 1.5
+    ids_h, w_h = random_routing(rng, m, e, top_k, allowed=range(e - poison), p=rng.permutation(pr / pr.sum()))
+    x_h = random_bf16(rng, (m, h))
+    return x_h, ids_h, w_h, (to_device_bf16(x_h), cupy.asarray(ids_h), cupy.asarray(w_h))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,m,plan_kw", [
     ("k26", 1, {}), ("tp8", 3, {"split_gate_up": 2, "split_down": 2}), ("deep", 21, {"concurrent": False}),
@@ -384,15 +398,11 @@ def test_pdl_launches_match_plain_and_capture(name, m, plan_kw):
 
     from ddtree_rtc.bench.moe import graphed
     from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
-    from ddtree_rtc.testing import to_device_bf16
 
     rng = np.random.default_rng(m)
     ex, exg = experts_for(name)
-    e, h, i, top_k, poison = DIMS[name]
-    pr = 1.0 / np.arange(1, e - poison + 1) ** 1.5
-    ids_h, w_h = random_routing(rng, m, e, top_k, allowed=range(e - poison), p=rng.permutation(pr / pr.sum()))
-    x_h = random_bf16(rng, (m, h))
-    x, ids, w = to_device_bf16(x_h), cupy.asarray(ids_h), cupy.asarray(w_h)
+    e, h, i, top_k, _ = DIMS[name]
+    x_h, ids_h, w_h, (x, ids, w) = skewed_inputs(rng, name, m)
     ys = {}
     for pdl in (False, True):
         plan = moe_plan(m, e, top_k, h, i, pdl=pdl, **plan_kw)
@@ -418,17 +428,13 @@ def test_concurrent_lists_match_serial_and_capture(name, m):
 
     from ddtree_rtc.bench.moe import graphed
     from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
-    from ddtree_rtc.testing import to_device_bf16
 
     seed = int(np.random.SeedSequence().entropy % 2**32)
     print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     ex, exg = experts_for(name)
-    e, h, i, top_k, poison = DIMS[name]
-    pr = 1.0 / np.arange(1, e - poison + 1) ** 1.5
-    ids_h, w_h = random_routing(rng, m, e, top_k, allowed=range(e - poison), p=rng.permutation(pr / pr.sum()))
-    x_h = random_bf16(rng, (m, h))
-    x, ids, w = to_device_bf16(x_h), cupy.asarray(ids_h), cupy.asarray(w_h)
+    e, h, i, top_k, _ = DIMS[name]
+    x_h, ids_h, w_h, (x, ids, w) = skewed_inputs(rng, name, m)
     ys = {}
     for concurrent in (False, True):
         plan = moe_plan(m, e, top_k, h, i, concurrent=concurrent)
