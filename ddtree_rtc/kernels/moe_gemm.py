@@ -32,9 +32,10 @@ CONCURRENT = True
 # Programmatic dependent launches inside moe_experts (kernels/_launch.py): the align, split-K reduce,
 # down and combine launches start while the previous kernel drains, and the down GEMM's first weight
 # stages are in flight before gate_up ends. Only on one stream (a plan with a side stream launches as
-# before). The gate_up GEMM itself launches plainly: launched early beside the align step it made the
-# M = 1 layer 97.9 µs instead of 76.6 (H200, K2.6 dims; all other launches PDL: 73.5 µs; M = 2..8
-# 3-5 µs faster, M = 64 1.4; benchmarks/variants_h200.txt, stop 16).
+# before). The gate_up GEMM itself launches plainly: at e071145 (H200, K2.6 dims) the other
+# launches as PDL gave M = 1 73.5 µs against 76.6 plain and M = 2..8 3-5 µs; PDL on gate_up too
+# measured 97.9 µs at M = 1 in stop 16 but 73.0 (M = 2..16 within 1 µs) in stop 17, at 5c2534a:
+# neither a gain nor, today, a loss (benchmarks/variants_h200.txt, stops 16 and 17).
 PDL = True
 _COMBINE_COLS = 256 * 4
 _MAX_GRID_Y = 65535
