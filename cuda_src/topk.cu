@@ -816,6 +816,20 @@ __device__ __forceinline__ unsigned warp_append(bool take, unsigned* counter) {
   return __shfl_sync(FULL, pos, leader) + __popc(bal & ((1u << lane) - 1u));
 }
 
+// warp_append for N ballots of the warp at once (one atomicAdd and one shuffle in all): returns the
+// warp's first position; taker j of ballot i goes to that + the takers of ballots < i + j. Every
+// lane calls it with the same ballots.
+template <int N>
+__device__ __forceinline__ unsigned warp_claim(const unsigned (&bal)[N], unsigned* counter) {
+  unsigned total = 0u;
+#pragma unroll
+  for (int i = 0; i < N; ++i) total += __popc(bal[i]);
+  if (total == 0u) return 0u;
+  unsigned pos = 0u;
+  if ((threadIdx.x & 31) == 0) pos = atomicAdd(counter, total);
+  return __shfl_sync(FULL, pos, 0);
+}
+
 // The largest threshold t whose value bits are those of a key and whose id bits are 0, such that
 // at least kk of a[0, n) are >= t (1 <= kk <= n); *count = how many are. One 8-bit histogram round
 // per byte of the value (VBITS = 16 for bf16: the low half of their float bits is 0).
@@ -955,32 +969,19 @@ __device__ void stream_pass(const T* src, int lo, int n, int kk, float& m, float
     // The step's takers, all SU vectors of the warp at once: one shared atomic and one shuffle per
     // warp and step (an append per vector chained SU atomic / shuffle round trips: 5-10% slower at
     // batch 8-64 on the H200).
+    const int lane = tid & 31;
     unsigned bal[SU];
-    unsigned any = 0u;
+#pragma unroll
+    for (int u = 0; u < SU; ++u) bal[u] = __ballot_sync(FULL, base + u * ST + tid < nvec && vm[u] >= tf);
+    unsigned pos = warp_claim(bal, &ss.count[0]);
 #pragma unroll
     for (int u = 0; u < SU; ++u) {
-      bal[u] = __ballot_sync(FULL, base + u * ST + tid < nvec && vm[u] >= tf);
-      any |= bal[u];
-    }
-    if (any) {  // warp-uniform
-      const unsigned below = (1u << (tid & 31)) - 1u;
-      unsigned pos = 0u;
-      if ((tid & 31) == 0) {
-        unsigned total = 0u;
-#pragma unroll
-        for (int u = 0; u < SU; ++u) total += __popc(bal[u]);
-        pos = atomicAdd(&ss.count[0], total);
+      if (bal[u] >> lane & 1u) {  // < SB: at most SB_ROOM before the step, STEP in it
+        const unsigned at = pos + __popc(bal[u] & ((1u << lane) - 1u));
+        ss.keys[at] = vec_key<T>(raw[u], lo, base + u * ST + tid, n);
+        ss.data[at] = raw[u];
       }
-      pos = __shfl_sync(FULL, pos, 0);
-#pragma unroll
-      for (int u = 0; u < SU; ++u) {
-        if (bal[u] >> (tid & 31) & 1u) {  // pos < SB: at most SB_ROOM before the step, STEP in it
-          const unsigned at = pos + __popc(bal[u] & below);
-          ss.keys[at] = vec_key<T>(raw[u], lo, base + u * ST + tid, n);
-          ss.data[at] = raw[u];
-        }
-        pos += __popc(bal[u]);
-      }
+      pos += __popc(bal[u]);
     }
     __syncthreads();
     const int nb = (int)ss.count[0];
@@ -1069,16 +1070,12 @@ __device__ void stream_block(const T* logits, int V, int K, int C, int chunk, fl
     const int lane = tid & 31;
     unsigned long long kx[VEC];
     unsigned bal[VEC];
-    unsigned total = 0u;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       kx[e] = make_key(ord32(canon(sanitize(x[e]))), lo + v * VEC + e);
       bal[e] = __ballot_sync(FULL, in && v * VEC + e < n && kx[e] >= t);
-      total += __popc(bal[e]);
     }
-    unsigned pos = 0u;
-    if (lane == 0 && total) pos = atomicAdd(&sh.scalars[4], total);
-    pos = __shfl_sync(FULL, pos, 0);
+    unsigned pos = warp_claim(bal, &sh.scalars[4]);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       const unsigned at = pos + __popc(bal[e] & ((1u << lane) - 1u));
