@@ -18,7 +18,8 @@
 // Dequant: NT = 1 scales after the mma in fp32 (mma_chunk_post, fewest instructions per weight);
 // NT = 4 dequantizes to bf16 q * s before the mma (mma_chunk), which amortizes over the n-tiles.
 //
-// Entries: moe_gemm_nt{1,4}_{h,f32} and moe_gemm_nt1_down. `h`: gate_up with SiLU(gate) * up fused, writes bf16 h
+// Entries: moe_gemm_nt{1,4}_{h,f32}, moe_gemm_nt1_down, and on sm_90a moe_gemm_wg4_{h,f32} (the nt 4
+// blocks on wgmma, below). `h`: gate_up with SiLU(gate) * up fused, writes bf16 h
 // [P, I]. `f32`: writes fp32 partial sums [split][P][N] (gate_up with split-K, the nt 4 down);
 // `nt1_down` the same for the 8-pair down GEMM, whose weights start streaming before its PDL wait
 // (EARLY below; on nt 4 the extra live state spills at the sm_90 register cap). Then
@@ -386,6 +387,284 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
     }
 }
 
+
+// ---- sm_90a: the large-list blocks on wgmma (entries moe_gemm_wg4_{h,f32}) ------------------------
+// Same CTA (4 warps x 32 rows of one expert), weight blocks, cp.async ring and bf16 dequant as
+// moe_gemm<NT> with NT > 1; the mma is the warpgroup's wgmma.mma_async m64nNk16 with A (the
+// dequantized weights) in registers and B (the block's pairs) read from shared memory through a
+// matrix descriptor: one instruction per (k16, tile) instead of one mma.sync per (k16, tile, n8), and
+// no B fragment loads. The 64 rows of "tile" r are the four warps' m16 tiles r (warp w: rows 32w + 16r
+// ..), each warp's A fragment being exactly its mma.m16n8k16 A fragment, so a thread's accumulator
+// d[4 n + i] is acc[r][n][i] of the mma.sync kernel and the epilogue is the same. N = 8 x NW, NW =
+// the block's n-tiles holding a pair, picked once per CTA (a template parameter: the instruction's N is
+// in its opcode).
+// The weights' k order: the repacked A fragments are those of the mma.sync kernel, whose B fragments
+// give lane (g, t) the k values 8t..8t+7 of a k32 chunk (one LDS.128 for both k16 steps), so in k16
+// step h of chunk C the mma's k index 2t + i (i = 0, 1) is the chunk's k 8t + 4h + i and 2t + 8 + i is
+// 8t + 4h + 2 + i. wgmma reads B in its own k order from shared memory, so the activations are staged
+// in that permuted order: the 8 k of a core-matrix row are 4-byte pieces from four 16-byte pieces of
+// the row, copied by 4-byte cp.async. Stage layout: [k8 group kg (16)][pair group (NT)][8 pairs][8 k]
+// bf16, one 8 x 16-byte core matrix per (kg, pair group), K-major without swizzle: leading (k) byte
+// offset NT x 128 between the two k8 halves of a k16 step, stride (n) byte offset 128 between pair
+// groups. kg = 2 (2C + h) + q holds, in word t' of pair row n, the chunk's k 8t' + 4h + 2q + (0, 1).
+// Warp w copies chunk C = w: lane (n, t') = (lane / 4, lane % 4), its four (h, q) and the NW pair
+// groups: the 32 lanes of one copy write 32 different banks, and the 4-byte reads of a pair row's
+// 64 bytes come from L1 (.ca) after the first.
+// Pipelining: per k32 chunk the four wgmma (2 k16 x 2 tiles) are one commit group; the next chunk's
+// dequant runs while it is in flight (wait_group 1), and a step ends with wait_group 0 so the barrier
+// of the next step also means every warp's tensor-core reads of the stage it frees are done.
+#ifndef MOE_STAGES_WG
+#define MOE_STAGES_WG 3
+#endif
+#ifndef MOE_MIN_CTAS_WG4
+#define MOE_MIN_CTAS_WG4 4
+#endif
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int NW>
+__device__ __forceinline__ void wgmma_rs(float* d, const unsigned (&a)[4], unsigned long long b);
+// D[64 x 8 NW] += A[64 x 16] (registers) B[16 x 8 NW] (shared, K-major, descriptor b); one per NW.
+template <>
+__device__ __forceinline__ void wgmma_rs<1>(float* d, const unsigned (&a)[4], unsigned long long b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, 1, 1, 1, 0;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<2>(float* d, const unsigned (&a)[4], unsigned long long b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1, 0;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<3>(float* d, const unsigned (&a)[4], unsigned long long b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11}, {%12,%13,%14,%15}, %16, 1, 1, 1, 0;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<4>(float* d, const unsigned (&a)[4], unsigned long long b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, 0;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((addr >> 4) & 0x3FFF) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+         ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32);  // no swizzle, base offset 0
+}
+__device__ __forceinline__ void cp_async16(unsigned dst, const unsigned char* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+// 4 bytes through L1 (.ca: the other three pieces of the same 16 bytes hit there); src_bytes 0 fills zeros.
+__device__ __forceinline__ void cp_async4_zfill(unsigned dst, const bf16* src, unsigned src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Empty asm that "rewrites" v: keeps the register's last write before the wgmma.fence that follows
+// it, and (on accumulators, after wait_group) keeps their reads after the wait.
+__device__ __forceinline__ void pin(unsigned& v) { asm volatile("" : "+r"(v)::"memory"); }
+__device__ __forceinline__ void pin(float& v) { asm volatile("" : "+f"(v)::"memory"); }
+
+template <int NT, int MODE, int NW>
+__device__ __forceinline__ void moe_wg(const unsigned char* __restrict__ w, long long w_expert_bytes,
+                                       const bf16* __restrict__ act, int act_row_div,
+                                       const int* __restrict__ sorted_pairs, const int* __restrict__ block_expert,
+                                       int P, int N, int K, int k_split, int n_ctas, bf16* __restrict__ h_out,
+                                       float* __restrict__ part_out) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  static_assert(NT <= 4 && NW <= NT, "wgmma_rs exists for N = 8..32");
+  constexpr int kStages = MOE_STAGES_WG;
+  static_assert(kStages >= 2, "the ring needs two stages");
+  constexpr int kStage = stage_bytes<NT>();
+  const int u = blockIdx.y;
+  const int e = block_expert[u];
+  const int n_cta = blockIdx.x % n_ctas, split = blockIdx.x / n_ctas;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int tile0 = (n_cta * kRowsPerCta + warp * kRowsPerWarp) / 16;
+  const bool active = tile0 * 16 < N;  // a warp without rows still runs every wgmma (on zeros)
+  const int* ids = sorted_pairs + (long long)u * (NT * 8);
+  const int steps = k_split / kStepK;
+  const long long kblocks = K / kStepK;
+
+  const unsigned char* wsrc = w + (long long)e * w_expert_bytes +
+                              ((long long)tile0 * kblocks + (long long)split * steps) * kBlockBytes;
+  const long long tile_stride = kblocks * kBlockBytes;
+  const int sc_tile = (lane >> 3) & 1, sc_off = 1024 + 16 * (lane & 7);
+  const unsigned abase = smem_u32(smem);
+  const unsigned wdst = abase + warp * kWarpStageBytes;
+  const int an = lane >> 2, at = lane & 3;  // pair row n and word t' of this thread's copies
+  const bf16* asrc[NW];
+  unsigned abytes[NW];
+#pragma unroll
+  for (int m = 0; m < NW; ++m) {
+    const int p = ids[an + 8 * m];
+    abytes[m] = p < P ? 4u : 0u;
+    asrc[m] = act + (p < P ? (long long)(p / act_row_div) * K + (long long)split * k_split + 32 * warp + 8 * at : 0);
+  }
+  const unsigned adst = kWeightStageBytes + 4 * warp * NT * 128 + an * 16 + at * 4;
+  const unsigned long long pol = evict_first_policy();
+
+  auto issue = [&](int step, int stage) {
+    const unsigned sb = stage * kStage;
+    if (active) {
+      const unsigned char* src = wsrc + (long long)step * kBlockBytes;
+#pragma unroll
+      for (int r = 0; r < kTilesPerWarp; ++r) {
+        const unsigned d = wdst + sb + r * kBlockBytes;
+        cp_async_weights(d + 16 * lane, src + r * tile_stride + 16 * lane, pol);
+        cp_async_weights(d + 512 + 16 * lane, src + r * tile_stride + 512 + 16 * lane, pol);
+      }
+      // The scale piece without the L2 hint: with it, ptxas 13.0 (sm_90a) encoded this lane-divergent
+      // copy inside the ring loop with a cache-policy operand it never set (illegal instruction).
+      if (lane < 16) cp_async16(wdst + sb + sc_tile * kBlockBytes + sc_off, src + sc_tile * tile_stride + sc_off);
+    }
+#pragma unroll
+    for (int m = 0; m < NW; ++m)
+#pragma unroll
+      for (int hq = 0; hq < 4; ++hq)  // (h, q) = (hq / 2, hq % 2): kg = 4C + hq, chunk k 8t' + 2 hq
+        cp_async4_zfill(abase + sb + adst + (hq * NT + m) * 128, asrc[m] + step * kStepK + 2 * hq, abytes[m]);
+  };
+
+  float acc[kTilesPerWarp][NW * 4];
+#pragma unroll
+  for (int r = 0; r < kTilesPerWarp; ++r)
+#pragma unroll
+    for (int i = 0; i < NW * 4; ++i) acc[r][i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) issue(s, s);
+    cp_async_commit();
+  }
+  int stage = 0;
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait<kStages - 2>();
+    wg_fence_proxy();  // this thread's landed copies, visible to the tensor cores' (async proxy) reads
+    __syncthreads();   // everyone's; and every warp's wgmma on the stage freed below has completed
+    const int next = step + kStages - 1;
+    if (next < steps) issue(next, stage == 0 ? kStages - 1 : stage - 1);
+    cp_async_commit();
+    const unsigned char* ws = smem + stage * kStage + warp * kWarpStageBytes;
+    uint4 buf[kTilesPerWarp][3];
+#pragma unroll
+    for (int r = 0; r < kTilesPerWarp; ++r) {
+      if (active) {
+        buf[r][0] = lds128(ws + r * kBlockBytes + 16 * lane);
+        buf[r][1] = lds128(ws + r * kBlockBytes + 512 + 16 * lane);
+        buf[r][2] = lds128(ws + r * kBlockBytes + 1024 + 16 * g);
+      } else {
+        buf[r][0] = buf[r][1] = buf[r][2] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    const unsigned xs = abase + stage * kStage + kWeightStageBytes;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      unsigned a[2][kTilesPerWarp][4];  // [k16 half][tile][A fragment]
+#pragma unroll
+      for (int r = 0; r < kTilesPerWarp; ++r) {
+        const uint4 wv = buf[r][c >> 1];
+        const unsigned wg = (c & 1) ? wv.z : wv.x, wg8 = (c & 1) ? wv.w : wv.y;
+        const uint4 sc = buf[r][2];
+        const unsigned sw = c < 2 ? sc.x : sc.y, sw8 = c < 2 ? sc.z : sc.w;
+        const __nv_bfloat162 sp = *reinterpret_cast<const __nv_bfloat162*>(&sw);
+        const __nv_bfloat162 sp8 = *reinterpret_cast<const __nv_bfloat162*>(&sw8);
+        const __nv_bfloat162 s = (c & 1) ? __high2bfloat162(sp) : __low2bfloat162(sp);
+        const __nv_bfloat162 s8 = (c & 1) ? __high2bfloat162(sp8) : __low2bfloat162(sp8);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          a[h][r][0] = dequant2(wg >> (8 * h), s);
+          a[h][r][1] = dequant2(wg8 >> (8 * h), s8);
+          a[h][r][2] = dequant2(wg >> (8 * h + 4), s);
+          a[h][r][3] = dequant2(wg8 >> (8 * h + 4), s8);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pin(a[h][r][i]);
+        }
+      }
+      wg_fence();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned long long b = wg_desc(xs + (2 * (2 * c + h)) * NT * 128, NT * 128, 128);
+#pragma unroll
+        for (int r = 0; r < kTilesPerWarp; ++r) wgmma_rs<NW>(acc[r], a[h][r], b);
+      }
+      wg_commit();
+      if (c > 0) wg_wait<1>();
+    }
+    wg_wait<0>();
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+  }
+#pragma unroll
+  for (int r = 0; r < kTilesPerWarp; ++r)
+#pragma unroll
+    for (int i = 0; i < NW * 4; ++i) pin(acc[r][i]);
+  if (!active) return;
+
+#pragma unroll
+  for (int r = 0; r < kTilesPerWarp; ++r)
+#pragma unroll
+    for (int nt = 0; nt < NW; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int p = ids[nt * 8 + 2 * t + j];
+        if (p >= P) continue;
+        const float lo = acc[r][nt * 4 + j], hi = acc[r][nt * 4 + 2 + j];
+        if (MODE == 0) {
+          h_out[(long long)p * (N / 2) + (tile0 + r) * 8 + g] = to_bf16(silu(lo) * hi);
+        } else {
+          float* dst = part_out + ((long long)split * P + p) * N + (tile0 + r) * 16 + g;
+          dst[0] = lo;
+          dst[8] = hi;
+        }
+      }
+    }
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// The large-list GEMM on wgmma: picks N from the block's filled n-tiles. Built for other arches as a
+// trap (the host launches it only for sm_90a builds).
+template <int NT, int MODE>
+__device__ __forceinline__ void moe_gemm_wg(const unsigned char* __restrict__ w, long long w_expert_bytes,
+                                            const bf16* __restrict__ act, int act_row_div,
+                                            const int* __restrict__ sorted_pairs,
+                                            const int* __restrict__ block_expert,
+                                            const int* __restrict__ num_blocks, int P, int N, int K, int k_split,
+                                            int n_ctas, bf16* __restrict__ h_out, float* __restrict__ part_out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_wait();
+  pdl_trigger();
+  const int u = blockIdx.y;
+  if (u >= num_blocks[0]) return;
+  const int* ids = sorted_pairs + (long long)u * (NT * 8);
+  int ntl = 1;  // valid pairs form a prefix of the block
+#pragma unroll
+  for (int nt = 1; nt < NT; ++nt)
+    if (ids[nt * 8] < P) ntl = nt + 1;
+#define MOE_WG_CASE(n)                                                                                  \
+  case n:                                                                                               \
+    if constexpr (n <= NT)                                                                              \
+      moe_wg<NT, MODE, n>(w, w_expert_bytes, act, act_row_div, sorted_pairs, block_expert, P, N, K,     \
+                          k_split, n_ctas, h_out, part_out);                                            \
+    break;
+  switch (ntl) {
+    MOE_WG_CASE(1)
+    MOE_WG_CASE(2)
+    MOE_WG_CASE(3)
+    MOE_WG_CASE(4)
+    default:
+      break;
+  }
+#undef MOE_WG_CASE
+#else
+  __trap();
+#endif
+}
 }  // namespace
 
 #define MOE_GEMM_ARGS                                                                                   \
@@ -410,6 +689,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, MOE_NT4_BOUNDS) moe_gemm_
 }
 extern "C" __global__ void __launch_bounds__(kThreads, MOE_NT4_BOUNDS) moe_gemm_nt4_f32(MOE_GEMM_ARGS) {
   moe_gemm<4, 1, false>(MOE_GEMM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(kThreads, MOE_MIN_CTAS_WG4) moe_gemm_wg4_h(MOE_GEMM_ARGS) {
+  moe_gemm_wg<4, 0>(MOE_GEMM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(kThreads, MOE_MIN_CTAS_WG4) moe_gemm_wg4_f32(MOE_GEMM_ARGS) {
+  moe_gemm_wg<4, 1>(MOE_GEMM_PASS);
 }
 
 // Split-K gate_up: part fp32 [S][P][2I] in fused tile order -> h bf16 [P, I]; splits summed in order.

@@ -240,6 +240,41 @@ def test_shared_memory_staging_gives_each_lane_its_fragments(nt):
                     assert got == ("x", 8 * ntile + g, 32 * c + 8 * t)
 
 
+def test_wgmma_staging_matches_the_mma_k_order():
+    """moe_wg's activation staging (4-byte copies: thread -> shared offset, source k) read back
+    through its matrix descriptors the way wgmma reads a K-major, unswizzled B (core matrices of 8
+    rows x 16 bytes, LBO between the two k8 halves of a k16 step, SBO between pair groups), all
+    transliterated from moe_gemm.cu: the wgmma's k index 2t + i (+ 8) of k16 step h in chunk c must
+    hold the chunk's k that the mma.sync kernel feeds lane t's A fragment with, 8t + 4h + i (+ 2);
+    and the copies cover the activation area exactly once."""
+    from ddtree_rtc.kernels.moe_gemm import BLOCK_BYTES, stage_bytes
+
+    nt, weight_bytes = 4, 4 * 2 * BLOCK_BYTES
+    owner = {}  # shared byte offset -> (pair slot, k of the step)
+    for tid in range(128):
+        warp, lane = tid >> 5, tid & 31
+        an, at = lane >> 2, lane & 3
+        adst = weight_bytes + 4 * warp * nt * 128 + an * 16 + at * 4
+        for m in range(nt):
+            for hq in range(4):
+                dst, k0 = adst + (hq * nt + m) * 128, 32 * warp + 8 * at + 2 * hq
+                for b in range(4):
+                    off = dst + b
+                    assert weight_bytes <= off < stage_bytes(nt) and off not in owner, (tid, m, hq)
+                    owner[off] = (an + 8 * m, k0 + b // 2)
+    assert len(owner) == stage_bytes(nt) - weight_bytes
+    lbo, sbo = nt * 128, 128
+    for c in range(4):
+        for h in range(2):
+            start = weight_bytes + 2 * (2 * c + h) * nt * 128
+            for kappa in range(16):
+                for n in range(8 * nt):
+                    off = start + (kappa // 8) * lbo + (n // 8) * sbo + (n % 8) * 16 + (kappa % 8) * 2
+                    t, i, hi = (kappa % 8) // 2, kappa % 2, kappa // 8
+                    want = 32 * c + 8 * t + 4 * h + 2 * hi + i
+                    assert owner[off] == (n, want) and owner[off + 1] == (n, want), (c, h, kappa, n)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("m,nt4_above,s13,s2", [(1, 3, 1, 1), (3, 3, 2, 1), (11, 0, 1, 2), (13, 13 * 3, 2, 2),
                                                 (40, 0, 2, 1), (40, 20, 1, 1), (21, 12, 2, 2)])
@@ -291,6 +326,13 @@ def experts_for(name):
     return _cache[name]
 
 
+def _large() -> str:
+    """The large-list kernel a default plan uses on this GPU (wg4 on sm_90a, nt4 elsewhere)."""
+    from ddtree_rtc.kernels.moe_gemm import pick_large
+
+    return pick_large(None)
+
+
 def run_gpu(rng, name, m, with_shared=True, skew=False, **plan_kw):
     import cupy
 
@@ -340,7 +382,7 @@ def test_kernel_vs_reference_k26_dims(rng, m):
     from ddtree_rtc.kernels.moe_gemm import NT4_ABOVE
 
     plan = run_gpu(rng, "k26", m, skew=m > 8)
-    assert plan.tiles == ("nt1" if m <= NT4_ABOVE else f"nt1+nt4>{NT4_ABOVE}")
+    assert plan.tiles == ("nt1" if m <= NT4_ABOVE else f"nt1+{_large()}>{NT4_ABOVE}")
 
 
 @pytest.mark.gpu
@@ -364,12 +406,39 @@ def test_kernel_vs_reference_k26_dims(rng, m):
 ])
 def test_kernel_launch_variants(rng, name, m, skew, plan_kw, tiles):
     plan = run_gpu(rng, name, m, with_shared=False, skew=skew, **plan_kw)
-    assert plan.tiles == tiles
+    assert plan.tiles == tiles.replace("nt4", _large())  # the default large-list kernel here
     for k in ("split_gate_up", "split_down", "nt4_above"):
         if k in plan_kw:
             assert getattr(plan, k) == plan_kw[k]
     if name == "ep8":  # the skewed routing over 44 experts really used both lists
         assert all(int(v) > 0 for v in plan.align.num_blocks.get()), plan.align.num_blocks.get()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("large", ["wg4", "nt4"])
+@pytest.mark.parametrize("name,m,skew,plan_kw", [
+    ("tp8", 1, False, {"nt": 4}),                                  # one pair: N = 8
+    ("small", 33, True, {}),
+    ("tp8", 256, False, {"split_gate_up": 4, "split_down": 1}),   # split-K partials from wgmma
+    ("ep8", 40, True, {"nt4_above": 2, "split_gate_up": 2}),
+    ("ep8", 300, True, {"nt4_above": 16, "split_down": 2}),
+    ("ep8", 1000, True, {}),                                       # full blocks, every N
+    ("deep", 50, False, {"nt": 4}),
+    ("deep", 21, True, {"stages": (2, 2)}),                         # the ring wraps every step
+    ("deep", 21, True, {"stages": (3, 5)}),
+    ("k26", 256, True, {}),
+])
+def test_large_list_kernels(rng, large, name, m, skew, plan_kw):
+    """Each large-list kernel named explicitly (wg4: sm_90a wgmma, the weights as the register A
+    operand; nt4: mma.sync, on sm_90a no longer the default): against the reference, bitwise the same
+    on two runs, every filled-tile count N / 8 of a block, split-K, ring depths that wrap."""
+    from ddtree_rtc.kernels.moe_gemm import LARGE_KERNELS, wgmma_available
+
+    if large == "wg4" and not wgmma_available():
+        pytest.skip("wgmma kernels need an sm_90a build")
+    plan = run_gpu(rng, name, m, with_shared=name != "deep", skew=skew, large=large, **plan_kw)
+    assert plan.large == large and plan.align.large_block == LARGE_KERNELS[large]
+    assert large in plan.tiles
 
 
 def skewed_inputs(rng, name, m):
@@ -460,7 +529,8 @@ def test_kernel_heuristic_splits_small_shards():
     plan = moe_plan(1, 384, 8, 7168, 256, num_sms=132)  # TP8 shard at M=1: few CTAs without split-K
     assert plan.split_gate_up > 1 and plan.part_gate_up is not None
     plan = moe_plan(1024, 384, 8, 7168, 2048, num_sms=132)
-    assert (plan.split_gate_up, plan.split_down, plan.tiles) == (1, 1, "nt1+nt4>8") and plan.part_gate_up is None
+    assert (plan.split_gate_up, plan.split_down, plan.tiles) == (1, 1, f"nt1+{_large()}>8")
+    assert plan.part_gate_up is None
     assert moe_plan(1, 384, 8, 7168, 2048, num_sms=132).tiles == "nt1"  # M=1: no nt 4 launches
 
 

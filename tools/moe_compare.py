@@ -1,7 +1,9 @@
 """Per-step compare of the INT4 MoE layer at K2.6 dims on the GPU (< 60 s): moe_route and moe_align
-alone, then moe_experts with the token tile forced to nt 1, forced to nt 4, and chosen per expert on
-the device (the default plan), for the layer bench's skewed routing and for uniform routing. Each
-timed as a CUDA graph, median of --iters; % of the read ceiling counts the touched experts' bytes."""
+alone, then moe_experts with the token tile forced to nt 1, forced to the large list, and chosen per
+expert on the device (the default plan), for each large-list kernel of --large (nt4 = mma.sync, wg4 =
+sm_90a wgmma), for the layer bench's skewed routing and for uniform routing. Each timed as a
+CUDA graph, median of --iters; % of the read ceiling counts the touched experts' bytes; the outputs
+of all variants are compared with the first one's (max abs difference, relative to its max)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--ms", default="1,16,256,1024")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--large", default="nt4,wg4", help="large-list kernels to compare (nt4 = mma.sync, wg4 = "
+                    "sm_90a wgmma; comma list)")
+    ap.add_argument("--routings", default="bench,uniform")
     args = ap.parse_args()
+    larges = [v for v in args.large.split(",") if v]
+    variants = [("nt1", {"nt": 1})]
+    for lg in larges:
+        variants += [(f"{lg}", {"nt": 4, "large": lg}), (f"auto-{lg}", {"large": lg})]
     e, h, inter = 384, 7168, 2048
     experts = int4_experts_device(e, h, inter, 0)
     ceil = read_ceiling_gbs()
     measure = lambda fn: time_gpu(graphed(fn), iters=args.iters).median_us  # noqa: E731
     rows = []
-    for routing in ("bench", "uniform"):
+    for routing in args.routings.split(","):
         rng = cupy.random.default_rng(1)
         bias = (rng.standard_normal(e, dtype=cupy.float32) * 0.1).astype(cupy.float32)
         for m in (int(v) for v in args.ms.split(",")):
@@ -46,27 +55,39 @@ def main():
             y = cupy.empty((m, h), cupy.uint16)
             nbytes = touched * experts.expert_nbytes() + 2 * x.nbytes + logits.nbytes
             row = {"routing": routing, "M": m, "touched": touched, "max": int(counts.max()), "route": measure(route)}
-            for name, kw in (("nt1", {"nt": 1}), ("nt4", {"nt": 4}), ("auto", {})):
+            first = None
+            for name, kw in variants:
                 plan = moe_plan(m, e, TOP_K, h, inter, **kw)
                 al = plan.align
-                if name == "auto":
-                    row["tiles"] = plan.tiles
+                if name.startswith("auto"):
+                    row["tiles-" + name] = plan.tiles
                     row["align"] = measure(lambda al=al, ids=ids: moe_align(
                         ids, e, al.block, out=al, check_ids=False, large_block=al.large_block,
                         large_above=al.large_above))
                 t = measure(lambda plan=plan, x=x, ids=ids, w=w, y=y: moe_experts(
                     x, ids, w, experts, out=y, plan=plan, check_ids=False))
+                yf = _bf16_to_f32(y)
+                if first is None:
+                    first = yf
+                row["diff-" + name] = float(cupy.abs(yf - first).max() / max(float(cupy.abs(first).max()), 1e-30))
                 row[name] = t
                 row[name + "%"] = 100 * nbytes / (t + row["route"]) / 1e3 / ceil
             rows.append(row)
             print(row, flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
     print(f"\nread ceiling {ceil:.0f} GB/s; µs per step (CUDA graph); % = layer (route + experts) of the ceiling")
-    print("routing | M | touched | max pairs | route µs | align µs | nt1 µs (%) | nt4 µs (%) | auto µs (%) | "
-          "auto tiles")
+    names = [n for n, _ in variants]
+    print("routing | M | touched | max pairs | route µs | align µs | " + " | ".join(f"{n} µs (%)" for n in names)
+          + " | max rel diff to nt1")
     for r in rows:
         print(f"{r['routing']} | {r['M']} | {r['touched']} | {r['max']} | {r['route']:.1f} | {r['align']:.1f} | "
-              + " | ".join(f"{r[k]:.1f} ({r[k + '%']:.0f}%)" for k in ("nt1", "nt4", "auto")) + f" | {r['tiles']}")
+              + " | ".join(f"{r[k]:.1f} ({r[k + '%']:.0f}%)" for k in names)
+              + " | " + " ".join(f"{r['diff-' + k]:.1e}" for k in names[1:]))
+
+
+def _bf16_to_f32(y):
+    """bf16 bits (uint16) -> fp32 values."""
+    return (y.astype(cupy.uint32) << 16).view(cupy.float32)
 
 
 if __name__ == "__main__":

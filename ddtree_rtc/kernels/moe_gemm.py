@@ -37,6 +37,15 @@ CONCURRENT = True
 # measured 97.9 µs at M = 1 in stop 16 but 73.0 (M = 2..16 within 1 µs) in stop 17, at 5c2534a:
 # neither a gain nor, today, a loss (benchmarks/variants_h200.txt, stops 16 and 17).
 PDL = True
+# The kernel of the large list (32-pair blocks): "nt4" (mma.sync, every arch) or "wg4" (sm_90a: the
+# warpgroup's wgmma, the dequantized weights as its register A operand, the pairs read from shared
+# memory). LARGE is the default on sm_90a builds, "nt4" elsewhere. H200, K2.6 dims (stop 18,
+# benchmarks/variants_h200.txt): wg4 = nt4 within 1% at M <= 64 and bench-routing M = 512 / 1024,
+# 2.5% faster at bench M = 256, 1-8% faster with uniform routing at M = 256..1024; 64-pair wgmma
+# blocks (N up to 64: 176 registers, 2-3 CTAs per SM) were no faster, and were dropped.
+LARGE_KERNELS = {"nt4": 32, "wg4": 32}  # kernel -> pairs per block
+LARGE = "wg4"
+WGMMA_ARCH = "sm_90a"
 _COMBINE_COLS = 256 * 4
 _MAX_GRID_Y = 65535
 
@@ -60,12 +69,13 @@ class MoEPlan:
     side: object = None  # with both lists: a second stream that runs the nt 4 launch beside the nt 1 one
     events: tuple = ()  # (fork, join) events of that side stream
     pdl: bool = False  # programmatic dependent launches (one stream only)
+    large: str = "nt4"  # the large list's kernel (LARGE_KERNELS)
 
     def module(self):
         """The moe_gemm module built with this plan's ring depths."""
-        if self.stages == default_stages():
+        if self.stages == default_stages(self.large):
             return module("moe_gemm")
-        return module("moe_gemm", MOE_STAGES_NT1=self.stages[0], MOE_STAGES_NT4=self.stages[1])
+        return module("moe_gemm", **{"MOE_STAGES_NT1": self.stages[0], _stage_param(self.large): self.stages[1]})
 
     def stages_of(self, nt: int) -> int:
         return self.stages[0 if nt == 1 else 1]
@@ -85,7 +95,7 @@ class MoEPlan:
         al = self.align
         if al.large_capacity == 0:
             return "nt1"
-        return "nt4" if al.small_capacity == 0 else f"nt1+nt4>{al.large_above}"
+        return self.large if al.small_capacity == 0 else f"nt1+{self.large}>{al.large_above}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -127,11 +137,35 @@ def pick_nt4_above(num_tokens: int, top_k: int, nt: int | None, nt4_above: int |
 
 def stage_bytes(nt: int) -> int:
     """One ring stage: the CTA's 8 weight blocks + nt x 8 pairs x 128 k bf16 activations (11.3 KB
-    for nt 1, 17.2 KB for nt 4); a launch takes the plan's ring depth of them."""
+    for nt 1, 17.2 KB for nt 4 and wg4); a launch takes the plan's ring depth of them."""
     return 4 * 2 * BLOCK_BYTES + nt * 8 * TILE_K * 2
 
 
-def default_stages() -> tuple[int, int]:
+def _stage_param(large: str) -> str:
+    return "MOE_STAGES_NT4" if large == "nt4" else "MOE_STAGES_WG"
+
+
+def wgmma_available() -> bool:
+    """Whether the kernels are built for sm_90a here (the wgmma large-list kernels run only there)."""
+    import os
+
+    from ..rtc.arch import ARCH_ENV, detect_arch
+
+    return detect_arch(os.environ.get(ARCH_ENV)) == WGMMA_ARCH
+
+
+def pick_large(large: str | None) -> str:
+    """The large list's kernel: ``large`` if given (checked), else LARGE on sm_90a, "nt4" elsewhere."""
+    if large is None:
+        return LARGE if LARGE == "nt4" or wgmma_available() else "nt4"
+    if large not in LARGE_KERNELS:
+        raise ValueError(f"large={large!r}: expected one of {sorted(LARGE_KERNELS)}")
+    if large != "nt4" and not wgmma_available():
+        raise RuntimeError(f"large={large!r} needs {WGMMA_ARCH} (wgmma); the kernels are built for another arch")
+    return large
+
+
+def default_stages(large: str = "nt4") -> tuple[int, int]:
     """The ring depths cuda_src/moe_gemm.cu is built with by default (nt 1, nt 4). On the H200
     (2026-12-03, 128 K2.6-sized experts, M = 1, 2, 8, 32, 256) deeper rings never helped: (4, 4)
     was best or within 1% everywhere, (8, 4) 3-8% slower, (12, 4) and (8, 8) 15-40% slower (more
@@ -140,7 +174,7 @@ def default_stages() -> tuple[int, int]:
     four CTAs per SM): 1.5-4% faster at M >= 256, equal below; and nt 1 to 3 stages: 0.3-2.9 µs
     faster at M = 1..16 (69.9 vs 72.4 µs at M = 1), equal at 32 and 256, while 2 stages lose 5-17%."""
     p = spec("moe_gemm").params
-    return p["MOE_STAGES_NT1"], p["MOE_STAGES_NT4"]
+    return p["MOE_STAGES_NT1"], p[_stage_param(large)]
 
 
 def _num_sms() -> int:
@@ -153,7 +187,7 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
              split_gate_up: int | None = None, split_down: int | None = None, nt: int | None = None,
              num_sms: int | None = None, nt4_above: int | None = None,
              stages: tuple[int, int] | None = None, concurrent: bool | None = None,
-             pdl: bool | None = None) -> MoEPlan:
+             pdl: bool | None = None, large: str | None = None) -> MoEPlan:
     """Plan one MoE shape: token tiles (by default per expert on the device: 8-pair blocks for
     experts with at most ``nt4_above`` pairs, 32-pair blocks beyond; ``nt`` 1 or 4 forces one tile
     for all), split-K of each GEMM (enough CTAs to cover the SMs when few experts are touched), and
@@ -162,7 +196,9 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     GEMM run on two streams (forked and joined by events, so a CUDA graph captures them as two
     branches) and share the SMs: the compute-bound 32-pair blocks beside the byte-bound 8-pair ones.
     ``pdl`` (default PDL, on GPUs that have it): programmatic dependent launches of moe_experts'
-    kernels, for a plan without the side stream (asking for both is an error)."""
+    kernels, for a plan without the side stream (asking for both is an error). ``large``: the kernel
+    of the large list (LARGE_KERNELS; default LARGE on sm_90a, "nt4" elsewhere). ``nt`` 4 means
+    "every expert in the large list", whatever its kernel."""
     import cupy
 
     if num_tokens < 1:
@@ -173,10 +209,12 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     stages = (0, 0) if stages is None else tuple(int(v) for v in stages)
     if len(stages) != 2 or any(v and not 2 <= v <= 16 for v in stages):
         raise ValueError(f"stages={stages}: expected (nt1, nt4) ring depths in 2..16 (0 = default)")
-    stages = tuple(v or d for v, d in zip(stages, default_stages()))
+    large = pick_large(large)
+    stages = tuple(v or d for v, d in zip(stages, default_stages(large)))
     p = num_tokens * top_k
-    align = alignment_buffers(p, num_experts, 8, 32, pick_nt4_above(num_tokens, top_k, nt, nt4_above))
-    for what, n in (("8-pair", align.small_blocks), ("32-pair", align.large_blocks)):
+    align = alignment_buffers(p, num_experts, 8, LARGE_KERNELS[large],
+                              pick_nt4_above(num_tokens, top_k, nt, nt4_above))
+    for what, n in (("8-pair", align.small_blocks), (f"{align.large_block}-pair", align.large_blocks)):
         if n > _MAX_GRID_Y:
             raise ValueError(f"{p} (token, expert) pairs need up to {n} {what} blocks > {_MAX_GRID_Y}; "
                              f"split the batch")
@@ -189,7 +227,7 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
         num_tokens, num_experts, top_k, hidden, intermediate, s13, s2, align,
         cupy.empty((p, intermediate), dtype=cupy.uint16),
         cupy.empty((s13, p, 2 * intermediate), dtype=cupy.float32) if s13 > 1 else None,
-        cupy.empty((s2, p, hidden), dtype=cupy.float32), stages)
+        cupy.empty((s2, p, hidden), dtype=cupy.float32), stages, large=large)
     if (CONCURRENT if concurrent is None else concurrent) and align.large_capacity and align.small_capacity:
         plan.side = cupy.cuda.Stream(non_blocking=True)
         plan.events = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True))
@@ -268,14 +306,16 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
 # (a list of capacity 0 is not launched); the two write disjoint pairs.
 
 def _lists(plan: MoEPlan):
-    """(nt, grid y bound, sorted_pairs, block_expert, num_blocks) of each non-empty block list."""
+    """(kernel, n-tiles per block, grid y bound, sorted_pairs, block_expert, num_blocks) of each
+    non-empty block list; kernel is the entry's stem ("nt1", or the plan's large kernel)."""
     al = plan.align
     cs, bs = al.small_capacity, al.small_blocks
     out = []
     if al.large_capacity:
-        out.append((4, al.large_blocks, al.sorted_pairs[cs:], al.block_expert[bs:], al.num_blocks[1:]))
+        out.append((plan.large, al.large_block // 8, al.large_blocks, al.sorted_pairs[cs:], al.block_expert[bs:],
+                    al.num_blocks[1:]))
     if cs:
-        out.append((1, bs, al.sorted_pairs[:cs], al.block_expert[:bs], al.num_blocks[:1]))
+        out.append(("nt1", 1, bs, al.sorted_pairs[:cs], al.block_expert[:bs], al.num_blocks[:1]))
     return out
 
 
@@ -307,9 +347,9 @@ def moe_gate_up(x, experts, plan: MoEPlan) -> None:
     h, inter, s13 = plan.hidden, plan.intermediate, plan.split_gate_up
     n13 = -(-2 * inter // ROWS_PER_CTA)
     lists = _lists(plan)
-    for (nt, bound, pairs, experts_of, count), stream in zip(lists, _streams(plan, len(lists))):
+    for (kern, nt, bound, pairs, experts_of, count), stream in zip(lists, _streams(plan, len(lists))):
         smem = plan.stages_of(nt) * stage_bytes(nt)
-        entry = f"moe_gemm_nt{nt}_{'h' if s13 == 1 else 'f32'}"
+        entry = f"moe_gemm_{kern}_{'h' if s13 == 1 else 'f32'}"
         launch(_gemm_fn(mod, entry, smem), (n13 * s13, bound), (ROWS_PER_CTA,), (
             experts.w13, np.int64(experts.w13[0].nbytes), x, np.int32(plan.top_k), pairs, experts_of, count,
             np.int32(plan.num_pairs), np.int32(2 * inter), np.int32(h), np.int32(h // s13), np.int32(n13),
@@ -328,11 +368,11 @@ def moe_down(experts, plan: MoEPlan) -> None:
     h, inter, s2 = plan.hidden, plan.intermediate, plan.split_down
     n2 = -(-h // ROWS_PER_CTA)
     lists = _lists(plan)
-    for (nt, bound, pairs, experts_of, count), stream in zip(lists, _streams(plan, len(lists))):
+    for (kern, nt, bound, pairs, experts_of, count), stream in zip(lists, _streams(plan, len(lists))):
         smem = plan.stages_of(nt) * stage_bytes(nt)
         # nt1_down reads the block lists (the align step's, two or more launches back) and starts
         # its weight copies before the PDL wait (see moe_gemm.cu)
-        entry = "moe_gemm_nt1_down" if nt == 1 else "moe_gemm_nt4_f32"
+        entry = "moe_gemm_nt1_down" if nt == 1 else f"moe_gemm_{kern}_f32"
         launch(_gemm_fn(mod, entry, smem), (n2 * s2, bound), (ROWS_PER_CTA,), (
             experts.w2, np.int64(experts.w2[0].nbytes), plan.h, np.int32(1), pairs, experts_of, count,
             np.int32(plan.num_pairs), np.int32(h), np.int32(inter), np.int32(inter // s2), np.int32(n2),
