@@ -228,7 +228,9 @@ __device__ __forceinline__ void stage_chunk(float (&acc)[kTilesPerWarp][NT][4], 
 // or more kernels back (by the align step, before the gate_up GEMM), so they and the weights are
 // read before pdl_wait and the first stages' weight copies go out while the previous kernel (gate_up,
 // whose h this one reads) finishes. Otherwise the kernel waits first.
-template <int NT, int MODE, bool EARLY>
+// NTL > 0: the block's filled n-tiles as a compile-time constant (moe_gemm_ntl picks it once per CTA),
+// so the per-n-tile guards of the mma loop and the copies fold away; 0: read from the block.
+template <int NT, int MODE, bool EARLY, int NTL = 0>
 __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, long long w_expert_bytes,
                                          const bf16* __restrict__ act, int act_row_div,
                                          const int* __restrict__ sorted_pairs,
@@ -254,10 +256,13 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
   const int* ids = sorted_pairs + (long long)u * (NT * 8);
   // n-tiles holding a pair: valid pairs form a prefix of the block, and a block below num_blocks
   // holds at least one
-  int ntl = 1;
+  int ntl = NTL;
+  if constexpr (NTL == 0) {
+    ntl = 1;
 #pragma unroll
-  for (int nt = 1; nt < NT; ++nt)
-    if (ids[nt * 8] < P) ntl = nt + 1;
+    for (int nt = 1; nt < NT; ++nt)
+      if (ids[nt * 8] < P) ntl = nt + 1;
+  }
   const int steps = k_split / kStepK;
   const long long kblocks = K / kStepK;
 
@@ -387,6 +392,40 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
     }
 }
 
+
+// The nt 4 GEMM specialized by the block's filled n-tiles (1..4), picked once per CTA: with the count a
+// constant, the unrolled mma loop and the copies carry no per-n-tile guards (and sm_100a / sm_120a
+// builds drop from ~200 to ~125 registers). H200, K2.6 dims: 3-8% faster than one body with the runtime
+// count at M = 128..1024 (benchmarks/variants_h200.txt, stop 18).
+template <int MODE>
+__device__ __forceinline__ void moe_gemm_ntl(const unsigned char* __restrict__ w, long long w_expert_bytes,
+                                             const bf16* __restrict__ act, int act_row_div,
+                                             const int* __restrict__ sorted_pairs,
+                                             const int* __restrict__ block_expert,
+                                             const int* __restrict__ num_blocks, int P, int N, int K, int k_split,
+                                             int n_ctas, bf16* __restrict__ h_out, float* __restrict__ part_out) {
+  pdl_wait();  // (moe_gemm waits again: returns at once)
+  const int u = blockIdx.y;
+  if (u >= num_blocks[0]) {
+    pdl_trigger();
+    return;
+  }
+  const int* ids = sorted_pairs + (long long)u * 32;
+  const int ntl = ids[24] < P ? 4 : ids[16] < P ? 3 : ids[8] < P ? 2 : 1;  // valid pairs: a prefix
+#define MOE_NTL_CASE(n)                                                                                 \
+  case n:                                                                                               \
+    moe_gemm<4, MODE, false, n>(w, w_expert_bytes, act, act_row_div, sorted_pairs, block_expert,        \
+                                num_blocks, P, N, K, k_split, n_ctas, h_out, part_out);                 \
+    break;
+  switch (ntl) {
+    MOE_NTL_CASE(1)
+    MOE_NTL_CASE(2)
+    MOE_NTL_CASE(3)
+    default:
+      MOE_NTL_CASE(4)
+  }
+#undef MOE_NTL_CASE
+}
 
 // ---- sm_90a: the large-list blocks on wgmma (entries moe_gemm_wg4_{h,f32}) ------------------------
 // Same CTA (4 warps x 32 rows of one expert), weight blocks, cp.async ring and bf16 dequant as
@@ -685,10 +724,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_nt1_down(MOE_
   moe_gemm<1, 1, true>(MOE_GEMM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(kThreads, MOE_NT4_BOUNDS) moe_gemm_nt4_h(MOE_GEMM_ARGS) {
-  moe_gemm<4, 0, false>(MOE_GEMM_PASS);
+  moe_gemm_ntl<0>(MOE_GEMM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(kThreads, MOE_NT4_BOUNDS) moe_gemm_nt4_f32(MOE_GEMM_ARGS) {
-  moe_gemm<4, 1, false>(MOE_GEMM_PASS);
+  moe_gemm_ntl<1>(MOE_GEMM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(kThreads, MOE_MIN_CTAS_WG4) moe_gemm_wg4_h(MOE_GEMM_ARGS) {
   moe_gemm_wg<4, 0>(MOE_GEMM_PASS);

@@ -429,9 +429,10 @@ def test_kernel_launch_variants(rng, name, m, skew, plan_kw, tiles):
     ("k26", 256, True, {}),
 ])
 def test_large_list_kernels(rng, large, name, m, skew, plan_kw):
-    """Each large-list kernel named explicitly (wg4: sm_90a wgmma, the weights as the register A
-    operand; nt4: mma.sync, on sm_90a no longer the default): against the reference, bitwise the same
-    on two runs, every filled-tile count N / 8 of a block, split-K, ring depths that wrap."""
+    """Each large-list kernel named explicitly (nt4: mma.sync, specialized per filled-tile count;
+    wg4: the opt-in sm_90a wgmma kernel, the weights as its register A operand): against the
+    reference, bitwise the same on two runs, every filled-tile count of a block, split-K, ring depths
+    that wrap."""
     from ddtree_rtc.kernels.moe_gemm import LARGE_KERNELS, wgmma_available
 
     if large == "wg4" and not wgmma_available():

@@ -37,14 +37,15 @@ CONCURRENT = True
 # measured 97.9 µs at M = 1 in stop 16 but 73.0 (M = 2..16 within 1 µs) in stop 17, at 5c2534a:
 # neither a gain nor, today, a loss (benchmarks/variants_h200.txt, stops 16 and 17).
 PDL = True
-# The kernel of the large list (32-pair blocks): "nt4" (mma.sync, every arch) or "wg4" (sm_90a: the
-# warpgroup's wgmma, the dequantized weights as its register A operand, the pairs read from shared
-# memory). LARGE is the default on sm_90a builds, "nt4" elsewhere. H200, K2.6 dims (stop 18,
-# benchmarks/variants_h200.txt): wg4 = nt4 within 1% at M <= 64 and bench-routing M = 512 / 1024,
-# 2.5% faster at bench M = 256, 1-8% faster with uniform routing at M = 256..1024; 64-pair wgmma
-# blocks (N up to 64: 176 registers, 2-3 CTAs per SM) were no faster, and were dropped.
+# The kernel of the large list (32-pair blocks): "nt4" (mma.sync, every arch) or "wg4" (opt-in, sm_90a
+# only: the warpgroup's wgmma, the dequantized weights as its register A operand, the pairs staged in
+# shared memory). On the H200 at K2.6 dims (stop 18, benchmarks/variants_h200.txt) wg4 beat the nt4
+# kernel of the time by up to 8%, but only because it fixed the block's filled n-tiles at compile
+# time; nt4 specialized the same way (moe_gemm_ntl in the .cu) is 1-7% faster than wg4 at M = 128..1024
+# and on the EP8 shard, so LARGE stays "nt4" everywhere. 64-pair wgmma blocks (N up to 64, 176
+# registers, 2-3 CTAs per SM) were no faster and were dropped.
 LARGE_KERNELS = {"nt4": 32, "wg4": 32}  # kernel -> pairs per block
-LARGE = "wg4"
+LARGE = "nt4"
 WGMMA_ARCH = "sm_90a"
 _COMBINE_COLS = 256 * 4
 _MAX_GRID_Y = 65535

@@ -41,8 +41,8 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                             "moe_gemm_nt4_f32",
                             "moe_gemm_wg4_h", "moe_gemm_wg4_f32",
                             "moe_gate_up_reduce_kernel", "moe_combine_kernel"),
-               "fused INT4 W4A16 group-32 expert GEMMs (mma.sync, weights on the 16-row side; the "
-               "large-list blocks on wgmma on sm_90a): gate_up with SiLU*up, down, split-K reduce, "
+               "fused INT4 W4A16 group-32 expert GEMMs (mma.sync, weights on the 16-row side; an opt-in "
+               "wgmma large-list kernel on sm_90a): gate_up with SiLU*up, down, split-K reduce, "
                "weighted top-k combine",
                params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4, "MOE_STAGES_WG": 3,
                        "MOE_MIN_CTAS_WG4": 4},
