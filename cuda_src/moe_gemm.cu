@@ -134,31 +134,39 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
+// The bf16 A fragment (q * s) of one m16 tile for k16 step h of k32 chunk c (0..3) of a stage, from
+// the tile's three 16-byte pieces: a = {row g, row g + 8, row g (+4 k), row g + 8 (+4 k)}.
+__device__ __forceinline__ void a_fragment(const uint4 (&buf)[3], int c, int h, unsigned (&a)[4]) {
+  const uint4 wv = buf[c >> 1];
+  const unsigned wg = (c & 1) ? wv.z : wv.x;   // row g, this chunk's 8 k values
+  const unsigned wg8 = (c & 1) ? wv.w : wv.y;  // row g + 8
+  const uint4 sc = buf[2];
+  const unsigned sw = c < 2 ? sc.x : sc.y, sw8 = c < 2 ? sc.z : sc.w;
+  const __nv_bfloat162 sp = *reinterpret_cast<const __nv_bfloat162*>(&sw);
+  const __nv_bfloat162 sp8 = *reinterpret_cast<const __nv_bfloat162*>(&sw8);
+  // broadcast this group's scale (low or high half) to both lanes of the pair
+  const __nv_bfloat162 s = (c & 1) ? __high2bfloat162(sp) : __low2bfloat162(sp);
+  const __nv_bfloat162 s8 = (c & 1) ? __high2bfloat162(sp8) : __low2bfloat162(sp8);
+  a[0] = dequant2(wg >> (8 * h), s);
+  a[1] = dequant2(wg8 >> (8 * h), s8);
+  a[2] = dequant2(wg >> (8 * h + 4), s);
+  a[3] = dequant2(wg8 >> (8 * h + 4), s8);
+}
+
 // k32 chunk c (0..3) of one k128 step: two mma k16 steps per m16 tile and active n-tile.
 template <int NT, int C>
 __device__ __forceinline__ void mma_chunk(float (&acc)[kTilesPerWarp][NT][4], const uint4 (&buf)[kTilesPerWarp][3],
                                           const uint4 (&xb)[NT], int ntl) {
 #pragma unroll
-  for (int r = 0; r < kTilesPerWarp; ++r) {
-    const uint4 wv = buf[r][C >> 1];
-    const unsigned wg = (C & 1) ? wv.z : wv.x;   // row g, this chunk's 8 k values
-    const unsigned wg8 = (C & 1) ? wv.w : wv.y;  // row g + 8
-    const uint4 sc = buf[r][2];
-    const unsigned sw = C < 2 ? sc.x : sc.y, sw8 = C < 2 ? sc.z : sc.w;
-    const __nv_bfloat162 sp = *reinterpret_cast<const __nv_bfloat162*>(&sw);
-    const __nv_bfloat162 sp8 = *reinterpret_cast<const __nv_bfloat162*>(&sw8);
-    // broadcast this group's scale (low or high half) to both lanes of the pair
-    const __nv_bfloat162 s = (C & 1) ? __high2bfloat162(sp) : __low2bfloat162(sp);
-    const __nv_bfloat162 s8 = (C & 1) ? __high2bfloat162(sp8) : __low2bfloat162(sp8);
+  for (int r = 0; r < kTilesPerWarp; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const unsigned a0 = dequant2(wg >> (8 * h), s), a1 = dequant2(wg8 >> (8 * h), s8);
-      const unsigned a2 = dequant2(wg >> (8 * h + 4), s), a3 = dequant2(wg8 >> (8 * h + 4), s8);
+      unsigned a[4];
+      a_fragment(buf[r], C, h, a);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        if (nt < ntl) mma_bf16(acc[r][nt], a0, a1, a2, a3, h ? xb[nt].z : xb[nt].x, h ? xb[nt].w : xb[nt].y);
+        if (nt < ntl) mma_bf16(acc[r][nt], a[0], a[1], a[2], a[3], h ? xb[nt].z : xb[nt].x, h ? xb[nt].w : xb[nt].y);
     }
-  }
 }
 
 __device__ __forceinline__ void mma_bf16_c(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -605,33 +613,21 @@ __device__ __forceinline__ void moe_wg(const unsigned char* __restrict__ w, long
     const unsigned xs = abase + stage * kStage + kWeightStageBytes;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      unsigned a[2][kTilesPerWarp][4];  // [k16 half][tile][A fragment]
+      unsigned a[kTilesPerWarp][2][4];  // [tile][k16 half][A fragment]
 #pragma unroll
-      for (int r = 0; r < kTilesPerWarp; ++r) {
-        const uint4 wv = buf[r][c >> 1];
-        const unsigned wg = (c & 1) ? wv.z : wv.x, wg8 = (c & 1) ? wv.w : wv.y;
-        const uint4 sc = buf[r][2];
-        const unsigned sw = c < 2 ? sc.x : sc.y, sw8 = c < 2 ? sc.z : sc.w;
-        const __nv_bfloat162 sp = *reinterpret_cast<const __nv_bfloat162*>(&sw);
-        const __nv_bfloat162 sp8 = *reinterpret_cast<const __nv_bfloat162*>(&sw8);
-        const __nv_bfloat162 s = (c & 1) ? __high2bfloat162(sp) : __low2bfloat162(sp);
-        const __nv_bfloat162 s8 = (c & 1) ? __high2bfloat162(sp8) : __low2bfloat162(sp8);
+      for (int r = 0; r < kTilesPerWarp; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          a[h][r][0] = dequant2(wg >> (8 * h), s);
-          a[h][r][1] = dequant2(wg8 >> (8 * h), s8);
-          a[h][r][2] = dequant2(wg >> (8 * h + 4), s);
-          a[h][r][3] = dequant2(wg8 >> (8 * h + 4), s8);
+          a_fragment(buf[r], c, h, a[r][h]);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) pin(a[h][r][i]);
+          for (int i = 0; i < 4; ++i) pin(a[r][h][i]);
         }
-      }
       wg_fence();
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const unsigned long long b = wg_desc(xs + (2 * (2 * c + h)) * NT * 128, NT * 128, 128);
 #pragma unroll
-        for (int r = 0; r < kTilesPerWarp; ++r) wgmma_rs<NW>(acc[r], a[h][r], b);
+        for (int r = 0; r < kTilesPerWarp; ++r) wgmma_rs<NW>(acc[r], a[r][h], b);
       }
       wg_commit();
       if (c > 0) wg_wait<1>();
