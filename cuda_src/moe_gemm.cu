@@ -84,6 +84,22 @@ __device__ __forceinline__ unsigned long long evict_first_policy() {
   return pol;
 }
 
+// L2 priority of the weights of the 32-pair (nt 4) blocks, whose expert often has several blocks
+// streaming the same weights at about the same time: 0 evict_first (as nt 1), 1 evict_normal.
+#ifndef MOE_NT4_WEIGHTS_NORMAL
+#define MOE_NT4_WEIGHTS_NORMAL 1
+#endif
+template <int NT>
+__device__ __forceinline__ unsigned long long weight_policy() {
+  if constexpr (NT > 1 && MOE_NT4_WEIGHTS_NORMAL) {
+    unsigned long long pol;
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+  } else {
+    return evict_first_policy();
+  }
+}
+
 // Weights are read once per block: keep them from pushing the re-read activations out of L2.
 __device__ __forceinline__ void cp_async_weights(unsigned dst, const unsigned char* src,
                                                  unsigned long long pol) {
@@ -296,7 +312,7 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
     adst[m] = kWeightStageBytes + (((q >> 2) * NT * 8) + j) * 64 + (q & 3) * 16;
   }
   const unsigned abase = smem_u32(smem);
-  const unsigned long long pol = evict_first_policy();
+  const unsigned long long pol = weight_policy<NT>();
 
   auto issue_weights = [&](int step, int stage) {
     const unsigned sb = stage * stage_bytes<NT>();
@@ -556,7 +572,7 @@ __device__ __forceinline__ void moe_wg(const unsigned char* __restrict__ w, long
     asrc[m] = act + (p < P ? (long long)(p / act_row_div) * K + (long long)split * k_split + 32 * warp + 8 * at : 0);
   }
   const unsigned adst = kWeightStageBytes + 4 * warp * NT * 128 + an * 16 + at * 4;
-  const unsigned long long pol = evict_first_policy();
+  const unsigned long long pol = weight_policy<NT>();
 
   auto issue = [&](int step, int stage) {
     const unsigned sb = stage * kStage;

@@ -45,7 +45,8 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "wgmma large-list kernel on sm_90a): gate_up with SiLU*up, down, split-K reduce, "
                "weighted top-k combine",
                params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4, "MOE_STAGES_WG": 3,
-                       "MOE_MIN_CTAS_WG4": 4},
+                       "MOE_MIN_CTAS_WG4": 4,
+                       "MOE_NT4_WEIGHTS_NORMAL": 1},
                arch_specific=True),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),
