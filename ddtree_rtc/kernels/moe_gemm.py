@@ -92,7 +92,8 @@ class MoEPlan:
 
     @property
     def tiles(self) -> str:
-        """Which GEMM variants the plan launches: 'nt1', 'nt4' or 'nt1+nt4>T' (per expert, T pairs)."""
+        """Which GEMM variants the plan launches: 'nt1', the large kernel ('nt4' / 'wg4') or
+        'nt1+nt4>T' (per expert: the large kernel above T pairs)."""
         al = self.align
         if al.large_capacity == 0:
             return "nt1"
