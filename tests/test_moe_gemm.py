@@ -127,6 +127,24 @@ def test_token_tile_choice():
         pick_nt4_above(4, 8, 2, None)
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_120a"])
+def test_large_kernel_choice(monkeypatch, arch):
+    """The large list's kernel: nt4 by default on every arch; wg4 only on request and only where
+    the kernels are built for sm_90a; anything else refused by name."""
+    from ddtree_rtc.kernels.moe_gemm import pick_large
+    from ddtree_rtc.rtc.arch import ARCH_ENV
+
+    monkeypatch.setenv(ARCH_ENV, arch)
+    assert pick_large(None) == "nt4" and pick_large("nt4") == "nt4"
+    if arch == "sm_90a":
+        assert pick_large("wg4") == "wg4"
+    else:
+        with pytest.raises(RuntimeError, match=r"large='wg4' needs sm_90a \(wgmma\)"):
+            pick_large("wg4")
+    with pytest.raises(ValueError, match=r"large='wg8': expected one of \['nt4', 'wg4'\]"):
+        pick_large("wg8")
+
+
 # ---- the CUDA launch logic transliterated (grid, blocks, warps, epilogues, reduce, combine) ----
 
 def emulate_cuda_path(x, ids, w, rex, nt4_above, s13, s2, shared=None):
