@@ -742,7 +742,7 @@ struct StreamShared {
   uint4* data;               // [SB] the vectors' bytes
   int* holes;                // [SB_ROOM] compaction scratch; at the end it holds
   unsigned long long* rank;  // [RANK_MAX] the candidates to rank, or base.top (the exact path)
-  unsigned* count;           // [3]: buffered vectors, two compaction counters
+  unsigned* count;           // [6]: buffered vectors, two compaction counters, three per-step append counters
   Shared base;
 };
 
@@ -895,8 +895,9 @@ __device__ void compact(int n, unsigned long long thr, int n_keep, const StreamS
 
 // Shrink the buffer of n > kk vectors to those reaching the value of its kk-th largest key, or to
 // exactly kk of them (exact select) if that leaves more than most; returns the new threshold.
+// n_kept: how many stay (every thread gets it; also in count[0]).
 template <typename T>
-__device__ unsigned long long shrink(int n, int kk, int most, const StreamShared& ss) {
+__device__ unsigned long long shrink(int n, int kk, int most, const StreamShared& ss, int* n_kept = nullptr) {
   unsigned c;
   unsigned long long t = value_select<sizeof(T) * 8>(ss.keys, n, kk, &c, ss.base);
   if ((int)c > most) {
@@ -904,6 +905,7 @@ __device__ unsigned long long shrink(int n, int kk, int most, const StreamShared
     c = (unsigned)kk;
   }
   compact(n, t, (int)c, ss);
+  if (n_kept != nullptr) *n_kept = (int)c;
   return t;
 }
 
@@ -922,7 +924,13 @@ __device__ __forceinline__ void stream_load(const T* src, int base, int n, int n
 }
 
 // One pass over the chunk: (m, s) of this thread's elements, the buffer of candidate vectors and
-// the threshold thr (both start empty / 0).
+// the threshold thr (both start empty / 0; the caller zeroes count[0] and count[3]). The buffer's fill
+// lives in a register (nb, the same in every thread): step i appends through its own counter
+// count[3 + i % 3], starting from 0, at nb + the counter's old value, and thread 0 zeroes the next
+// step's counter before the step's barrier. So a warp that runs ahead into step i + 1 never moves
+// the counter a slower warp reads after step i's barrier, and a counter is zeroed only once every
+// thread has read it (two barriers back). At the end the fill goes to count[0] (published by the
+// caller's next barrier).
 template <typename T, bool VL, bool SAN>
 __device__ void stream_pass(const T* src, int lo, int n, int kk, float& m, float& s, unsigned long long& thr,
                             const StreamShared& ss) {
@@ -935,6 +943,7 @@ __device__ void stream_pass(const T* src, int lo, int n, int kk, float& m, float
   float tf = thr_value(thr);
   uint4 next[SU];  // the next step's vectors, loading while this one is worked on
   stream_load<T, VL>(src, 0, n, nvec, next);
+  int nb = 0, ci = 0;  // buffer fill; this step's append counter (count[3 + ci])
 #pragma unroll 1
   for (int base = 0; base < nvec; base += STEP) {
     uint4 raw[SU];
@@ -973,7 +982,9 @@ __device__ void stream_pass(const T* src, int lo, int n, int kk, float& m, float
     unsigned bal[SU];
 #pragma unroll
     for (int u = 0; u < SU; ++u) bal[u] = __ballot_sync(FULL, base + u * ST + tid < nvec && vm[u] >= tf);
-    unsigned pos = warp_claim(bal, &ss.count[0]);
+    unsigned pos = (unsigned)nb + warp_claim(bal, &ss.count[3 + ci]);
+    const int cn = ci == 2 ? 0 : ci + 1;
+    if (tid == 0) ss.count[3 + cn] = 0u;  // the next step's counter (last read two barriers ago)
 #pragma unroll
     for (int u = 0; u < SU; ++u) {
       if (bal[u] >> lane & 1u) {  // < SB: at most SB_ROOM before the step, STEP in it
@@ -984,18 +995,20 @@ __device__ void stream_pass(const T* src, int lo, int n, int kk, float& m, float
       pos += __popc(bal[u]);
     }
     __syncthreads();
-    const int nb = (int)ss.count[0];
+    nb += (int)ss.count[3 + ci];
+    ci = cn;
     if (nb > SB_ROOM || (base == 0 && base + STEP < nvec && nb > 2 * kk)) {  // full, or after the first step
 #if TOPK_PROFILE
       const long long t0 = clock64();
 #endif
-      thr = shrink<T>(nb, kk, SB_ROOM, ss);
+      thr = shrink<T>(nb, kk, SB_ROOM, ss, &nb);
       tf = thr_value(thr);
 #if TOPK_PROFILE
       if (tid == 0 && blockIdx.y * gridDim.x + blockIdx.x < 8192) topk_prof[8 * (blockIdx.y * gridDim.x + blockIdx.x) + 7] += clock64() - t0;
 #endif
     }
   }
+  if (tid == 0) ss.count[0] = (unsigned)nb;  // (compact wrote the same when the last step shrank)
 }
 
 // The kk best of cand[0, n) (distinct keys, kk <= n) in descending order: a key's place is the
@@ -1035,7 +1048,7 @@ __device__ void stream_block(const T* logits, int V, int K, int C, int chunk, fl
 #if TOPK_PROFILE
   if (tid == 0 && blockIdx.y * gridDim.x + blockIdx.x < 8192) topk_prof[8 * (blockIdx.y * gridDim.x + blockIdx.x) + 7] = 0;
 #endif
-  if (tid == 0) ss.count[0] = 0u;
+  if (tid == 0) ss.count[0] = ss.count[3] = 0u;
   __syncthreads();
   float m, s;
   unsigned long long thr = 0ull;
@@ -1043,7 +1056,7 @@ __device__ void stream_block(const T* logits, int V, int K, int C, int chunk, fl
   TOPK_STAMP(1);
   if (__syncthreads_or(!(s <= FLT_MAX_F))) {  // a NaN or +inf somewhere in the chunk
     thr = 0ull;
-    if (tid == 0) ss.count[0] = 0u;
+    if (tid == 0) ss.count[0] = ss.count[3] = 0u;
     __syncthreads();
     stream_pass<T, VL, true>(src, lo, n, kk, m, s, thr, ss);
   }
@@ -1158,7 +1171,7 @@ __device__ __forceinline__ StreamShared stream_carve() {
   __shared__ unsigned long long red[2 * (ST / 32)];
   __shared__ float red_f[2 * (ST / 32)];
   __shared__ unsigned scalars[6];
-  __shared__ unsigned count[3];
+  __shared__ unsigned count[6];
   __shared__ __align__(16) unsigned long long scratch[SB_ROOM / 2];  // holes, later the top keys
   static_assert(SB_ROOM / 2 >= STREAM_MAX_K, "the top keys share the holes' space");
   StreamShared ss;
