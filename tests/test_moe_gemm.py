@@ -451,9 +451,10 @@ def test_large_list_kernels(rng, large, name, m, skew, plan_kw):
     wg4: the opt-in sm_90a wgmma kernel, the weights as its register A operand): against the
     reference, bitwise the same on two runs, every filled-tile count of a block, split-K, ring depths
     that wrap."""
-    from ddtree_rtc.kernels.moe_gemm import LARGE_KERNELS, wgmma_available
+    from ddtree_rtc.kernels.moe_gemm import LARGE_KERNELS
+    from ddtree_rtc.rtc.arch import wgmma_build
 
-    if large == "wg4" and not wgmma_available():
+    if large == "wg4" and not wgmma_build():
         pytest.skip("wgmma kernels need an sm_90a build")
     plan = run_gpu(rng, name, m, with_shared=name != "deep", skew=skew, large=large, **plan_kw)
     assert plan.large == large and plan.align.large_block == LARGE_KERNELS[large]

@@ -16,6 +16,7 @@ from ddtree_rtc.bench.harness import read_ceiling_gbs, time_gpu
 from ddtree_rtc.bench.moe import SCALING, TOP_K, graphed, int4_experts_device, uniform_logits
 from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
 from ddtree_rtc.kernels.moe_routing import moe_align, moe_route
+from ddtree_rtc.testing import as_f64
 
 
 def main():
@@ -66,10 +67,10 @@ def main():
                         large_above=al.large_above))
                 t = measure(lambda plan=plan, x=x, ids=ids, w=w, y=y: moe_experts(
                     x, ids, w, experts, out=y, plan=plan, check_ids=False))
-                yf = _bf16_to_f32(y)
+                yf = as_f64(y, bf16_bits=True)
                 if first is None:
                     first = yf
-                row["diff-" + name] = float(cupy.abs(yf - first).max() / max(float(cupy.abs(first).max()), 1e-30))
+                row["diff-" + name] = float(np.abs(yf - first).max() / max(float(np.abs(first).max()), 1e-30))
                 row[name] = t
                 row[name + "%"] = 100 * nbytes / (t + row["route"]) / 1e3 / ceil
             rows.append(row)
@@ -83,11 +84,6 @@ def main():
         print(f"{r['routing']} | {r['M']} | {r['touched']} | {r['max']} | {r['route']:.1f} | {r['align']:.1f} | "
               + " | ".join(f"{r[k]:.1f} ({r[k + '%']:.0f}%)" for k in names)
               + " | " + " ".join(f"{r['diff-' + k]:.1e}" for k in names[1:]))
-
-
-def _bf16_to_f32(y):
-    """bf16 bits (uint16) -> fp32 values."""
-    return (y.astype(cupy.uint32) << 16).view(cupy.float32)
 
 
 if __name__ == "__main__":

@@ -198,6 +198,8 @@ def print_moe_table(rows: list[Row], read_gbs: float) -> None:
 def main(argv=None) -> dict:
     import cupy
 
+    from ..kernels.moe_gemm import LARGE_KERNELS
+
     ap = argparse.ArgumentParser(prog="ddtree-rtc bench moe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer M values and iterations (a smoke run)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
@@ -208,7 +210,7 @@ def main(argv=None) -> dict:
                     help="token -> expert routing (repeatable; default: bench): 'bench' random logits + "
                          "bias (skewed), 'uniform' experts drawn uniformly per token (balanced)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--large", choices=("nt4", "wg4"), default=None,
+    ap.add_argument("--large", choices=sorted(LARGE_KERNELS), default=None,
                     help="kernel of the large (32-pair) block list: nt4 (mma.sync) or wg4 (sm_90a wgmma); "
                          "default: the plan's choice for this GPU")
     args = ap.parse_args(argv)

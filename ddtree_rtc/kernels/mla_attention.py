@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
+from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from . import _cublas
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from .registry import module
@@ -49,7 +50,6 @@ _VARIANTS = {
     # sm_90a: m64's tiles on wgmma (S by m64n32k16 per warpgroup, O by m64n128k16), P through smem
     "w64": Variant(64, 64, 8, wgmma=True),
 }
-WGMMA_ARCH = "sm_90a"
 _WORK_INTS, _REQ_INTS, _MERGE_INTS = 8, 4, 4
 MERGE_CTAS_PER_SM = 8  # the merge kernel's fixed grid: one wave of 128-thread CTAs
 
@@ -182,11 +182,8 @@ def _device_props() -> tuple[int, int, bool]:
 def _props_of(device_id: int, arch_override: str | None) -> tuple[int, int, bool]:
     import cupy
 
-    from ..rtc.arch import detect_arch
-
     attrs = cupy.cuda.Device(device_id).attributes
-    return (attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"],
-            detect_arch(arch_override) == WGMMA_ARCH)
+    return (attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"], wgmma_build(arch_override))
 
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..reference.moe_gemm import check_experts_layout
 from ..reference.moe_routing import MoEAlignment
+from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported
 from .moe_routing import alignment_buffers, moe_align
@@ -46,7 +47,6 @@ PDL = True
 # registers, 2-3 CTAs per SM) were no faster and were dropped.
 LARGE_KERNELS = {"nt4": 32, "wg4": 32}  # kernel -> pairs per block
 LARGE = "nt4"
-WGMMA_ARCH = "sm_90a"
 _COMBINE_COLS = 256 * 4
 _MAX_GRID_Y = 65535
 
@@ -147,22 +147,13 @@ def _stage_param(large: str) -> str:
     return "MOE_STAGES_NT4" if large == "nt4" else "MOE_STAGES_WG"
 
 
-def wgmma_available() -> bool:
-    """Whether the kernels are built for sm_90a here (the wgmma large-list kernels run only there)."""
-    import os
-
-    from ..rtc.arch import ARCH_ENV, detect_arch
-
-    return detect_arch(os.environ.get(ARCH_ENV)) == WGMMA_ARCH
-
-
 def pick_large(large: str | None) -> str:
     """The large list's kernel: ``large`` if given (checked), else LARGE on sm_90a, "nt4" elsewhere."""
     if large is None:
-        return LARGE if LARGE == "nt4" or wgmma_available() else "nt4"
+        return LARGE if LARGE == "nt4" or wgmma_build() else "nt4"
     if large not in LARGE_KERNELS:
         raise ValueError(f"large={large!r}: expected one of {sorted(LARGE_KERNELS)}")
-    if large != "nt4" and not wgmma_available():
+    if large != "nt4" and not wgmma_build():
         raise RuntimeError(f"large={large!r} needs {WGMMA_ARCH} (wgmma); the kernels are built for another arch")
     return large
 

@@ -41,6 +41,15 @@ def compile_target(arch: str, arch_specific: bool) -> str:
     return arch if arch_specific else arch[:-1]
 
 
+# The arch with wgmma (warpgroup MMA): the kernel families that use it build their wgmma variants only there.
+WGMMA_ARCH = "sm_90a"
+
+
+def wgmma_build(override: str | None = None) -> bool:
+    """Whether the kernels are built for WGMMA_ARCH (``override``, $DDTREE_RTC_ARCH or the device)."""
+    return detect_arch(override) == WGMMA_ARCH
+
+
 def detect_arch(override: str | None = None) -> str:
     """The arch to build for: ``override``, else $DDTREE_RTC_ARCH, else the current device's."""
     if override:
