@@ -250,24 +250,35 @@ def level_build_model(lq, budget, depth, cap):
     return out
 
 
-def test_level_procedure_equals_the_heap_loop(rng):
-    """Wherever the level procedure does not fall back it gives the heap loop's nodes, bit for bit;
-    on sorted non-positive log-probs it rarely falls back."""
-    fell_back = {kind: 0 for kind in KINDS}
-    for i in range(600):
+def procedure_cases(rng, n: int = 600):
+    """(kind, L, K, budget, log-probs as float64 lists, depth) for the CPU models of the kernel's
+    parallel procedures: every kind of log-probs, tiny to mid budgets, a third of them depth 7."""
+    for i in range(n):
         kind = KINDS[i % len(KINDS)]
         l, k, budget = int(rng.integers(1, 17)), int(rng.choice([1, 2, 3, 9, 64])), int(rng.choice([0, 1, 5, 12, 40]))
         if i % 3 == 0:
             l, k = 7, max(1, budget)
         lq = sanitize_logq(make_logq(rng, (l, k), kind)).astype(np.float64)[:, :min(k, max(budget, 1))].tolist()
-        depth = int(rng.integers(0, l + 1))
+        yield kind, l, k, budget, lq, int(rng.integers(0, l + 1))
+
+
+def assert_heap_nodes(got, lq, budget: int, depth: int, case) -> None:
+    """A model's nodes equal the heap loop's: (token slot, parent, depth) and the scores' bits."""
+    want = build_one(lq, budget, depth)
+    assert [g[:3] for g in got] == [w[:3] for w in want], case
+    assert np.array([g[3] for g in got]).tobytes() == np.array([w[3] for w in want]).tobytes(), case
+
+
+def test_level_procedure_equals_the_heap_loop(rng):
+    """Wherever the level procedure does not fall back it gives the heap loop's nodes, bit for bit;
+    on sorted non-positive log-probs it rarely falls back."""
+    fell_back = {kind: 0 for kind in KINDS}
+    for kind, l, k, budget, lq, depth in procedure_cases(rng):
         got = level_build_model(lq, budget, depth, 4 * budget + 64)
         if got is None:
             fell_back[kind] += 1
             continue
-        want = build_one(lq, budget, depth)
-        assert [g[:3] for g in got] == [w[:3] for w in want], (kind, l, k, budget, depth)
-        assert np.array([g[3] for g in got]).tobytes() == np.array([w[3] for w in want]).tobytes()
+        assert_heap_nodes(got, lq, budget, depth, (kind, l, k, budget, depth))
     assert fell_back["equal"] == 0 and fell_back["sorted"] < 40, fell_back
 
 
@@ -378,13 +389,7 @@ def test_prune_procedure_equals_the_heap_loop(rng):
     fall back (exactly where the level procedure does not), and lists few entries beyond the
     budget on continuous log-probs."""
     listed_over = []
-    for i in range(600):
-        kind = KINDS[i % len(KINDS)]
-        l, k, budget = int(rng.integers(1, 17)), int(rng.choice([1, 2, 3, 9, 64])), int(rng.choice([0, 1, 5, 12, 40]))
-        if i % 3 == 0:
-            l, k = 7, max(1, budget)
-        lq = sanitize_logq(make_logq(rng, (l, k), kind)).astype(np.float64)[:, :min(k, max(budget, 1))].tolist()
-        depth = int(rng.integers(0, l + 1))
+    for kind, l, k, budget, lq, depth in procedure_cases(rng):
         cap = 4 * budget + 64
         got, listed = prune_build_model(lq, budget, depth, cap)
         lev = level_build_model(lq, budget, depth, cap)
@@ -400,9 +405,7 @@ def test_prune_procedure_equals_the_heap_loop(rng):
                 assert level_build_model(lq, budget, depth, unbounded) is not None, (kind, l, k, budget, depth)
         if got is None:
             continue
-        want = build_one(lq, budget, depth)
-        assert [g[:3] for g in got] == [w[:3] for w in want], (kind, l, k, budget, depth)
-        assert np.array([g[3] for g in got]).tobytes() == np.array([w[3] for w in want]).tobytes()
+        assert_heap_nodes(got, lq, budget, depth, (kind, l, k, budget, depth))
         if kind == "sorted" and budget >= 12:
             listed_over.append(listed - min(budget, listed))
     assert listed_over and max(listed_over) <= 16 + 12, listed_over
