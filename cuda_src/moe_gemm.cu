@@ -100,7 +100,8 @@ __device__ __forceinline__ unsigned long long weight_policy() {
   }
 }
 
-// Weights are read once per block: keep them from pushing the re-read activations out of L2.
+// A weight copy with weight_policy's L2 hint (an 8-pair block reads its weights once: evict_first keeps
+// them from pushing the re-read activations out of L2).
 __device__ __forceinline__ void cp_async_weights(unsigned dst, const unsigned char* src,
                                                  unsigned long long pol) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;"

@@ -345,7 +345,7 @@ def experts_for(name):
 
 
 def _large() -> str:
-    """The large-list kernel a default plan uses on this GPU (wg4 on sm_90a, nt4 elsewhere)."""
+    """The large-list kernel a default plan uses on this GPU (LARGE where it can run: nt4 today)."""
     from ddtree_rtc.kernels.moe_gemm import pick_large
 
     return pick_large(None)
