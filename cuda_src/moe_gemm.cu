@@ -78,6 +78,22 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// Where a warp's weight copies read: its first block of the CTA's split-K range (tile0's row, then
+// step 0), the stride between its two 16-row tiles, and the scale piece of lanes 0..15 (tile
+// sc_tile, bytes sc_off..sc_off + 15 of the 128 after the 1024 weight bytes of a block).
+struct WeightSource {
+  const unsigned char* src;
+  long long tile_stride;
+  int sc_tile, sc_off;
+};
+
+__device__ __forceinline__ WeightSource weight_source(const unsigned char* w, long long w_expert_bytes, int e,
+                                                      int tile0, long long kblocks, int split, int steps,
+                                                      int lane) {
+  return {w + (long long)e * w_expert_bytes + ((long long)tile0 * kblocks + (long long)split * steps) * kBlockBytes,
+          kblocks * kBlockBytes, (lane >> 3) & 1, 1024 + 16 * (lane & 7)};
+}
+
 __device__ __forceinline__ unsigned long long evict_first_policy() {
   unsigned long long pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
@@ -293,10 +309,7 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
 
   // Weight copies: lane L moves bytes [16L, 16L + 16) and [512 + 16L, ...) of each of its warp's two
   // blocks, and lanes 0..15 the 128 scale bytes (lanes 8r..8r+7 those of tile r).
-  const unsigned char* wsrc = w + (long long)e * w_expert_bytes +
-                              ((long long)tile0 * kblocks + (long long)split * steps) * kBlockBytes;
-  const long long tile_stride = kblocks * kBlockBytes;
-  const int sc_tile = (lane >> 3) & 1, sc_off = 1024 + 16 * (lane & 7);
+  const WeightSource ws = weight_source(w, w_expert_bytes, e, tile0, kblocks, split, steps, lane);
   const unsigned wdst = smem_u32(smem) + warp * kWarpStageBytes;
   // Activation copies: thread tid moves 16 bytes (k 8q..8q+7 of the step, q = tid & 15) of pair
   // slot (tid >> 4) + 8m of the block for each n-tile m < ntl; padding pairs are zero-filled.
@@ -318,15 +331,15 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
   auto issue_weights = [&](int step, int stage) {
     const unsigned sb = stage * stage_bytes<NT>();
     if (active) {
-      const unsigned char* src = wsrc + (long long)step * kBlockBytes;
+      const unsigned char* src = ws.src + (long long)step * kBlockBytes;
 #pragma unroll
       for (int r = 0; r < kTilesPerWarp; ++r) {
         const unsigned d = wdst + sb + r * kBlockBytes;
-        cp_async_weights(d + 16 * lane, src + r * tile_stride + 16 * lane, pol);
-        cp_async_weights(d + 512 + 16 * lane, src + r * tile_stride + 512 + 16 * lane, pol);
+        cp_async_weights(d + 16 * lane, src + r * ws.tile_stride + 16 * lane, pol);
+        cp_async_weights(d + 512 + 16 * lane, src + r * ws.tile_stride + 512 + 16 * lane, pol);
       }
-      if (lane < 16) cp_async_weights(wdst + sb + sc_tile * kBlockBytes + sc_off,
-                                      src + sc_tile * tile_stride + sc_off, pol);
+      if (lane < 16) cp_async_weights(wdst + sb + ws.sc_tile * kBlockBytes + ws.sc_off,
+                                      src + ws.sc_tile * ws.tile_stride + ws.sc_off, pol);
     }
   };
   auto issue_act = [&](int step, int stage) {
@@ -557,10 +570,7 @@ __device__ __forceinline__ void moe_wg(const unsigned char* __restrict__ w, long
   const int steps = k_split / kStepK;
   const long long kblocks = K / kStepK;
 
-  const unsigned char* wsrc = w + (long long)e * w_expert_bytes +
-                              ((long long)tile0 * kblocks + (long long)split * steps) * kBlockBytes;
-  const long long tile_stride = kblocks * kBlockBytes;
-  const int sc_tile = (lane >> 3) & 1, sc_off = 1024 + 16 * (lane & 7);
+  const WeightSource ws = weight_source(w, w_expert_bytes, e, tile0, kblocks, split, steps, lane);
   const unsigned abase = smem_u32(smem);
   const unsigned wdst = abase + warp * kWarpStageBytes;
   const int an = lane >> 2, at = lane & 3;  // pair row n and word t' of this thread's copies
@@ -578,16 +588,17 @@ __device__ __forceinline__ void moe_wg(const unsigned char* __restrict__ w, long
   auto issue = [&](int step, int stage) {
     const unsigned sb = stage * kStage;
     if (active) {
-      const unsigned char* src = wsrc + (long long)step * kBlockBytes;
+      const unsigned char* src = ws.src + (long long)step * kBlockBytes;
 #pragma unroll
       for (int r = 0; r < kTilesPerWarp; ++r) {
         const unsigned d = wdst + sb + r * kBlockBytes;
-        cp_async_weights(d + 16 * lane, src + r * tile_stride + 16 * lane, pol);
-        cp_async_weights(d + 512 + 16 * lane, src + r * tile_stride + 512 + 16 * lane, pol);
+        cp_async_weights(d + 16 * lane, src + r * ws.tile_stride + 16 * lane, pol);
+        cp_async_weights(d + 512 + 16 * lane, src + r * ws.tile_stride + 512 + 16 * lane, pol);
       }
       // The scale piece without the L2 hint: with it, ptxas 13.0 (sm_90a) encoded this lane-divergent
       // copy inside the ring loop with a cache-policy operand it never set (illegal instruction).
-      if (lane < 16) cp_async16(wdst + sb + sc_tile * kBlockBytes + sc_off, src + sc_tile * tile_stride + sc_off);
+      if (lane < 16)
+        cp_async16(wdst + sb + ws.sc_tile * kBlockBytes + ws.sc_off, src + ws.sc_tile * ws.tile_stride + ws.sc_off);
     }
 #pragma unroll
     for (int m = 0; m < NW; ++m)
