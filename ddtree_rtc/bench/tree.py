@@ -8,7 +8,9 @@ token ranks shuffled per row). Rows: top-k (bytes = the logits, against the read
 accept, build + accept, and for batch 1 the three together; each with the host peer and the speedup.
 Those are single launches between CUDA events (each pays the launch and the event round trip, ~4 µs
 for an empty kernel here); the "[graph x20, per round]" rows give the GPU time per round when
-build + accept run back to back from a CUDA graph, as a decode loop runs them.
+build + accept run back to back from a CUDA graph, as a decode loop runs them, and the "floor" rows
+the same for two launches of the same grids that compute nothing (one dependent load each): the
+part of a round that is launch and memory latency, measured in the same run.
 """
 
 from __future__ import annotations
@@ -96,6 +98,21 @@ def per_round(fn, iters: int) -> float:
     return time_gpu(launch, iters=iters).median_us / ROUNDS
 
 
+def floor_pair(batch: int):
+    """Two launches shaped like the build's (a block per request) and the accept's (four requests
+    per block) that each make one dependent global load and a store (bench_ceiling.cu's
+    latency_floor_kernel): what build + accept cost per round with nothing computed."""
+    import cupy
+
+    from ..kernels.registry import module
+
+    fn = module("bench_ceiling").fn("latency_floor_kernel")
+    src = cupy.arange(batch, dtype=cupy.int32)
+    dst = cupy.zeros(batch, dtype=cupy.int32)
+    grids = (batch, -(-batch // 4))
+    return lambda: [fn((g,), (128,), (src, np.int32(1), dst)) for g in grids]
+
+
 def time_host(fn, reps: int) -> float:
     best = []
     for _ in range(reps):
@@ -136,6 +153,7 @@ def bench_case(batch: int, budget: int, reps: int, iters: int, rng) -> list[Row]
     t_accept = time_gpu(accept, iters=iters).median_us
     t_both = time_gpu(lambda: (build(), accept()), iters=iters).median_us
     g_build, g_accept, g_both = (per_round(fn, iters) for fn in (build, accept, lambda: (build(), accept())))
+    g_floor = per_round(floor_pair(batch), iters)
 
     host_logits = sanitize_logits(be.to_host(logits))
     host_logq, host_ids, host_choices = bufs.logq.get(), bufs.ids.get(), choices.get()
@@ -162,7 +180,10 @@ def bench_case(batch: int, budget: int, reps: int, iters: int, rng) -> list[Row]
             extra={**extra, "speedup": (p_build + p_accept) / t_both}),
         Row(f"build+accept {case} [graph x{ROUNDS}, per round]", g_both, peer="heapq+walk",
             peer_us=p_build + p_accept,
-            extra={**extra, "speedup": (p_build + p_accept) / g_both, "build_us": g_build, "accept_us": g_accept}),
+            extra={**extra, "speedup": (p_build + p_accept) / g_both, "build_us": g_build, "accept_us": g_accept,
+                   "floor_us": g_floor}),
+        Row(f"floor {case} [graph x{ROUNDS}, per round]: 2 launches, 1 load each", g_floor,
+            extra={**extra, "what": "the build's and the accept's grids as latency_floor_kernel launches"}),
     ]
     if batch == 1 and budget <= 64:
         t_round = time_gpu(lambda: (topk(), build(), accept()), iters=iters).median_us
