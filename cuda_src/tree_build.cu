@@ -408,7 +408,8 @@ __device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int ca
 // grows depth by depth as there, but (1) each parent's child chain is walked twice, once to count
 // and once to store, so a warp claims its entries with one scan and one shared atomic instead of
 // one atomic per entry, and chains lie contiguously (the previous sibling of entry e is e - 1);
-// a chain longer than SERIAL_STEPS entries is scored by a whole warp, 32 ranks a step (warp_chain);
+// above WARP_CHAIN_KC ranks, a chain longer than SERIAL_STEPS entries is scored by a whole warp,
+// 32 ranks a step (warp_chain);
 // (2) tau is not the exact budget-th score but a lower bound from one 256-bin histogram of the
 // entries' order keys: with bins (key - lo) >> shift (the top bin also taking everything above),
 // the lower edge lo + (j << shift) of the highest bin j whose suffix count reaches the budget has
@@ -422,10 +423,16 @@ constexpr int PRUNE_SLACK = 16;  // final list size over the budget that stops n
 #ifndef PRUNE_SERIAL_STEPS
 #define PRUNE_SERIAL_STEPS 4
 #endif
-// Child chains longer than this many entries are scored by a whole warp (warp_chain) instead of
-// their parent's thread; a value >= the largest budget keeps every chain in one thread.
+#ifndef PRUNE_WARP_CHAIN_KC
+#define PRUNE_WARP_CHAIN_KC 64
+#endif
+// With more than WARP_CHAIN_KC ranks per depth, child chains longer than SERIAL_STEPS entries are
+// scored by a whole warp (warp_chain) instead of their parent's thread (H200, graph-timed build,
+// batch 32: budget 128 15.0 -> 13.6 us, 512 66.6 -> 56.2; at budget <= 64 the warp path and its
+// barriers made it 0.4-1.2 us slower, so there every chain stays in its thread).
 constexpr int SERIAL_STEPS = PRUNE_SERIAL_STEPS;
-static_assert(SERIAL_STEPS >= 1, "PRUNE_SERIAL_STEPS");
+constexpr int WARP_CHAIN_KC = PRUNE_WARP_CHAIN_KC;
+static_assert(SERIAL_STEPS >= 1 && SERIAL_STEPS < WARP_CHAIN_KC + 1, "PRUNE_SERIAL_STEPS");
 constexpr int PRUNE_LIST_EXTRA = 63;  // listed entries with tuple codes: 1 + max_budget + this
 
 struct PrunePool {
@@ -656,29 +663,36 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
   for (int d = 2; d <= depth_limit; ++d) {
     const float* row = s.lq + (d - 1) * ks;
     int total = 0, bad = 0;
-    // A parent's thread walks up to SERIAL_STEPS entries of its chain; a chain that reaches that
-    // many (with more ranks left) is listed for a warp to score (q.node[p] holds each parent's
-    // chain length until the listing step reuses it for the listed entries).
-    const bool may_long = kc > SERIAL_STEPS;
-    if (tid == 0) sh.n_long[(d + 1) & 1] = 0;  // last read at depth d - 1, two barriers ago
-    for (int p = begin + tid; p < end; p += THREADS) {
-      const int len = walk_chain<false>(q, q.score[p], p, d, row, may_long ? SERIAL_STEPS : kc, tau, 0, bad);
-      if (may_long && len == SERIAL_STEPS) q.list[atomicAdd(&sh.n_long[d & 1], 1)] = p;
-      q.node[p] = len;
-    }
-    if (bad) sh.bad = 1;
-    __syncthreads();
-    const int n_long = sh.n_long[d & 1];
-    if (n_long > 0) {
-      for (int i = tid >> 5; i < n_long; i += THREADS / 32) {
-        const int p = q.list[i];
-        const int len = warp_chain<false>(q, q.score[p], p, d, row, kc, tau, 0, bad);
-        if (lane == 0) q.node[p] = len;
+    // Above WARP_CHAIN_KC ranks, a parent's thread walks up to SERIAL_STEPS entries of its chain,
+    // and a chain that reaches that many is listed for a warp to score (q.node[p] holds each
+    // parent's chain length until the listing step reuses it for the listed entries). At or below
+    // it every chain stays in its thread: there the two extra barriers cost more than they save.
+    const bool may_long = kc > WARP_CHAIN_KC;  // block-uniform
+    int n_long = 0;
+    if (!may_long) {
+      for (int p = begin + tid; p < end; p += THREADS)
+        total += walk_chain<false>(q, q.score[p], p, d, row, kc, tau, 0, bad);
+    } else {
+      if (tid == 0) sh.n_long[(d + 1) & 1] = 0;  // last read at depth d - 1, two barriers ago
+      for (int p = begin + tid; p < end; p += THREADS) {
+        const int len = walk_chain<false>(q, q.score[p], p, d, row, SERIAL_STEPS, tau, 0, bad);
+        if (len == SERIAL_STEPS) q.list[atomicAdd(&sh.n_long[d & 1], 1)] = p;
+        q.node[p] = len;
       }
       if (bad) sh.bad = 1;
       __syncthreads();
+      n_long = sh.n_long[d & 1];
+      if (n_long > 0) {
+        for (int i = tid >> 5; i < n_long; i += THREADS / 32) {
+          const int p = q.list[i];
+          const int len = warp_chain<false>(q, q.score[p], p, d, row, kc, tau, 0, bad);
+          if (lane == 0) q.node[p] = len;
+        }
+        if (bad) sh.bad = 1;
+        __syncthreads();
+      }
+      for (int p = begin + tid; p < end; p += THREADS) total += q.node[p];
     }
-    for (int p = begin + tid; p < end; p += THREADS) total += q.node[p];
     int incl = total;  // warp inclusive scan of the chain lengths, then one claim per warp
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -692,10 +706,15 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
       bad = 1;  // the pool is full: store nothing
     } else if (total > 0) {
       for (int p = begin + tid; p < end; p += THREADS) {
-        const int len = q.node[p];
-        if (may_long && len >= SERIAL_STEPS) q.node[p] = base;  // a warp stores this chain from here
-        else walk_chain<true>(q, q.score[p], p, d, row, kc, tau, base, bad);
-        base += len;
+        if (may_long) {
+          const int len = q.node[p];
+          if (len >= SERIAL_STEPS) {  // a warp stores this chain from here
+            q.node[p] = base;
+            base += len;
+            continue;
+          }
+        }
+        base += walk_chain<true>(q, q.score[p], p, d, row, kc, tau, base, bad);
       }
     }
     if (bad) sh.bad = 1;

@@ -28,7 +28,7 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                               "tree_build_level_j9", "tree_build_level_j17", "tree_build_prune_j3",
                               "tree_build_prune_j9", "tree_build_prune_j17"),
                "DDTree best-first tree build per request, bit-identical to the heapq reference",
-               params={"TREE_PROFILE": 0, "TREE_THREADS": 512, "PRUNE_SERIAL_STEPS": 4}),
+               params={"TREE_PROFILE": 0, "TREE_THREADS": 512, "PRUNE_SERIAL_STEPS": 4, "PRUNE_WARP_CHAIN_KC": 64}),
     KernelSpec("tree_accept", ("tree_accept_kernel", "tree_accept_table_kernel"),
                "DDTree acceptance walk: follow the children matching the target's choices"),
     # -- INT4 MoE (issue: MoE) --
