@@ -408,8 +408,8 @@ __device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int ca
 // grows depth by depth as there, but (1) each parent's child chain is walked twice, once to count
 // and once to store, so a warp claims its entries with one scan and one shared atomic instead of
 // one atomic per entry, and chains lie contiguously (the previous sibling of entry e is e - 1);
-// above WARP_CHAIN_KC ranks, a chain longer than SERIAL_STEPS entries is scored by a whole warp,
-// 32 ranks a step (warp_chain);
+// in the prune_warp variant, above WARP_CHAIN_KC ranks, a chain longer than SERIAL_STEPS entries
+// is scored by a whole warp, 32 ranks a step (warp_chain);
 // (2) tau is not the exact budget-th score but a lower bound from one 256-bin histogram of the
 // entries' order keys: with bins (key - lo) >> shift (the top bin also taking everything above),
 // the lower edge lo + (j << shift) of the highest bin j whose suffix count reaches the budget has
@@ -426,10 +426,11 @@ constexpr int PRUNE_SLACK = 16;  // final list size over the budget that stops n
 #ifndef PRUNE_WARP_CHAIN_KC
 #define PRUNE_WARP_CHAIN_KC 64
 #endif
-// With more than WARP_CHAIN_KC ranks per depth, child chains longer than SERIAL_STEPS entries are
-// scored by a whole warp (warp_chain) instead of their parent's thread (H200, graph-timed build,
-// batch 32: budget 128 15.0 -> 13.6 us, 512 66.6 -> 56.2; at budget <= 64 the warp path and its
-// barriers made it 0.4-1.2 us slower, so there every chain stays in its thread).
+// The prune_warp variant: with more than WARP_CHAIN_KC ranks per depth, child chains longer than
+// SERIAL_STEPS entries are scored by a whole warp (warp_chain) instead of their parent's thread.
+// Measured (H200, graph-timed build, batch 32, at 04b8bbf where this path ran at every budget):
+// budget 128 15.0 -> 13.6 us, 512 66.6 -> 56.2; at budget <= 64 its barriers made it 0.4-1.2 us
+// slower, hence the WARP_CHAIN_KC floor.
 constexpr int SERIAL_STEPS = PRUNE_SERIAL_STEPS;
 constexpr int WARP_CHAIN_KC = PRUNE_WARP_CHAIN_KC;
 static_assert(SERIAL_STEPS >= 1 && SERIAL_STEPS < WARP_CHAIN_KC + 1, "PRUNE_SERIAL_STEPS");
@@ -468,7 +469,6 @@ struct PruneShared {
   int bad;    // non-monotone step or full pool: fall back to the heap loop
   int m;      // entries at or above the last round's bound
   int n_list;
-  int n_long[2];  // parents of depth d's chains that a warp scores (listed in q.list), buffer d & 1
   unsigned long long tau;      // the last round's bound
   unsigned long long min_key;  // smallest key in the pool (a round's base before any bound exists)
   int hist[NB];
@@ -622,7 +622,16 @@ __device__ __forceinline__ int span_shift(unsigned long long lo, unsigned long l
   return max(0, bits - 8);  // (hi - lo) >> shift < NB
 }
 
+// prune_warp only (the prune kernels never reference it, so their shared memory is unchanged):
+// the parents of depth d whose chains a warp scores (listed in q.list), counted in buffer d & 1.
+__device__ __forceinline__ int* long_chain_counts() {
+  __shared__ int counts[2];
+  return counts;
+}
+
 // Returns the number of nodes written into `s`, or -1 to fall back. All THREADS threads call it.
+// WARP: the prune_warp variant (long child chains scored by warps above WARP_CHAIN_KC ranks).
+template <bool WARP>
 __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, int cap, int lcap, int kc,
                            int ks, int depth_limit, int budget) {
   const int tid = threadIdx.x, lane = tid & 31;
@@ -637,7 +646,11 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
     sh.bad = 0;
     sh.count = kc;
     sh.n_list = 0;
-    sh.n_long[0] = 0;  // depth 2 lists into buffer 0
+  }
+  int* n_long_c = nullptr;
+  if constexpr (WARP) {
+    n_long_c = long_chain_counts();
+    if (tid == 0) n_long_c[0] = 0;  // depth 2 lists into buffer 0
   }
   for (int i = tid; i < NB; i += THREADS) sh.hist[i] = 0;
   __syncthreads();
@@ -667,21 +680,21 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
     // and a chain that reaches that many is listed for a warp to score (q.node[p] holds each
     // parent's chain length until the listing step reuses it for the listed entries). At or below
     // it every chain stays in its thread: there the two extra barriers cost more than they save.
-    const bool may_long = kc > WARP_CHAIN_KC;  // block-uniform
+    const bool may_long = WARP && kc > WARP_CHAIN_KC;  // block-uniform
     int n_long = 0;
     if (!may_long) {
       for (int p = begin + tid; p < end; p += THREADS)
         total += walk_chain<false>(q, q.score[p], p, d, row, kc, tau, 0, bad);
     } else {
-      if (tid == 0) sh.n_long[(d + 1) & 1] = 0;  // last read at depth d - 1, two barriers ago
+      if (tid == 0) n_long_c[(d + 1) & 1] = 0;  // last read at depth d - 1, two barriers ago
       for (int p = begin + tid; p < end; p += THREADS) {
         const int len = walk_chain<false>(q, q.score[p], p, d, row, SERIAL_STEPS, tau, 0, bad);
-        if (len == SERIAL_STEPS) q.list[atomicAdd(&sh.n_long[d & 1], 1)] = p;
+        if (len == SERIAL_STEPS) q.list[atomicAdd(&n_long_c[d & 1], 1)] = p;
         q.node[p] = len;
       }
       if (bad) sh.bad = 1;
       __syncthreads();
-      n_long = sh.n_long[d & 1];
+      n_long = n_long_c[d & 1];
       if (n_long > 0) {
         for (int i = tid >> 5; i < n_long; i += THREADS / 32) {
           const int p = q.list[i];
@@ -841,7 +854,7 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
   return n;
 }
 
-template <int J, int MODE>  // MODE: 0 heap loop, 1 level, 2 prune
+template <int J, int MODE>  // MODE: 0 heap loop, 1 level, 2 prune, 3 prune_warp
 __device__ __forceinline__ void build(const float* __restrict__ logq, const int* __restrict__ ids,
                                       int L, int K, const int* __restrict__ root_tokens,
                                       const int* __restrict__ budgets, const int* __restrict__ depths,
@@ -890,10 +903,10 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
     n_level = level_build(s, q, level_sh, cap, kc, ks, depth_limit, budget);  // block-uniform
     if (tid == 0 && n_level >= 0) n_popped = n_level;
   }
-  if (MODE == 2 && budget > 0 && depth_limit > 0) {
+  if ((MODE == 2 || MODE == 3) && budget > 0 && depth_limit > 0) {
     const int lcap = n_slots + PRUNE_LIST_EXTRA;
     const PrunePool q = carve_prune(reinterpret_cast<unsigned char*>(s.ids + L * ks), cap, lcap);
-    n_level = prune_build(s, q, prune_sh, cap, lcap, kc, ks, depth_limit, budget);  // block-uniform
+    n_level = prune_build<MODE == 3>(s, q, prune_sh, cap, lcap, kc, ks, depth_limit, budget);  // block-uniform
     if (tid == 0 && n_level >= 0) n_popped = n_level;
   }
   if (n_level < 0 && tid < 32) {
@@ -974,3 +987,6 @@ TREE_BUILD_ENTRY(tree_build_level_j17, 17, 1)
 TREE_BUILD_ENTRY(tree_build_prune_j3, 3, 2)
 TREE_BUILD_ENTRY(tree_build_prune_j9, 9, 2)
 TREE_BUILD_ENTRY(tree_build_prune_j17, 17, 2)
+TREE_BUILD_ENTRY(tree_build_prune_warp_j3, 3, 3)
+TREE_BUILD_ENTRY(tree_build_prune_warp_j9, 9, 3)
+TREE_BUILD_ENTRY(tree_build_prune_warp_j17, 17, 3)
