@@ -408,8 +408,6 @@ __device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int ca
 // grows depth by depth as there, but (1) each parent's child chain is walked twice, once to count
 // and once to store, so a warp claims its entries with one scan and one shared atomic instead of
 // one atomic per entry, and chains lie contiguously (the previous sibling of entry e is e - 1);
-// in the prune_warp variant, above WARP_CHAIN_KC ranks, a chain longer than SERIAL_STEPS entries
-// is scored by a whole warp, 32 ranks a step (warp_chain);
 // (2) tau is not the exact budget-th score but a lower bound from one 256-bin histogram of the
 // entries' order keys: with bins (key - lo) >> shift (the top bin also taking everything above),
 // the lower edge lo + (j << shift) of the highest bin j whose suffix count reaches the budget has
@@ -420,20 +418,6 @@ __device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int ca
 
 constexpr int NB = 256;          // bins per histogram round (8 per lane of warp 0)
 constexpr int PRUNE_SLACK = 16;  // final list size over the budget that stops narrowing
-#ifndef PRUNE_SERIAL_STEPS
-#define PRUNE_SERIAL_STEPS 4
-#endif
-#ifndef PRUNE_WARP_CHAIN_KC
-#define PRUNE_WARP_CHAIN_KC 64
-#endif
-// The prune_warp variant: with more than WARP_CHAIN_KC ranks per depth, child chains longer than
-// SERIAL_STEPS entries are scored by a whole warp (warp_chain) instead of their parent's thread.
-// Measured (H200, graph-timed build, batch 32, at 04b8bbf where this path ran at every budget):
-// budget 128 15.0 -> 13.6 us, 512 66.6 -> 56.2; at budget <= 64 its barriers made it 0.4-1.2 us
-// slower, hence the WARP_CHAIN_KC floor.
-constexpr int SERIAL_STEPS = PRUNE_SERIAL_STEPS;
-constexpr int WARP_CHAIN_KC = PRUNE_WARP_CHAIN_KC;
-static_assert(SERIAL_STEPS >= 1 && SERIAL_STEPS < WARP_CHAIN_KC + 1, "PRUNE_SERIAL_STEPS");
 constexpr int PRUNE_LIST_EXTRA = 63;  // listed entries with tuple codes: 1 + max_budget + this
 
 struct PrunePool {
@@ -513,48 +497,6 @@ __device__ __forceinline__ int walk_chain(const PrunePool& q, double ps, int p, 
   }
 }
 
-// walk_chain's chain scored by a whole warp, 32 ranks per step, the same bits and the same stop.
-// The recurrence s_{r+1} = (s_r - row[r]) + row[r+1] equals u_{r+1} = base + row[r+1] whenever
-// s_r == base + row[r] bit for bit (then s_r - row[r] == base exactly). So from a start rank r0
-// with s_{r0} = base + row[r0], lane l scores u = base + row[r0 + l] and t = (u_{l-1} - row[r0 + l - 1])
-// + row[r0 + l] (the recurrence from lane l - 1's u); the first lane j with t != u (bitwise) is the
-// last one whose value (t) is the recurrence's, and the next step restarts at r0 + j + 1 from
-// base = s_{r0+j} - row[r0+j]. Exact sums (the usual case: a few floats summed in double) make t
-// == u everywhere, so a step takes 32 ranks. All 32 lanes call it with warp-uniform arguments;
-// STORE writes the entries from e0 on. Returns the length (warp-uniform); sets bad (lane-uniform)
-// where walk_chain would.
-template <bool STORE>
-__device__ int warp_chain(const PrunePool& q, double ps, int p, int d, const float* row, int kc,
-                          unsigned long long tau, int e0, int& bad) {
-  const int lane = threadIdx.x & 31;
-  double base = ps, prev = ps;  // s_{r0} = base + row[r0]; prev = s_{r0 - 1} (ps before rank 0)
-  for (int r0 = 0;;) {
-    const int r = r0 + lane;
-    const bool live = r < kc;
-    const float a = live ? row[r] : 0.f;
-    const float a_prev = __shfl_up_sync(FULL, a, 1);
-    const double u = base + (double)a;
-    const double u_prev = __shfl_up_sync(FULL, u, 1);
-    const double t = lane == 0 ? u : (u_prev - (double)a_prev) + (double)a;
-    const unsigned mism = __ballot_sync(FULL, live && __double_as_longlong(t) != __double_as_longlong(u));
-    const int j = mism ? __ffs(mism) - 1 : 31;  // lanes 0..j hold the recurrence's scores (t)
-    const double t_prev = __shfl_up_sync(FULL, t, 1);
-    const double before = lane == 0 ? prev : t_prev;
-    const bool up = live && t > before;  // walk_chain's non-monotone step
-    const bool stop = lane <= j && (!live || up || ord64(t) < tau);
-    const unsigned stops = __ballot_sync(FULL, stop);
-    const int f = stops ? __ffs(stops) - 1 : j + 1;  // entries r0 .. r0 + f - 1 are kept
-    if (STORE && lane < f) put_entry(q, e0 + r, t, p, r, d);
-    if (stops) {
-      if ((__ballot_sync(FULL, up) >> f) & 1u) bad = 1;
-      return r0 + f;
-    }
-    prev = __shfl_sync(FULL, t, j);
-    base = prev - (double)__shfl_sync(FULL, a, j);
-    r0 += j + 1;
-  }
-}
-
 // Smallest key among entries [0, count) into sh.min_key. All threads call it.
 __device__ unsigned long long pool_min_key(const PrunePool& q, PruneShared& sh, int count) {
   if (threadIdx.x == 0) sh.min_key = ~0ull;
@@ -622,16 +564,7 @@ __device__ __forceinline__ int span_shift(unsigned long long lo, unsigned long l
   return max(0, bits - 8);  // (hi - lo) >> shift < NB
 }
 
-// prune_warp only (the prune kernels never reference it, so their shared memory is unchanged):
-// the parents of depth d whose chains a warp scores (listed in q.list), counted in buffer d & 1.
-__device__ __forceinline__ int* long_chain_counts() {
-  __shared__ int counts[2];
-  return counts;
-}
-
 // Returns the number of nodes written into `s`, or -1 to fall back. All THREADS threads call it.
-// WARP: the prune_warp variant (long child chains scored by warps above WARP_CHAIN_KC ranks).
-template <bool WARP>
 __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, int cap, int lcap, int kc,
                            int ks, int depth_limit, int budget) {
   const int tid = threadIdx.x, lane = tid & 31;
@@ -646,11 +579,6 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
     sh.bad = 0;
     sh.count = kc;
     sh.n_list = 0;
-  }
-  int* n_long_c = nullptr;
-  if constexpr (WARP) {
-    n_long_c = long_chain_counts();
-    if (tid == 0) n_long_c[0] = 0;  // depth 2 lists into buffer 0
   }
   for (int i = tid; i < NB; i += THREADS) sh.hist[i] = 0;
   __syncthreads();
@@ -676,36 +604,8 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
   for (int d = 2; d <= depth_limit; ++d) {
     const float* row = s.lq + (d - 1) * ks;
     int total = 0, bad = 0;
-    // Above WARP_CHAIN_KC ranks, a parent's thread walks up to SERIAL_STEPS entries of its chain,
-    // and a chain that reaches that many is listed for a warp to score (q.node[p] holds each
-    // parent's chain length until the listing step reuses it for the listed entries). At or below
-    // it every chain stays in its thread: there the two extra barriers cost more than they save.
-    const bool may_long = WARP && kc > WARP_CHAIN_KC;  // block-uniform
-    int n_long = 0;
-    if (!may_long) {
-      for (int p = begin + tid; p < end; p += THREADS)
-        total += walk_chain<false>(q, q.score[p], p, d, row, kc, tau, 0, bad);
-    } else {
-      if (tid == 0) n_long_c[(d + 1) & 1] = 0;  // last read at depth d - 1, two barriers ago
-      for (int p = begin + tid; p < end; p += THREADS) {
-        const int len = walk_chain<false>(q, q.score[p], p, d, row, SERIAL_STEPS, tau, 0, bad);
-        if (len == SERIAL_STEPS) q.list[atomicAdd(&n_long_c[d & 1], 1)] = p;
-        q.node[p] = len;
-      }
-      if (bad) sh.bad = 1;
-      __syncthreads();
-      n_long = n_long_c[d & 1];
-      if (n_long > 0) {
-        for (int i = tid >> 5; i < n_long; i += THREADS / 32) {
-          const int p = q.list[i];
-          const int len = warp_chain<false>(q, q.score[p], p, d, row, kc, tau, 0, bad);
-          if (lane == 0) q.node[p] = len;
-        }
-        if (bad) sh.bad = 1;
-        __syncthreads();
-      }
-      for (int p = begin + tid; p < end; p += THREADS) total += q.node[p];
-    }
+    for (int p = begin + tid; p < end; p += THREADS)
+      total += walk_chain<false>(q, q.score[p], p, d, row, kc, tau, 0, bad);
     int incl = total;  // warp inclusive scan of the chain lengths, then one claim per warp
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -718,27 +618,11 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
     if (base + total > cap) {
       bad = 1;  // the pool is full: store nothing
     } else if (total > 0) {
-      for (int p = begin + tid; p < end; p += THREADS) {
-        if (may_long) {
-          const int len = q.node[p];
-          if (len >= SERIAL_STEPS) {  // a warp stores this chain from here
-            q.node[p] = base;
-            base += len;
-            continue;
-          }
-        }
+      for (int p = begin + tid; p < end; p += THREADS)
         base += walk_chain<true>(q, q.score[p], p, d, row, kc, tau, base, bad);
-      }
     }
     if (bad) sh.bad = 1;
     __syncthreads();
-    if (n_long > 0 && !sh.bad) {  // (sh.bad: the pool may be full, nothing more is stored)
-      for (int i = tid >> 5; i < n_long; i += THREADS / 32) {
-        const int p = q.list[i];
-        warp_chain<true>(q, q.score[p], p, d, row, kc, tau, q.node[p], bad);
-      }
-      __syncthreads();
-    }
     const int count = sh.count;
     if (sh.bad) return -1;
     PRUNE_STAMP();  // depth d generated
@@ -854,7 +738,7 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
   return n;
 }
 
-template <int J, int MODE>  // MODE: 0 heap loop, 1 level, 2 prune, 3 prune_warp
+template <int J, int MODE>  // MODE: 0 heap loop, 1 level, 2 prune
 __device__ __forceinline__ void build(const float* __restrict__ logq, const int* __restrict__ ids,
                                       int L, int K, const int* __restrict__ root_tokens,
                                       const int* __restrict__ budgets, const int* __restrict__ depths,
@@ -903,10 +787,10 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
     n_level = level_build(s, q, level_sh, cap, kc, ks, depth_limit, budget);  // block-uniform
     if (tid == 0 && n_level >= 0) n_popped = n_level;
   }
-  if ((MODE == 2 || MODE == 3) && budget > 0 && depth_limit > 0) {
+  if (MODE == 2 && budget > 0 && depth_limit > 0) {
     const int lcap = n_slots + PRUNE_LIST_EXTRA;
     const PrunePool q = carve_prune(reinterpret_cast<unsigned char*>(s.ids + L * ks), cap, lcap);
-    n_level = prune_build<MODE == 3>(s, q, prune_sh, cap, lcap, kc, ks, depth_limit, budget);  // block-uniform
+    n_level = prune_build(s, q, prune_sh, cap, lcap, kc, ks, depth_limit, budget);  // block-uniform
     if (tid == 0 && n_level >= 0) n_popped = n_level;
   }
   if (n_level < 0 && tid < 32) {
@@ -987,6 +871,3 @@ TREE_BUILD_ENTRY(tree_build_level_j17, 17, 1)
 TREE_BUILD_ENTRY(tree_build_prune_j3, 3, 2)
 TREE_BUILD_ENTRY(tree_build_prune_j9, 9, 2)
 TREE_BUILD_ENTRY(tree_build_prune_j17, 17, 2)
-TREE_BUILD_ENTRY(tree_build_prune_warp_j3, 3, 3)
-TREE_BUILD_ENTRY(tree_build_prune_warp_j9, 9, 3)
-TREE_BUILD_ENTRY(tree_build_prune_warp_j17, 17, 3)

@@ -444,7 +444,7 @@ def run_gpu(args, max_budget, variant, poison=True):
     return got
 
 
-GPU_VARIANTS = ("prune", "prune_warp", "level", "heap")
+GPU_VARIANTS = ("prune", "level", "heap")
 
 
 @pytest.mark.gpu

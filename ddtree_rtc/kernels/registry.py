@@ -26,10 +26,9 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                params={"TOPK_CAP": 8192, "TOPK_STREAM_BLOCKS": 2, "TOPK_PROFILE": 0}),
     KernelSpec("tree_build", ("tree_build_j3", "tree_build_j9", "tree_build_j17", "tree_build_level_j3",
                               "tree_build_level_j9", "tree_build_level_j17", "tree_build_prune_j3",
-                              "tree_build_prune_j9", "tree_build_prune_j17", "tree_build_prune_warp_j3",
-                              "tree_build_prune_warp_j9", "tree_build_prune_warp_j17"),
+                              "tree_build_prune_j9", "tree_build_prune_j17"),
                "DDTree best-first tree build per request, bit-identical to the heapq reference",
-               params={"TREE_PROFILE": 0, "TREE_THREADS": 512, "PRUNE_SERIAL_STEPS": 4, "PRUNE_WARP_CHAIN_KC": 64}),
+               params={"TREE_PROFILE": 0, "TREE_THREADS": 512}),
     KernelSpec("tree_accept", ("tree_accept_kernel", "tree_accept_table_kernel"),
                "DDTree acceptance walk: follow the children matching the target's choices"),
     # -- INT4 MoE (issue: MoE) --

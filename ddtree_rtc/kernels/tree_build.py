@@ -5,11 +5,7 @@ bit for bit (nodes, order, scores, masks). One graph-capturable launch for the w
 Variants: ``"heap"`` runs the sequential heap loop; ``"level"`` builds depth by depth in parallel and
 falls back per request to the heap loop where its exactness conditions fail; ``"prune"`` (the
 default) is the level build with tau a histogram lower bound instead of the exact budget-th score
-(no quadratic step), contiguous chains and a ranking of only the narrowed final list;
-``"prune_warp"`` is prune with child chains longer than 4 entries scored by a whole warp, 32 ranks a
-step, when a depth has more than 64 ranks (budget > 64): measured in an H200 A/B (graph-timed
-build, batch 32) at 13.6 against 15.0 us for budget 128 and 56.2 against 66.6 us for budget 512, but
-not yet run on a GPU in this exact form, so it stays opt-in until it is. H200 timings
+(no quadratic step), contiguous chains and a ranking of only the narrowed final list. H200 timings
 (2026-12-03, `tools/tree_compare.py`, depth 7, V = 163840, Zipf logits, L2 flushed, all three
 bit-identical to heapq; TREE_THREADS = 512): budget 16: prune 10.1-10.8 us, level 11.6-13.1, heap
 14.1-14.7; 64: 13.6-14.5 / 23.9-25.6 / 39-40; 256: 31.7-35.1 / 66-68 / 220-222; 512: 67.6-71.9 /
@@ -31,7 +27,7 @@ _SMEM_PER_SLOT = 8 + 3 * 8 + 8 + 8 + 4 + 4 + 5 * 4
 _SMEM_PER_POOL_ENTRY = 8 + 5 * 4  # level variant: score; parent, pred, rank, depth, node
 _SMEM_PER_PRUNE_ENTRY = 2 * 8 + 5 * 4  # prune variant: score, list score; parent, rank, depth, node, list
 _PRUNE_LIST_EXTRA = 63  # prune variant: tuple codes (3 words) for 1 + max_budget + this listed entries
-VARIANTS = ("heap", "level", "prune", "prune_warp")
+VARIANTS = ("heap", "level", "prune")
 
 
 def block_threads() -> int:
@@ -103,7 +99,7 @@ def tree_build_variant(variant: str, logq, ids, root_tokens, budgets, depths, pr
     cap = pool_capacity(max_budget)
     if variant != "heap":  # + 8: the pool's doubles are 8-byte aligned
         smem += cap * (_SMEM_PER_POOL_ENTRY if variant == "level" else _SMEM_PER_PRUNE_ENTRY) + 8
-        if variant in ("prune", "prune_warp"):
+        if variant == "prune":
             smem += (max_budget + 1 + _PRUNE_LIST_EXTRA) * 3 * 8
     name = "tree_build" if variant == "heap" else f"tree_build_{variant}"
     fn = module("tree_build").fn(f"{name}_j{_variant(max_budget)}")
