@@ -71,3 +71,28 @@ extern "C" __global__ void __launch_bounds__(128) latency_floor_kernel(const int
   for (int t = 0; t < trips; ++t) at = src[at];
   if (threadIdx.x == 0) dst[blockIdx.x] = at;
 }
+
+// The mma.sync ceiling: m16n8k16 bf16 -> fp32 with register operands and nothing else issued. Each
+// warp runs 8 independent accumulator chains of `iters` mmas (enough to hide the mma latency); the
+// sum of the accumulators guards a store that never happens, so the chains stay live.
+extern "C" __global__ void __launch_bounds__(128) mma_peak_kernel(int iters, float* out) {
+  const unsigned a0 = 0x3f803f80u ^ threadIdx.x, a1 = a0 + 1, a2 = a0 + 2, a3 = a0 + 3;
+  const unsigned b0 = 0x3f003f00u ^ (threadIdx.x << 3), b1 = b0 + 5;
+  float c[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c[i][j] = 0.f;
+  for (int it = 0; it < iters; ++it) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};"
+                   : "+f"(c[i][0]), "+f"(c[i][1]), "+f"(c[i][2]), "+f"(c[i][3])
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s += c[i][0] + c[i][1] + c[i][2] + c[i][3];
+  if (s == 1.2345f) out[0] = s;
+}

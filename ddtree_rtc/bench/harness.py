@@ -126,24 +126,56 @@ def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
 
 
 @functools.cache
-def latency_floor_us(blocks: int, kernels: int = 1, trips: int = 1) -> float:
-    """Median µs (timed as time_gpu times, L2 flushed) of ``kernels`` launches back to back, each
-    ``blocks`` blocks of 128 threads making ``trips`` dependent global loads and one store: the floor
-    of a latency-bound per-request kernel (launch + memory round trips, nothing computed)."""
+def _floor_chain():
+    """latency_floor_kernel's source array: a fixed permutation of 2**22 indices (dependent trips
+    land far apart)."""
+    import cupy
+
+    n = 1 << 22
+    return cupy.asarray(((np.arange(n, dtype=np.int64) * 7919 + 1_048_573) % n).astype(np.int32))
+
+
+def latency_floor_launch(grids, trips: int = 1):
+    """A callable that launches latency_floor_kernel once per entry of ``grids`` (blocks of 128
+    threads), each block making ``trips`` dependent global loads and one store: a latency-bound
+    per-request kernel's launch + memory round trips with nothing computed."""
     import cupy
 
     from ..kernels.registry import module
 
-    n = 1 << 22
-    src = cupy.asarray(((np.arange(n, dtype=np.int64) * 7919 + 1_048_573) % n).astype(np.int32))
-    dst = cupy.zeros(max(blocks, 1), dtype=np.int32)
+    src = _floor_chain()
+    dst = cupy.zeros(max(max(grids), 1), dtype=np.int32)
     fn = module("bench_ceiling").fn("latency_floor_kernel")
 
     def run():
-        for _ in range(kernels):
-            fn((blocks,), (128,), (src, np.int32(trips), dst))
+        for g in grids:
+            fn((g,), (128,), (src, np.int32(trips), dst))
 
-    return time_gpu(run, warmup=3, iters=30).median_us
+    return run
+
+
+@functools.cache
+def latency_floor_us(blocks: int, kernels: int = 1, trips: int = 1) -> float:
+    """Median µs (timed as time_gpu times, L2 flushed) of ``kernels`` latency_floor_launch launches
+    of ``blocks`` blocks back to back: the floor of a latency-bound per-request kernel."""
+    return time_gpu(latency_floor_launch((blocks,) * kernels, trips), warmup=3, iters=30).median_us
+
+
+@functools.cache
+def mma_peak_tflops(blocks_per_sm: int = 8, iters: int = 4096) -> float:
+    """mma.sync m16n8k16 bf16 (fp32 accumulate) rate with nothing else issued (bench_ceiling.cu's
+    mma_peak_kernel: 4-warp blocks, ``blocks_per_sm`` per SM, 8 accumulator chains per warp), in
+    TFLOP/s: the compute ceiling of kernels built on mma.sync, such as the INT4 MoE GEMMs."""
+    import cupy
+
+    from ..kernels.registry import module
+
+    fn = module("bench_ceiling").fn("mma_peak_kernel")
+    out = cupy.zeros(1, cupy.float32)
+    blocks = _sm_count() * blocks_per_sm
+    t = time_gpu(lambda: fn((blocks,), (128,), (np.int32(iters), out)), warmup=2, iters=5, flush_l2=False)
+    flops = blocks * 4 * iters * 8 * 2 * 16 * 8 * 16  # warps x iterations x chains x (2 m n k)
+    return flops / t.median_us / 1e6
 
 
 def random_bf16_device(shape, scale: float = 1.0, seed: int = 0):

@@ -25,7 +25,7 @@ from ..reference.tree_accept import tree_accept as ref_tree_accept
 from ..reference.tree_accept import walk
 from ..reference.tree_build import build_one, sanitize_logq
 from ..reference.tree_build import tree_build as ref_tree_build
-from .harness import Row, report, time_gpu
+from .harness import Row, latency_floor_launch, report, time_gpu
 
 BATCHES = (1, 8, 32, 64)
 BUDGETS = (16, 32, 64, 128, 256, 512)
@@ -98,21 +98,6 @@ def per_round(fn, iters: int) -> float:
     return time_gpu(launch, iters=iters).median_us / ROUNDS
 
 
-def floor_pair(batch: int):
-    """Two launches shaped like the build's (a block per request) and the accept's (four requests
-    per block) that each make one dependent global load and a store (bench_ceiling.cu's
-    latency_floor_kernel): what build + accept cost per round with nothing computed."""
-    import cupy
-
-    from ..kernels.registry import module
-
-    fn = module("bench_ceiling").fn("latency_floor_kernel")
-    src = cupy.arange(batch, dtype=cupy.int32)
-    dst = cupy.zeros(batch, dtype=cupy.int32)
-    grids = (batch, -(-batch // 4))
-    return lambda: [fn((g,), (128,), (src, np.int32(1), dst)) for g in grids]
-
-
 def time_host(fn, reps: int) -> float:
     best = []
     for _ in range(reps):
@@ -153,7 +138,9 @@ def bench_case(batch: int, budget: int, reps: int, iters: int, rng) -> list[Row]
     t_accept = time_gpu(accept, iters=iters).median_us
     t_both = time_gpu(lambda: (build(), accept()), iters=iters).median_us
     g_build, g_accept, g_both = (per_round(fn, iters) for fn in (build, accept, lambda: (build(), accept())))
-    g_floor = per_round(floor_pair(batch), iters)
+    # two launches shaped like the build's (a block per request) and the accept's (four requests per
+    # block), one dependent load each: what build + accept cost per round with nothing computed
+    g_floor = per_round(latency_floor_launch((batch, -(-batch // 4))), iters)
 
     host_logits = sanitize_logits(be.to_host(logits))
     host_logq, host_ids, host_choices = bufs.logq.get(), bufs.ids.get(), choices.get()

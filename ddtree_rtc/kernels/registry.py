@@ -58,11 +58,11 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge",
                arch_specific=True),
     KernelSpec("bench_ceiling", ("read_stream_kernel", "copy_stream_kernel", "gate_wait_kernel",
-                                 "latency_floor_kernel", "l2_clean_kernel"),
+                                 "latency_floor_kernel", "l2_clean_kernel", "mma_peak_kernel"),
                "streaming read and copy kernels that measure the memory ceilings for benchmarks; the "
                "L2 flush's clean read pass; a "
                "host-released gate that lets a benchmark queue a whole step before it runs; a kernel "
-               "of dependent loads that gives a small kernel's latency floor"),
+               "of dependent loads that gives a small kernel's latency floor; the mma.sync bf16 peak"),
 )}
 
 
