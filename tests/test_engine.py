@@ -146,7 +146,8 @@ def test_run_tiny_pipeline_cli(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("override,msg", [
     ("workload.concurrency=0", "concurrency must be >= 1"),
-    ("decode.mode=ddtree", "not available in this build"),
+    ("decode.mode=ddtree", "needs a drafter"),
+    ("decode.budget=600", "outside 0..512"),
     ("model.path=/nonexistent", "exactly one of"),
     ("workload.synthetic.prompt_len=300", "exceeds the cache's max context"),
 ])
@@ -170,3 +171,19 @@ def test_missing_model_dir(tmp_path):
 def test_cuda_without_gpu_is_a_clear_error(tmp_path):
     res = CliRunner().invoke(main, ["run", "pipelines/tiny.yaml", "--set", "runtime.backend=cuda"])
     assert res.exit_code == 1 and "finds no usable CUDA GPU" in res.output, res.output
+
+
+def test_tiny_ddtree_pipeline_equals_autoregressive(tmp_path, monkeypatch):
+    """The shipped speculative pipeline prints tau and emits the autoregressive pipeline's ids."""
+    monkeypatch.setenv("DDTREE_RTC_CACHE_DIR", str(tmp_path / "cache"))
+    outs = {}
+    for mode in ("ddtree", "autoregressive", "chain"):
+        out = tmp_path / f"{mode}.json"
+        res = CliRunner().invoke(main, ["run", "pipelines/tiny_ddtree.yaml", "--set", f"decode.mode={mode}",
+                                        "--set", "runtime.backend=numpy", "--set", f"output.json={out}"])
+        assert res.exit_code == 0, res.output
+        data = json.loads(out.read_text())
+        outs[mode] = [r["output"] for r in data["requests"]]
+        if mode != "autoregressive":
+            assert "tau (tokens per round)" in res.output and data["metrics"]["speculative"]["tau"] > 1
+    assert outs["ddtree"] == outs["autoregressive"] == outs["chain"]

@@ -1,7 +1,8 @@
 import pytest
 
+from ddtree_rtc.engine.kv_cache import PageAllocator
 from ddtree_rtc.engine.request import FinishReason, Request, RequestError
-from ddtree_rtc.engine.scheduler import PageBudget, Scheduler
+from ddtree_rtc.engine.scheduler import Scheduler
 
 
 def req(rid, n_prompt=5, new=3, **kw):
@@ -30,17 +31,17 @@ def test_finish_reasons():
 
 
 def test_continuous_batching_respects_slots_and_pages():
-    pages = PageBudget(num_pages=4, page_size=4)  # 16 tokens of KV
+    pages = PageAllocator(num_pages=4, page_size=4)  # 16 tokens of KV
     s = Scheduler(max_batch=2, pages=pages)
     for i in range(4):
         s.submit(req(i, n_prompt=5, new=3))  # 8 tokens = 2 pages each
     step = s.schedule()
     assert [r.rid for r in step.prefill] == [0, 1] and step.decode == []
-    assert pages.used == 4
+    assert pages.num_promised_pages == 4
     step = s.schedule()
     assert step.prefill == [] and [r.rid for r in step.decode] == [0, 1]
     s.running[0].finish = FinishReason.LENGTH
-    assert [r.rid for r in s.retire()] == [0] and pages.used == 2
+    assert [r.rid for r in s.retire()] == [0] and pages.num_promised_pages == 2
     step = s.schedule()
     assert [r.rid for r in step.prefill] == [2] and [r.rid for r in step.decode] == [1]
     with pytest.raises(ValueError, match="more KV pages than the whole cache"):

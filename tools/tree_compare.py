@@ -18,7 +18,7 @@ from ddtree_rtc.bench.tree import DEPTH, VOCAB, target_choices, zipf_logits
 from ddtree_rtc.kernels.tree_accept import tree_accept_variant
 from ddtree_rtc.kernels.tree_build import VARIANTS, default_variant, tree_build_variant
 from ddtree_rtc.reference.tree_build import tree_build as ref_tree_build
-from ddtree_rtc.spec.tree import TreeBuffers, TreeShape
+from ddtree_rtc.speculative.tree import TreeBuffers, TreeShape
 
 BATCHES = (1, 8, 32, 64)
 BUDGETS = (16, 64, 256, 512)

@@ -111,7 +111,7 @@ def bench_case(batch: int, budget: int, reps: int, iters: int, rng) -> list[Row]
     import cupy
 
     from ..backend import Backend
-    from ..spec.tree import TreeBuffers, TreeShape
+    from ..speculative.tree import TreeBuffers, TreeShape
 
     be = Backend("cuda")
     bufs = TreeBuffers(be, TreeShape(batch=batch, budget=budget, depth=DEPTH, vocab=VOCAB))

@@ -1,8 +1,11 @@
-"""The autoregressive engine: continuous batching over a paged latent KV cache.
+"""The engine: continuous batching over a paged latent KV cache, decoding autoregressively or by
+speculative rounds.
 
 Each step admits what fits (prefill: every new request's whole prompt in one forward, chunked by
-``max_prefill_tokens``), then decodes one token for every running request in one forward. The
-only host sync per step is reading the chosen tokens. With ``cuda_graphs`` (CUDA backend) the decode
+``max_prefill_tokens``), then decodes every running request: one token in one forward
+(``mode='autoregressive'``), or one DDTree / chain round (``ddtree_rtc.speculative.round``) that
+emits 1 .. depth + 1 tokens per request. The only host sync per step is reading the chosen tokens.
+With ``cuda_graphs`` (CUDA backend) the autoregressive decode
 forward of each batch size is captured once and replayed (``engine.cuda_graph``). Per-stage wall
 time is accumulated in ``stats`` (with a device sync around each stage when ``profile`` is on).
 """
@@ -17,9 +20,11 @@ import numpy as np
 
 from ..model.target import ForwardBatch, TargetModel
 from .cuda_graph import DecodeGraphs
-from .kv_cache import PagedKVCache
-from .request import Request
-from .scheduler import PageBudget, Scheduler
+from .kv_cache import PageAllocator, PagedKVCache
+from .request import Request, RequestError
+from .scheduler import Scheduler
+
+MODES = ("autoregressive", "ddtree", "chain")
 
 
 @dataclass
@@ -27,21 +32,38 @@ class EngineStats:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    decode_rounds: int = 0  # request-rounds of decoding (tokens per round = decode_tokens / decode_rounds)
     stage_seconds: dict = field(default_factory=lambda: defaultdict(float))
 
 
 class Engine:
     def __init__(self, model: TargetModel, max_batch: int, page_size: int, max_context: int,
                  num_pages: int | None = None, max_prefill_tokens: int = 4096, seed: int = 0,
-                 profile: bool = False, cuda_graphs: bool = False):
-        self.model, self.backend = model, model.backend
+                 profile: bool = False, cuda_graphs: bool = False, mode: str = "autoregressive",
+                 drafter=None, budget: int = 64):
+        """``mode``: 'autoregressive', 'ddtree' or 'chain' (the last two need a ``drafter`` from
+        ddtree_rtc.speculative.drafters; ``budget``: tree nodes per round, the most any request
+        may ask for)."""
+        if mode not in MODES:
+            raise ValueError(f"decode mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if (mode == "autoregressive") != (drafter is None):
+            raise ValueError(f"decode mode {mode!r} " + ("takes no drafter" if drafter is not None else
+                                                          "needs a drafter (decode.drafter)"))
+        self.model, self.backend, self.mode = model, model.backend, mode
         self.max_context, self.max_prefill_tokens, self.seed = max_context, max_prefill_tokens, seed
         pages_per_seq = -(-max_context // page_size)
         num_pages = num_pages or max_batch * pages_per_seq
-        self.cache = PagedKVCache(self.backend, model.num_layers, num_pages, page_size, model.dims.row)
-        self.scheduler = Scheduler(max_batch, PageBudget(num_pages, page_size))
+        self.pages = PageAllocator(num_pages, page_size)
+        self.cache = PagedKVCache(self.backend, model.num_layers, num_pages, page_size, model.dims.row, self.pages)
         self.profile = profile
         self.stats = EngineStats()
+        self.drafter, self.round = drafter, None
+        if drafter is not None:
+            from ..speculative.round import SpeculativeRound
+
+            drafter.check_target(model.cfg)
+            self.round = SpeculativeRound(model, self.cache, drafter, mode, budget, self._timed)
+        self.scheduler = Scheduler(max_batch, self.pages, tail=self.round.tail if self.round else lambda r: 0)
         self.graphs = DecodeGraphs(model, self.cache, max_context) if cuda_graphs and self.backend.is_cuda else None
 
     def _timed(self, stage: str, fn, *args, **kw):
@@ -57,6 +79,16 @@ class Engine:
     def submit(self, req: Request) -> None:
         cfg = self.model.cfg
         req.validate(cfg.vocab_size, self.max_context)
+        if self.round is not None:
+            if req.temperature > 0:
+                raise RequestError(f"request {req.rid}: temperature > 0 with decode mode {self.mode!r} is not "
+                                   f"supported yet (speculative rounds verify at T = 0 only)")
+            self.round.budget_of(req)
+            need = self.scheduler.need(req)
+            if need > self.max_context:
+                raise RequestError(f"request {req.rid}: prompt ({len(req.prompt)}) + max_new_tokens "
+                                   f"({req.max_new_tokens}) + the verify tail ({self.round.tail(req)}) = {need} "
+                                   f"exceeds the cache's max context {self.max_context}")
         req.t_arrive = time.perf_counter()
         self.scheduler.submit(req)
 
@@ -68,20 +100,30 @@ class Engine:
         top_p = np.array([r.top_p for r in reqs], dtype=np.float32)
         return be.to_host(be.sample(logits, temps, top_p, self.seed, offset=self.stats.steps))
 
+    def cancel(self, rid) -> bool:
+        """Drop a waiting or running request and free its pages; False if it is not here."""
+        req = self.scheduler.cancel(rid)
+        if req is not None and self.drafter is not None:
+            self.drafter.release(rid)
+        return req is not None
+
     def _forward(self, stage: str, reqs: list[Request], ctx: list[int], new: list[list[int]]):
         batch = ForwardBatch.causal([r.rid for r in reqs], ctx, new)
+        hidden = {}
         if stage == "decode" and self.graphs is not None:
             logits = self._timed(stage, self.graphs.forward, batch)
         else:
-            logits = self._timed(stage, self.model.forward, batch, self.cache, output="logits").logits
-        return self._timed("sample", self._choose, logits, reqs)
+            layers = self.drafter.target_layer_ids if stage == "prefill" and self.drafter is not None else ()
+            out = self._timed(stage, self.model.forward, batch, self.cache, output="logits", hidden_layers=layers)
+            logits, hidden = out.logits, out.hidden
+        return self._timed("sample", self._choose, logits, reqs), hidden
 
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that finished in it."""
         sched, eos = self.scheduler, self.model.cfg.eos_token_id
         work = sched.schedule()
         for r in work.prefill:
-            self.cache.reserve(r.rid, len(r.prompt) + r.max_new_tokens)
+            self.cache.reserve(r.rid, len(r.prompt) + (r.max_new_tokens if self.round is None else 0))
         # prefill in chunks of whole prompts
         chunk: list[Request] = []
         for r in work.prefill + [None]:
@@ -90,25 +132,36 @@ class Engine:
                 chunk.append(r)
                 continue
             if chunk:
-                toks = self._forward("prefill", chunk, [0] * len(chunk), [c.prompt for c in chunk])
+                toks, hidden = self._forward("prefill", chunk, [0] * len(chunk), [c.prompt for c in chunk])
                 now = time.perf_counter()
+                start = 0
                 for c, t in zip(chunk, toks):
                     c.t_first = now
                     c.append(int(t), eos)
+                    if self.drafter is not None:
+                        rows = slice(start, start + len(c.prompt))
+                        self.drafter.admit(c.rid, c.prompt, {i: h[rows] for i, h in hidden.items()})
+                    start += len(c.prompt)
                 self.stats.prefill_tokens += sum(len(c.prompt) for c in chunk)
             chunk = [r] if r is not None else []
         live = [r for r in work.decode if r.finish is None]
-        if live:
-            toks = self._forward("decode", live, [r.length - 1 for r in live], [[r.output[-1]] for r in live])
+        if live and self.round is not None:
+            before = sum(len(r.output) for r in live)
+            self.round.run(live, eos)
+            self.stats.decode_tokens += sum(len(r.output) for r in live) - before
+        elif live:
+            toks, _ = self._forward("decode", live, [r.length - 1 for r in live], [[r.output[-1]] for r in live])
             for r, t in zip(live, toks):
                 r.append(int(t), eos)
             self.stats.decode_tokens += len(live)
+        self.stats.decode_rounds += len(live)
         self.stats.steps += 1
         done = sched.retire()
         now = time.perf_counter()
         for r in done:
             r.t_done = now
-            self.cache.free(r.rid)
+            if self.drafter is not None:
+                self.drafter.release(r.rid)
         return done
 
     def run(self, requests: list[Request], progress=None) -> list[Request]:

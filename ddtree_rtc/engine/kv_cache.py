@@ -20,30 +20,51 @@ class CacheFullError(RuntimeError):
     """Not enough free pages for a reservation (nothing was allocated)."""
 
 
-class PagedKVCache:
-    def __init__(self, backend, num_layers: int, num_pages: int, page_size: int, row: int = 576):
-        if min(num_layers, num_pages, page_size, row) < 1:
-            raise ValueError(f"num_layers, num_pages, page_size, row must be >= 1, got "
-                             f"{num_layers}, {num_pages}, {page_size}, {row}")
+_ALLOCATOR_API = frozenset({"num_free_pages", "num_promised_pages", "pages_for", "can_promise", "promise",
+                            "capacity", "pages", "reserve", "trim", "free", "slots", "page_table"})
+
+
+class PageAllocator:
+    """The one owner of a run's KV pages. Every cache a request has (the target's latent cache, a
+    drafter's context cache) is an array of the same ``num_pages`` pages and indexes them through
+    this allocator's page lists, so position p of a sequence is the same slot in all of them.
+
+    Two counts: pages *held* (handed out by ``reserve``, returned by ``trim`` / ``free``) and pages
+    *promised* (``promise``: the most a sequence will ever hold, reserved at admission). Admission
+    only promises what is free of promises, so a later ``reserve`` within a promise never fails and
+    nothing is ever preempted, while ``trim`` still hands rejected tree rows' pages back at once."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
         if num_pages * page_size >= 2**31:
             raise ValueError(f"{num_pages} pages of {page_size} rows: slots must fit int32")
-        self.backend = backend
-        self.num_layers, self.num_pages, self.page_size, self.row = num_layers, num_pages, page_size, row
-        self.data = backend.zeros((num_layers, num_pages, page_size, row), "bf16")
+        self.num_pages, self.page_size = num_pages, page_size
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low page ids first
         self._pages: dict[object, list[int]] = {}
+        self._promised: dict[object, int] = {}
 
-    def __repr__(self) -> str:
-        return (f"PagedKVCache({self.num_layers} layers x {self.num_pages} pages x {self.page_size} rows x "
-                f"{self.row}, {self.num_free_pages} free, {len(self._pages)} sequences)")
-
-    # -- bookkeeping ---------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
         return len(self._free)
 
+    @property
+    def num_promised_pages(self) -> int:
+        return sum(self._promised.values())
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def can_promise(self, num_tokens: int) -> bool:
+        return self.num_promised_pages + self.pages_for(num_tokens) <= self.num_pages
+
+    def promise(self, seq_id, num_tokens: int) -> None:
+        """Admit ``seq_id`` for at most ``num_tokens`` positions (raises CacheFullError if the
+        promises would exceed the cache)."""
+        if not self.can_promise(num_tokens):
+            raise CacheFullError(f"sequence {seq_id!r}: {self.pages_for(num_tokens)} pages for {num_tokens} tokens "
+                                 f"do not fit beside {self.num_promised_pages} promised of {self.num_pages}")
+        self._promised[seq_id] = self.pages_for(num_tokens)
 
     def __contains__(self, seq_id) -> bool:
         return seq_id in self._pages
@@ -68,6 +89,10 @@ class PagedKVCache:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         have = self._pages.get(seq_id, [])
         more = self.pages_for(num_tokens) - len(have)
+        promised = self._promised.get(seq_id)
+        if promised is not None and len(have) + more > promised:
+            raise CacheFullError(f"sequence {seq_id!r} needs {len(have) + more} pages for {num_tokens} tokens, "
+                                 f"beyond the {promised} promised at admission")
         if more > len(self._free):
             raise CacheFullError(f"sequence {seq_id!r} needs {more} more pages for {num_tokens} tokens; "
                                  f"{len(self._free)} of {self.num_pages} are free")
@@ -81,8 +106,9 @@ class PagedKVCache:
             self._free.append(pages.pop())
 
     def free(self, seq_id) -> None:
-        """Return every page of ``seq_id`` and forget it."""
+        """Return every page of ``seq_id``, and its promise, and forget it."""
         self._free.extend(reversed(self._pages.pop(seq_id, [])))
+        self._promised.pop(seq_id, None)
 
     # -- metadata for the kernels --------------------------------------------------------------
     def slots(self, seq_id, positions) -> np.ndarray:
@@ -105,6 +131,38 @@ class PagedKVCache:
         for i, p in enumerate(lists):
             table[i, :len(p)] = p
         return table
+
+
+class PagedKVCache:
+    """One device array of pages; its bookkeeping is a PageAllocator, its own or shared
+    (``allocator=``) with the other caches of the same requests."""
+
+    def __init__(self, backend, num_layers: int, num_pages: int, page_size: int, row: int = 576,
+                 allocator: PageAllocator | None = None):
+        if min(num_layers, num_pages, page_size, row) < 1:
+            raise ValueError(f"num_layers, num_pages, page_size, row must be >= 1, got "
+                             f"{num_layers}, {num_pages}, {page_size}, {row}")
+        if allocator is None:
+            allocator = PageAllocator(num_pages, page_size)
+        elif (allocator.num_pages, allocator.page_size) != (num_pages, page_size):
+            raise ValueError(f"cache of {num_pages} pages x {page_size} rows cannot share an allocator of "
+                             f"{allocator.num_pages} x {allocator.page_size}")
+        self.backend, self.allocator = backend, allocator
+        self.num_layers, self.num_pages, self.page_size, self.row = num_layers, num_pages, page_size, row
+        self.data = backend.zeros((num_layers, num_pages, page_size, row), "bf16")
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache({self.num_layers} layers x {self.num_pages} pages x {self.page_size} rows x "
+                f"{self.row}, {self.num_free_pages} free, {len(self.allocator._pages)} sequences)")
+
+    # -- bookkeeping: the allocator's ----------------------------------------------------------
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self.allocator
+
+    def __getattr__(self, name: str):
+        if name in _ALLOCATOR_API:
+            return getattr(self.allocator, name)
+        raise AttributeError(name)
 
     # -- device work ---------------------------------------------------------------------------
     def layer(self, i: int):

@@ -24,6 +24,8 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()
+    seed: int | None = None  # sampling seed (None: derived from the engine's seed and rid)
+    budget: int | None = None  # speculative tree nodes per round (None: the engine's)
     output: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     # timing (seconds, host clock): set by the engine
@@ -50,6 +52,14 @@ class Request:
     def length(self) -> int:
         """Tokens whose KV is (or is about to be) in the cache: prompt + generated."""
         return len(self.prompt) + len(self.output)
+
+    def extend(self, tokens, eos_id: int | None) -> int:
+        """Add a round's tokens in order, stopping at the first that finishes the request (EOS, a
+        stop id, max_new_tokens); returns how many were taken."""
+        for n, t in enumerate(tokens, 1):
+            if self.append(int(t), eos_id):
+                return n
+        return len(tokens)
 
     def append(self, token: int, eos_id: int | None) -> bool:
         """Add one generated token; True once the request is finished."""

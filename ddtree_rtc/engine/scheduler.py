@@ -1,28 +1,16 @@
-"""Continuous batching: admit waiting requests while there is room (batch slots and KV pages for
-the request's whole budget, reserved up front so nothing is ever preempted), prefill them, decode
-all running ones together, retire finished ones and free their pages."""
+"""Continuous batching: admit waiting requests while there is room (a batch slot, and KV pages for
+the request's whole worst case promised up front by the run's one PageAllocator, so nothing is ever
+preempted), prefill them, decode all running ones together, retire finished ones and free their
+pages. The worst case is prompt + max_new_tokens plus the verify tail a speculative round writes
+past the committed prefix (``tail`` = 1 + budget rows; 0 for autoregressive decoding)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+from .kv_cache import PageAllocator
 from .request import Request
-
-
-class PageBudget:
-    """Counts KV pages: a request holds ceil((prompt + max_new_tokens) / page_size) pages."""
-
-    def __init__(self, num_pages: int, page_size: int):
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
-        self.num_pages, self.page_size, self.used = num_pages, page_size, 0
-
-    def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
-
-    def fits(self, tokens: int) -> bool:
-        return self.used + self.pages_for(tokens) <= self.num_pages
 
 
 @dataclass
@@ -32,17 +20,20 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, pages: PageBudget):
+    def __init__(self, max_batch: int, pages: PageAllocator, tail=lambda req: 0):
         if max_batch < 1:
             raise ValueError(f"max_batch (concurrency) must be >= 1, got {max_batch}")
-        self.max_batch, self.pages = max_batch, pages
+        self.max_batch, self.pages, self.tail = max_batch, pages, tail
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
-        self._held: dict[int, int] = {}
+
+    def need(self, req: Request) -> int:
+        """Positions the request may ever hold in the cache."""
+        return len(req.prompt) + req.max_new_tokens + self.tail(req)
 
     def submit(self, req: Request) -> None:
-        if self.pages.pages_for(len(req.prompt) + req.max_new_tokens) > self.pages.num_pages:
+        if self.pages.pages_for(self.need(req)) > self.pages.num_pages:
             raise ValueError(f"request {req.rid} needs more KV pages than the whole cache holds")
         self.waiting.append(req)
 
@@ -54,23 +45,30 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             req = self.waiting[0]
-            need = len(req.prompt) + req.max_new_tokens
-            if not self.pages.fits(need):
+            if not self.pages.can_promise(self.need(req)):
                 break
             self.waiting.popleft()
-            n = self.pages.pages_for(need)
-            self.pages.used += n
-            self._held[req.rid] = n
+            self.pages.promise(req.rid, self.need(req))
             admitted.append(req)
         decode = list(self.running)
         self.running.extend(admitted)
         return Step(prefill=admitted, decode=decode)
 
+    def cancel(self, rid) -> Request | None:
+        """Take a waiting or running request out (its pages are freed); None if unknown."""
+        for queue in (self.waiting, self.running):
+            for r in queue:
+                if r.rid == rid:
+                    queue.remove(r)
+                    self.pages.free(rid)
+                    return r
+        return None
+
     def retire(self) -> list[Request]:
         """Move finished requests out and free their pages."""
         done = [r for r in self.running if r.finish is not None]
         for r in done:
-            self.pages.used -= self._held.pop(r.rid)
+            self.pages.free(r.rid)
         self.running = [r for r in self.running if r.finish is None]
         self.finished.extend(done)
         return done

@@ -120,15 +120,31 @@ def _tokenizer(directory: Path):
     return enc.encode
 
 
+def make_drafter(pipe: Pipeline, model: TargetModel, max_new: int, prompts: list[list[int]]):
+    """The pipeline's drafter for ddtree / chain decoding (None for autoregressive). The oracle's
+    greedy continuations are decoded here, before the timed run."""
+    from ..speculative.drafters import OracleDrafter, RandomDrafter, greedy_continuation
+
+    d = pipe.decode
+    if d.mode == "autoregressive":
+        return None
+    spec, vocab = d.drafter, model.cfg.vocab_size
+    if spec.kind == "random":
+        return RandomDrafter(model.backend, vocab, spec.depth, seed=spec.seed)
+    cont = greedy_continuation(model, max_new + spec.depth, pipe.runtime.page_size)
+    with click.progressbar(prompts, label="oracle: target greedy decode", file=sys.stderr) as bar:
+        for i, p in enumerate(bar):
+            cont(i, p)
+    return OracleDrafter(model.backend, vocab, spec.depth, cont, accept_p=spec.acceptance.p,
+                         table=spec.acceptance.table, seed=spec.seed)
+
+
 def _table(rows: list[tuple[str, str]]) -> str:
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
 
 
 def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
-    if pipe.decode.mode != "autoregressive":
-        raise PipelineError(f"{pipe.source}: decode.mode {pipe.decode.mode!r} is not available in this build "
-                            f"yet (autoregressive only; the DDTree round lands with the drafter)")
     if pipe.runtime.tensor_parallel != 1:
         raise PipelineError(f"{pipe.source}: runtime.tensor_parallel {pipe.runtime.tensor_parallel}: only 1 GPU "
                             f"is supported in this build")
@@ -158,12 +174,19 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
     w, d = pipe.workload, pipe.decode
     new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
     reqs = [Request(i, p, new, temperature=d.temperature, top_p=d.top_p) for i, p in enumerate(prompts)]
-    engine = Engine(model, max_batch=min(w.concurrency, pipe.runtime.max_batch), page_size=pipe.runtime.page_size,
-                    max_context=pipe.runtime.max_context, seed=d.seed, profile=True,
-                    cuda_graphs=pipe.runtime.cuda_graphs)
+    drafter = make_drafter(pipe, model, new, prompts)
+    try:
+        engine = Engine(model, max_batch=min(w.concurrency, pipe.runtime.max_batch),
+                        page_size=pipe.runtime.page_size, max_context=pipe.runtime.max_context, seed=d.seed,
+                        profile=True, cuda_graphs=pipe.runtime.cuda_graphs, mode=d.mode, drafter=drafter,
+                        budget=d.budget)
+        for r in reqs:
+            engine.submit(r)
+    except ValueError as e:
+        raise PipelineError(f"{pipe.source}: {e}") from None
     t0 = time.perf_counter()
     with click.progressbar(length=len(reqs), label="running workload", file=sys.stderr) as bar:
-        done = engine.run(reqs, progress=bar.update)
+        done = engine.run([], progress=bar.update)
     wall = time.perf_counter() - t0
     st = engine.stats
     lat = [r.t_done - r.t_arrive for r in done]
@@ -175,13 +198,20 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
         "latency_s": {"mean": statistics.mean(lat), "p50": statistics.median(lat), "max": max(lat)},
         "ttft_s": {"mean": statistics.mean(ttft), "max": max(ttft)},
         "stage_s": dict(st.stage_seconds), "compile_s": compile_s, "load_s": load_s,
+        "decode_rounds": st.decode_rounds,
+        "speculative": None if engine.round is None else {
+            "tau": engine.round.stats.tau, "rounds": engine.round.stats.rounds,
+            "tokens_per_round_hist": {str(k): v for k, v in sorted(engine.round.stats.accept_hist.items())},
+            "acceptance_by_depth": engine.round.stats.acceptance_by_depth(), "budget": engine.round.budget},
         "cuda_graphs": None if engine.graphs is None else {"captured": engine.graphs.captures,
                                                            "replays": engine.graphs.replays},
     }
     result = {
         "pipeline": pipe.source, "backend": backend.name, "arch": backend.arch,
         "model": {"dir": str(directory), "layers": model.num_layers, "hidden": model.cfg.hidden_size},
-        "decode": {"mode": d.mode, "temperature": d.temperature, "top_p": d.top_p},
+        "decode": {"mode": d.mode, "temperature": d.temperature, "top_p": d.top_p,
+                   "budget": d.budget if d.mode == "ddtree" else None,
+                   "drafter": None if drafter is None else drafter.name},
         "metrics": metrics,
         "requests": [{"id": r.rid, "prompt": r.prompt, "output": r.output, "finish": r.finish.value}
                      for r in done],
@@ -193,6 +223,12 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
                 ("latency mean / p50 / max",
                  " / ".join(f"{metrics['latency_s'][k]:.3f}" for k in ("mean", "p50", "max")) + " s"),
                 ("time to first token mean", f"{metrics['ttft_s']['mean']:.3f} s"),
+                *(() if engine.round is None else (
+                    ("decode", f"{d.mode}, {drafter.name} drafter, budget {engine.round.budget}"),
+                    ("tau (tokens per round)", f"{engine.round.stats.tau:.2f} over {engine.round.stats.rounds} "
+                                               f"request-rounds"),
+                    ("acceptance by depth", " ".join(f"{a:.2f}" for a in engine.round.stats.acceptance_by_depth())),
+                )),
                 *((f"stage {k}", f"{v:.3f} s ({100 * v / wall:.0f}%)") for k, v in st.stage_seconds.items()),
                 ("kernel compile / weight load", f"{compile_s:.1f} s / {load_s:.1f} s")]
         if engine.graphs is not None:

@@ -50,20 +50,62 @@ class RuntimeSpec:
 
 
 @dataclass(frozen=True)
+class AcceptanceSpec:
+    """The oracle drafter's profile: ``p`` (rank 0 at every depth with probability p, else a
+    geometric rank) or ``table`` (one rank-0 probability per depth)."""
+
+    p: float | None = None
+    table: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        if (self.p is None) == (self.table is None):
+            raise ValueError("acceptance: give exactly one of 'p' or 'table'")
+        for v in (self.p,) if self.table is None else self.table:
+            if not 0 <= v <= 1:
+                raise ValueError(f"acceptance: probabilities must be in [0, 1], got {v}")
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    kind: Literal["oracle", "random", "dflash"] = "oracle"
+    path: str | None = None  # dflash: the drafter checkpoint directory
+    depth: int = 7  # positions drafted per round (block_size - 1); dflash reads its block size
+    acceptance: AcceptanceSpec = field(default_factory=lambda: AcceptanceSpec(p=0.8))
+    seed: int = 0
+
+    def __post_init__(self):
+        from ..reference.tree_build import MAX_DEPTH
+
+        if not 1 <= self.depth <= MAX_DEPTH:
+            raise ValueError(f"depth {self.depth} is outside 1..{MAX_DEPTH} (the tree builder's depth limit)")
+        if (self.kind == "dflash") != (self.path is not None):
+            raise ValueError("a dflash drafter needs 'path' (its checkpoint directory); oracle and random take none")
+        if self.kind == "dflash":
+            raise ValueError("drafter kind 'dflash' is not available in this build yet (use oracle or random)")
+
+
+@dataclass(frozen=True)
 class DecodeSpec:
     mode: Literal["autoregressive", "ddtree", "chain"] = "autoregressive"
     temperature: float = 0.0
     top_p: float = 1.0
-    budget: int = 64  # tree nodes per round (ddtree)
+    budget: int = 64  # tree nodes per round (ddtree), the root excluded
+    drafter: DrafterSpec | None = None  # needed by ddtree and chain; autoregressive ignores it
     seed: int = 0
 
     def __post_init__(self):
+        from ..reference.tree_build import MAX_BUDGET
+
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.budget < 0:
-            raise ValueError(f"budget must be >= 0, got {self.budget}")
+        if not 0 <= self.budget <= MAX_BUDGET:
+            raise ValueError(f"budget {self.budget} is outside 0..{MAX_BUDGET} (the tree buffers' maximum)")
+        if self.mode != "autoregressive" and self.drafter is None:
+            raise ValueError(f"mode {self.mode!r} needs a drafter (decode.drafter: {{kind: oracle | random | dflash}})")
+        if self.mode != "autoregressive" and self.temperature > 0:
+            raise ValueError(f"mode {self.mode!r} runs at temperature 0 only in this build")
 
 
 @dataclass(frozen=True)

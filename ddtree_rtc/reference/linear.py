@@ -1,4 +1,8 @@
-"""Dense linear reference: y = x @ weight^T with fp32 products and sums, rounded once to bf16."""
+"""Dense linear reference: y = x @ weight^T, products and sums in float64, rounded once to bf16.
+
+Every numpy reference accumulates its matmuls in float64 so that its results do not depend on how
+many rows a call has (BLAS picks other kernels and summation orders for other shapes): a tree-verify
+forward then gives each node exactly the logits an autoregressive forward gives the same prefix."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ def linear(x, weight, out=None, impl: str = "auto"):
     (skinny or cuBLAS); the reference has one path and takes it for signature parity."""
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: expected x [M, K] and weight [N, K], got {x.shape} and {weight.shape}")
-    y = (x.astype(np.float32) @ weight.astype(np.float32).T).astype(bfloat16)
+    y = (x.astype(np.float64) @ weight.astype(np.float64).T).astype(np.float32).astype(bfloat16)
     if out is not None:
         out[...] = y
         return out

@@ -1,4 +1,4 @@
-"""Absorbed MLA attention over a paged latent cache, in numpy (fp32 math), plus the host-side batch
+"""Absorbed MLA attention over a paged latent cache, in numpy (float64 math), plus the host-side batch
 validation that the CUDA plan shares.
 
 A batch holds B requests. Request b has ``ctx_lens[b]`` committed cache rows (positions 0..ctx-1) and
@@ -226,9 +226,11 @@ def attend_f32(plan: MLABatch, q, cache, softmax_scale: float) -> tuple[np.ndarr
     lse = np.empty((plan.total_tokens, h), dtype=np.float32)
     for r in range(plan.batch):
         s, n = int(plan.q_start[r]), int(plan.num_new[r])
-        rows = gather_rows(plan, cache, r).astype(np.float32)
-        qr = q[s:s + n].astype(np.float32)
-        scores = np.einsum("thd,jd->thj", qr, rows) * np.float32(softmax_scale)
+        # float64 throughout: the result of a row must not depend on how many rows (or masked
+        # columns) share its call, so a tree node gets exactly its causal twin's output
+        rows = gather_rows(plan, cache, r).astype(np.float64)
+        qr = q[s:s + n].astype(np.float64)
+        scores = np.einsum("thd,jd->thj", qr, rows) * np.float64(np.float32(softmax_scale))
         scores = np.where(visibility(plan, r)[:, None, :], scores, -np.inf)
         m = scores.max(axis=-1, keepdims=True)
         p = np.exp(scores - m)
@@ -252,12 +254,13 @@ def mla_attention(plan: MLABatch, q, cache, softmax_scale: float, out=None, lse=
 
 
 def mla_head_gemm(x, w, trans_w: bool, out=None):
-    """Per head h: ``out[:, h] = x[:, h] @ (w[h].T if trans_w else w[h])``, bf16 in/out, fp32 math.
+    """Per head h: ``out[:, h] = x[:, h] @ (w[h].T if trans_w else w[h])``, bf16 in/out, float64 math.
     x [T, H, K]; w [H, N, K] (trans_w) or [H, K, N]; out [T, H, N]. Used for the W_UK absorption
     (x = q_nope, w = W_UK [H, 128, 512]) and the W_UV expansion (x = o_lat, w = W_UV [H, 128, 512],
     trans_w=True). Strided views are fine (last dim contiguous)."""
-    wf = w.astype(np.float32)
-    y = np.einsum("thk,hnk->thn" if trans_w else "thk,hkn->thn", x.astype(np.float32), wf).astype(bfloat16)
+    wf = w.astype(np.float64)
+    y = np.einsum("thk,hnk->thn" if trans_w else "thk,hkn->thn", x.astype(np.float64), wf)
+    y = y.astype(np.float32).astype(bfloat16)
     if out is not None:
         out[...] = y
         return out

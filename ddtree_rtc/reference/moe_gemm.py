@@ -69,9 +69,9 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=
             continue
         w13 = dequant_int4(experts.w13[e], experts.w13_scale[e])
         w2 = dequant_int4(experts.w2[e], experts.w2_scale[e])
-        gu = xf[pairs // top_k] @ w13.T
+        gu = (xf[pairs // top_k].astype(np.float64) @ w13.T.astype(np.float64)).astype(np.float32)
         h = (silu_f32(gu[:, :inter]) * gu[:, inter:]).astype(bfloat16).astype(np.float32)
-        d[pairs] = h @ w2.T
+        d[pairs] = h.astype(np.float64) @ w2.T.astype(np.float64)  # batch-invariant sums
     w = np.asarray(topk_weights, dtype=np.float32)
     d = d.reshape(m, top_k, hidden)
     valid = (ids >= 0) & (ids < experts.num_experts)

@@ -1,0 +1,144 @@
+"""Drafters behind one interface: each round, logits ``[B, depth, V]`` for the positions after every
+request's bonus token; after the target's verify, the accepted nodes' target hidden states.
+
+- ``OracleDrafter`` measures the engine's mechanics on random weights: it knows each request's
+  target greedy continuation (the engine's own autoregressive decode, computed once per request and
+  cached) and emits logits whose rank of the true token at each depth follows a configured profile
+  (geometric: rank 0 with probability p, else 1 + a geometric draw; or an explicit per-depth table of
+  rank-0 probabilities), over a Zipf-shaped tail. So tau is chosen by configuration, and the tree
+  still has to find the path through the real top-k, build and accept.
+- ``RandomDrafter``: seeded random logits (tau ~ 1, the worst case).
+- The DFlash drafter (ddtree_rtc.speculative.dflash) uses the target's hidden states.
+
+Every random draw is keyed by (seed, request, position), never by batch slot or round, so a
+request's drafts do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Drafter:
+    """The interface the round calls (docs/architecture.md, "The DDTree round")."""
+
+    name = "drafter"
+    depth: int  # positions drafted per round (block_size - 1), the tree's depth limit
+    vocab_size: int
+    target_layer_ids: tuple[int, ...] = ()  # target layers whose output hidden states it consumes
+
+    def check_target(self, cfg) -> None:
+        if cfg.vocab_size != self.vocab_size:
+            raise ValueError(f"drafter {self.name!r}: vocabulary {self.vocab_size} != the target's {cfg.vocab_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"drafter {self.name!r}: target_layer_ids {bad} are not layers of the target "
+                             f"(it has {cfg.num_hidden_layers})")
+
+    def admit(self, rid, prompt: list[int], hidden: dict) -> None:
+        """After the target's prefill of ``prompt``: its rows become the request's context."""
+
+    def draft(self, rids: list, roots: np.ndarray, prefix_lens: np.ndarray):
+        """Backend logits ``[B, depth, V]`` for positions prefix+1 .. prefix+depth; root b (the
+        bonus token, no hidden state yet) sits at position prefix_lens[b]."""
+        raise NotImplementedError
+
+    def extend_context(self, rids: list, hidden: dict, counts: np.ndarray) -> None:
+        """After accept: request b's accepted nodes (root first, counts[b] rows) join its context."""
+
+    def release(self, rid) -> None:
+        """The request finished: forget it."""
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([int(k) % 2**63 for k in key])
+
+
+class RandomDrafter(Drafter):
+    name = "random"
+
+    def __init__(self, backend, vocab_size: int, depth: int, seed: int = 0):
+        self.backend, self.vocab_size, self.depth, self.seed = backend, vocab_size, depth, seed
+
+    def draft(self, rids, roots, prefix_lens):
+        out = np.stack([_rng(self.seed, 1, r, p).standard_normal((self.depth, self.vocab_size), np.float32)
+                        for r, p in zip(rids, prefix_lens)]) if len(rids) else \
+            np.zeros((0, self.depth, self.vocab_size), np.float32)
+        return self.backend.asarray(out)
+
+
+class OracleDrafter(Drafter):
+    """``continuation(rid, prompt) -> list[int]``: the target's greedy tokens after ``prompt``
+    (output[0] onwards); ``accept_p`` (geometric) or ``table`` (per-depth rank-0 probability)."""
+
+    name = "oracle"
+
+    def __init__(self, backend, vocab_size: int, depth: int, continuation, accept_p: float | None = 0.8,
+                 table: tuple[float, ...] | None = None, zipf: float = 1.2, seed: int = 0):
+        if (accept_p is None) == (table is None):
+            raise ValueError("oracle drafter: give exactly one of acceptance p or a per-depth table")
+        probs = np.full(depth, accept_p) if table is None else np.asarray(table, dtype=np.float64)
+        if probs.shape != (depth,) or not ((probs >= 0) & (probs <= 1)).all():
+            raise ValueError(f"oracle drafter: acceptance must be {depth} probabilities in [0, 1] "
+                             f"(one per depth), got {probs.tolist()}")
+        self.backend, self.vocab_size, self.depth, self.seed = backend, vocab_size, depth, seed
+        self.probs, self.continuation = probs, continuation
+        # per depth, a fixed Zipf-shaped row over a random order of the vocabulary: rank j >= 1 gets
+        # -zipf*ln(j+1), rank 0 the logit that makes its softmax probability the depth's acceptance
+        # probability (a calibrated drafter), so the tree spends its budget where a real one would
+        g = _rng(seed, 2)
+        self._order = np.stack([g.permutation(vocab_size) for _ in range(depth)]).astype(np.int64)
+        self._template = np.empty((depth, vocab_size), np.float32)
+        tail = -zipf * np.log(np.arange(2, vocab_size + 1, dtype=np.float64))
+        tail_mass = np.log(np.exp(tail).sum())
+        for d in range(depth):
+            q = min(max(float(probs[d]), 1e-6), 1 - 1e-6)
+            top = np.log(q / (1 - q)) + tail_mass
+            self._template[d, self._order[d]] = np.concatenate([[top], tail]).astype(np.float32)
+        self._known: dict = {}  # rid -> (prompt length, continuation)
+
+    def admit(self, rid, prompt, hidden):
+        self._known[rid] = (len(prompt), list(self.continuation(rid, prompt)))
+
+    def release(self, rid):
+        self._known.pop(rid, None)
+
+    def _rank(self, rid, pos: int, d: int) -> int:
+        g = _rng(self.seed, 3, rid, pos, d)
+        if g.random() < self.probs[d]:
+            return 0
+        return min(int(g.geometric(0.5)), self.vocab_size - 1)  # 1, 2, ... halving
+
+    def draft(self, rids, roots, prefix_lens):
+        out = np.empty((len(rids), self.depth, self.vocab_size), np.float32)
+        for b, (rid, prefix) in enumerate(zip(rids, prefix_lens)):
+            n_prompt, cont = self._known[rid]
+            out[b] = self._template
+            for d in range(self.depth):
+                k = int(prefix) + 1 + d - n_prompt  # index in the continuation of position prefix+1+d
+                if not 0 <= k < len(cont):
+                    continue
+                true, rank = cont[k], self._rank(rid, int(prefix) + 1 + d, d)
+                other = int(self._order[d, rank])  # put the true token at `rank`, swapping values
+                out[b, d, true], out[b, d, other] = out[b, d, other], out[b, d, true]
+        return self.backend.asarray(out)
+
+
+def greedy_continuation(model, horizon: int, page_size: int = 64, eos: bool = True):
+    """``continuation(rid, prompt)`` for the oracle: the target's own greedy decode of ``horizon``
+    tokens after ``prompt`` (the engine's autoregressive path, one request at a time in a private
+    cache), cached per prompt."""
+    from ..engine.engine import Engine
+    from ..engine.request import Request
+
+    known: dict[tuple, list[int]] = {}
+
+    def continuation(rid, prompt):
+        key = tuple(prompt)
+        if key not in known:
+            ctx = len(prompt) + horizon
+            eng = Engine(model, max_batch=1, page_size=page_size, max_context=ctx)
+            known[key] = eng.run([Request(0, list(prompt), horizon)])[0].output
+        return known[key]
+
+    return continuation

@@ -1,0 +1,139 @@
+"""One DDTree round for a batch of running requests, top to bottom as the algorithm
+(docs/architecture.md, "The DDTree round"):
+
+    draft   -> the drafter's logits [B, depth, V] after each request's bonus token (the root)
+    build   -> per-depth top-k log-probs and the best-first tree of each request's budget
+    verify  -> ONE target forward over [root, nodes] of every tree: node i at RoPE position
+               prefix + depth_i, written to cache position prefix + i, seeing the committed prefix
+               and its own ancestors only; hidden states at the drafter's target layers
+    choose  -> the target's token at every node (argmax at T = 0)
+    accept  -> walk from the root along children that match the target's choice; the first
+               unmatched choice is the bonus token
+    commit  -> the accepted nodes' KV rows move to prefix, prefix + 1, ...; their hidden states
+               (root first) join the drafter's context; the emitted tokens go to the requests
+
+Chain mode (DFlash's linear drafting) is the same round with k = 1 and budget = depth. The host
+reads the accepted lengths and tokens once per round (and, until the verify plan is built on the
+device, the tree's tokens, positions and mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..engine.request import RequestError
+from ..model.target import ForwardBatch
+from ..reference.tree_build import mask_words
+from .tree import TreeBuffers, TreeShape
+
+
+@dataclass
+class RoundStats:
+    rounds: int = 0  # request-rounds
+    tokens: int = 0  # emitted (bonus included)
+    accept_hist: dict = field(default_factory=dict)  # tokens per request-round -> count
+    depth_hits: list = field(default_factory=list)  # [d]: request-rounds whose walk reached depth d+1
+
+    def add(self, emitted: int) -> None:
+        self.rounds += 1
+        self.tokens += emitted
+        self.accept_hist[emitted] = self.accept_hist.get(emitted, 0) + 1
+        while len(self.depth_hits) < emitted - 1:
+            self.depth_hits.append(0)
+        for d in range(emitted - 1):
+            self.depth_hits[d] += 1
+
+    @property
+    def tau(self) -> float | None:
+        """Mean tokens per round, the bonus token included."""
+        return self.tokens / self.rounds if self.rounds else None
+
+    def acceptance_by_depth(self) -> list[float]:
+        """Fraction of request-rounds whose accepted path reached depth d + 1."""
+        return [h / self.rounds for h in self.depth_hits] if self.rounds else []
+
+
+class SpeculativeRound:
+    """The round's buffers and its ``run(requests)``; ``mode`` 'ddtree' or 'chain'."""
+
+    def __init__(self, model, cache, drafter, mode: str, budget: int, timed):
+        if mode not in ("ddtree", "chain"):
+            raise ValueError(f"speculative mode must be 'ddtree' or 'chain', got {mode!r}")
+        self.model, self.cache, self.drafter, self.mode = model, cache, drafter, mode
+        self.budget = drafter.depth if mode == "chain" else budget
+        TreeShape(batch=1, budget=self.budget, depth=drafter.depth, vocab=model.cfg.vocab_size)  # checks ranges
+        self.timed = timed
+        self.hidden_layers = tuple(drafter.target_layer_ids)
+        self.stats = RoundStats()
+        self._buffers: dict[int, TreeBuffers] = {}
+
+    def tail(self, req) -> int:
+        """Cache rows a round writes past the committed prefix: the root and every node slot."""
+        return 1 + self.budget
+
+    def budget_of(self, req) -> int:
+        b = self.budget if req.budget is None or self.mode == "chain" else req.budget
+        if not 0 <= b <= self.budget:
+            raise RequestError(f"request {req.rid}: budget {b} outside 0..{self.budget} (decode.budget)")
+        return b
+
+    def _buffers_for(self, batch: int) -> TreeBuffers:
+        bufs = self._buffers.get(batch)
+        if bufs is None:
+            shape = TreeShape(batch=batch, budget=self.budget, depth=self.drafter.depth,
+                              vocab=self.model.cfg.vocab_size, chain=self.mode == "chain")
+            bufs = self._buffers[batch] = TreeBuffers(self.model.backend, shape)
+        return bufs
+
+    def run(self, reqs, eos_id) -> None:
+        be, cache, timed = self.model.backend, self.cache, self.timed
+        rids = [r.rid for r in reqs]
+        prefix = np.array([r.length - 1 for r in reqs], np.int32)  # the root (last token) has no KV yet
+        roots = np.array([r.output[-1] for r in reqs], np.int32)
+        bufs = self._buffers_for(len(reqs))
+        bufs.set_limits(budgets=[self.budget_of(r) for r in reqs])
+        n_slots = 1 + bufs.shape.max_budget
+        for r, p in zip(reqs, prefix):
+            cache.reserve(r.rid, int(p) + n_slots)
+
+        logits = timed("draft", self.drafter.draft, rids, roots, prefix)
+        tree = timed("build", bufs.build, logits, be.asarray(roots), be.asarray(prefix))
+        batch = timed("verify", self._verify_batch, tree, rids, prefix, n_slots)
+        out = timed("verify", self.model.forward, batch, cache, output="logits", hidden_layers=self.hidden_layers)
+        choices = timed("sample", lambda: be.argmax(out.logits).reshape(len(reqs), n_slots).astype(np.int32))
+        acc = timed("accept", bufs.accept, choices)
+        accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
+        emitted = be.to_host(acc.emitted)
+
+        def commit():
+            cache.commit(be.asarray(cache.page_table(rids)), be.asarray(prefix), acc.accepted, acc.accept_len)
+            if self.hidden_layers:
+                rows = np.concatenate([b * n_slots + be.to_host(acc.accepted[b, :n]).astype(np.int64)
+                                       for b, n in enumerate(accept_len)])
+                idx = be.asarray(rows)
+                self.drafter.extend_context(rids, {i: out.hidden[i][idx] for i in self.hidden_layers}, accept_len)
+            for r, p, n, toks in zip(reqs, prefix, accept_len, emitted):
+                self.stats.add(int(n))
+                r.extend(toks[:n].tolist(), eos_id)
+                cache.trim(r.rid, int(p) + int(n))  # the committed prefix; the bonus gets its row next round
+
+        timed("commit", commit)
+
+    def _verify_batch(self, tree, rids, prefix, n_slots: int) -> ForwardBatch:
+        """Every node slot of every tree as the verify forward's new tokens (slots past a tree's
+        nodes verify token 0 seeing only themselves; nothing reads them)."""
+        be = self.model.backend
+        tokens = be.to_host(tree.tokens).reshape(-1)
+        positions = be.to_host(tree.positions)
+        mask = be.to_host(tree.mask).copy()
+        used = be.to_host(tree.num_nodes)
+        words = mask_words(n_slots - 1)
+        slot = np.arange(n_slots)
+        for b in range(len(rids)):
+            free = slot[slot >= used[b]]
+            mask[b, free, free // 64] = np.uint64(1) << (free % 64).astype(np.uint64)
+            positions[b, free] = prefix[b]
+        return ForwardBatch(list(rids), prefix, np.full(len(rids), n_slots), np.where(tokens < 0, 0, tokens),
+                            positions.reshape(-1), mask.reshape(-1, words), None)
