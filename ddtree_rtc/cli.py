@@ -163,6 +163,7 @@ def kernels_build(arch, only, json_path):
         click.echo(" | ".join(c.ljust(w) for c, w in zip(t, widths)))
     click.echo("wall time per arch (s): " + ", ".join(f"{a} {s:.2f}" for a, s in per_arch.items()))
     if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(rows, indent=1))
     if spill_problems:
         raise click.ClickException("register spills in: " + ", ".join(spill_problems))
@@ -312,6 +313,7 @@ def projection_cmd(platforms, budget, tau, json_path, plot_path):
         raise click.ClickException(str(e)) from None
     click.echo(report.table(res, calib))
     if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps({"platforms": res, "calibration": calib}, indent=2))
     if plot_path:
         Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
