@@ -88,3 +88,11 @@ def test_cli(tmp_path):
     assert "calibration" in r.output and (tmp_path / "p.json").exists()
     r = CliRunner().invoke(main, ["projection", "--budget", "600"])
     assert r.exit_code != 0 and "0..512" in r.output
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "sub" / "p.png"
+    r = CliRunner().invoke(main, ["projection", "--platforms", "b300", "--plot", str(out)])
+    assert r.exit_code == 0, r.output
+    assert out.stat().st_size > 1000
