@@ -163,6 +163,7 @@ def kernels_build(arch, only, json_path):
         click.echo(" | ".join(c.ljust(w) for c, w in zip(t, widths)))
     click.echo("wall time per arch (s): " + ", ".join(f"{a} {s:.2f}" for a, s in per_arch.items()))
     if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(rows, indent=1))
     if spill_problems:
         raise click.ClickException("register spills in: " + ", ".join(spill_problems))
@@ -293,6 +294,31 @@ def bench(ctx, name):
     except ModuleNotFoundError as e:
         raise click.ClickException(f"benchmark {name!r} is not available in this build: {e}") from None
     mod.main(list(ctx.args))
+
+
+@main.command("projection")
+@click.option("--platforms", default=None, help="Comma-separated platform keys (default: all in platforms.yaml).")
+@click.option("--budget", type=int, default=None, help="Tree budget (default: the one maximising tok/s).")
+@click.option("--tau", type=float, default=None, help="Fixed tokens per round (default: the configured tau(budget)).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the projection as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Stacked-bar PNG (needs matplotlib).")
+def projection_cmd(platforms, budget, tau, json_path, plot_path):
+    """Project K2.6 AR and DDTree decoding onto 8-GPU platforms (docs/hardware.md)."""
+    from .projection import ProjectionError, project, report
+    from .projection.model import calibration
+    try:
+        res = project(platforms.split(",") if platforms else None, budget, tau)
+        calib = calibration(tau)
+    except ProjectionError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(report.table(res, calib))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps({"platforms": res, "calibration": calib}, indent=2))
+    if plot_path:
+        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+        report.plot(res, plot_path)
+
 
 
 if __name__ == "__main__":
