@@ -251,7 +251,13 @@ def run_cmd(pipeline, overrides, quiet):
 @click.option("--layers", type=int, help="Number of decoder layers (k2.6 with 4 layers is about 40 GB).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Output directory.")
-def make_model_cmd(preset, layers, seed, out_dir):
+@click.option("--weight-shape-dtype", type=click.Choice(["int32", "int64"]), default="int32", show_default=True,
+              help="Stored dtype of the experts' weight_shape (Kimi: int32; compressed-tensors 0.20: int64).")
+@click.option("--router-dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Stored dtype of mlp.gate.weight (fp32 when saved from an fp32 model).")
+@click.option("--bias-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Stored dtype of mlp.gate.e_score_correction_bias.")
+def make_model_cmd(preset, layers, seed, out_dir, weight_shape_dtype, router_dtype, bias_dtype):
     """Write a seeded random-weight checkpoint in the real format: HF DeepseekV3 names, compressed-tensors
     INT4 routed experts, bf16 elsewhere, non-zero router bias, complete config.json."""
     from .model.config import ConfigError, preset_config
@@ -264,7 +270,8 @@ def make_model_cmd(preset, layers, seed, out_dir):
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="--layers") from None
     with click.progressbar(length=cfg.num_hidden_layers + 1, label=f"writing {preset}", file=sys.stderr) as bar:
-        make_model(cfg, out_dir, seed=seed, progress=lambda _key: bar.update(1))
+        make_model(cfg, out_dir, seed=seed, progress=lambda _key: bar.update(1), weight_shape_dtype=weight_shape_dtype,
+                   router_dtype=router_dtype, bias_dtype=bias_dtype)
     total = sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors"))
     click.echo(f"wrote {out_dir}: {cfg.num_hidden_layers} layers, {total / 2**20:.1f} MiB")
 
