@@ -20,6 +20,7 @@ from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
 from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from . import _cublas
 from ._args import BF16, allow_dynamic_smem, check, out_array
+from ._launch import sm_count
 from .registry import module
 
 MIN_SPLIT = 256  # fewest cache rows per CTA: below that the partial write and merge dominate
@@ -182,8 +183,8 @@ def _device_props() -> tuple[int, int, bool]:
 def _props_of(device_id: int, arch_override: str | None) -> tuple[int, int, bool]:
     import cupy
 
-    attrs = cupy.cuda.Device(device_id).attributes
-    return (attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"], wgmma_build(arch_override))
+    smem = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    return sm_count(device_id), smem, wgmma_build(arch_override)
 
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
@@ -318,13 +319,6 @@ def mla_attention(plan: MLAPlan, q, cache, softmax_scale: float, out=None, lse=N
     return out, lse
 
 
-# cuBLAS enums (cublas_api.h / library_types.h)
-_OP_N, _OP_T = 0, 1
-_CUDA_R_16BF = 14
-_COMPUTE_32F = 68
-_GEMM_DEFAULT = -1
-
-
 def _strides_elems(name: str, a) -> tuple[int, ...]:
     if any(s % a.itemsize for s in a.strides):
         raise ValueError(f"{name}: strides {a.strides} are not whole elements")
@@ -372,9 +366,9 @@ def mla_head_gemm(x, w, trans_w: bool, out=None):
     ldx, ldw, ldy = max(xs[0], k), max(ws[1], w_cols), max(ys[0], n)  # max(): unused when that dim is 1
     alpha, beta = np.array(1.0, np.float32), np.array(0.0, np.float32)
     _cublas.gemm_strided_batched_ex(
-        _OP_T if trans_w else _OP_N, _OP_N, n, t, k,
-        alpha.ctypes.data, w.data.ptr, _CUDA_R_16BF, ldw, ws[0],
-        x.data.ptr, _CUDA_R_16BF, ldx, xs[1],
-        beta.ctypes.data, out.data.ptr, _CUDA_R_16BF, ldy, ys[1],
-        h, _COMPUTE_32F, _GEMM_DEFAULT)
+        _cublas.OP_T if trans_w else _cublas.OP_N, _cublas.OP_N, n, t, k,
+        alpha.ctypes.data, w.data.ptr, _cublas.R_16BF, ldw, ws[0],
+        x.data.ptr, _cublas.R_16BF, ldx, xs[1],
+        beta.ctypes.data, out.data.ptr, _cublas.R_16BF, ldy, ys[1],
+        h, _cublas.COMPUTE_32F, _cublas.GEMM_DEFAULT)
     return out

@@ -15,7 +15,7 @@ from ..reference.moe_gemm import check_experts_layout
 from ..reference.moe_routing import MoEAlignment
 from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from ._args import BF16, allow_dynamic_smem, check, out_array
-from ._launch import launch, pdl_supported
+from ._launch import launch, pdl_supported, sm_count
 from .moe_routing import alignment_buffers, moe_align
 from .registry import module, spec
 
@@ -170,12 +170,6 @@ def default_stages(large: str = "nt4") -> tuple[int, int]:
     return p["MOE_STAGES_NT1"], p[_stage_param(large)]
 
 
-def _num_sms() -> int:
-    import cupy
-
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-
-
 def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
              split_gate_up: int | None = None, split_down: int | None = None, nt: int | None = None,
              num_sms: int | None = None, nt4_above: int | None = None,
@@ -212,7 +206,7 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
             raise ValueError(f"{p} (token, expert) pairs need up to {n} {what} blocks > {_MAX_GRID_Y}; "
                              f"split the batch")
     busy = min(num_experts, p)  # experts touched at most
-    target = int(1.5 * (num_sms or _num_sms()))
+    target = int(1.5 * (num_sms or sm_count()))
     n13, n2 = busy * -(-2 * intermediate // ROWS_PER_CTA), busy * -(-hidden // ROWS_PER_CTA)
     s13 = _pick_split(hidden, n13, target, split_gate_up, "gate_up")
     s2 = _pick_split(intermediate, n2, target, split_down, "down")
