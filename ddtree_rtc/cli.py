@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .rtc.arch import SUPPORTED_ARCHS
 
 BENCHMARKS = {
     "blocks": "building-block kernels: RMSNorm, RoPE, embedding, SiLU·mul, argmax/sampling, cuBLAS linear",
@@ -116,7 +117,7 @@ def _arch_list(arch: str) -> list[str]:
     return [check_arch(arch)]
 
 
-ARCH_CHOICE = click.Choice(["sm_90a", "sm_100a", "sm_103a", "sm_120a", "all", "auto"])
+ARCH_CHOICE = click.Choice([*SUPPORTED_ARCHS, "all", "auto"])
 
 
 @kernels.command("build")
@@ -228,6 +229,7 @@ def run_cmd(pipeline, overrides, quiet):
     ddtree-rtc run pipelines/tiny.yaml
     ddtree-rtc run pipelines/k2_6_slice_h200.yaml --set workload.concurrency=8
     """
+    from .backend import BackendUnavailableError
     from .engine.request import RequestError
     from .model.checkpoint import CheckpointError
     from .model.config import ConfigError
@@ -237,12 +239,8 @@ def run_cmd(pipeline, overrides, quiet):
     try:
         pipe = load_pipeline(pipeline, parse_set_options(overrides))
         run_pipeline(pipe, quiet=quiet)
-    except (PipelineError, ConfigError, CheckpointError, RequestError) as e:
+    except (PipelineError, ConfigError, CheckpointError, RequestError, BackendUnavailableError) as e:
         raise click.ClickException(str(e)) from None
-    except RuntimeError as e:
-        if "backend 'cuda'" in str(e):
-            raise click.ClickException(str(e)) from None
-        raise
 
 
 @main.command("make-model")
@@ -281,15 +279,7 @@ def make_model_cmd(preset, layers, seed, out_dir, weight_shape_dtype, router_dty
 @click.argument("name", required=False)
 @click.pass_context
 def bench(ctx, name):
-    """Run a benchmark on the GPU (extra arguments go to it: `bench NAME --help` lists them).
-
-    \b
-    blocks     building-block kernels vs the read ceiling
-    tree       DDTree top-k / build / accept vs the Python reference
-    moe        INT4 MoE layer vs the read ceiling and a bf16 cuBLAS peer
-    attention  MLA attention vs read / matmul ceilings and a CuPy peer
-    decode     AR decode step of a K2.6-dims slice: per-layer time vs byte floor, launch gaps
-    """
+    """Run a benchmark on the GPU (extra arguments go to it: `bench NAME --help` lists them)."""
     if name is None or name in ("-h", "--help"):
         click.echo(ctx.get_help())
         return
@@ -301,6 +291,9 @@ def bench(ctx, name):
         raise click.ClickException(f"benchmark {name!r} is not available in this build: {e}") from None
     mod.main(list(ctx.args))
 
+
+
+bench.help = bench.help + "\n\n\b\n" + "\n".join(f"{k:<10} {v}" for k, v in BENCHMARKS.items())
 
 if __name__ == "__main__":
     main()
