@@ -63,8 +63,9 @@ def _check_out(out: TreeArrays, batch: int, max_budget: int, max_depth: int) -> 
 
 
 def default_variant(max_budget: int) -> str:
-    """The variant ``tree_build`` runs for this max_budget (both give identical trees): level at
-    every budget up to MAX_BUDGET (see the module docstring)."""
+    """The variant ``tree_build`` runs for this max_budget: prune at every budget up to MAX_BUDGET
+    (it falls back per request to the heap loop where its exactness conditions fail; every variant
+    gives the heap loop's tree, see the module docstring)."""
     return "prune"
 
 
