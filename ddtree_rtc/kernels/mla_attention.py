@@ -75,12 +75,8 @@ W64_OVER_D16_CTX = 8192  # sm_90a, 64-head decode: w64 beats d16 from this conte
 
 def _pick_variant(max_rows: int, decode: bool, smem_limit: int, batch: int = 1, wgmma: bool = False,
                   max_ctx: int = 0) -> str:
-    # H200, ctx 4k: d16 wins at 8 heads (b1 21.8 vs 29.9 µs, b8 32.3 vs 34.5) and at 64 heads b1
-    # (25.7 vs 44.8: 4 tiles of 16 rows) but loses at 64 heads b8 (65.6 vs 52.6: 32 tiles re-read
-    # the rows 4x), so wide decode batches keep m64.
-    # sm_90a (w64, benchmarks/attention_h200.json run): 8-head decode d16 ~= w64 (ctx 16k b8 70.8 vs
-    # 70.4 µs), d16 ahead on short contexts, so 8 heads keep d16; 64 heads b1 d16 wins at 1k / 4k
-    # (18.9 / 26.0 vs 26.4 / 28.1 µs) and w64 at 16k (34.6 vs 43.4).
+    # d16 (16-row tiles) while few tiles re-read the cache rows; m64 for wide decode batches (their
+    # tiles would re-read the rows); w64 on sm_90a at long contexts (H200 timings: benchmarks/README.md).
     wide_d16 = batch * -(-max_rows // 16) <= D16_MAX_TILES and not (wgmma and max_ctx >= W64_OVER_D16_CTX)
     if decode and (max_rows <= 16 or wide_d16):
         prefer = ("d16", "m16", "small") if max_rows <= 16 else ("d16", "m64", "small")
