@@ -1,5 +1,5 @@
-// DDTree best-first tree build (DESIGN.md section 4), bit-identical to the Python heapq reference
-// in ddtree_rtc/reference/tree_build.py. One block of 128 threads per request.
+// DDTree best-first tree build (docs/architecture.md), bit-identical to the Python heapq reference
+// in ddtree_rtc/reference/tree_build.py. One block of TREE_THREADS threads (512 as registered) per request.
 //
 // The heap holds at most one entry per tree node: the node's next unpopped child (rank 0 when the
 // node is popped, rank r+1 after its child r is popped, which is exactly the reference's "sibling
@@ -14,7 +14,7 @@
 // nothing can be contracted into an FMA); equal scores (+0 == -0) fall back to the rank tuples,
 // lexicographic with a prefix first, compared as integer codes (10 bits per depth, 3 words).
 //
-// After the loop all 128 threads write the outputs, including every unused slot up to max_budget.
+// After the loop all THREADS threads write the outputs, including every unused slot up to max_budget.
 //
 // The level variant (tree_build_level_j*) first tries a parallel build that is exact whenever the
 // scores it meets are monotone (every generated child / next sibling scores <= its predecessor, as

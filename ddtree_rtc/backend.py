@@ -52,6 +52,10 @@ def cuda_available() -> bool:
         return False
 
 
+class BackendUnavailableError(RuntimeError):
+    """The CUDA backend was asked for where CuPy finds no usable GPU."""
+
+
 class Backend:
     """``Backend('auto' | 'cuda' | 'numpy')``."""
 
@@ -63,7 +67,7 @@ class Backend:
             if kind == "numpy" and not quiet:
                 print("ddtree-rtc: no usable CUDA GPU found, using the numpy backend", file=sys.stderr)
         elif kind == "cuda" and not cuda_available():
-            raise RuntimeError("backend 'cuda' asked for, but CuPy finds no usable CUDA GPU "
+            raise BackendUnavailableError("backend 'cuda' asked for, but CuPy finds no usable CUDA GPU "
                                "(install the cuda12/cuda13 extra and check the driver), or use 'numpy'")
         self.name = kind
         self.arch = None

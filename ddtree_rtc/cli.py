@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .rtc.arch import SUPPORTED_ARCHS
 
 BENCHMARKS = {
     "blocks": "building-block kernels: RMSNorm, RoPE, embedding, SiLU·mul, argmax/sampling, cuBLAS linear",
@@ -116,7 +117,7 @@ def _arch_list(arch: str) -> list[str]:
     return [check_arch(arch)]
 
 
-ARCH_CHOICE = click.Choice(["sm_90a", "sm_100a", "sm_103a", "sm_120a", "all", "auto"])
+ARCH_CHOICE = click.Choice([*SUPPORTED_ARCHS, "all", "auto"])
 
 
 @kernels.command("build")
@@ -229,6 +230,7 @@ def run_cmd(pipeline, overrides, quiet):
     ddtree-rtc run pipelines/tiny.yaml
     ddtree-rtc run pipelines/k2_6_slice_h200.yaml --set workload.concurrency=8
     """
+    from .backend import BackendUnavailableError
     from .engine.request import RequestError
     from .model.checkpoint import CheckpointError
     from .model.config import ConfigError
@@ -238,12 +240,8 @@ def run_cmd(pipeline, overrides, quiet):
     try:
         pipe = load_pipeline(pipeline, parse_set_options(overrides))
         run_pipeline(pipe, quiet=quiet)
-    except (PipelineError, ConfigError, CheckpointError, RequestError) as e:
+    except (PipelineError, ConfigError, CheckpointError, RequestError, BackendUnavailableError) as e:
         raise click.ClickException(str(e)) from None
-    except RuntimeError as e:
-        if "backend 'cuda'" in str(e):
-            raise click.ClickException(str(e)) from None
-        raise
 
 
 @main.command("make-model")
@@ -252,7 +250,13 @@ def run_cmd(pipeline, overrides, quiet):
 @click.option("--layers", type=int, help="Number of decoder layers (k2.6 with 4 layers is about 40 GB).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Output directory.")
-def make_model_cmd(preset, layers, seed, out_dir):
+@click.option("--weight-shape-dtype", type=click.Choice(["int32", "int64"]), default="int32", show_default=True,
+              help="Stored dtype of the experts' weight_shape (Kimi: int32; compressed-tensors 0.20: int64).")
+@click.option("--router-dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Stored dtype of mlp.gate.weight (fp32 when saved from an fp32 model).")
+@click.option("--bias-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Stored dtype of mlp.gate.e_score_correction_bias.")
+def make_model_cmd(preset, layers, seed, out_dir, weight_shape_dtype, router_dtype, bias_dtype):
     """Write a seeded random-weight checkpoint in the real format: HF DeepseekV3 names, compressed-tensors
     INT4 routed experts, bf16 elsewhere, non-zero router bias, complete config.json."""
     from .model.config import ConfigError, preset_config
@@ -265,7 +269,8 @@ def make_model_cmd(preset, layers, seed, out_dir):
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="--layers") from None
     with click.progressbar(length=cfg.num_hidden_layers + 1, label=f"writing {preset}", file=sys.stderr) as bar:
-        make_model(cfg, out_dir, seed=seed, progress=lambda _key: bar.update(1))
+        make_model(cfg, out_dir, seed=seed, progress=lambda _key: bar.update(1), weight_shape_dtype=weight_shape_dtype,
+                   router_dtype=router_dtype, bias_dtype=bias_dtype)
     total = sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors"))
     click.echo(f"wrote {out_dir}: {cfg.num_hidden_layers} layers, {total / 2**20:.1f} MiB")
 
@@ -275,15 +280,7 @@ def make_model_cmd(preset, layers, seed, out_dir):
 @click.argument("name", required=False)
 @click.pass_context
 def bench(ctx, name):
-    """Run a benchmark on the GPU (extra arguments go to it: `bench NAME --help` lists them).
-
-    \b
-    blocks     building-block kernels vs the read ceiling
-    tree       DDTree top-k / build / accept vs the Python reference
-    moe        INT4 MoE layer vs the read ceiling and a bf16 cuBLAS peer
-    attention  MLA attention vs read / matmul ceilings and a CuPy peer
-    decode     AR decode step of a K2.6-dims slice: per-layer time vs byte floor, launch gaps
-    """
+    """Run a benchmark on the GPU (extra arguments go to it: `bench NAME --help` lists them)."""
     if name is None or name in ("-h", "--help"):
         click.echo(ctx.get_help())
         return
@@ -320,6 +317,8 @@ def projection_cmd(platforms, budget, tau, json_path, plot_path):
         report.plot(res, plot_path)
 
 
+
+bench.help = bench.help + "\n\n\b\n" + "\n".join(f"{k:<10} {v}" for k, v in BENCHMARKS.items())
 
 if __name__ == "__main__":
     main()

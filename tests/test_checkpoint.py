@@ -66,3 +66,93 @@ def test_reader_reports_mismatch_with_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(wrong))
     with pytest.raises(CheckpointError, match="does not match config.json"):
         r.check(expected_tensors(load_config(tmp_path)))
+
+
+FORMS = {"default": [], "weight_shape_int64": ["--weight-shape-dtype", "int64"],
+         "router_fp32": ["--router-dtype", "fp32"], "bias_bf16": ["--bias-dtype", "bf16"],
+         "all": ["--weight-shape-dtype", "int64", "--router-dtype", "fp32", "--bias-dtype", "bf16"]}
+STORED = {"default": ("I32", "BF16", "F32"), "weight_shape_int64": ("I64", "BF16", "F32"),
+          "router_fp32": ("I32", "F32", "F32"), "bias_bf16": ("I32", "BF16", "BF16"), "all": ("I64", "F32", "BF16")}
+
+
+def _write_form(directory, form):
+    from click.testing import CliRunner
+
+    from ddtree_rtc.cli import main
+
+    res = CliRunner().invoke(main, ["make-model", "--preset", "tiny", "--seed", "4", "--out", str(directory)]
+                             + FORMS[form])
+    assert res.exit_code == 0, res.output
+    return directory
+
+
+def _logits(directory):
+    from ddtree_rtc.backend import Backend
+    from ddtree_rtc.engine.kv_cache import PagedKVCache
+    from ddtree_rtc.model.target import ForwardBatch, TargetModel
+
+    model = TargetModel.load(directory, Backend("numpy", quiet=True))
+    cache = PagedKVCache(model.backend, model.num_layers, 4, 16)
+    cache.reserve(0, 9)
+    out = model.forward(ForwardBatch.causal([0], [0], [[3, 1, 4, 1, 5, 9, 2, 6, 5]], last_only=False), cache,
+                        output="logits")
+    return np.asarray(model.backend.to_host(out.logits)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def default_logits(tmp_path_factory):
+    return _logits(_write_form(tmp_path_factory.mktemp("default"), "default"))
+
+
+@pytest.mark.parametrize("form", [f for f in FORMS if f != "default"])
+def test_checkpoint_forms_load_and_run(tmp_path, form, default_logits):
+    """Each stored form real checkpoints use loads and runs: int64 weight_shape (compressed-tensors 0.20),
+    an fp32 router (saved from an fp32 model), a bf16 correction bias."""
+    _write_form(tmp_path, form)
+    table, _ = read_header(next(tmp_path.glob("model-00002-*.safetensors")))
+    got = tuple(table[f"model.layers.1.mlp.{t}"]["dtype"] for t in
+                ("experts.0.gate_proj.weight_shape", "gate.weight", "gate.e_score_correction_bias"))
+    assert got == STORED[form]
+    CheckpointReader(tmp_path).check(expected_tensors(load_config(tmp_path)))
+    logits = _logits(tmp_path)
+    assert np.isfinite(logits).all()
+    if STORED[form][2] == "F32":
+        # the fp32 router holds the bf16 router's values exactly (drawn, then rounded to bf16), so the
+        # logits are the default form's bit for bit: the fp32 weights take the fp32 routing path unchanged
+        assert np.array_equal(logits, default_logits)
+    else:  # the bias rounded to bf16 may move a near-tied expert choice, not the whole output
+        assert np.corrcoef(logits.ravel(), default_logits.ravel())[0, 1] > 0.9
+
+
+def _rewrite(path, name, value):
+    from ddtree_rtc.model.safetensors_io import open_tensor
+
+    table, start = read_header(path)
+    tensors = {k: np.asarray(open_tensor(path, k, e, start)) for k, e in table.items() if k != "__metadata__"}
+    tensors[name] = value
+    write_file(path, tensors, {"format": "pt"})
+
+
+def test_weight_shape_checked_against_packed_and_scale(tmp_path):
+    from ddtree_rtc.backend import Backend
+    from ddtree_rtc.model.target import TargetModel
+
+    _write_form(tmp_path, "weight_shape_int64")
+    shard = next(tmp_path.glob("model-00002-*.safetensors"))
+    name = "model.layers.1.mlp.experts.3.up_proj.weight_shape"
+    cfg = load_config(tmp_path)
+    _rewrite(shard, name, np.array([cfg.moe_intermediate_size, cfg.hidden_size * 2], dtype=np.int64))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + ".* says .*weight_packed"):
+        TargetModel.load(tmp_path, Backend("numpy", quiet=True))
+    _rewrite(shard, name, np.array([cfg.moe_intermediate_size, cfg.hidden_size], dtype=np.int16))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + r".*I16.*expected I32 or I64"):
+        CheckpointReader(tmp_path).check(expected_tensors(cfg))
+
+
+def test_quantized_is_decided_by_weight_packed_not_the_ignore_list(tmp_path, default_logits):
+    """The loader reads the experts as INT4 because weight_packed is there, whatever the ignore list says."""
+    _write_form(tmp_path, "default")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"]["ignore"] = ["re:.*"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert np.array_equal(_logits(tmp_path), default_logits)

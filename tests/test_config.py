@@ -52,3 +52,12 @@ def test_missing_fields_and_files(tmp_path):
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize("field,value,want", [("kv_lora_rank", 256, 512), ("qk_rope_head_dim", 32, 64)])
+def test_unsupported_mla_dims_refused_at_load(tmp_path, field, value, want):
+    raw = preset_config("tiny").to_hf_dict()
+    raw[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=f"{field} {value} is not supported.*{field} = {want}"):
+        load_config(tmp_path)

@@ -112,7 +112,7 @@ def test_load_layer_checks_dense_tensors(rng, tmp_path):
     extra = {"model.layers.3.mlp.gate.weight": gate[:, :64], "model.layers.3.mlp.gate.e_score_correction_bias": bias}
     ck = CheckpointReader(write_checkpoint(tmp_path / "ck", ex, 3, "", extra=extra))
     with pytest.raises(ValueError, match=r"gate\.weight in model-00001-of-00001\.safetensors: BF16 \[6, 64\], "
-                                         r"expected BF16 \[6, 128\]"):
+                                         r"expected BF16 or F32 \[6, 128\]"):
         load_moe_layer(ck, 3, RoutingConfig(6, 2), 128, 128, Backend("numpy"))
 
 

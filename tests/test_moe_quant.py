@@ -152,8 +152,16 @@ def test_wrong_shapes_and_dtypes_are_named(rng, tmp_path):
         load_moe_experts(ck, 1, 1, 128, 128)
     bad = {BASE + "down_proj.weight_shape": np.array([128, 256], np.int32)}
     ck = _ck(rng, tmp_path / "c", extra=bad)
-    with pytest.raises(CheckpointError, match=r"weight_shape .* says \[128, 256\], expected \[128, 128\]"):
+    with pytest.raises(CheckpointError, match=r"weight_shape .* says \[128, 256\], but .*weight_packed is "
+                                               r"\[128, 16\] and .*weight_scale \[128, 4\]"):
         load_moe_experts(ck, 1, 1, 128, 128)
+    for dt in (np.int32, np.int64):  # Kimi's files and compressed-tensors 0.20 respectively
+        ok = {BASE + "down_proj.weight_shape": np.array([128, 128], dt)}
+        ck = _ck(rng, tmp_path / f"ok_{np.dtype(dt).name}", extra=ok)
+        assert load_moe_experts(ck, 1, 1, 128, 128).num_experts == 1
+    bad = {BASE + "down_proj.weight_shape": np.array([128, 128], np.float32)}
+    with pytest.raises(CheckpointError, match=r"down_proj\.weight_shape .*dtype F32, expected I32 or I64"):
+        load_moe_experts(_ck(rng, tmp_path / "d", extra=bad), 1, 1, 128, 128)
 
 
 def test_asymmetric_and_unquantized_tensors_are_refused(rng, tmp_path):

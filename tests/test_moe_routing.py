@@ -303,3 +303,21 @@ def test_router_logits_kernel(rng, m, h, e):
     assert_close(y, x.astype(np.float64) @ w.astype(np.float64).T, "fp32")
     with pytest.raises(ValueError, match="weight: expected shape"):
         k_logits(to_device_bf16(x), to_device_bf16(w[:, :64]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,h,e", [(1, 7168, 384), (37, 7168, 384), (5, 256, 48)])
+def test_router_logits_kernel_fp32_router(rng, m, h, e):
+    """An fp32 router (checkpoints saved from an fp32 model): x widened exactly, fp32 products."""
+    import cupy
+
+    from ddtree_rtc.kernels.moe_routing import router_logits as k_logits
+    from ddtree_rtc.testing import to_device_bf16
+
+    x = random_bf16(rng, (m, h))
+    w = (0.02 * rng.standard_normal((e, h))).astype(np.float32)
+    out = cupy.full((m, e), np.nan, cupy.float32)
+    y = k_logits(to_device_bf16(x), cupy.asarray(w), out=out)
+    assert y is out
+    assert_close(y, x.astype(np.float64) @ w.astype(np.float64).T, "fp32")
+    assert_close(router_logits(x, w), x.astype(np.float64) @ w.astype(np.float64).T, "fp32")

@@ -16,6 +16,7 @@ import numpy as np
 
 from ddtree_rtc.bench.harness import random_bf16_device, read_ceiling_gbs, time_gpu
 from ddtree_rtc.kernels import linear as lin
+from ddtree_rtc.kernels._launch import sm_count
 
 SHAPES = (  # name, N, K
     ("q_a", 1536, 7168),
@@ -44,7 +45,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated shape names")
     args = ap.parse_args(argv)
     ceiling = read_ceiling_gbs()
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    sms = sm_count()
     print(f"read ceiling {ceiling:.0f} GB/s, {sms} SMs")
     want = set(args.shapes.split(","))
     lines = []

@@ -14,6 +14,7 @@ import numpy as np
 
 from ddtree_rtc.bench.harness import read_ceiling_gbs, time_gpu
 from ddtree_rtc.bench.moe import graphed, int4_experts_device, uniform_logits
+from ddtree_rtc.kernels._launch import sm_count
 from ddtree_rtc.kernels.moe_gemm import ROWS_PER_CTA, moe_down, moe_experts, moe_gate_up, moe_plan
 from ddtree_rtc.kernels.moe_routing import moe_route
 
@@ -33,7 +34,7 @@ def main():
     ap.add_argument("--splits-down", default="1,2,4")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    sms = sm_count()
     experts = int4_experts_device(384, 7168, 2048, 0)  # K2.6 dims
     ceil = read_ceiling_gbs()
     rng = np.random.default_rng(0)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kernels._launch import sm_count
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -51,7 +53,7 @@ def flush_l2(i: int = 0, clean: bool = True) -> None:
     buf.fill(i & 0xFF)
     if clean:
         n16 = buf.nbytes // 16
-        module("bench_ceiling").fn("l2_clean_kernel")((_sm_count() * 4,), (512,), (buf, np.int64(n16), _sink()))
+        module("bench_ceiling").fn("l2_clean_kernel")((sm_count() * 4,), (512,), (buf, np.int64(n16), _sink()))
 
 
 @functools.cache
@@ -89,12 +91,6 @@ def time_gpu(fn, warmup: int = 5, iters: int = 50, flush_l2: bool | str = True) 
     return Timing(statistics.median(us), us[0], us[min(len(us) - 1, int(0.9 * len(us)))])
 
 
-def _sm_count() -> int:
-    import cupy
-
-    return cupy.cuda.Device().attributes["MultiProcessorCount"]
-
-
 @functools.cache
 def read_ceiling_gbs(nbytes: int = 2 << 30) -> float:
     """Streaming read bandwidth (GB/s) over a buffer far beyond the L2."""
@@ -106,7 +102,7 @@ def read_ceiling_gbs(nbytes: int = 2 << 30) -> float:
     sink = cupy.zeros(1, dtype=cupy.uint32)
     fn = module("bench_ceiling").fn("read_stream_kernel")
     n16 = np.int64(nbytes // 16)
-    t = time_gpu(lambda: fn((_sm_count() * 4,), (512,), (src, n16, sink)), warmup=3, iters=20)
+    t = time_gpu(lambda: fn((sm_count() * 4,), (512,), (src, n16, sink)), warmup=3, iters=20)
     return nbytes / t.median_us / 1e3
 
 
@@ -121,7 +117,7 @@ def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
     dst = cupy.empty_like(src)
     fn = module("bench_ceiling").fn("copy_stream_kernel")
     n16 = np.int64(nbytes // 16)
-    t = time_gpu(lambda: fn((_sm_count() * 4,), (512,), (src, dst, n16)), warmup=3, iters=20)
+    t = time_gpu(lambda: fn((sm_count() * 4,), (512,), (src, dst, n16)), warmup=3, iters=20)
     return 2 * nbytes / t.median_us / 1e3
 
 
@@ -172,7 +168,7 @@ def mma_peak_tflops(blocks_per_sm: int = 8, iters: int = 4096) -> float:
 
     fn = module("bench_ceiling").fn("mma_peak_kernel")
     out = cupy.zeros(1, cupy.float32)
-    blocks = _sm_count() * blocks_per_sm
+    blocks = sm_count() * blocks_per_sm
     t = time_gpu(lambda: fn((blocks,), (128,), (np.int32(iters), out)), warmup=2, iters=5, flush_l2=False)
     flops = blocks * 4 * iters * 8 * 2 * 16 * 8 * 16  # warps x iterations x chains x (2 m n k)
     return flops / t.median_us / 1e6

@@ -13,6 +13,12 @@ from __future__ import annotations
 import ctypes
 import functools
 
+# cuBLAS / CUDA enums of the calls below (cublas_api.h, library_types.h)
+OP_N, OP_T = 0, 1
+R_32F, R_16BF = 0, 14
+COMPUTE_32F = 68
+GEMM_DEFAULT = -1
+
 _WORKSPACE_BYTES = 32 << 20
 _POINTER_MODE_HOST = 0
 _workspaces: dict[int, object] = {}  # handle -> cupy buffer (kept alive with the handle)

@@ -16,6 +16,7 @@ it writes nothing before it.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -83,3 +84,17 @@ def pdl_supported() -> bool:
     import cupy
 
     return int(cupy.cuda.Device().compute_capability) >= 90
+
+
+def sm_count(device_id: int | None = None) -> int:
+    """Streaming multiprocessors of a device (the current one by default): the grid-sizing input."""
+    import cupy
+
+    return _sm_count(cupy.cuda.Device().id if device_id is None else int(device_id))
+
+
+@functools.cache
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])

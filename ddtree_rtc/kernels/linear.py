@@ -18,12 +18,9 @@ import numpy as np
 
 from . import _cublas
 from ._args import BF16, check, out_array
+from ._launch import sm_count
 from .registry import module
 
-_CUDA_R_16BF = 14
-_CUBLAS_COMPUTE_32F = 68
-_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
-_CUBLAS_GEMM_DEFAULT = -1
 # Host scalars for alpha/beta (host pointer mode); module-level so the pointers stay valid.
 _ALPHA = np.ones(1, dtype=np.float32)
 _BETA = np.zeros(1, dtype=np.float32)
@@ -58,13 +55,6 @@ class SkinnyPlan:
     warps_n: int  # row tiles (8 rows) per CTA; 8 / warps_n warps split the CTA's K range
     split: int  # CTAs per cluster along K
     est_us: float  # the cost model's estimate, for reports
-
-
-@functools.cache
-def _sm_count(device_id: int) -> int:
-    import cupy
-
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
 def _estimate_us(m: int, n: int, k: int, warps_n: int, split: int, sms: int) -> float:
@@ -112,7 +102,7 @@ def route(x, weight, impl: str = "auto") -> str:
     m = x.shape[0]
     if m > AUTO_MAX_M or not AUTO_MIN_WEIGHT_ELEMS <= n * k <= AUTO_MAX_WEIGHT_ELEMS or n >= AUTO_MAX_N:
         return "cublas"
-    if m > 1 and n >= 4096 and skinny_plan(m, n, k, _sm_count(x.device.id)).split >= 4:
+    if m > 1 and n >= 4096 and skinny_plan(m, n, k, sm_count(x.device.id)).split >= 4:
         return "cublas"
     return "skinny"
 
@@ -120,13 +110,13 @@ def route(x, weight, impl: str = "auto") -> str:
 def _cublas_linear(x, weight, y, m: int, n: int, k: int) -> None:
     if max(m, n, k) >= 2**31:
         raise ValueError(f"linear: dims {(m, n, k)} exceed cuBLAS int32 sizes")
-    _cublas.gemm_ex(_CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k,
-                    _ALPHA.ctypes.data, weight.data.ptr, _CUDA_R_16BF, k, x.data.ptr, _CUDA_R_16BF, k,
-                    _BETA.ctypes.data, y.data.ptr, _CUDA_R_16BF, n, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    _cublas.gemm_ex(_cublas.OP_T, _cublas.OP_N, n, m, k,
+                    _ALPHA.ctypes.data, weight.data.ptr, _cublas.R_16BF, k, x.data.ptr, _cublas.R_16BF, k,
+                    _BETA.ctypes.data, y.data.ptr, _cublas.R_16BF, n, _cublas.COMPUTE_32F, _cublas.GEMM_DEFAULT)
 
 
 def _skinny_linear(x, weight, y, m: int, n: int, k: int) -> None:
-    plan = skinny_plan(m, n, k, _sm_count(x.device.id))
+    plan = skinny_plan(m, n, k, sm_count(x.device.id))
     module("linear").fn(plan.entry)((plan.grid,), (_THREADS,),
                                     (x, weight, y, np.int32(m), np.int32(n), np.int32(k), np.int32(plan.warps_n)))
 

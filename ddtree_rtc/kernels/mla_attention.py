@@ -20,6 +20,7 @@ from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
 from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from . import _cublas
 from ._args import BF16, allow_dynamic_smem, check, out_array
+from ._launch import sm_count
 from .registry import module
 
 MIN_SPLIT = 256  # fewest cache rows per CTA: below that the partial write and merge dominate
@@ -74,12 +75,8 @@ W64_OVER_D16_CTX = 8192  # sm_90a, 64-head decode: w64 beats d16 from this conte
 
 def _pick_variant(max_rows: int, decode: bool, smem_limit: int, batch: int = 1, wgmma: bool = False,
                   max_ctx: int = 0) -> str:
-    # H200, ctx 4k: d16 wins at 8 heads (b1 21.8 vs 29.9 µs, b8 32.3 vs 34.5) and at 64 heads b1
-    # (25.7 vs 44.8: 4 tiles of 16 rows) but loses at 64 heads b8 (65.6 vs 52.6: 32 tiles re-read
-    # the rows 4x), so wide decode batches keep m64.
-    # sm_90a (w64, benchmarks/attention_h200.json run): 8-head decode d16 ~= w64 (ctx 16k b8 70.8 vs
-    # 70.4 µs), d16 ahead on short contexts, so 8 heads keep d16; 64 heads b1 d16 wins at 1k / 4k
-    # (18.9 / 26.0 vs 26.4 / 28.1 µs) and w64 at 16k (34.6 vs 43.4).
+    # d16 (16-row tiles) while few tiles re-read the cache rows; m64 for wide decode batches (their
+    # tiles would re-read the rows); w64 on sm_90a at long contexts (H200 timings: benchmarks/README.md).
     wide_d16 = batch * -(-max_rows // 16) <= D16_MAX_TILES and not (wgmma and max_ctx >= W64_OVER_D16_CTX)
     if decode and (max_rows <= 16 or wide_d16):
         prefer = ("d16", "m16", "small") if max_rows <= 16 else ("d16", "m64", "small")
@@ -182,8 +179,8 @@ def _device_props() -> tuple[int, int, bool]:
 def _props_of(device_id: int, arch_override: str | None) -> tuple[int, int, bool]:
     import cupy
 
-    attrs = cupy.cuda.Device(device_id).attributes
-    return (attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"], wgmma_build(arch_override))
+    smem = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    return sm_count(device_id), smem, wgmma_build(arch_override)
 
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
@@ -318,13 +315,6 @@ def mla_attention(plan: MLAPlan, q, cache, softmax_scale: float, out=None, lse=N
     return out, lse
 
 
-# cuBLAS enums (cublas_api.h / library_types.h)
-_OP_N, _OP_T = 0, 1
-_CUDA_R_16BF = 14
-_COMPUTE_32F = 68
-_GEMM_DEFAULT = -1
-
-
 def _strides_elems(name: str, a) -> tuple[int, ...]:
     if any(s % a.itemsize for s in a.strides):
         raise ValueError(f"{name}: strides {a.strides} are not whole elements")
@@ -372,9 +362,9 @@ def mla_head_gemm(x, w, trans_w: bool, out=None):
     ldx, ldw, ldy = max(xs[0], k), max(ws[1], w_cols), max(ys[0], n)  # max(): unused when that dim is 1
     alpha, beta = np.array(1.0, np.float32), np.array(0.0, np.float32)
     _cublas.gemm_strided_batched_ex(
-        _OP_T if trans_w else _OP_N, _OP_N, n, t, k,
-        alpha.ctypes.data, w.data.ptr, _CUDA_R_16BF, ldw, ws[0],
-        x.data.ptr, _CUDA_R_16BF, ldx, xs[1],
-        beta.ctypes.data, out.data.ptr, _CUDA_R_16BF, ldy, ys[1],
-        h, _COMPUTE_32F, _GEMM_DEFAULT)
+        _cublas.OP_T if trans_w else _cublas.OP_N, _cublas.OP_N, n, t, k,
+        alpha.ctypes.data, w.data.ptr, _cublas.R_16BF, ldw, ws[0],
+        x.data.ptr, _cublas.R_16BF, ldx, xs[1],
+        beta.ctypes.data, out.data.ptr, _cublas.R_16BF, ldy, ys[1],
+        h, _cublas.COMPUTE_32F, _cublas.GEMM_DEFAULT)
     return out

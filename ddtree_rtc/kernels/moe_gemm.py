@@ -15,7 +15,7 @@ from ..reference.moe_gemm import check_experts_layout
 from ..reference.moe_routing import MoEAlignment
 from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from ._args import BF16, allow_dynamic_smem, check, out_array
-from ._launch import launch, pdl_supported
+from ._launch import launch, pdl_supported, sm_count
 from .moe_routing import alignment_buffers, moe_align
 from .registry import module, spec
 
@@ -33,10 +33,8 @@ CONCURRENT = True
 # Programmatic dependent launches inside moe_experts (kernels/_launch.py): the align, split-K reduce,
 # down and combine launches start while the previous kernel drains, and the down GEMM's first weight
 # stages are in flight before gate_up ends. Only on one stream (a plan with a side stream launches as
-# before). The gate_up GEMM itself launches plainly: at e071145 (H200, K2.6 dims) the other
-# launches as PDL gave M = 1 73.5 µs against 76.6 plain and M = 2..8 3-5 µs; PDL on gate_up too
-# measured 97.9 µs at M = 1 in stop 16 but 73.0 (M = 2..16 within 1 µs) in stop 17, at 5c2534a:
-# neither a gain nor, today, a loss (benchmarks/variants_h200.txt, stops 16 and 17).
+# before). The gate_up GEMM itself launches plainly: PDL there measured no steady gain
+# (benchmarks/README.md, moe_gemm).
 PDL = True
 # The kernel of the large list (32-pair blocks): "nt4" (mma.sync, every arch) or "wg4" (opt-in, sm_90a
 # only: the warpgroup's wgmma, the dequantized weights as its register A operand, the pairs staged in
@@ -159,21 +157,11 @@ def pick_large(large: str | None) -> str:
 
 
 def default_stages(large: str = "nt4") -> tuple[int, int]:
-    """The ring depths cuda_src/moe_gemm.cu is built with by default (nt 1, nt 4). On the H200
-    (2026-12-03, 128 K2.6-sized experts, M = 1, 2, 8, 32, 256) deeper rings never helped: (4, 4)
-    was best or within 1% everywhere, (8, 4) 3-8% slower, (12, 4) and (8, 8) 15-40% slower (more
-    shared memory per CTA, fewer CTAs per SM); the parameter stays for other GPUs' sweeps. Later
-    (2026-12-04, K2.6, M = 16..1024) nt 4 went to 3 stages with MOE_MIN_CTAS_NT4 = 4 (128 registers,
-    four CTAs per SM): 1.5-4% faster at M >= 256, equal below; and nt 1 to 3 stages: 0.3-2.9 µs
-    faster at M = 1..16 (69.9 vs 72.4 µs at M = 1), equal at 32 and 256, while 2 stages lose 5-17%."""
+    """The ring depths cuda_src/moe_gemm.cu is built with by default (nt 1, nt 4): shallow rings, since
+    deeper ones take shared memory per CTA and so CTAs per SM (H200 sweeps: benchmarks/README.md); the
+    parameter stays for other GPUs' sweeps."""
     p = spec("moe_gemm").params
     return p["MOE_STAGES_NT1"], p[_stage_param(large)]
-
-
-def _num_sms() -> int:
-    import cupy
-
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
 def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
@@ -212,7 +200,7 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
             raise ValueError(f"{p} (token, expert) pairs need up to {n} {what} blocks > {_MAX_GRID_Y}; "
                              f"split the batch")
     busy = min(num_experts, p)  # experts touched at most
-    target = int(1.5 * (num_sms or _num_sms()))
+    target = int(1.5 * (num_sms or sm_count()))
     n13, n2 = busy * -(-2 * intermediate // ROWS_PER_CTA), busy * -(-hidden // ROWS_PER_CTA)
     s13 = _pick_split(hidden, n13, target, split_gate_up, "gate_up")
     s2 = _pick_split(intermediate, n2, target, split_down, "down")

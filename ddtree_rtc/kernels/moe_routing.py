@@ -18,26 +18,31 @@ _ALIGN_WARPS = 8
 # 48 KB that needs no opt-in); beyond, the kernel reads the ids from global memory.
 _ALIGN_SMEM_IDS_MAX = 8192
 
-_CUDA_R_32F, _CUDA_R_16BF = 0, 14
-_CUBLAS_COMPUTE_32F = 68
-_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
-_CUBLAS_GEMM_DEFAULT = -1
 _ALPHA = np.ones(1, dtype=np.float32)  # host scalars; module-level so the pointers stay valid
 _BETA = np.zeros(1, dtype=np.float32)
 
 
 def router_logits(x, weight, out=None):
-    """x [M, H] bf16, weight [E, H] bf16 -> fp32 logits [M, E] (cuBLAS gemmEx, fp32 accumulate)."""
+    """x [M, H] bf16, weight [E, H] bf16 or fp32 -> fp32 logits [M, E] (cuBLAS gemmEx, fp32 accumulate).
+    An fp32 router (checkpoints saved from an fp32 model) multiplies x widened to fp32, exactly."""
+    import cupy
+
     check("x", x, BF16, ndim=2)
     h = x.shape[1]
-    check("weight", weight, BF16, shape=(None, h))
+    if weight.dtype == np.float32:
+        check("weight", weight, np.float32, shape=(None, h))
+        x = (x.astype(cupy.uint32) << 16).view(cupy.float32)
+        in_type = _cublas.R_32F
+    else:
+        check("weight", weight, BF16, shape=(None, h))
+        in_type = _cublas.R_16BF
     m, e = x.shape[0], weight.shape[0]
     y = out_array("out", out, (m, e), np.float32)
     if m == 0:
         return y
-    _cublas.gemm_ex(_CUBLAS_OP_T, _CUBLAS_OP_N, e, m, h,
-                    _ALPHA.ctypes.data, weight.data.ptr, _CUDA_R_16BF, h, x.data.ptr, _CUDA_R_16BF, h,
-                    _BETA.ctypes.data, y.data.ptr, _CUDA_R_32F, e, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    _cublas.gemm_ex(_cublas.OP_T, _cublas.OP_N, e, m, h,
+                    _ALPHA.ctypes.data, weight.data.ptr, in_type, h, x.data.ptr, in_type, h,
+                    _BETA.ctypes.data, y.data.ptr, _cublas.R_32F, e, _cublas.COMPUTE_32F, _cublas.GEMM_DEFAULT)
     return y
 
 

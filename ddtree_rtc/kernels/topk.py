@@ -24,6 +24,7 @@ import numpy as np
 
 from ..reference.topk import check_k
 from ._args import BF16, allow_dynamic_smem, check, dtype_name, out_array
+from ._launch import sm_count
 from .registry import module, spec
 
 VARIANTS = ("stream", "chunked", "slices")
@@ -85,7 +86,7 @@ def _plan_vectors(rows: int, vocab: int, k: int) -> int | None:
     halved while the merge still fits; None when even full chunks give too many keys to merge."""
     if rows > _MAX_ROWS or _chunks(vocab, _MAX_VECS, 4) * k > _MERGE_KEYS:
         return None
-    vectors, want = _MAX_VECS, 2 * _sm_count()
+    vectors, want = _MAX_VECS, 2 * sm_count()
     while (vectors > _MIN_VECS and rows * _chunks(vocab, vectors, 2) < want
            and _chunks(vocab, vectors // 2, 4) * k <= _MERGE_KEYS):
         vectors //= 2
@@ -97,7 +98,7 @@ def _plan_stream(rows: int, vocab: int, k: int) -> int | None:
     steps of 8 K tokens; None when k is too large for the variant."""
     if k > STREAM_MAX_K or rows > _MAX_ROWS:
         return None
-    want = min(_STREAM_MAX_CHUNKS, -(-_sm_count() // max(rows, 1)))
+    want = min(_STREAM_MAX_CHUNKS, -(-sm_count() // max(rows, 1)))
     chunk = -(-vocab // max(want, 1))
     chunk = -(-chunk // _STREAM_STEP) * _STREAM_STEP
     while -(-vocab // chunk) * k > _STREAM_MERGE_KEYS:
@@ -116,12 +117,6 @@ def _split(rows: int, vocab: int, k: int, chunks: int, variant: str, **fields) -
     return TopkWorkspace(rows, vocab, k, chunks, cupy.empty((rows, chunks, k), dtype=np.uint64),
                          cupy.empty((rows, chunks, 2), dtype=np.float32), cupy.zeros((rows,), dtype=np.uint32),
                          variant, **fields)
-
-
-def _sm_count() -> int:
-    import cupy
-
-    return cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
 def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = None,
@@ -184,7 +179,7 @@ def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = N
     cap = default_cap() if cap is None else int(cap)
     most = max(1, min(_MAX_SLICES, cap // k))
     if slices is None:
-        slices = max(1, min(most, _sm_count() // max(rows, 1), vocab // _MIN_SLICE))
+        slices = max(1, min(most, sm_count() // max(rows, 1), vocab // _MIN_SLICE))
     elif not 1 <= int(slices) <= most:
         raise ValueError(f"slices={slices} is out of range 1..{most} (at most {_MAX_SLICES}, and "
                          f"slices * k <= {cap})")

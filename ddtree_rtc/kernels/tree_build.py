@@ -5,13 +5,8 @@ bit for bit (nodes, order, scores, masks). One graph-capturable launch for the w
 Variants: ``"heap"`` runs the sequential heap loop; ``"level"`` builds depth by depth in parallel and
 falls back per request to the heap loop where its exactness conditions fail; ``"prune"`` (the
 default) is the level build with tau a histogram lower bound instead of the exact budget-th score
-(no quadratic step), contiguous chains and a ranking of only the narrowed final list. H200 timings
-(2026-12-03, `tools/tree_compare.py`, depth 7, V = 163840, Zipf logits, L2 flushed, all three
-bit-identical to heapq; TREE_THREADS = 512): budget 16: prune 10.1-10.8 us, level 11.6-13.1, heap
-14.1-14.7; 64: 13.6-14.5 / 23.9-25.6 / 39-40; 256: 31.7-35.1 / 66-68 / 220-222; 512: 67.6-71.9 /
-221-238 / 596-601 us. Inside one block the heap loop costs ~1000 SM cycles per pop, the prune build
-~15 k cycles in all at budget 64, staging and the outputs ~3600 cycles (cuda_src/tree_build.cu,
-TREE_PROFILE)."""
+(no quadratic step), contiguous chains and a ranking of only the narrowed final list, which is why it
+is the fastest of the three at every budget (measurements: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -63,8 +58,9 @@ def _check_out(out: TreeArrays, batch: int, max_budget: int, max_depth: int) -> 
 
 
 def default_variant(max_budget: int) -> str:
-    """The variant ``tree_build`` runs for this max_budget (both give identical trees): level at
-    every budget up to MAX_BUDGET (see the module docstring)."""
+    """The variant ``tree_build`` runs for this max_budget: prune at every budget up to MAX_BUDGET
+    (it falls back per request to the heap loop where its exactness conditions fail; every variant
+    gives the heap loop's tree, see the module docstring)."""
     return "prune"
 
 

@@ -20,11 +20,22 @@ class CheckpointError(ValueError):
     pass
 
 
+# The router is bf16 in Kimi's files and fp32 in checkpoints saved from an fp32 model; the correction bias
+# the other way round. Both load; routing math is fp32 either way.
+ROUTER_DTYPES = "BF16|F32"
+BIAS_DTYPES = "F32|BF16"
+WEIGHT_SHAPE_DTYPES = "I32|I64"  # Kimi's files: int32; compressed-tensors 0.20: int64 (torch.tensor(shape))
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str  # without the language_model. prefix
     shape: tuple[int, ...]
-    dtype: str  # BF16 | F32 | I32
+    dtype: str  # BF16 | F32 | I32, or alternatives joined by '|' (the first is what make-model writes)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(self.dtype.split("|"))
 
 
 def _experts(cfg: ModelConfig, prefix: str) -> list[TensorSpec]:
@@ -35,7 +46,7 @@ def _experts(cfg: ModelConfig, prefix: str) -> list[TensorSpec]:
             base = f"{prefix}.mlp.experts.{e}.{proj}"
             out += [TensorSpec(f"{base}.weight_packed", (n, k // 8), "I32"),
                     TensorSpec(f"{base}.weight_scale", (n, k // 32), "BF16"),
-                    TensorSpec(f"{base}.weight_shape", (2,), "I32")]
+                    TensorSpec(f"{base}.weight_shape", (2,), WEIGHT_SHAPE_DTYPES)]
     return out
 
 
@@ -59,8 +70,8 @@ def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorSpec]:
           TensorSpec(f"{a}.o_proj.weight", (h, nh * cfg.v_head_dim), "BF16")]
     if cfg.is_moe_layer(i):
         si = cfg.moe_intermediate_size * cfg.n_shared_experts
-        t += [TensorSpec(f"{p}.mlp.gate.weight", (cfg.n_routed_experts, h), "BF16"),
-              TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,), "F32")]
+        t += [TensorSpec(f"{p}.mlp.gate.weight", (cfg.n_routed_experts, h), ROUTER_DTYPES),
+              TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,), BIAS_DTYPES)]
         if si:
             t += [TensorSpec(f"{p}.mlp.shared_experts.gate_proj.weight", (si, h), "BF16"),
                   TensorSpec(f"{p}.mlp.shared_experts.up_proj.weight", (si, h), "BF16"),
@@ -173,8 +184,9 @@ class CheckpointReader:
                 problems.append(f"missing {full}")
                 continue
             _, entry, _ = self._where[full]
-            if tuple(entry["shape"]) != s.shape or entry["dtype"] != s.dtype:
-                problems.append(f"{full}: {entry['dtype']}{tuple(entry['shape'])}, expected {s.dtype}{s.shape}")
+            if tuple(entry["shape"]) != s.shape or entry["dtype"] not in s.dtypes:
+                want = " or ".join(s.dtypes)
+                problems.append(f"{full}: {entry['dtype']}{tuple(entry['shape'])}, expected {want}{s.shape}")
         if problems:
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
             raise CheckpointError(f"{self.dir}: checkpoint does not match config.json: "

@@ -82,8 +82,12 @@ class ModelConfig:
                   "moe_intermediate_size", "num_experts_per_tok"):
             if int(getattr(self, f)) <= 0:
                 bad(f"{f} must be positive, got {getattr(self, f)}")
-        if self.qk_rope_head_dim % 2:
-            bad(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        # The latent cache row [c | k_pe] is 576 wide in every DeepSeek-V3 / K2 model, and the MLA kernels
+        # and the attention path are built for exactly that row: refuse other widths here, not in a forward.
+        for f, want in (("kv_lora_rank", 512), ("qk_rope_head_dim", 64)):
+            if int(getattr(self, f)) != want:
+                bad(f"{f} {getattr(self, f)} is not supported: the MLA path needs {f} = {want} "
+                    f"(every DeepSeek-V3 / Kimi K2 model)")
         if self.n_routed_experts and self.num_experts_per_tok > self.n_routed_experts:
             bad(f"num_experts_per_tok {self.num_experts_per_tok} > n_routed_experts {self.n_routed_experts}")
         if self.n_routed_experts % max(self.n_group, 1):

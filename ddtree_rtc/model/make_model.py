@@ -45,6 +45,11 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
     return words.view(np.int32)
 
 
+# The stored dtypes of the tensors real checkpoints write either way (the loader accepts each).
+WEIGHT_SHAPE_DTYPES = {"int32": np.int32, "int64": np.int64}
+ROUTER_DTYPES = {"bf16": bfloat16, "fp32": np.float32}
+
+
 def random_int4_weight(rng: np.random.Generator, n: int, k: int, std: float):
     """(packed int32 [N, K/8], scales bf16 [N, K/32], shape int32 [2]) with W ~ std in magnitude.
     Uniform random words are uniform nibbles, i.e. q uniform on [-8, 7] packed per the spec (q + 8 in
@@ -59,7 +64,7 @@ def random_int4_weight(rng: np.random.Generator, n: int, k: int, std: float):
 
 def _tensor(rng: np.random.Generator, spec: TensorSpec, cfg: ModelConfig, n_layers: int) -> np.ndarray:
     name, shape = spec.name, spec.shape
-    if spec.dtype == "F32":  # e_score_correction_bias: non-zero, the size of typical score gaps
+    if name.endswith(".e_score_correction_bias"):  # non-zero, the size of typical score gaps
         return rng.uniform(-0.05, 0.05, size=shape).astype(np.float32)
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(bfloat16)
@@ -72,8 +77,16 @@ def _tensor(rng: np.random.Generator, spec: TensorSpec, cfg: ModelConfig, n_laye
     return (std * rng.standard_normal(shape, dtype=np.float32)).astype(bfloat16)
 
 
-def make_model(cfg: ModelConfig, out: str | Path, seed: int = 0, progress=None) -> Path:
-    """Write config.json and sharded safetensors (one shard per layer) to ``out``."""
+def make_model(cfg: ModelConfig, out: str | Path, seed: int = 0, progress=None, weight_shape_dtype: str = "int32",
+               router_dtype: str = "bf16", bias_dtype: str = "fp32") -> Path:
+    """Write config.json and sharded safetensors (one shard per layer) to ``out``. ``weight_shape_dtype``
+    (int32 as Kimi's files, int64 as compressed-tensors 0.20), ``router_dtype`` (of mlp.gate.weight) and
+    ``bias_dtype`` (of e_score_correction_bias; bf16 or fp32 each) pick the stored forms; the values
+    drawn are the same for every choice but the rounding of the router and bias to bf16."""
+    for what, v, choices in (("weight_shape_dtype", weight_shape_dtype, WEIGHT_SHAPE_DTYPES),
+                             ("router_dtype", router_dtype, ROUTER_DTYPES), ("bias_dtype", bias_dtype, ROUTER_DTYPES)):
+        if v not in choices:
+            raise ValueError(f"{what} {v!r}: expected one of {', '.join(choices)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -98,9 +111,14 @@ def make_model(cfg: ModelConfig, out: str | Path, seed: int = 0, progress=None) 
                 std = k_in ** -0.5 / (np.sqrt(2 * n) if base.endswith("down_proj") else 1.0)
                 packed, scale, shape = random_int4_weight(rng, n_out, k_in, std)
                 tensors.update({f"{base}.weight_packed": packed, f"{base}.weight_scale": scale,
-                                f"{base}.weight_shape": shape})
+                                f"{base}.weight_shape": shape.astype(WEIGHT_SHAPE_DTYPES[weight_shape_dtype])})
             else:
-                tensors[s.name] = _tensor(rng, s, cfg, n)
+                t = _tensor(rng, s, cfg, n)
+                if s.name.endswith(".mlp.gate.weight"):
+                    t = t.astype(ROUTER_DTYPES[router_dtype])
+                elif s.name.endswith(".e_score_correction_bias"):
+                    t = t.astype(ROUTER_DTYPES[bias_dtype])
+                tensors[s.name] = t
         write_file(out / shard, tensors, {"format": "pt"})
         weight_map.update({name: shard for name in tensors})
         if progress is not None:

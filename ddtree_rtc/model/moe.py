@@ -12,7 +12,7 @@ import numpy as np
 from ml_dtypes import bfloat16
 
 from ..reference.moe_routing import check_route_args
-from .checkpoint import CheckpointError, CheckpointReader
+from .checkpoint import BIAS_DTYPES, ROUTER_DTYPES, CheckpointError, CheckpointReader
 from .int4_repack import Int4Experts, prepare_experts
 from .quant import INT4_GROUP32, Int4Scheme, expert_prefix, load_moe_experts
 
@@ -51,7 +51,7 @@ class RoutingConfig:
 @dataclass
 class MoELayerWeights:
     """One MoE layer's weights, already in the form the backend wants (see ``prepare_experts``).
-    gate_weight bf16 [E, H]; e_score_correction_bias fp32 [E] or None; shared_w13 bf16 [2*Is, H] =
+    gate_weight bf16 or fp32 [E, H]; e_score_correction_bias fp32 [E] or None; shared_w13 bf16 [2*Is, H] =
     [gate; up] and shared_w2 bf16 [H, Is], or both None."""
 
     gate_weight: object
@@ -99,17 +99,20 @@ def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, h
     """Router, correction bias, INT4 routed experts and the bf16 shared expert of one layer."""
     stem = expert_prefix(ckpt, layer)[: -len("experts.")]  # "[language_model.]model.layers.N.mlp."
 
-    def dense(name: str, shape: tuple, dtype: str) -> np.ndarray:
+    def dense(name: str, shape: tuple, dtypes: str) -> np.ndarray:
         got_dt, got_shape = ckpt.info(name)
-        if got_dt != dtype or got_shape != shape:
+        if got_dt not in dtypes.split("|") or got_shape != shape:
+            want = " or ".join(dtypes.split("|"))
             raise CheckpointError(f"{name} in {ckpt.file_of(name).name}: {got_dt} {list(got_shape)}, "
-                                  f"expected {dtype} {list(shape)}")
+                                  f"expected {want} {list(shape)}")
         return ckpt.get(name)
 
     e = routing.num_experts
-    gate = dense(stem + "gate.weight", (e, hidden), "BF16")
+    # the router may be stored bf16 or fp32 (kept as stored: its logits are fp32 either way); the bias
+    # fp32 or bf16 (widened to fp32, exactly, for the routing kernel)
+    gate = np.ascontiguousarray(dense(stem + "gate.weight", (e, hidden), ROUTER_DTYPES))
     bias_name = stem + "gate.e_score_correction_bias"
-    bias = dense(bias_name, (e,), "F32") if bias_name in ckpt else None
+    bias = np.asarray(dense(bias_name, (e,), BIAS_DTYPES)).astype(np.float32) if bias_name in ckpt else None
     experts = load_moe_experts(ckpt, layer, e, hidden, intermediate, scheme)
     w13 = w2 = None
     if stem + "shared_experts.down_proj.weight" in ckpt:

@@ -121,10 +121,19 @@ def load_int4_linear(ckpt: CheckpointReader, base: str, n: int, k: int,
                                   f"(an [{n}, {k}] weight, {scheme.num_bits}-bit, group {g})")
         out.append(ckpt.get(name))
     if base + "weight_shape" in ckpt:
-        ws = ckpt.get(base + "weight_shape").reshape(-1)
-        if ws.size != 2 or (int(ws[0]), int(ws[1])) != (n, k):
-            raise CheckpointError(f"{base}weight_shape in {ckpt.file_of(base + 'weight_shape').name} says "
-                                  f"{ws.tolist()}, expected [{n}, {k}]")
+        name = base + "weight_shape"
+        f = ckpt.file_of(name).name
+        got_dt, _ = ckpt.info(name)
+        if got_dt not in ("I32", "I64"):  # Kimi's files: int32; compressed-tensors 0.20: int64
+            raise CheckpointError(f"{name} in {f}: dtype {got_dt}, expected I32 or I64")
+        ws = np.asarray(ckpt.get(name)).reshape(-1)
+        packed_shape, scale_shape = out[0].shape, out[1].shape
+        implied = (packed_shape[0], packed_shape[1] * 8)
+        if ws.size != 2 or (int(ws[0]), int(ws[1])) != (n, k) or implied != (n, k) \
+                or (scale_shape[0], scale_shape[1] * g) != (n, k):
+            raise CheckpointError(f"{name} in {f} says {ws.tolist()}, but {base}weight_packed is "
+                                  f"{list(packed_shape)} and {base}weight_scale {list(scale_shape)} "
+                                  f"(an [{n}, {k}] weight, group {g})")
     return np.ascontiguousarray(out[0]).view(np.int32), np.ascontiguousarray(out[1])
 
 

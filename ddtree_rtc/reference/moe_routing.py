@@ -27,7 +27,7 @@ MAX_TOP_K = 32
 
 
 def router_logits(x, weight, out=None):
-    """x [M, H] bf16, weight [E, H] bf16 -> fp32 logits [M, E] (float64 products and sums: batch-invariant)."""
+    """x [M, H] bf16, weight [E, H] bf16 or fp32 -> fp32 logits [M, E] (float64 products and sums: batch-invariant)."""
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"router_logits: expected x [M, H] and weight [E, H], got {x.shape} and {weight.shape}")
     y = (x.astype(np.float64) @ weight.astype(np.float64).T).astype(np.float32)
