@@ -244,6 +244,31 @@ def run_cmd(pipeline, overrides, quiet):
         raise click.ClickException(str(e)) from None
 
 
+@main.command("serve")
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--max-queue", default=256, show_default=True, type=int,
+              help="Requests held (waiting + running) before new ones get 429.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a pipeline field.")
+def serve_cmd(pipeline, host, port, max_queue, overrides):
+    """Serve a pipeline's engine behind the OpenAI API (needs `pip install .[serve]`).
+
+    \b
+    ddtree-rtc serve pipelines/tiny.yaml --port 8000
+    """
+    from .pipeline.schema import PipelineError, load_pipeline, parse_set_options
+
+    try:
+        from .serve.server import serve
+    except ImportError as e:
+        raise click.ClickException(f"serve needs its extra: pip install '.[serve]' ({e})") from None
+    try:
+        serve(load_pipeline(pipeline, parse_set_options(overrides)), host, port, max_queue)
+    except PipelineError as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command("make-model")
 @click.option("--preset", type=click.Choice(["tiny", "small", "k2.6"]), required=True,
               help="tiny: runs on the numpy backend in seconds; small: a few hundred MB; k2.6: K2.6's exact dims.")

@@ -102,7 +102,8 @@ def load_prompts(pipe: Pipeline, vocab: int, directory: Path) -> list[list[int]]
     return prompts
 
 
-def _tokenizer(directory: Path):
+def tokenizer(directory: Path):
+    """Kimi's tiktoken encoding from ``directory/tiktoken.model`` (``PipelineError`` when absent)."""
     model_file = directory / "tiktoken.model"
     if not model_file.exists():
         raise PipelineError(f"text prompts need Kimi's tokenizer: {model_file} not found (use {{\"ids\": [...]}})")
@@ -117,7 +118,11 @@ def _tokenizer(directory: Path):
            r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
     enc = tiktoken.Encoding(name="kimi", pat_str=pat, mergeable_ranks=ranks, special_tokens={})
-    return enc.encode
+    return enc
+
+
+def _tokenizer(directory: Path):
+    return tokenizer(directory).encode
 
 
 def make_drafter(pipe: Pipeline, model: TargetModel, max_new: int, prompts: list[list[int]]):
@@ -144,7 +149,10 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
 
 
-def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
+def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
+                 prompts: list[list[int]] | None = None) -> tuple[Engine, dict]:
+    """The pipeline's engine (and its drafter): backend, kernels compiled, weights loaded; also the
+    load figures. ``prompts``: known up front (an oracle drafter decodes their continuations here)."""
     if pipe.runtime.tensor_parallel != 1:
         raise PipelineError(f"{pipe.source}: runtime.tensor_parallel {pipe.runtime.tensor_parallel}: only 1 GPU "
                             f"is supported in this build")
@@ -170,16 +178,32 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
         from ..rtc import freeze
 
         freeze()
-    prompts = load_prompts(pipe, model.cfg.vocab_size, directory)
     w, d = pipe.workload, pipe.decode
     new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
-    reqs = [Request(i, p, new, temperature=d.temperature, top_p=d.top_p) for i, p in enumerate(prompts)]
-    drafter = make_drafter(pipe, model, new, prompts)
+    drafter = make_drafter(pipe, model, new, prompts or [])
     try:
-        engine = Engine(model, max_batch=min(w.concurrency, pipe.runtime.max_batch),
-                        page_size=pipe.runtime.page_size, max_context=pipe.runtime.max_context, seed=d.seed,
-                        profile=True, cuda_graphs=pipe.runtime.cuda_graphs, mode=d.mode, drafter=drafter,
-                        budget=d.budget)
+        engine = Engine(model, max_batch=max_batch, page_size=pipe.runtime.page_size,
+                        max_context=pipe.runtime.max_context, seed=d.seed, profile=profile,
+                        cuda_graphs=pipe.runtime.cuda_graphs, mode=d.mode, drafter=drafter, budget=d.budget)
+    except ValueError as e:
+        raise PipelineError(f"{pipe.source}: {e}") from None
+    return engine, {"dir": directory, "compile_s": compile_s, "load_s": load_s}
+
+
+def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
+    w = pipe.workload
+    directory = model_dir(pipe)
+    from ..model.config import load_config
+
+    prompts = load_prompts(pipe, load_config(directory).vocab_size, directory)
+    engine, info = build_engine(pipe, max_batch=min(w.concurrency, pipe.runtime.max_batch), profile=True,
+                                prompts=prompts)
+    model, backend, drafter = engine.model, engine.backend, engine.drafter
+    compile_s, load_s = info["compile_s"], info["load_s"]
+    d = pipe.decode
+    new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
+    reqs = [Request(i, p, new, temperature=d.temperature, top_p=d.top_p) for i, p in enumerate(prompts)]
+    try:
         for r in reqs:
             engine.submit(r)
     except ValueError as e:

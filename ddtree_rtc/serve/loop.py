@@ -1,0 +1,149 @@
+"""The engine loop: one thread owns the engine and runs rounds while any client has work.
+
+HTTP handlers never touch the engine: they put submits and cancels on a thread-safe inbox, and
+the loop applies them between rounds (continuous batching: requests join and leave between rounds).
+After each round every live request's new tokens go to its client's asyncio queue as one event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..engine.request import Request
+
+
+class Overloaded(Exception):
+    pass
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("ddtree_requests", "requests finished, by reason", ["finish"], registry=r)
+        self.prompt_tokens = Counter("ddtree_prompt_tokens", "prompt tokens admitted", registry=r)
+        self.generated_tokens = Counter("ddtree_generated_tokens", "tokens generated", registry=r)
+        self.rounds = Counter("ddtree_rounds", "engine rounds run", registry=r)
+        self.tau = Gauge("ddtree_tau", "mean tokens emitted per running request per round (last round)",
+                         registry=r)
+        self.queue_depth = Gauge("ddtree_queue_depth", "requests waiting or running in the engine", registry=r)
+        self.latency = Histogram("ddtree_request_latency_seconds", "arrival to last token", registry=r)
+        self.ttft = Histogram("ddtree_time_to_first_token_seconds", "arrival to first token", registry=r)
+        self.round_time = Histogram("ddtree_round_seconds", "one engine round", registry=r,
+                                    buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
+
+
+class EngineLoop:
+    def __init__(self, engine, max_queue: int):
+        self.engine, self.max_queue = engine, max_queue
+        self.metrics = Metrics()
+        self._inbox: queue.Queue = queue.Queue()
+        self._clients: dict[int, tuple[Request, asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._next_rid = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ddtree-engine-loop", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout=30)
+
+    def new_rid(self) -> int:
+        with self._lock:
+            self._next_rid += 1
+            return self._next_rid
+
+    def submit(self, req: Request) -> asyncio.Queue:
+        """Queue ``req`` (already validated); its events arrive on the returned queue."""
+        with self._lock:
+            if self._outstanding >= self.max_queue:
+                raise Overloaded(f"the server holds {self._outstanding} requests, its limit (max_queue); "
+                                 f"retry later")
+            self._outstanding += 1
+        events: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(("submit", (req, asyncio.get_running_loop(), events)))
+        return events
+
+    def cancel(self, rid: int) -> None:
+        self._inbox.put(("cancel", rid))
+
+    def _release(self, rid: int) -> None:
+        self._clients.pop(rid, None)
+        with self._lock:
+            self._outstanding -= 1
+
+    def _send(self, rid: int, event) -> None:
+        _, aloop, events, _ = self._clients[rid]
+        aloop.call_soon_threadsafe(events.put_nowait, event)
+
+    def _apply(self, kind, arg) -> None:
+        eng = self.engine
+        if kind == "submit":
+            req, aloop, events = arg
+            self._clients[req.rid] = (req, aloop, events, [0])
+            try:
+                eng.submit(req)
+            except ValueError as e:  # RequestError or a request larger than the whole cache
+                self._send(req.rid, ("error", str(e)))
+                self._release(req.rid)
+                return
+            self.metrics.prompt_tokens.inc(len(req.prompt))
+        elif kind == "cancel" and arg in self._clients:
+            eng.cancel(arg)
+            self._release(arg)
+
+    def _run(self) -> None:
+        eng, m = self.engine, self.metrics
+        try:
+            while not self._stop.is_set():
+                block = not eng.scheduler.has_work()
+                while True:
+                    try:
+                        kind, arg = self._inbox.get(block=block, timeout=0.5 if block else None)
+                    except queue.Empty:
+                        break
+                    self._apply(kind, arg)
+                    block = False
+                sched = eng.scheduler
+                m.queue_depth.set(len(sched.waiting) + len(sched.running))
+                if not sched.has_work():
+                    continue
+                running_before = len(sched.running)
+                t0 = time.perf_counter()
+                done = {r.rid for r in eng.step()}
+                m.round_time.observe(time.perf_counter() - t0)
+                m.rounds.inc()
+                emitted = 0
+                for rid in list(self._clients):
+                    req, _, _, sent = self._clients[rid]
+                    new = req.output[sent[0]:]
+                    if new:
+                        if sent[0] == 0 and req.t_first is not None:
+                            m.ttft.observe(req.t_first - req.t_arrive)
+                        sent[0] = len(req.output)
+                        emitted += len(new)
+                        self._send(rid, ("tokens", list(new)))
+                    if rid in done:
+                        m.requests.labels(req.finish.value).inc()
+                        m.latency.observe(req.t_done - req.t_arrive)
+                        self._send(rid, ("done", req.finish.value))
+                        self._release(rid)
+                m.generated_tokens.inc(emitted)
+                if running_before:
+                    m.tau.set(emitted / max(running_before, 1))
+                sched.finished.clear()
+        except BaseException as e:  # the loop is dead: every client hears why, new ones get 503
+            self.error = e
+            for rid in list(self._clients):
+                self._send(rid, ("error", f"engine loop failed: {e!r}"))
+            raise

@@ -1,0 +1,20 @@
+"""Build the app from a pipeline (the engine exactly as ``ddtree-rtc run`` builds it) and run uvicorn."""
+
+from __future__ import annotations
+
+from ..pipeline.runner import build_engine
+from .app import create_app
+from .text import Text
+
+
+def app_from_pipeline(pipe, max_queue: int = 256):
+    engine, info = build_engine(pipe, max_batch=pipe.runtime.max_batch)
+    name = pipe.model.preset or str(info["dir"].name)
+    return create_app(engine, Text(info["dir"], preset=pipe.model.preset is not None), name, pipe.decode,
+                      max_queue=max_queue)
+
+
+def serve(pipe, host: str, port: int, max_queue: int = 256) -> None:
+    import uvicorn
+
+    uvicorn.run(app_from_pipeline(pipe, max_queue), host=host, port=port, log_level="info")
