@@ -374,14 +374,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) argmax_kernel(const voi
   if (threadIdx.x == 0) out[blockIdx.x] = r;
 }
 
-// temps / top_ps: per-row fp32 arrays, or null to use the scalars temp / top_p.
+// temps / top_ps: per-row fp32 arrays, or null to use the scalars temp / top_p. keys: per-row
+// stream keys (the engine's (seed, request, position) keys), or null to derive them from
+// (seed, offset, row).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) sample_kernel(
     const void* logits, long long row_stride, int V, int is_bf16, int vec, const float* temps, float temp,
-    const float* top_ps, float top_p, unsigned long long seed, unsigned long long offset, int* out) {
+    const float* top_ps, float top_p, unsigned long long seed, unsigned long long offset,
+    const unsigned long long* keys, int* out) {
   __shared__ Scratch s;
   const float t = temps ? temps[blockIdx.x] : temp;
   const float p = top_ps ? top_ps[blockIdx.x] : top_p;
-  const unsigned long long row_key = mix64(mix64(mix64(seed) ^ offset) + (blockIdx.x + 1ull) * GAMMA);
+  const unsigned long long row_key =
+      keys ? keys[blockIdx.x] : mix64(mix64(mix64(seed) ^ offset) + (blockIdx.x + 1ull) * GAMMA);
   int r;
   if (is_bf16) {
     const unsigned short* row = row_ptr<unsigned short>(logits, row_stride);

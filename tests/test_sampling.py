@@ -248,6 +248,25 @@ def test_sample_is_gumbel_max_over_the_nucleus(rng):
     assert ref.sample(l, 0.6, 1.0, seed, offset=9).tolist() == want.tolist()
 
 
+def test_position_keys_are_row_keys_of_their_position(rng):
+    """position_keys(seed, s, p) is row p of row_keys(seed, s, p + 1): a request's draw at a position
+    is keyed the same whichever batch slot or round emits it."""
+    seed = int(rng.integers(2**63))
+    streams, pos = rng.integers(0, 2**40, 9), rng.integers(0, 300, 9)
+    got = ref.position_keys(seed, streams, pos)
+    assert got.dtype == np.uint64
+    assert [int(k) for k in got] == [int(ref.row_keys(seed, int(s), int(p) + 1)[p]) for s, p in zip(streams, pos)]
+    assert len(set(got.tolist())) == 9
+    l = rng.standard_normal((9, 200)).astype(np.float32)
+    a = ref.sample(l, 1.0, 0.9, 0, keys=got)
+    perm = rng.permutation(9)
+    assert np.array_equal(ref.sample(l[perm], 1.0, 0.9, 12345, keys=got[perm]), a[perm])
+    with pytest.raises(ValueError, match="keys: expected uint64"):
+        ref.sample(l, 1.0, 0.9, 0, keys=got[:4])
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        ref.position_keys(seed, [1], [-1])
+
+
 # ---- GPU ---------------------------------------------------------------------------------------
 
 def _device_logits(host: np.ndarray, poison: float = np.inf):
@@ -315,6 +334,9 @@ def test_sample_kernel_matches_reference_exactly(rng, dtype, shape):
     assert got.get().tolist() == ref.sample(l, temps, top_ps, seed, offset).tolist()
     for t, p in ((1.0, 0.9), (0.5, 1.0), (0.0, 0.5)):
         assert sample(dl, t, p, seed, offset).get().tolist() == ref.sample(l, t, p, seed, offset).tolist()
+    keys = ref.position_keys(seed, rng.integers(0, 2**40, rows), rng.integers(0, 4096, rows))
+    got = sample(dl, cupy.asarray(temps), cupy.asarray(top_ps), seed, offset, keys=cupy.asarray(keys))
+    assert got.get().tolist() == ref.sample(l, temps, top_ps, seed, offset, keys=keys).tolist()
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model.target import ForwardBatch, TargetModel
+from ..reference.sampling import position_keys
 from .cuda_graph import DecodeGraphs
 from .kv_cache import PageAllocator, PagedKVCache
 from .request import Request, RequestError
@@ -62,7 +63,7 @@ class Engine:
             from ..speculative.round import SpeculativeRound
 
             drafter.check_target(model.cfg)
-            self.round = SpeculativeRound(model, self.cache, drafter, mode, budget, self._timed)
+            self.round = SpeculativeRound(model, self.cache, drafter, mode, budget, self._timed, self.choose)
         self.scheduler = Scheduler(max_batch, self.pages, tail=self.round.tail if self.round else lambda r: 0)
         self.graphs = DecodeGraphs(model, self.cache, max_context) if cuda_graphs and self.backend.is_cuda else None
 
@@ -79,10 +80,9 @@ class Engine:
     def submit(self, req: Request) -> None:
         cfg = self.model.cfg
         req.validate(cfg.vocab_size, self.max_context)
+        if req.seed is None and not isinstance(req.rid, (int, np.integer)):
+            raise RequestError(f"request {req.rid!r}: give a seed (sampling streams are keyed by an int id or seed)")
         if self.round is not None:
-            if req.temperature > 0:
-                raise RequestError(f"request {req.rid}: temperature > 0 with decode mode {self.mode!r} is not "
-                                   f"supported yet (speculative rounds verify at T = 0 only)")
             self.round.budget_of(req)
             need = self.scheduler.need(req)
             if need > self.max_context:
@@ -92,13 +92,25 @@ class Engine:
         req.t_arrive = time.perf_counter()
         self.scheduler.submit(req)
 
-    def _choose(self, logits, reqs: list[Request]) -> np.ndarray:
+    def sample_keys(self, reqs: list[Request], positions) -> np.ndarray:
+        """Host uint64 row keys of the draws that give request b its token at ``positions[b]``:
+        keyed by (engine seed, the request's stream, position), never by batch slot or step, so a
+        request samples the same tokens whatever else is in the batch and however many tokens a
+        round emits (a speculative round's tree node and the autoregressive step it stands for
+        use one key). The stream is the request's own seed, or its id when it has none."""
+        streams = np.array([2 * r.seed + 1 if r.seed is not None else 2 * int(r.rid) for r in reqs], np.int64)
+        return position_keys(self.seed, streams, np.asarray(positions, np.int64))
+
+    def choose(self, logits, reqs: list[Request], positions):
+        """Backend int32 tokens for the rows of ``logits`` (row b: request ``reqs[b]``'s token at
+        ``positions[b]``): argmax where the request's temperature is 0, else its seeded sample."""
         be = self.backend
         temps = np.array([r.temperature for r in reqs], dtype=np.float32)
         if not temps.any():
-            return be.to_host(be.argmax(logits))
+            return be.argmax(logits)
         top_p = np.array([r.top_p for r in reqs], dtype=np.float32)
-        return be.to_host(be.sample(logits, temps, top_p, self.seed, offset=self.stats.steps))
+        return be.sample(logits, be.asarray(temps), be.asarray(top_p), self.seed,
+                         keys=be.asarray(self.sample_keys(reqs, positions)))
 
     def cancel(self, rid) -> bool:
         """Drop a waiting or running request and free its pages; False if it is not here."""
@@ -116,7 +128,8 @@ class Engine:
             layers = self.drafter.target_layer_ids if stage == "prefill" and self.drafter is not None else ()
             out = self._timed(stage, self.model.forward, batch, self.cache, output="logits", hidden_layers=layers)
             logits, hidden = out.logits, out.hidden
-        return self._timed("sample", self._choose, logits, reqs), hidden
+        positions = [c + len(n) for c, n in zip(ctx, new)]  # where each request's next token goes
+        return self._timed("sample", lambda: self.backend.to_host(self.choose(logits, reqs, positions))), hidden
 
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that finished in it."""

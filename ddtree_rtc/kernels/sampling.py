@@ -54,10 +54,17 @@ def _per_row(name: str, v, rows: int):
     return np.uint64(0), np.float32(v)
 
 
-def sample(logits, temperature, top_p, seed: int, offset: int = 0, out=None):
+def sample(logits, temperature, top_p, seed: int, offset: int = 0, out=None, keys=None):
     """logits [B, V] bf16 or fp32 -> int32 [B]. temperature / top_p: floats or cupy fp32 [B];
-    temperature 0 means argmax. Same tokens as ddtree_rtc.reference.sampling.sample."""
+    temperature 0 means argmax. ``keys``: per-row stream keys, cupy uint64 [B] (seed and offset are
+    then unused). Same tokens as ddtree_rtc.reference.sampling.sample."""
+    import cupy
+
     rows, vocab, is_bf16, vec = _logits(logits)
+    if keys is not None:
+        if not isinstance(keys, cupy.ndarray):
+            raise TypeError("keys: pass a cupy uint64 array, not a host array")
+        check("keys", keys, np.uint64, shape=(rows,))
     out = out_array("out", out, (rows,), np.int32)
     t_ptr, t_val = _per_row("temperature", temperature, rows)
     p_ptr, p_val = _per_row("top_p", top_p, rows)
@@ -67,6 +74,7 @@ def sample(logits, temperature, top_p, seed: int, offset: int = 0, out=None):
         out.fill(-1)
         return out
     args = (logits, np.int64(vocab), np.int32(vocab), np.int32(is_bf16), np.int32(vec), t_ptr, t_val, p_ptr,
-            p_val, np.uint64(int(seed) % 2**64), np.uint64(int(offset) % 2**64), out)
+            p_val, np.uint64(int(seed) % 2**64), np.uint64(int(offset) % 2**64),
+            np.uint64(0) if keys is None else keys, out)
     module("sampling").fn("sample_kernel")((rows,), (_THREADS,), args)
     return out

@@ -13,8 +13,11 @@ says the same):
   highest-probability set reaching top_p of the mass, ties at the threshold included (top_p <= 0
   keeps just the most probable token(s); top_p >= 1 or NaN keeps every non-NaN token).
 - The token is the argmax over the nucleus of ``z + g`` (fp32), ``g = -log(-log(u))``, with ``u``
-  from a counter-based hash of (seed, offset, row, token): Gumbel-max, i.e. a draw from
-  softmax(z) restricted to the nucleus and renormalised. Score ties -> smallest index.
+  from a counter-based hash of (row key, token): Gumbel-max, i.e. a draw from softmax(z) restricted
+  to the nucleus and renormalised. Score ties -> smallest index. The row key comes from (seed,
+  offset, row) (``row_keys``), or is given per row (``keys``): the engine keys each draw by
+  (seed, request stream, position) (``position_keys``), so a request's samples do not depend on its
+  batch slot, its companions or how many tokens a round emitted.
 
 exp and log are written out in fp32 steps (Cody-Waite + Taylor; atanh series) that numpy and CUDA
 round identically (the kernel uses __f*_rn intrinsics, so no FMA contraction).
@@ -62,6 +65,20 @@ def row_keys(seed: int, offset: int, rows: int) -> np.ndarray:
     stream = mix64(mix64(np.uint64(seed % 2**64)) ^ np.uint64(offset % 2**64))
     with np.errstate(over="ignore"):
         return mix64(stream + (np.arange(rows, dtype=np.uint64) + np.uint64(1)) * np.uint64(GAMMA))
+
+
+def position_keys(seed: int, streams, positions) -> np.ndarray:
+    """Row keys per (stream, position): ``row_keys(seed, stream, p + 1)[p]`` for each pair, i.e.
+    mix64(mix64(mix64(seed) ^ stream) + (position + 1) * GAMMA), uint64 [N]."""
+    streams = np.asarray(streams, np.int64).astype(np.uint64)
+    pos = np.asarray(positions, np.int64)
+    if streams.shape != pos.shape or streams.ndim != 1:
+        raise ValueError(f"streams and positions: expected two [N] arrays, got {streams.shape} and {pos.shape}")
+    if pos.size and pos.min() < 0:
+        raise ValueError("positions must be >= 0")
+    with np.errstate(over="ignore"):
+        stream = mix64(mix64(np.uint64(seed % 2**64)) ^ streams)
+        return mix64(stream + (pos.astype(np.uint64) + np.uint64(1)) * np.uint64(GAMMA))
 
 
 def uniforms(row_key, tokens) -> np.ndarray:
@@ -165,11 +182,15 @@ def nucleus_keys(x: np.ndarray, top_p: np.ndarray) -> np.ndarray:
     return np.take_along_axis(keys, order, axis=1)[np.arange(len(x)), pos]
 
 
-def sample(logits, temperature, top_p, seed: int, offset: int = 0, out=None):
+def sample(logits, temperature, top_p, seed: int, offset: int = 0, out=None, keys=None):
     """logits [B, V] bf16 or fp32 -> int32 [B]. temperature / top_p: floats or fp32 [B].
-    Seeded and reproducible per (seed, offset, row); see the module docstring for the exact rules."""
+    Seeded and reproducible per (seed, offset, row), or per given row key (``keys``: uint64 [B],
+    e.g. from ``position_keys``; seed and offset are then unused); see the module docstring."""
     l = _rows(logits)
     rows, vocab = l.shape
+    given = None if keys is None else np.asarray(keys)
+    if given is not None and (given.dtype != np.uint64 or given.shape != (rows,)):
+        raise ValueError(f"keys: expected uint64 [{rows}], got {given.dtype} {given.shape}")
     temp = _per_row("temperature", temperature, rows)
     top_p = _per_row("top_p", top_p, rows)
     result = _argmax_f32(l)
@@ -189,7 +210,7 @@ def sample(logits, temperature, top_p, seed: int, offset: int = 0, out=None):
         thr = nucleus_keys(x[filt], top_p[filt])
         keys = np.where(np.isnan(x[filt]), np.uint32(0xFFFFFFFF), x[filt].view(np.uint32))
         in_nucleus[filt] &= keys <= thr[:, None]
-    keys_rows = row_keys(seed, offset, rows)[live]
+    keys_rows = (row_keys(seed, offset, rows) if given is None else given)[live]
     g = gumbel(keys_rows[:, None], np.arange(vocab)[None, :])
     score = np.where(in_nucleus, z + g, -np.inf).astype(np.float32)
     result[live] = score.argmax(axis=1)

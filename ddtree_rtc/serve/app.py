@@ -73,7 +73,8 @@ _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 256,
                default_max_tokens: int = 16) -> FastAPI:
     """The app over ``engine``, whose loop thread starts and stops with the app's lifespan.
-    ``defaults`` is the pipeline's ``decode`` section (temperature, top_p, seed when a request omits them)."""
+    ``defaults`` is the pipeline's ``decode`` section (temperature and top_p when a request omits them; a
+    request without a seed samples from a stream keyed by its id)."""
     from contextlib import asynccontextmanager
 
     loop = EngineLoop(engine, max_queue)
@@ -132,7 +133,7 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
         req = Request(loop.new_rid(), prompt, max_tokens or default_max_tokens,
                       temperature=defaults.temperature if body.temperature is None else body.temperature,
                       top_p=defaults.top_p if body.top_p is None else body.top_p,
-                      stop_ids=_stop_ids(body), seed=defaults.seed if body.seed is None else body.seed)
+                      stop_ids=_stop_ids(body), seed=body.seed)
         try:
             req.validate(cfg.vocab_size, engine.max_context)
         except RequestError as e:

@@ -6,9 +6,12 @@
     verify  -> ONE target forward over [root, nodes] of every tree: node i at RoPE position
                prefix + depth_i, written to cache position prefix + i, seeing the committed prefix
                and its own ancestors only; hidden states at the drafter's target layers
-    choose  -> the target's token at every node (argmax at T = 0)
+    choose  -> the target's token at every node: argmax at T = 0; at T > 0 one sample per node
+               from the target's (temperature, top-p) distribution, keyed by (request, position)
+               like the autoregressive step that node stands for
     accept  -> walk from the root along children that match the target's choice; the first
-               unmatched choice is the bonus token
+               unmatched choice is the bonus token (so every emitted token is the target's own
+               choice given the tokens before it: the output equals autoregressive decoding's)
     commit  -> the accepted nodes' KV rows move to prefix, prefix + 1, ...; their hidden states
                (root first) join the drafter's context; the emitted tokens go to the requests
 
@@ -58,13 +61,14 @@ class RoundStats:
 class SpeculativeRound:
     """The round's buffers and its ``run(requests)``; ``mode`` 'ddtree' or 'chain'."""
 
-    def __init__(self, model, cache, drafter, mode: str, budget: int, timed):
+    def __init__(self, model, cache, drafter, mode: str, budget: int, timed, choose):
+        """``choose(logits, reqs, positions)``: the engine's token choice per row (Engine.choose)."""
         if mode not in ("ddtree", "chain"):
             raise ValueError(f"speculative mode must be 'ddtree' or 'chain', got {mode!r}")
         self.model, self.cache, self.drafter, self.mode = model, cache, drafter, mode
         self.budget = drafter.depth if mode == "chain" else budget
         TreeShape(batch=1, budget=self.budget, depth=drafter.depth, vocab=model.cfg.vocab_size)  # checks ranges
-        self.timed = timed
+        self.timed, self.choose = timed, choose
         self.hidden_layers = tuple(drafter.target_layer_ids)
         self.stats = RoundStats()
         self._buffers: dict[int, TreeBuffers] = {}
@@ -102,7 +106,9 @@ class SpeculativeRound:
         tree = timed("build", bufs.build, logits, be.asarray(roots), be.asarray(prefix))
         batch = timed("verify", self._verify_batch, tree, rids, prefix, n_slots)
         out = timed("verify", self.model.forward, batch, cache, output="logits", hidden_layers=self.hidden_layers)
-        choices = timed("sample", lambda: be.argmax(out.logits).reshape(len(reqs), n_slots).astype(np.int32))
+        row_reqs = [r for r in reqs for _ in range(n_slots)]  # node j of tree b: its token at position + 1
+        choices = timed("sample", lambda: self.choose(out.logits, row_reqs, batch.positions + 1)
+                        .reshape(len(reqs), n_slots).astype(np.int32))
         acc = timed("accept", bufs.accept, choices)
         accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
         emitted = be.to_host(acc.emitted)
