@@ -37,6 +37,8 @@ OPS: dict[str, str] = {
     "mla_attention_plan": "mla_attention",
     "mla_attention": "mla_attention",
     "mla_head_gemm": "mla_attention",
+    # -- the DFlash drafter's attention --
+    "gqa_attention": "gqa_attention",
 }
 
 _DTYPES = {"bf16": None, "fp32": np.float32, "fp64": np.float64, "int32": np.int32,

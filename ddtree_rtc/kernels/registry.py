@@ -57,6 +57,12 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "absorbed MLA attention over the paged latent cache (decode / tree verify / causal "
                "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge",
                arch_specific=True),
+    # -- the DFlash drafter's attention --
+    KernelSpec("gqa_attention", ("gqa_attention_d64_kernel", "gqa_attention_d128_kernel",
+                                 "gqa_attention_merge_kernel"),
+               "DFlash drafter GQA attention: a block of <= 16 query rows per request, non-causal over its "
+               "paged context window plus its own K/V rows (mma.sync, query tile = block rows x the kv "
+               "head's query heads, split-K over the context sized from shapes) and its split merge"),
     KernelSpec("bench_ceiling", ("read_stream_kernel", "copy_stream_kernel", "gate_wait_kernel",
                                  "latency_floor_kernel", "l2_clean_kernel", "mma_peak_kernel"),
                "streaming read and copy kernels that measure the memory ceilings for benchmarks; the "
