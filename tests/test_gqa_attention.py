@@ -232,12 +232,52 @@ def test_split_ranges_cover_the_window():
             assert got == list(range(-(-n_rows // 64)))
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_split_merge_emulated(rng, splits):
+    """The kernel's schedule in numpy: each split attends to its chunks of the window (the last one
+    also to the block rows), writes o / l and log2-sum-exp (empty: -inf), and the merge's weighted sum
+    equals one softmax over all keys."""
+    from ddtree_rtc.kernels.gqa_attention import BN, split_chunks
+
+    c = Case(rng, [0, 1, 65, 300], 8, 8, 2, 64, starts=[0, 0, 1, 30])
+    expect = c.f64()
+    group = c.hq // c.hkv
+    for r in range(c.b):
+        n_rows = len(c.ctx_k[r])
+        for h in range(c.hq):
+            kv = h // group
+            q = c.q[r, :, h].astype(np.float64)
+            parts = []
+            for s in range(splits):
+                c0, c1 = split_chunks(n_rows, splits, s)
+                keys = [c.ctx_k[r][c0 * BN:c1 * BN, kv]]
+                vals = [c.ctx_v[r][c0 * BN:c1 * BN, kv]]
+                if s == splits - 1:
+                    keys.append(c.k_block[r, :, kv].astype(np.float32))
+                    vals.append(c.v_block[r, :, kv].astype(np.float32))
+                k, v = np.concatenate(keys).astype(np.float64), np.concatenate(vals).astype(np.float64)
+                if len(k) == 0:
+                    parts.append((np.zeros((c.nq, c.d)), np.full(c.nq, -np.inf)))
+                    continue
+                x = q @ k.T * c.scale * np.log2(np.e)
+                m = x.max(-1, keepdims=True)
+                p = np.exp2(x - m)
+                parts.append((p @ v / p.sum(-1, keepdims=True), (m + np.log2(p.sum(-1, keepdims=True)))[:, 0]))
+            top = np.max([lse for _, lse in parts], axis=0)
+            w = [np.where(lse == -np.inf, 0, np.exp2(lse - top)) for _, lse in parts]
+            o = sum(wi[:, None] * oi for wi, (oi, _) in zip(w, parts)) / sum(w)[:, None]
+            np.testing.assert_allclose(o, expect[r, :, h], rtol=1e-9, atol=1e-9)
+
+
 # ---- the kernels on the GPU
 
 def _dev(a):
+    """Host array -> device (bf16 as uint16 bits; other dtypes as they are, for the dtype checks)."""
+    import cupy
+
     from ddtree_rtc.testing import to_device_bf16
 
-    return to_device_bf16(a) if a.dtype == bfloat16 else __import__("cupy").asarray(a)
+    return to_device_bf16(a) if a.dtype == bfloat16 else cupy.asarray(a)
 
 
 def _run_gpu(c, starts=True, out=True):
