@@ -270,8 +270,9 @@ def serve_cmd(pipeline, host, port, max_queue, overrides):
 
 
 @main.command("make-model")
-@click.option("--preset", type=click.Choice(["tiny", "small", "k2.6"]), required=True,
-              help="tiny: runs on the numpy backend in seconds; small: a few hundred MB; k2.6: K2.6's exact dims.")
+@click.option("--preset", type=click.Choice(["tiny", "small", "k2.6", "dflash-tiny", "dflash-k2.6"]), required=True,
+              help="tiny: runs on the numpy backend in seconds; small: a few hundred MB; k2.6: K2.6's exact dims; "
+                   "dflash-tiny / dflash-k2.6: a random DFlash drafter (z-lab's format) for the tiny / k2.6 target.")
 @click.option("--layers", type=int, help="Number of decoder layers (k2.6 with 4 layers is about 40 GB).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Output directory.")
@@ -287,6 +288,13 @@ def make_model_cmd(preset, layers, seed, out_dir, weight_shape_dtype, router_dty
     from .model.config import ConfigError, preset_config
     from .model.make_model import make_model
 
+    if preset.startswith("dflash-"):
+        from .model.dflash import make_dflash
+
+        make_dflash(preset, out_dir, seed=seed)
+        size = (Path(out_dir) / "model.safetensors").stat().st_size
+        click.echo(f"wrote {out_dir}: {preset} drafter, {size / 2**20:.1f} MiB")
+        return
     try:
         cfg = preset_config(preset)
         if layers is not None:

@@ -122,7 +122,7 @@ def _drafter_hf(seed: int, block_size: int, layer_ids, mask_id: int, rope: dict,
     N(0, 1/fan_in), o_proj / down_proj times ``layer_scale``; all values bf16-exact."""
     cfg = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=1024,
+        num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=1024,
         tie_word_embeddings=False, rope_parameters=dict(rope))
     cfg.block_size = block_size
     cfg.dflash_config = {"mask_token_id": mask_id, "target_layer_ids": list(layer_ids), **(extra or {})}

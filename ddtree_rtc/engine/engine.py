@@ -63,6 +63,7 @@ class Engine:
             from ..speculative.round import SpeculativeRound
 
             drafter.check_target(model.cfg)
+            drafter.attach(self.pages)
             self.round = SpeculativeRound(model, self.cache, drafter, mode, budget, self._timed, self.choose)
         self.scheduler = Scheduler(max_batch, self.pages, tail=self.round.tail if self.round else lambda r: 0)
         self.graphs = DecodeGraphs(model, self.cache, max_context) if cuda_graphs and self.backend.is_cuda else None

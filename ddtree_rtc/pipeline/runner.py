@@ -136,6 +136,13 @@ def make_drafter(pipe: Pipeline, model: TargetModel, max_new: int, prompts: list
     spec, vocab = d.drafter, model.cfg.vocab_size
     if spec.kind == "random":
         return RandomDrafter(model.backend, vocab, spec.depth, seed=spec.seed)
+    if spec.kind == "dflash":
+        from ..speculative.dflash import DFlashDrafter
+
+        try:
+            return DFlashDrafter.load(spec.path, model, window=spec.window)
+        except ValueError as e:
+            raise PipelineError(f"{pipe.source}: decode.drafter.path {spec.path}: {e}") from None
     cont = greedy_continuation(model, max_new + spec.depth, pipe.runtime.page_size)
     with click.progressbar(prompts, label="oracle: target greedy decode", file=sys.stderr) as bar:
         for i, p in enumerate(bar):

@@ -72,6 +72,7 @@ class DrafterSpec:
     depth: int = 7  # positions drafted per round (block_size - 1); dflash reads its block size
     acceptance: AcceptanceSpec = field(default_factory=lambda: AcceptanceSpec(p=0.8))
     seed: int = 0
+    window: int | None = None  # dflash: attend only the last `window` context rows
 
     def __post_init__(self):
         from ..reference.tree_build import MAX_DEPTH
@@ -80,8 +81,8 @@ class DrafterSpec:
             raise ValueError(f"depth {self.depth} is outside 1..{MAX_DEPTH} (the tree builder's depth limit)")
         if (self.kind == "dflash") != (self.path is not None):
             raise ValueError("a dflash drafter needs 'path' (its checkpoint directory); oracle and random take none")
-        if self.kind == "dflash":
-            raise ValueError("drafter kind 'dflash' is not available in this build yet (use oracle or random)")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ class Drafter:
             raise ValueError(f"drafter {self.name!r}: target_layer_ids {bad} are not layers of the target "
                              f"(it has {cfg.num_hidden_layers})")
 
+    def attach(self, allocator) -> None:
+        """Engine.__init__ hands over its PageAllocator (a drafter with a paged cache shares it)."""
+
     def admit(self, rid, prompt: list[int], hidden: dict) -> None:
         """After the target's prefill of ``prompt``: its rows become the request's context."""
 

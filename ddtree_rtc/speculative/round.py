@@ -38,8 +38,10 @@ class RoundStats:
     tokens: int = 0  # emitted (bonus included)
     accept_hist: dict = field(default_factory=dict)  # tokens per request-round -> count
     depth_hits: list = field(default_factory=list)  # [d]: request-rounds whose walk reached depth d+1
+    trace: list = field(default_factory=list)  # (rid, emitted) per request-round, in order
 
-    def add(self, emitted: int) -> None:
+    def add(self, emitted: int, rid=None) -> None:
+        self.trace.append((rid, emitted))
         self.rounds += 1
         self.tokens += emitted
         self.accept_hist[emitted] = self.accept_hist.get(emitted, 0) + 1
@@ -121,7 +123,7 @@ class SpeculativeRound:
                 idx = be.asarray(rows)
                 self.drafter.extend_context(rids, {i: out.hidden[i][idx] for i in self.hidden_layers}, accept_len)
             for r, p, n, toks in zip(reqs, prefix, accept_len, emitted):
-                self.stats.add(int(n))
+                self.stats.add(int(n), r.rid)
                 r.extend(toks[:n].tolist(), eos_id)
                 cache.trim(r.rid, int(p) + int(n))  # the committed prefix; the bonus gets its row next round
 
