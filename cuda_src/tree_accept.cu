@@ -1,4 +1,4 @@
-// DDTree acceptance walk (DESIGN.md section 1, step 5), same rules as
+// DDTree acceptance walk (docs/architecture.md section 1, step 5), same rules as
 // ddtree_rtc/reference/tree_accept.py: from the root, move to the child whose token equals the
 // target's choice at the current node (lowest node index if several would); the first unmatched
 // choice is the bonus token. One warp per request, four requests per block.

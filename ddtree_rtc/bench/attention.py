@@ -21,7 +21,7 @@ PEER_MAX_SCORES = 1 << 30  # fp32 score elements the peer may materialise
 
 
 def ddtree_parents(rng: np.random.Generator, n_nodes: int, depth: int = DEPTH, k: int = 8) -> np.ndarray:
-    """A tree as the DDTree builder makes it (DESIGN.md §4, best-first over per-depth top-k
+    """A tree as the DDTree builder makes it (docs/architecture.md §4, best-first over per-depth top-k
     log-probs of peaked random logits); returns parents, node 0 the root."""
     logits = rng.standard_normal((depth, 64)) * 3.0
     logq = logits - np.log(np.exp(logits).sum(1, keepdims=True))

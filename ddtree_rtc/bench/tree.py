@@ -75,7 +75,7 @@ def host_topk(logits: np.ndarray, k: int):
 
 
 def host_build(logq: np.ndarray, budget: int):
-    """The host peer: per request, the heapq loop of DESIGN.md section 4 on Python floats."""
+    """The host peer: per request, the heapq loop of docs/architecture.md section 4 on Python floats."""
     lq = sanitize_logq(logq).astype(np.float64)
     return [build_one(lq[i, :, : min(budget, lq.shape[2])].tolist(), budget, lq.shape[1])
             for i in range(lq.shape[0])]

@@ -1,4 +1,4 @@
-"""The MLA layer pieces the target model assembles (DESIGN.md §2), as functions over ``backend`` ops.
+"""The MLA layer pieces the target model assembles (docs/architecture.md §2), as functions over ``backend`` ops.
 
   query:   c_q = RMSNorm(x W_qa^T); q = c_q W_qb^T viewed [T, H, 192] = [q_nope | q_pe];
            q_att = [q_nope · W_UK[h] (512) | RoPE(q_pe) (64)]             -> [T, H, 576]

@@ -78,7 +78,7 @@ def pack_mask(visible: np.ndarray, words: int) -> np.ndarray:
 
 
 def tree_mask_from_parents(parents, words: int | None = None) -> np.ndarray:
-    """Ancestor-only mask of one tree (DESIGN.md §4): node i sees itself and its ancestors.
+    """Ancestor-only mask of one tree (docs/architecture.md §4): node i sees itself and its ancestors.
     ``parents[i] < i`` for i > 0 (parents precede children); ``parents[0]`` is ignored (the root)."""
     parents = np.asarray(parents)
     n = len(parents)

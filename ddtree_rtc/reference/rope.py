@@ -23,7 +23,7 @@ def _yarn_correction_dim(rot_dim: int, theta: float, orig_max: float, rotations:
 def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
     """fp32 [rot_dim/2] inverse frequencies theta^(-2i/rot_dim), YaRN-blended when ``scaling`` is
     ``{"type" (or "rope_type"): "yarn", "factor", "original_max_position_embeddings", "beta_fast",
-    "beta_slow"}`` (DESIGN.md section 2; low/high are clamped to [0, rot_dim-1] as HF does, which
+    "beta_slow"}`` (docs/architecture.md section 2; low/high are clamped to [0, rot_dim-1] as HF does, which
     changes nothing for K2.6). None or type "default" gives the plain frequencies."""
     if rot_dim <= 0 or rot_dim % 2:
         raise ValueError(f"rot_dim must be a positive even number, got {rot_dim}")

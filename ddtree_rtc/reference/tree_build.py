@@ -1,8 +1,8 @@
-"""DDTree best-first tree build, the reference of DESIGN.md section 4 in Python ``heapq``.
+"""DDTree best-first tree build, the reference of docs/architecture.md section 4 in Python ``heapq``.
 
 Per request: ``logq [L, K]`` fp32, ``ids [L, K]``, a budget and a depth limit. Heap entries are
 ``(-score, rank_tuple, parent, depth, rank)``; scores are Python floats (float64) accumulated in
-exactly the order of DESIGN.md, so the GPU builder (cuda_src/tree_build.cu) must reproduce them bit
+exactly the order of docs/architecture.md, so the GPU builder (cuda_src/tree_build.cu) must reproduce them bit
 for bit. Rules shared with the kernel:
   * log-probs are sanitized first: NaN -> -FLT_MAX, values clamped to [-FLT_MAX, FLT_MAX], so every
     score is finite (top-k output is already finite: this only guards hand-made inputs);
@@ -85,7 +85,7 @@ def check_build_args(logq, ids, root_tokens, budgets, depths, prefix_lens, max_b
 
 
 def build_one(lq: list, budget: int, depth: int):
-    """The heap loop of DESIGN.md section 4 for one request.
+    """The heap loop of docs/architecture.md section 4 for one request.
 
     ``lq``: per-depth lists of Python floats. Returns a list of (parent, depth, rank, score) for
     nodes 1..n in pop order."""

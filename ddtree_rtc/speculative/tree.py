@@ -39,7 +39,7 @@ class TreeShape:
 
     @property
     def k(self) -> int:
-        """Top-k width per depth: one in chain mode, else min(budget, vocab) (DESIGN.md section 1)."""
+        """Top-k width per depth: one in chain mode, else min(budget, vocab) (docs/architecture.md section 1)."""
         return 1 if self.chain else max(1, min(self.budget, self.vocab))
 
     @property
