@@ -1,4 +1,4 @@
-"""Decode forwards through CUDA graphs (engine.cuda_graph) equal the eager forwards, on the tiny
+"""Decode forwards through CUDA graphs (engine.runner) equal the eager forwards, on the tiny
 preset: across batch sizes, ragged contexts, page boundaries and graph reuse; and the engine's
 greedy output is the same with and without graphs."""
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from ddtree_rtc.backend import Backend
-from ddtree_rtc.engine.cuda_graph import DecodeGraphs
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.kv_cache import PagedKVCache
 from ddtree_rtc.engine.request import Request
+from ddtree_rtc.engine.runner import ModelRunner
 from ddtree_rtc.model.config import preset_config
 from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
@@ -26,7 +26,7 @@ def test_graphs_need_the_cuda_backend(tiny_dir):
     model = TargetModel.load(tiny_dir, Backend("numpy"))
     cache = PagedKVCache(model.backend, model.num_layers, 4, 16)
     with pytest.raises(ValueError, match="cuda backend"):
-        DecodeGraphs(model, cache, 64)
+        ModelRunner(model, cache, 64, graphs=True)
 
 
 @pytest.mark.gpu
@@ -36,7 +36,7 @@ def test_graph_decode_equals_eager(tiny_dir, rng):
     max_ctx, page = 80, 16
     eager_cache = PagedKVCache(be, model.num_layers, 40, page)
     graph_cache = PagedKVCache(be, model.num_layers, 40, page)
-    graphs = DecodeGraphs(model, graph_cache, max_ctx)
+    graphs = ModelRunner(model, graph_cache, max_ctx, graphs=True)
     seqs = list(range(5))
     lens = {s: int(rng.integers(3, 30)) for s in seqs}
     prompts = {s: rng.integers(0, model.cfg.vocab_size, lens[s]).tolist() for s in seqs}
@@ -50,7 +50,7 @@ def test_graph_decode_equals_eager(tiny_dir, rng):
         toks = [[int(rng.integers(0, model.cfg.vocab_size))] for _ in live]
         batch = ForwardBatch.causal(live, [ctx[s] for s in live], toks)
         want = be.to_host(model.forward(batch, eager_cache, output="logits").logits).astype(np.float32)
-        got = be.to_host(graphs.forward(batch)).astype(np.float32)
+        got = be.to_host(graphs.decode(batch)).astype(np.float32)
         np.testing.assert_array_equal(got, want, err_msg=f"step {step}, live {live}")
         for s in live:
             ctx[s] += 1

@@ -10,7 +10,7 @@ Per step it reports
   * the step's time three ways: eager launches; the same step queued behind a gate kernel so that
     no kernel waits for the host (every launch enqueued before the first runs: the kernels back to
     back, our measure of "the sum of its kernels"; it still holds the GPU's own ~1 µs switch
-    between kernels); and one CUDA-graph replay (engine.cuda_graph). ``launch gap`` = 1 - queued /
+    between kernels); and one CUDA-graph replay (engine.runner). ``launch gap`` = 1 - queued /
     step time.
 Stage times come from events recorded between the stages in the queued run. The L2 is flushed
 before every timed run."""
@@ -163,8 +163,8 @@ def touched_experts(model, inputs, cache, moe_plan) -> dict[int, int]:
 
 
 def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes) -> list[Row]:
-    from ..engine.cuda_graph import DecodeGraphs
     from ..engine.kv_cache import PagedKVCache
+    from ..engine.runner import ModelRunner
     from ..model.target import ForwardBatch
     row_bytes = model.dims.row * 2
     per_seq = -(-(ctx + 1) // PAGE)
@@ -184,8 +184,8 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
 
     t_eager = time_gpu(eager, warmup=2, iters=iters).median_us
     t_queued, stages = queued_stage_times(model, inputs, cache, moe_plan, gate, iters)
-    graphs = DecodeGraphs(model, cache, ctx + 1)
-    graphs.forward(step)  # capture
+    graphs = ModelRunner(model, cache, ctx + 1, graphs=True)
+    graphs.decode(step)  # capture
     launch = graphs.graph_of(batch).launch
     t_graph = time_gpu(launch, warmup=2, iters=iters).median_us
 

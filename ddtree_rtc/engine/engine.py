@@ -5,8 +5,9 @@ Each step admits what fits (prefill: every new request's whole prompt in one for
 ``max_prefill_tokens``), then decodes every running request: one token in one forward
 (``mode='autoregressive'``), or one DDTree / chain round (``ddtree_rtc.speculative.round``) that
 emits 1 .. depth + 1 tokens per request. The only host sync per step is reading the chosen tokens.
-With ``cuda_graphs`` (CUDA backend) the autoregressive decode
-forward of each batch size is captured once and replayed (``engine.cuda_graph``). Per-stage wall
+Every forward goes through the model runner (``engine.runner``); with ``cuda_graphs`` (CUDA
+backend) the decode forward of each batch size and the verify forward of each (batch, budget) are
+captured once and replayed. Per-stage wall
 time is accumulated in ``stats`` (with a device sync around each stage when ``profile`` is on).
 """
 
@@ -20,9 +21,9 @@ import numpy as np
 
 from ..model.target import ForwardBatch, TargetModel
 from ..reference.sampling import position_keys
-from .cuda_graph import DecodeGraphs
 from .kv_cache import PageAllocator, PagedKVCache
 from .request import Request, RequestError
+from .runner import ModelRunner
 from .scheduler import Scheduler
 
 MODES = ("autoregressive", "ddtree", "chain")
@@ -60,13 +61,18 @@ class Engine:
         self.stats = EngineStats()
         self.drafter, self.round = drafter, None
         if drafter is not None:
+            drafter.check_target(model.cfg)
+        graphs = cuda_graphs and self.backend.is_cuda
+        self.runner = ModelRunner(model, self.cache, max_context, graphs=graphs,
+                                  hidden_layers=() if drafter is None else drafter.target_layer_ids)
+        self.graphs = self.runner if graphs else None
+        if drafter is not None:
             from ..speculative.round import SpeculativeRound
 
-            drafter.check_target(model.cfg)
             drafter.attach(self.pages)
-            self.round = SpeculativeRound(model, self.cache, drafter, mode, budget, self._timed, self.choose)
+            self.round = SpeculativeRound(model, self.cache, self.runner, drafter, mode, budget, self._timed,
+                                          self.choose)
         self.scheduler = Scheduler(max_batch, self.pages, tail=self.round.tail if self.round else lambda r: 0)
-        self.graphs = DecodeGraphs(model, self.cache, max_context) if cuda_graphs and self.backend.is_cuda else None
 
     def _timed(self, stage: str, fn, *args, **kw):
         if self.profile:
@@ -94,13 +100,16 @@ class Engine:
         self.scheduler.submit(req)
 
     def sample_keys(self, reqs: list[Request], positions) -> np.ndarray:
-        """Host uint64 row keys of the draws that give request b its token at ``positions[b]``:
-        keyed by (engine seed, the request's stream, position), never by batch slot or step, so a
-        request samples the same tokens whatever else is in the batch and however many tokens a
-        round emits (a speculative round's tree node and the autoregressive step it stands for
-        use one key). The stream is the request's own seed, or its id when it has none."""
+        """uint64 row keys of the draws that give request b its token at ``positions[b]`` (host
+        keys, or device keys when ``positions`` is a device array): keyed by (engine seed, the
+        request's stream, position), never by batch slot or step, so a request samples the same
+        tokens whatever else is in the batch and however many tokens a round emits (a speculative
+        round's tree node and the autoregressive step it stands for use one key). The stream is the
+        request's own seed, or its id when it has none."""
         streams = np.array([2 * r.seed + 1 if r.seed is not None else 2 * int(r.rid) for r in reqs], np.int64)
-        return position_keys(self.seed, streams, np.asarray(positions, np.int64))
+        if not hasattr(positions, "__cuda_array_interface__"):
+            positions = np.asarray(positions, np.int64)
+        return position_keys(self.seed, streams, positions)
 
     def choose(self, logits, reqs: list[Request], positions):
         """Backend int32 tokens for the rows of ``logits`` (row b: request ``reqs[b]``'s token at
@@ -110,8 +119,9 @@ class Engine:
         if not temps.any():
             return be.argmax(logits)
         top_p = np.array([r.top_p for r in reqs], dtype=np.float32)
+        keys = self.sample_keys(reqs, positions)  # on the device when positions are
         return be.sample(logits, be.asarray(temps), be.asarray(top_p), self.seed,
-                         keys=be.asarray(self.sample_keys(reqs, positions)))
+                         keys=be.asarray(keys) if isinstance(keys, np.ndarray) else keys)
 
     def cancel(self, rid) -> bool:
         """Drop a waiting or running request and free its pages; False if it is not here."""
@@ -123,11 +133,11 @@ class Engine:
     def _forward(self, stage: str, reqs: list[Request], ctx: list[int], new: list[list[int]]):
         batch = ForwardBatch.causal([r.rid for r in reqs], ctx, new)
         hidden = {}
-        if stage == "decode" and self.graphs is not None:
-            logits = self._timed(stage, self.graphs.forward, batch)
+        if stage == "decode":
+            logits = self._timed(stage, self.runner.decode, batch)
         else:
-            layers = self.drafter.target_layer_ids if stage == "prefill" and self.drafter is not None else ()
-            out = self._timed(stage, self.model.forward, batch, self.cache, output="logits", hidden_layers=layers)
+            layers = self.drafter.target_layer_ids if self.drafter is not None else ()
+            out = self._timed(stage, self.runner.prefill, batch, hidden_layers=layers)
             logits, hidden = out.logits, out.hidden
         positions = [c + len(n) for c, n in zip(ctx, new)]  # where each request's next token goes
         return self._timed("sample", lambda: self.backend.to_host(self.choose(logits, reqs, positions))), hidden

@@ -53,24 +53,28 @@ class ForwardBatch:
     ``ctx_lens[r]``: tokens of request r already in the cache; its new token j is written at cache
     position ctx_lens[r] + j. ``positions``: RoPE positions (ctx + j for prompts and decode, prefix +
     depth for tree nodes). ``tree_mask``: uint64 [T, words] ancestor bitmask rows over each request's
-    new tokens, or None for causal. ``logit_rows``: the token rows that need logits (None: all)."""
+    new tokens, or None for causal. ``logit_rows``: the token rows that need logits (None: all).
+    A tree verify planned by the model runner has ``tokens`` and ``positions`` None and a device
+    ``tree_mask``: all three are filled on the device from the tree (engine.runner)."""
 
     seq_ids: list
     ctx_lens: np.ndarray
     num_new: np.ndarray
-    tokens: np.ndarray
-    positions: np.ndarray
-    tree_mask: np.ndarray | None = None
+    tokens: np.ndarray | None
+    positions: np.ndarray | None
+    tree_mask: Any = None
     logit_rows: np.ndarray | None = None
 
     def __post_init__(self):
         self.ctx_lens = np.asarray(self.ctx_lens, dtype=np.int64)
         self.num_new = np.asarray(self.num_new, dtype=np.int64)
-        self.tokens = np.asarray(self.tokens, dtype=np.int32)
-        self.positions = np.asarray(self.positions, dtype=np.int32)
         t = int(self.num_new.sum())
         if len(self.seq_ids) != len(self.ctx_lens) or len(self.num_new) != len(self.ctx_lens):
             raise ValueError("seq_ids, ctx_lens and num_new must have one entry per request")
+        if self.tokens is None and self.positions is None:
+            return  # filled on the device
+        self.tokens = np.asarray(self.tokens, dtype=np.int32)
+        self.positions = np.asarray(self.positions, dtype=np.int32)
         if self.tokens.shape != (t,) or self.positions.shape != (t,):
             raise ValueError(f"tokens and positions must be [{t}] (sum of num_new), got "
                              f"{self.tokens.shape} and {self.positions.shape}")

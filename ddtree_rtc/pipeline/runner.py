@@ -263,7 +263,7 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
                 *((f"stage {k}", f"{v:.3f} s ({100 * v / wall:.0f}%)") for k, v in st.stage_seconds.items()),
                 ("kernel compile / weight load", f"{compile_s:.1f} s / {load_s:.1f} s")]
         if engine.graphs is not None:
-            rows.append(("decode CUDA graphs", f"{engine.graphs.captures} captured, {engine.graphs.replays} replayed"))
+            rows.append(("CUDA graphs", f"{engine.graphs.captures} captured, {engine.graphs.replays} replayed"))
         click.echo(_table(rows))
     if pipe.output.json:
         out = Path(pipe.output.json)

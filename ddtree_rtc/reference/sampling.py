@@ -53,7 +53,8 @@ _ONE, _HALF = np.float32(1.0), np.float32(0.5)
 
 def mix64(z) -> np.ndarray:
     """SplitMix64's finaliser (Steele, Lea & Flood 2014) on uint64 arrays, wrapping."""
-    z = np.asarray(z, dtype=np.uint64)
+    if not hasattr(z, "__cuda_array_interface__"):  # a cupy uint64 array is mixed on the device
+        z = np.asarray(z, dtype=np.uint64)
     with np.errstate(over="ignore"):
         z = (z ^ (z >> np.uint64(30))) * np.uint64(MIX_MUL[0])
         z = (z ^ (z >> np.uint64(27))) * np.uint64(MIX_MUL[1])
@@ -69,8 +70,17 @@ def row_keys(seed: int, offset: int, rows: int) -> np.ndarray:
 
 def position_keys(seed: int, streams, positions) -> np.ndarray:
     """Row keys per (stream, position): ``row_keys(seed, stream, p + 1)[p]`` for each pair, i.e.
-    mix64(mix64(mix64(seed) ^ stream) + (position + 1) * GAMMA), uint64 [N]."""
+    mix64(mix64(mix64(seed) ^ stream) + (position + 1) * GAMMA), uint64 [N]. ``positions`` may be
+    a device (cupy) array: the keys are then computed on the device, with no host sync."""
     streams = np.asarray(streams, np.int64).astype(np.uint64)
+    if hasattr(positions, "__cuda_array_interface__"):
+        import cupy
+
+        if streams.shape != positions.shape or streams.ndim != 1:
+            raise ValueError(f"streams and positions: expected two [N] arrays, got {streams.shape} and "
+                             f"{positions.shape}")
+        stream = cupy.asarray(mix64(mix64(np.uint64(seed % 2**64)) ^ streams))
+        return mix64(stream + (positions.astype(cupy.uint64) + np.uint64(1)) * np.uint64(GAMMA))
     pos = np.asarray(positions, np.int64)
     if streams.shape != pos.shape or streams.ndim != 1:
         raise ValueError(f"streams and positions: expected two [N] arrays, got {streams.shape} and {pos.shape}")

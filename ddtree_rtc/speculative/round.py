@@ -15,9 +15,10 @@
     commit  -> the accepted nodes' KV rows move to prefix, prefix + 1, ...; their hidden states
                (root first) join the drafter's context; the emitted tokens go to the requests
 
-Chain mode (DFlash's linear drafting) is the same round with k = 1 and budget = depth. The host
-reads the accepted lengths and tokens once per round (and, until the verify plan is built on the
-device, the tree's tokens, positions and mask).
+Chain mode (DFlash's linear drafting) is the same round with k = 1 and budget = depth. The verify's
+host half (cache slots, attention plan) is done before the draft is enqueued; the tree's tokens,
+positions and mask reach the verify forward on the device (engine.runner). The host reads the
+accepted lengths and tokens once per round.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engine.request import RequestError
-from ..model.target import ForwardBatch
-from ..reference.tree_build import mask_words
 from .tree import TreeBuffers, TreeShape
 
 
@@ -63,11 +62,12 @@ class RoundStats:
 class SpeculativeRound:
     """The round's buffers and its ``run(requests)``; ``mode`` 'ddtree' or 'chain'."""
 
-    def __init__(self, model, cache, drafter, mode: str, budget: int, timed, choose):
-        """``choose(logits, reqs, positions)``: the engine's token choice per row (Engine.choose)."""
+    def __init__(self, model, cache, runner, drafter, mode: str, budget: int, timed, choose):
+        """``runner``: the engine's ModelRunner (plans the verify forward, replays its graphs);
+        ``choose(logits, reqs, positions)``: the engine's token choice per row (Engine.choose)."""
         if mode not in ("ddtree", "chain"):
             raise ValueError(f"speculative mode must be 'ddtree' or 'chain', got {mode!r}")
-        self.model, self.cache, self.drafter, self.mode = model, cache, drafter, mode
+        self.model, self.cache, self.runner, self.drafter, self.mode = model, cache, runner, drafter, mode
         self.budget = drafter.depth if mode == "chain" else budget
         TreeShape(batch=1, budget=self.budget, depth=drafter.depth, vocab=model.cfg.vocab_size)  # checks ranges
         self.timed, self.choose = timed, choose
@@ -94,7 +94,7 @@ class SpeculativeRound:
         return bufs
 
     def run(self, reqs, eos_id) -> None:
-        be, cache, timed = self.model.backend, self.cache, self.timed
+        be, cache, timed, runner = self.model.backend, self.cache, self.timed, self.runner
         rids = [r.rid for r in reqs]
         prefix = np.array([r.length - 1 for r in reqs], np.int32)  # the root (last token) has no KV yet
         roots = np.array([r.output[-1] for r in reqs], np.int32)
@@ -104,21 +104,23 @@ class SpeculativeRound:
         for r, p in zip(reqs, prefix):
             cache.reserve(r.rid, int(p) + n_slots)
 
+        step = timed("plan", runner.plan_tree, rids, prefix, n_slots)  # host work, before the GPU's
         logits = timed("draft", self.drafter.draft, rids, roots, prefix)
-        tree = timed("build", bufs.build, logits, be.asarray(roots), be.asarray(prefix))
-        batch = timed("verify", self._verify_batch, tree, rids, prefix, n_slots)
-        out = timed("verify", self.model.forward, batch, cache, output="logits", hidden_layers=self.hidden_layers)
+        tree = timed("build", bufs.build, logits, be.asarray(roots), step.prefix_dev)
+        timed("verify", runner.fill_tree, step, tree)
+        out = timed("verify", runner.verify, step)
         row_reqs = [r for r in reqs for _ in range(n_slots)]  # node j of tree b: its token at position + 1
-        choices = timed("sample", lambda: self.choose(out.logits, row_reqs, batch.positions + 1)
-                        .reshape(len(reqs), n_slots).astype(np.int32))
+        choices = timed("sample", lambda: self.choose(out.logits, row_reqs, step.inputs.positions + 1)
+                        .reshape(len(reqs), n_slots).astype(be.xp.int32))
         acc = timed("accept", bufs.accept, choices)
         accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
         emitted = be.to_host(acc.emitted)
 
         def commit():
-            cache.commit(be.asarray(cache.page_table(rids)), be.asarray(prefix), acc.accepted, acc.accept_len)
+            cache.commit(be.asarray(cache.page_table(rids)), step.prefix_dev, acc.accepted, acc.accept_len)
             if self.hidden_layers:
-                rows = np.concatenate([b * n_slots + be.to_host(acc.accepted[b, :n]).astype(np.int64)
+                accepted = be.to_host(acc.accepted)
+                rows = np.concatenate([b * n_slots + accepted[b, :n].astype(np.int64)
                                        for b, n in enumerate(accept_len)])
                 idx = be.asarray(rows)
                 self.drafter.extend_context(rids, {i: out.hidden[i][idx] for i in self.hidden_layers}, accept_len)
@@ -128,20 +130,3 @@ class SpeculativeRound:
                 cache.trim(r.rid, int(p) + int(n))  # the committed prefix; the bonus gets its row next round
 
         timed("commit", commit)
-
-    def _verify_batch(self, tree, rids, prefix, n_slots: int) -> ForwardBatch:
-        """Every node slot of every tree as the verify forward's new tokens (slots past a tree's
-        nodes verify token 0 seeing only themselves; nothing reads them)."""
-        be = self.model.backend
-        tokens = be.to_host(tree.tokens).reshape(-1)
-        positions = be.to_host(tree.positions)
-        mask = be.to_host(tree.mask).copy()
-        used = be.to_host(tree.num_nodes)
-        words = mask_words(n_slots - 1)
-        slot = np.arange(n_slots)
-        for b in range(len(rids)):
-            free = slot[slot >= used[b]]
-            mask[b, free, free // 64] = np.uint64(1) << (free % 64).astype(np.uint64)
-            positions[b, free] = prefix[b]
-        return ForwardBatch(list(rids), prefix, np.full(len(rids), n_slots), np.where(tokens < 0, 0, tokens),
-                            positions.reshape(-1), mask.reshape(-1, words), None)

@@ -1,0 +1,199 @@
+"""The model runner: every target forward the engine makes, planned into device buffers that are
+kept per shape and, with ``graphs`` (CUDA backend), replayed as CUDA graphs.
+
+A shape is the key (batch, tokens per request, tree or causal):
+
+- ``(B, 1, causal)``: an autoregressive decode step (``decode``).
+- ``(B, 1 + budget, tree)``: a speculative round's verify over every request's ``[root, nodes]``
+  (``plan_tree`` -> ``fill_tree`` -> ``verify``). The host half (cache slots, attention plan) runs
+  before the round's draft is enqueued. The tree's tokens, positions and ancestor mask then go from
+  ``TreeArrays`` into the shape's input buffers on the device, so the mask never visits the host.
+- Prefill is ragged and runs eagerly (``prefill``).
+
+A graph is captured the first time its shape is seen. One eager warm-up run of the same step comes
+first; it compiles nothing new but lets cuBLAS pick its kernels outside the capture, and the KV rows
+it writes are the ones the replay writes again. The graph is then replayed for that step and every
+later one of the shape. Per step the host writes only the step's inputs and attention plan into the
+shape's fixed buffers (``TargetModel.prepare(..., into=...)``) and launches the graph.
+
+Everything a captured kernel touches must keep its address for the graph's life: the inputs
+(``StepInputs``), the MoE plan's buffers, and every intermediate. Intermediates come from a memory
+pool private to the shape, so a buffer freed during capture is reused only by the same graph, never
+by eager code that could run between two replays. Each attention plan is first made for the worst
+case of its shape (every request at the full context), so its work list has room for any later plan
+written into it. Without graphs the same buffers are reused and the forward runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..model.target import ForwardBatch, ForwardOutput, StepInputs, TargetModel
+from ..reference.tree_build import mask_words
+
+
+@dataclass
+class _Shape:
+    inputs: StepInputs
+    moe_plan: Any
+    pool: Any  # cupy.cuda.MemoryPool of the shape's intermediates (None on numpy / without graphs)
+    mask: Any = None  # uint64 [B * n, words] tree mask buffer (tree shapes)
+    self_bits: Any = None  # uint64 [n, words]: slot s sees only itself (unused tree slots)
+    graph: Any = None  # cupy.cuda.graph.Graph once captured
+    out: ForwardOutput | None = None  # the graph's output buffers
+
+
+@dataclass
+class TreeStep:
+    """A planned verify forward: the shape's buffers, for ``fill_tree`` and ``verify``."""
+
+    key: tuple
+    seq_ids: list
+    prefix: np.ndarray  # host int64 [B]: committed tokens (the root's cache position)
+    prefix_dev: Any  # backend int32 [B]
+    inputs: StepInputs
+
+
+class ModelRunner:
+    """Owns planning and CUDA graphs of the target forward (see the module doc)."""
+
+    def __init__(self, model: TargetModel, cache, max_context: int, graphs: bool = False, hidden_layers=()):
+        if graphs and not model.backend.is_cuda:
+            raise ValueError("CUDA graphs need the cuda backend")
+        self.model, self.cache, self.max_context = model, cache, max_context
+        self.graphs, self.hidden_layers = graphs, tuple(hidden_layers)
+        self.page_width = cache.pages_for(max_context)
+        self._shapes: dict[tuple, _Shape] = {}
+        self.captures = 0
+        self.replays = 0  # graph launches (the first of each shape included)
+
+    def __len__(self) -> int:
+        return sum(s.graph is not None for s in self._shapes.values())
+
+    def graph_of(self, batch_size: int, tokens: int = 1, tree: bool = False):
+        """The captured graph of a shape (KeyError before its first forward)."""
+        g = self._shapes[(batch_size, tokens, tree)].graph
+        if g is None:
+            raise KeyError(f"shape {(batch_size, tokens, tree)} has no captured graph (graphs={self.graphs})")
+        return g
+
+    # -- eager forwards ------------------------------------------------------------------------
+    def prefill(self, batch: ForwardBatch, hidden_layers=()) -> ForwardOutput:
+        """A ragged prefill (or any batch), eagerly; logits for ``batch.logit_rows``."""
+        return self.model.forward(batch, self.cache, output="logits", hidden_layers=hidden_layers)
+
+    # -- shapes --------------------------------------------------------------------------------
+    def _shape(self, b: int, n: int, tree: bool) -> _Shape:
+        key = (b, n, tree)
+        s = self._shapes.get(key)
+        if s is not None:
+            return s
+        import contextlib
+
+        model, be = self.model, self.model.backend
+        pool = None
+        ctx = contextlib.nullcontext()
+        if self.graphs:
+            import cupy
+
+            pool = cupy.cuda.MemoryPool()
+            ctx = cupy.cuda.using_allocator(pool.malloc)
+        with ctx:
+            worst = np.full(b, self.max_context - n, dtype=np.int64)
+            num_new = np.full(b, n, np.int64)
+            mask = self_bits = None
+            if tree:
+                words = mask_words(n - 1)
+                bits = np.zeros((n, words), np.uint64)
+                bits[np.arange(n), np.arange(n) // 64] = np.uint64(1) << (np.arange(n) % 64).astype(np.uint64)
+                self_bits = be.asarray(bits)
+                mask = be.asarray(np.tile(bits, (b, 1)))  # a valid mask until the first fill
+            pos = np.concatenate([np.arange(c, c + n) for c in worst]).astype(np.int32)
+            rows = None if tree else np.arange(b)
+            table = np.zeros((b, self.page_width), np.int32)  # page 0 stands in: only capacity matters
+            plan = be.mla_attention_plan(worst, num_new, table, model.dims.num_heads, self.cache.page_size,
+                                         self.cache.num_pages, mask, check_mask=False)
+            inputs = StepInputs(ForwardBatch([None] * b, worst, num_new, np.zeros(b * n, np.int32), pos),
+                                be.asarray(np.zeros(b * n, np.int32)), be.asarray(pos),
+                                be.zeros((b * n,), "int32"), plan,
+                                None if rows is None else be.asarray(rows.astype(np.int64)))
+            s = self._shapes[key] = _Shape(inputs, model.moe_plan(b * n), pool, mask, self_bits)
+        return s
+
+    def _run(self, s: _Shape, hidden_layers) -> ForwardOutput:
+        """Run the shape's prepared inputs: eagerly, or through its graph (captured on first use)."""
+        model, cache = self.model, self.cache
+        if not self.graphs:
+            return model.run(s.inputs, cache, output="logits", hidden_layers=hidden_layers, moe_plan=s.moe_plan)
+        if s.graph is None:
+            import cupy
+
+            stream = cupy.cuda.Stream(non_blocking=True)
+            cupy.cuda.get_current_stream().synchronize()  # the inputs were written on the caller's stream
+            with stream, cupy.cuda.using_allocator(s.pool.malloc):
+                model.run(s.inputs, cache, output="logits", hidden_layers=hidden_layers, moe_plan=s.moe_plan)
+                stream.synchronize()
+                stream.begin_capture()
+                try:
+                    s.out = model.run(s.inputs, cache, output="logits", hidden_layers=hidden_layers,
+                                      moe_plan=s.moe_plan)
+                finally:
+                    s.graph = stream.end_capture()
+                stream.synchronize()
+            self.captures += 1
+        s.graph.launch()
+        self.replays += 1
+        return s.out
+
+    # -- autoregressive decode -----------------------------------------------------------------
+    def decode(self, batch: ForwardBatch):
+        """Logits bf16 [B, V] of a decode batch (one new token per request, logits for every row).
+        With graphs this is the graph's output buffer: read it before the next call of that size."""
+        if batch.tree_mask is not None or not np.all(batch.num_new == 1):
+            raise ValueError("decode runs decode batches: one new token per request, no tree mask")
+        if batch.logit_rows is None or not np.array_equal(batch.logit_rows, np.arange(len(batch.seq_ids))):
+            raise ValueError("decode needs logits for every row (logit_rows = 0..B-1)")
+        if not self.graphs:
+            return self.model.forward(batch, self.cache, output="logits").logits
+        s = self._shape(len(batch.seq_ids), 1, False)
+        s.inputs = self.model.prepare(batch, self.cache, into=s.inputs, page_width=self.page_width)
+        return self._run(s, ()).logits
+
+    # -- tree verify ---------------------------------------------------------------------------
+    def plan_tree(self, seq_ids, prefix, n: int) -> TreeStep:
+        """The host half of a verify forward over ``n`` = 1 + budget slots per request, request b's
+        slot j at cache position prefix[b] + j: cache slots and the attention plan, written into the
+        shape's buffers. No device sync; the tree's contents come later (``fill_tree``)."""
+        model, be, cache = self.model, self.model.backend, self.cache
+        prefix = np.asarray(prefix, np.int64)
+        b = len(seq_ids)
+        s = self._shape(b, n, True)
+        num_new = np.full(b, n, np.int64)
+        slots = np.concatenate([cache.slots(r, np.arange(p, p + n)) for r, p in zip(seq_ids, prefix)])
+        plan = be.mla_attention_plan(prefix, num_new, cache.page_table(seq_ids, self.page_width),
+                                     model.dims.num_heads, cache.page_size, cache.num_pages, s.mask,
+                                     check_mask=False, into=s.inputs.plan)
+        be.copy_in(s.inputs.slots, slots.astype(np.int32))
+        s.inputs = StepInputs(ForwardBatch(list(seq_ids), prefix, num_new, None, None, s.mask),
+                              s.inputs.tokens, s.inputs.positions, s.inputs.slots, plan, None)
+        return TreeStep((b, n, True), list(seq_ids), prefix, be.asarray(prefix.astype(np.int32)), s.inputs)
+
+    def fill_tree(self, step: TreeStep, tree) -> None:
+        """Device copy of ``tree`` (TreeArrays with n slots per request) into the step's inputs.
+        Slots past a tree's nodes verify token 0 at the root's position seeing only themselves
+        (their rows are written past the prefix and never read)."""
+        s = self._shapes[step.key]
+        xp = self.model.backend.xp
+        b, n, _ = step.key
+        used = xp.arange(n, dtype=xp.int32)[None, :] < tree.num_nodes[:, None]
+        s.inputs.tokens[...] = xp.where(used, tree.tokens, 0).reshape(-1)
+        s.inputs.positions[...] = xp.where(used, tree.positions, step.prefix_dev[:, None]).reshape(-1)
+        s.mask[...] = xp.where(used[:, :, None], tree.mask, s.self_bits[None]).reshape(b * n, -1)
+
+    def verify(self, step: TreeStep) -> ForwardOutput:
+        """Logits [B * n, V] of every slot and the hidden states at ``hidden_layers`` (with graphs:
+        the graph's buffers, valid until the next verify of the shape)."""
+        return self._run(self._shapes[step.key], self.hidden_layers)
