@@ -286,7 +286,6 @@ def _write_into(old: MLAPlan, batch, work, cta_work, merges, num_merge, req_info
     old.merge_count.set(np.array([num_merge], np.int32))
     old.req_info.set(req_info)
     old.page_table.set(batch.page_table)
-    cupy.cuda.get_current_stream().synchronize()  # the host staging arrays die on return
     return MLAPlan(**{**old.__dict__, "batch": batch, "num_work": len(work), "num_merge": num_merge})
 
 
