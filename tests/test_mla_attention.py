@@ -472,10 +472,14 @@ def test_device_mask_and_graph_replay(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lens", [([3000, 100, 4100], [40, 5000, 1]), ([1, 2, 3], [40, 5000, 1])],
+                         ids=["split-then-split", "unsplit-template"])
 @pytest.mark.parametrize("variant", ["d16", "m64", "w64"])
-def test_decode_graph_replay(rng, variant):
-    """A decode step captured in a CUDA graph, then a later decode plan (other lengths, so another
-    split and merge layout) written into the same buffers and replayed."""
+def test_decode_graph_replay(rng, variant, lens):
+    """A decode step captured in a CUDA graph from a replay template, then a later decode plan (other
+    lengths, so another split and merge layout) written into the same buffers and replayed. The
+    unsplit template cuts no tile itself: the replayed plan's merge and its larger work list must
+    still fit (the engine's runner makes its templates this way)."""
     import cupy
 
     _skip_unless_built_for(variant)
@@ -483,8 +487,8 @@ def test_decode_graph_replay(rng, variant):
     from ddtree_rtc.kernels import mla_attention as k
     from ddtree_rtc.testing import to_device_bf16
 
-    first = Batch(rng, [3000, 100, 4100], [1, 1, 1], 8, 64)
-    second = Batch(rng, [40, 5000, 1], [1, 1, 1], 8, 64)
+    first = Batch(rng, lens[0], [1, 1, 1], 8, 64)
+    second = Batch(rng, lens[1], [1, 1, 1], 8, 64)
     width = max(first.page_table.shape[1], second.page_table.shape[1])
     pages = max(first.num_pages, second.num_pages)
     caches = []
@@ -495,7 +499,7 @@ def test_decode_graph_replay(rng, variant):
         c[:bt.num_pages] = bt.cache.astype(np.float32)
         bt.num_pages, bt.cache = pages, c.astype(bfloat16)
         caches.append(to_device_bf16(bt.cache))
-    plan = k.build_plan(ref.validate_batch(*first.plan_args()), num_sms=50, variant=variant)
+    plan = k.build_plan(ref.validate_batch(*first.plan_args()), num_sms=50, variant=variant, replay=True)
     q, cache = to_device_bf16(first.q), caches[0].copy()
     out = cupy.empty((3, 8, ref.DV), cupy.uint16)
     lse = cupy.empty((3, 8), cupy.float32)

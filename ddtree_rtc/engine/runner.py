@@ -20,8 +20,9 @@ Everything a captured kernel touches must keep its address for the graph's life:
 (``StepInputs``), the MoE plan's buffers, and every intermediate. Intermediates come from a memory
 pool private to the shape, so a buffer freed during capture is reused only by the same graph, never
 by eager code that could run between two replays. Each attention plan is first made for the worst
-case of its shape (every request at the full context), so its work list has room for any later plan
-written into it. Without graphs the same buffers are reused and the forward runs eagerly.
+case of its shape (every request at the full context) as a replay template: its work list has room
+for any later plan written into it, and it always launches the split-K merge (which reads from device
+memory how many tiles the current plan cut). Without graphs the same buffers are reused and the forward runs eagerly.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class ModelRunner:
             rows = None if tree else np.arange(b)
             table = np.zeros((b, self.page_width), np.int32)  # page 0 stands in: only capacity matters
             plan = be.mla_attention_plan(worst, num_new, table, model.dims.num_heads, self.cache.page_size,
-                                         self.cache.num_pages, mask, check_mask=False)
+                                         self.cache.num_pages, mask, check_mask=False, replay=True)
             inputs = StepInputs(ForwardBatch([None] * b, worst, num_new, np.zeros(b * n, np.int32), pos),
                                 be.asarray(np.zeros(b * n, np.int32)), be.asarray(pos),
                                 be.zeros((b * n,), "int32"), plan,

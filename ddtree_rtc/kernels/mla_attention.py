@@ -184,13 +184,16 @@ def _props_of(device_id: int, arch_override: str | None) -> tuple[int, int, bool
 
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
-                       tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None):
+                       tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None,
+                       replay: bool = False):
     """Validate the batch and lay out the work (see the module doc of ddtree_rtc.reference.mla_attention).
     ``page_table``, ``ctx_lens``, ``num_new``: host or device integer arrays (copied). ``tree_mask``:
     None (causal), a host uint64 array (checked, copied) or a device one (used in place; its contents
     are checked only with ``check_mask``, which costs a device->host copy). ``num_sms``: how many
     CTAs to aim the split-K at (default: the GPU's SM count). ``into``: an earlier plan whose device
-    buffers, grid and tile variant are reused (for CUDA-graph replay)."""
+    buffers, grid and tile variant are reused (for CUDA-graph replay). ``replay``: this plan is a
+    template that later plans are written ``into`` (it always launches the merge kernel, which reads
+    how many tiles were cut from device memory)."""
     import cupy
 
     dev_mask = tree_mask if isinstance(tree_mask, cupy.ndarray) else None
@@ -205,11 +208,11 @@ def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size:
                            _host("page_table", page_table, np.int32), num_heads, page_size, num_pages,
                            host_mask, check_mask,
                            mask_shape=None if dev_mask is None else (dev_mask.shape, dev_mask.dtype))
-    return build_plan(batch, dev_mask, num_sms=num_sms, into=into)
+    return build_plan(batch, dev_mask, num_sms=num_sms, into=into, replay=replay)
 
 
 def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, variant: str | None = None,
-               into: MLAPlan | None = None) -> MLAPlan:
+               into: MLAPlan | None = None, replay: bool = False) -> MLAPlan:
     """Lay out a validated batch. ``dev_mask``: the caller's device mask, used in place (otherwise
     ``batch.tree_mask`` is uploaded). ``variant``: force a tile variant (every variant computes the
     same result; the default picks the fastest that fits the GPU)."""
@@ -243,10 +246,15 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
     owns_mask = dev_mask is None and host_mask is not None
     if owns_mask:
         dev_mask = cupy.asarray(host_mask)
+    # Room for any plan of this batch shape: one item per query tile plus one per CTA boundary that
+    # cuts a tile (a shorter context can cut more tiles than this plan does).
+    capacity = int(_cdiv(batch.num_new * batch.num_heads, bm).sum()) + grid
+    work_buf = np.zeros((capacity, _WORK_INTS), np.int32)
+    work_buf[:len(work)] = work
     return MLAPlan(
         batch=batch, variant=variant, bm=bm, threads=32 * nw, smem=_smem_bytes(variant), grid=grid,
-        merge_grid=MERGE_CTAS_PER_SM * grid if len(merge) else 0, num_work=len(work), num_merge=len(merge),
-        work=cupy.asarray(work), cta_work=cupy.asarray(cta_work), merge=cupy.asarray(merges),
+        merge_grid=MERGE_CTAS_PER_SM * grid if len(merge) or replay else 0, num_work=len(work),
+        num_merge=len(merge), work=cupy.asarray(work_buf), cta_work=cupy.asarray(cta_work), merge=cupy.asarray(merges),
         merge_count=cupy.asarray(np.array([len(merge)], np.int32)), req_info=cupy.asarray(req_info),
         page_table=cupy.asarray(batch.page_table), mask=dev_mask, owns_mask=owns_mask,
         o_part=cupy.empty((2 * grid, bm, DV), dtype=cupy.float32),

@@ -188,9 +188,10 @@ def validate_batch(ctx_lens, num_new, page_table, num_heads: int, page_size: int
 
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
-                       tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None):
+                       tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None,
+                       replay: bool = False):
     """Validate the batch (see module doc); the numpy plan is the validated batch itself.
-    ``num_sms`` and ``into`` only shape the CUDA work split."""
+    ``num_sms``, ``into`` and ``replay`` only shape the CUDA work split."""
     return validate_batch(ctx_lens, num_new, page_table, num_heads, page_size, num_pages, tree_mask, check_mask)
 
 
