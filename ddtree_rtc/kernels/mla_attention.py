@@ -264,7 +264,6 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
 def _write_into(old: MLAPlan, batch, work, cta_work, merges, num_merge, req_info, host_mask, dev_mask):
     """Write a new plan into ``old``'s buffers: the kernel arguments stay the same, so a graph
     captured with ``old`` replays the new plan."""
-    import cupy
 
     def need(ok: bool, what: str):
         if not ok:
