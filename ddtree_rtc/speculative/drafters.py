@@ -112,6 +112,35 @@ class OracleDrafter(Drafter):
             return 0
         return min(int(g.geometric(0.5)), self.vocab_size - 1)  # 1, 2, ... halving
 
+    def rank_probability(self, d: int, rank: int) -> float:
+        """P(the true token sits at ``rank`` at depth d) under the profile (_rank's law)."""
+        p = float(self.probs[d])
+        return p if rank == 0 else (1 - p) * 0.5**rank
+
+    def expected_tau(self, budget: int, chain: bool = False) -> float:
+        """Mean tokens per round (bonus included) of a tree of ``budget`` nodes (chain: the top-1
+        path) in steady state, i.e. while the continuation reaches past the round. The true token
+        only swaps places with the token at its rank, so every round's sorted log-probs, and so its
+        tree of ranks, are the template's; the walk reaches a node exactly when the true tokens
+        follow its path, so tau = 1 + the sum over the tree's nodes of that path's probability."""
+        from ..reference.topk import topk_logprobs
+        from ..reference.tree_build import tree_build
+
+        budget = self.depth if chain else budget
+        k = 1 if chain else max(1, min(budget, self.vocab_size))
+        logq, ids = topk_logprobs(self._template[None], k)
+        one = np.ones(1, np.int32)
+        tree = tree_build(logq, ids, 0 * one, budget * one, self.depth * one, 0 * one, budget)
+        rank = np.empty_like(self._order)
+        for d in range(self.depth):
+            rank[d, self._order[d]] = np.arange(self.vocab_size)
+        reach = np.zeros(int(tree.num_nodes[0]))
+        reach[0] = 1.0
+        for j in range(1, len(reach)):  # parents precede children
+            d = int(tree.node_depth[0, j]) - 1
+            reach[j] = reach[tree.parents[0, j]] * self.rank_probability(d, int(rank[d, tree.tokens[0, j]]))
+        return float(reach.sum())
+
     def draft(self, rids, roots, prefix_lens):
         out = np.empty((len(rids), self.depth, self.vocab_size), np.float32)
         for b, (rid, prefix) in enumerate(zip(rids, prefix_lens)):
