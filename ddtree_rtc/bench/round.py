@@ -118,6 +118,9 @@ def measure_tau(model, prompts, budget: int, accept_p: float, new_tokens: int, c
     eng = Engine(model, max_batch=len(prompts), page_size=PAGE, max_context=ctx, mode="ddtree", drafter=drafter,
                  budget=budget)
     eng.run([Request(i, list(p), new_tokens) for i, p in enumerate(prompts)])
+    if not eng.round.stats.rounds:
+        raise RuntimeError(f"no speculative round ran (every request ended at its first token): raise --tau-tokens "
+                           f"({new_tokens})")
     return eng.round.stats
 
 
