@@ -1,5 +1,6 @@
-"""The DDTree / chain round in the engine on the numpy backend: lossless at T=0 against the
-engine's own autoregressive decode, the verify forward against causal forwards, bad input."""
+"""The DDTree / chain round in the engine on the numpy backend: lossless at T=0 and T>0 against the
+engine's own autoregressive decode, the verify forward against causal forwards, bad input, the
+oracle drafter's tau. The round on the CUDA backend: tests/test_round_gpu.py."""
 
 import numpy as np
 import pytest
