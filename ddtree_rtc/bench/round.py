@@ -11,10 +11,11 @@ Per (batch, budget) it reports
     for the host); their sum, first event to last, is "the sum of its kernels";
   * the same device round captured as ONE CUDA graph (top-k -> build -> fill_tree -> verify ->
     choose -> accept -> commit) and replayed; the target is graph <= 1.2x queued. The draft is not
-    in the graph: the oracle drafter makes its logits on the host (numpy) and copies them in, which
-    is no model of a real drafter's cost (the DFlash drafter's device forward is `bench drafter`);
-    its host time is reported beside. The host half of the verify (cache slots, attention plan) and
-    the round's one sync (reading the accepted lengths) are outside the graph too, as in the engine;
+    in the graph: the oracle drafter copies its template on the device and applies swaps that the
+    host computes each round, which is no model of a real drafter's cost (the DFlash drafter's
+    device forward is `bench drafter`); its wall time is reported beside. The host half of the
+    verify (cache slots, attention plan) and the round's one sync (reading the accepted lengths)
+    are outside the graph too, as in the engine;
   * the verify's byte floor: the weights it reads (routed experts: only those the tree's tokens
     touch), every request's KV rows (context + tree) per layer, and the logits it writes, over the
     read ceiling measured in the same run;
@@ -287,7 +288,8 @@ def bench_case(model, batch: int, budget: int, args, gate, weight_bytes, tau_sta
                "speedup_over_ar": tau * t_ar / t_graph, "experts_touched": touched,
                "graph_emitted_equals_eager": graph_equals_eager}
     stage_bytes = {"top-k": topk_bytes, "verify": v_bytes, "choose": choose_bytes}
-    rows = [Row(f"{case} draft (oracle, host numpy + copy; not in the graph)", statistics.median(draft_us),
+    rows = [Row(f"{case} draft (oracle: host swaps + device copy; wall time, not in the graph)",
+                statistics.median(draft_us),
                 extra={**common, "stage": "draft", "host": True})]
     rows += [Row(f"{case} {name}", stages[name], bytes=stage_bytes.get(name), extra={**common, "stage": name})
              for name in STAGES]
