@@ -20,6 +20,8 @@ BENCHMARKS = {
     "moe": "INT4 W4A16 MoE layer at K2.6 dims vs the read ceiling and a bf16 cuBLAS peer",
     "attention": "MLA decode / tree-verify / prefill attention vs read and matmul ceilings",
     "decode": "AR decode step on a K2.6-dims slice: stage times vs byte floors, eager / queued / CUDA graph",
+    "round": "DDTree round on a K2.6-dims slice: stages, kernels vs CUDA graph, tok/s at the oracle's tau vs AR",
+    "drafter": "DFlash drafter forward / context extend at K2.6 dims and its GQA attention vs byte floors",
 }
 
 

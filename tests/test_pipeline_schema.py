@@ -1,6 +1,8 @@
+from pathlib import Path
+
 import pytest
 
-from ddtree_rtc.pipeline.schema import PipelineError, parse_pipeline, parse_set_options
+from ddtree_rtc.pipeline.schema import PipelineError, load_pipeline, parse_pipeline, parse_set_options
 
 GOOD = """\
 model:
@@ -56,3 +58,45 @@ def test_set_overrides():
         parse_set_options(("nonsense",))
     with pytest.raises(PipelineError, match="unknown key 'decode.budgett'"):
         parse_pipeline(GOOD, "good.yaml", parse_set_options(("decode.budgett=3",)))
+
+
+def test_decode_section():
+    dd = GOOD.replace("  mode: autoregressive\n  temperature: 0\n", "  mode: ddtree\n  temperature: 0.7\n  budget: 32\n"
+                      "  drafter: {kind: oracle, acceptance: {p: 0.77}}\n")
+    p = parse_pipeline(dd, "dd.yaml")
+    assert (p.decode.mode, p.decode.budget, p.decode.temperature) == ("ddtree", 32, 0.7)
+    assert p.decode.drafter.kind == "oracle" and p.decode.drafter.acceptance.p == 0.77
+    for text, msg in ((dd.replace("  drafter: {kind: oracle, acceptance: {p: 0.77}}\n", ""), "needs a drafter"),
+                      (dd.replace("budget: 32", "budget: 600"), "budget 600 is outside 0..512"),
+                      (dd.replace("kind: oracle", "kind: oracle, depth: 17"), "depth 17 is outside 1..16"),
+                      (dd.replace("{p: 0.77}", "{p: 1.5}"), r"probabilities must be in \[0, 1\]"),
+                      (dd.replace("kind: oracle", "kind: dflash"), "needs 'path'"),
+                      (dd.replace("kind: oracle", "kindd: oracle"), "unknown key 'decode.drafter.kindd'")):
+        with pytest.raises(PipelineError, match=msg):
+            parse_pipeline(text, "bad.yaml")
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in Path("pipelines").glob("*.yaml")))
+def test_shipped_pipelines_parse(path):
+    p = load_pipeline(path)
+    assert p.model is not None and p.workload is not None
+
+
+def test_k2_6_ddtree_pipeline_taus():
+    """pipelines/k2_6_slice_ddtree_h200.yaml's comment: acceptance p 0.42 / 0.77 / 0.93 give tau ~ 3 / 5 / 7
+    at its budget (OracleDrafter.expected_tau at K2.6's vocabulary), and concurrency 1 / 10 and the
+    autoregressive mode are one --set away."""
+    from ddtree_rtc.backend import Backend
+    from ddtree_rtc.speculative.drafters import OracleDrafter
+
+    path = "pipelines/k2_6_slice_ddtree_h200.yaml"
+    p = load_pipeline(path)
+    d = p.decode
+    assert d.mode == "ddtree" and d.drafter.kind == "oracle" and d.drafter.acceptance.p == 0.77
+    assert p.workload.concurrency == 10 and p.workload.synthetic.count >= 10
+    for over in ({"workload.concurrency": 1}, {"decode.mode": "autoregressive"}):
+        load_pipeline(path, over)
+    be = Backend("numpy", quiet=True)
+    for acc, tau in ((0.42, 3), (0.77, 5), (0.93, 7)):
+        drafter = OracleDrafter(be, 163840, d.drafter.depth, None, accept_p=acc, seed=d.drafter.seed)
+        assert abs(drafter.expected_tau(d.budget) - tau) < 0.1, (acc, drafter.expected_tau(d.budget))

@@ -223,9 +223,13 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
     lat = [r.t_done - r.t_arrive for r in done]
     ttft = [r.t_first - r.t_arrive for r in done]
     gen = sum(len(r.output) for r in done)
+    # a user's decode rate: tokens after the first (which the prefill gives) over the time they took
+    per_user = [(len(r.output) - 1) / (r.t_done - r.t_first) for r in done
+                if len(r.output) > 1 and r.t_done > r.t_first]
     metrics = {
         "requests": len(done), "prompt_tokens": sum(len(r.prompt) for r in done), "generated_tokens": gen,
-        "wall_s": wall, "tok_per_s": gen / wall if wall else None, "steps": st.steps,
+        "wall_s": wall, "tok_per_s": gen / wall if wall else None,
+        "tok_per_s_per_user": statistics.mean(per_user) if per_user else None, "steps": st.steps,
         "latency_s": {"mean": statistics.mean(lat), "p50": statistics.median(lat), "max": max(lat)},
         "ttft_s": {"mean": statistics.mean(ttft), "max": max(ttft)},
         "stage_s": dict(st.stage_seconds), "compile_s": compile_s, "load_s": load_s,
@@ -251,6 +255,7 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
         rows = [("requests", str(len(done))), ("prompt tokens", str(metrics["prompt_tokens"])),
                 ("generated tokens", str(gen)), ("wall time", f"{wall:.2f} s"),
                 ("throughput", f"{metrics['tok_per_s']:.1f} tok/s"),
+                ("tok/s per user (decode)", "-" if not per_user else f"{metrics['tok_per_s_per_user']:.1f}"),
                 ("latency mean / p50 / max",
                  " / ".join(f"{metrics['latency_s'][k]:.3f}" for k in ("mean", "p50", "max")) + " s"),
                 ("time to first token mean", f"{metrics['ttft_s']['mean']:.3f} s"),

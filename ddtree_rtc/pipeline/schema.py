@@ -105,8 +105,6 @@ class DecodeSpec:
             raise ValueError(f"budget {self.budget} is outside 0..{MAX_BUDGET} (the tree buffers' maximum)")
         if self.mode != "autoregressive" and self.drafter is None:
             raise ValueError(f"mode {self.mode!r} needs a drafter (decode.drafter: {{kind: oracle | random | dflash}})")
-        if self.mode != "autoregressive" and self.temperature > 0:
-            raise ValueError(f"mode {self.mode!r} runs at temperature 0 only in this build")
 
 
 @dataclass(frozen=True)
