@@ -45,6 +45,7 @@ class _Shape:
     self_bits: Any = None  # uint64 [n, words]: slot s sees only itself (unused tree slots)
     graph: Any = None  # cupy.cuda.graph.Graph once captured
     out: ForwardOutput | None = None  # the graph's output buffers
+    collectives: Any = None  # CommStats of the collectives one replay runs
 
 
 @dataclass
@@ -132,20 +133,25 @@ class ModelRunner:
         if s.graph is None:
             import cupy
 
+            from ..dist.comm import CommStats
+
             stream = cupy.cuda.Stream(non_blocking=True)
             cupy.cuda.get_current_stream().synchronize()  # the inputs were written on the caller's stream
             with stream, cupy.cuda.using_allocator(s.pool.malloc):
                 model.run(s.inputs, cache, output="logits", hidden_layers=hidden_layers, moe_plan=s.moe_plan)
                 stream.synchronize()
+                counted, model.comm.stats = model.comm.stats, CommStats()  # what the capture enqueues
                 stream.begin_capture()
                 try:
                     s.out = model.run(s.inputs, cache, output="logits", hidden_layers=hidden_layers,
                                       moe_plan=s.moe_plan)
                 finally:
                     s.graph = stream.end_capture()
+                    s.collectives, model.comm.stats = model.comm.stats, counted
                 stream.synchronize()
             self.captures += 1
         s.graph.launch()
+        model.comm.stats.add_counts(s.collectives)  # a replay's collectives are not seen by Python
         self.replays += 1
         return s.out
 

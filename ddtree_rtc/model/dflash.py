@@ -260,7 +260,7 @@ class DFlashModel:
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x, h = be.rmsnorm(m, nxt, c.rms_norm_eps, residual=h)
         rows = be.xp.ascontiguousarray(x.reshape(b, bs, -1)[:, 1:]).reshape(b * (bs - 1), -1)
-        logits = be.linear(rows, self.target.lm_head)
+        logits = self.target.head_logits(rows)
         if c.output_multiplier != 1.0 or c.final_logit_softcapping:
             z = logits.astype(be.xp.float32) * np.float32(c.output_multiplier)
             if c.final_logit_softcapping:
