@@ -92,11 +92,14 @@ class MoELayerWeights:
                                  f"{tuple(self.shared_w13.shape)} and {tuple(self.shared_w2.shape)}")
 
 
-def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None):
+def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None,
+        shared_out=None):
     """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for
     graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``. On a tensor- or expert-parallel
     shard y is this rank's partial sum (its experts' or intermediate slice's share plus its share of
-    the shared expert); the caller all-reduces it."""
+    the shared expert), unrounded fp32 when ``out`` is fp32; the caller all-reduces it. With
+    ``shared_out`` (fp32 [M, H]) the shared expert's partial goes there instead of into y, so the
+    caller can round its sum to bf16 before adding it, as one rank's combine does."""
     lw, rc = layer_weights, routing_config
     if x.ndim != 2 or x.shape[0] == 0:
         raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {tuple(x.shape)}")
@@ -109,8 +112,11 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
         ids = ids - backend.xp.int32(lw.expert_offset)
     shared = None
     if lw.shared_w13 is not None:
-        shared = backend.linear(backend.silu_mul(backend.linear(x, lw.shared_w13)), lw.shared_w2)
-    return backend.moe_experts(x, ids, w, lw.experts, shared=shared, out=out, plan=plan, check_ids=False)
+        shared = backend.linear(backend.silu_mul(backend.linear(x, lw.shared_w13)), lw.shared_w2, out=shared_out)
+    elif shared_out is not None:
+        shared_out[...] = 0
+    return backend.moe_experts(x, ids, w, lw.experts, shared=None if shared_out is not None else shared, out=out,
+                               plan=plan, check_ids=False)
 
 
 def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, hidden: int,

@@ -7,8 +7,9 @@ Forward, per layer, with the residual add fused into the following RMSNorm:
     a = MLA(norm_in(h)); h += a; m = MLP(norm_post(h)); h += m       (MLP = dense or MoE + shared)
 
 On a tensor-parallel rank (``shard``, docs/architecture.md "Parallelism") ``a`` and ``m`` are this
-rank's partial sums, all-reduced once each (one collective per sublayer); the lm_head holds a slice
-of the vocabulary and the logits are all-gathered, so every rank sees the full logits.
+rank's fp32 partial sums, all-reduced once each (one collective per sublayer) and then rounded to
+bf16 once; the lm_head holds a slice of the vocabulary and the logits are all-gathered, so every
+rank sees the full logits.
 """
 
 from __future__ import annotations
@@ -199,14 +200,28 @@ class TargetModel:
     def _mlp(self, layer: Layer, x, moe_plan=None):
         be = self.backend
         if isinstance(layer.mlp, DenseMLP):
-            m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13)), layer.mlp.w2)
-        else:
-            m = moe(x, layer.mlp, self.routing, be, plan=moe_plan)
-        return self._reduce(m)
+            m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13)), layer.mlp.w2, out=self._partial(x))
+            return self._reduce(m)
+        if self.shard.world == 1:
+            return moe(x, layer.mlp, self.routing, be, plan=moe_plan)
+        # routed and shared partials side by side, one all-reduce; then, as one rank's combine does,
+        # routed sum + bf16(shared sum), rounded once
+        parts = be.empty((2,) + tuple(x.shape), "fp32")
+        moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1])
+        self.comm.all_reduce(parts)
+        return be.to_bf16(parts[0], plus_rounded=parts[1])
+
+    def _partial(self, x):
+        """Where a sublayer writes its output: on several ranks an fp32 buffer, so the partial sums
+        are reduced unrounded and the result is rounded to bf16 once, as one rank's output is."""
+        return self.backend.empty(tuple(x.shape), "fp32") if self.shard.world > 1 else None
 
     def _reduce(self, partial):
-        """A sublayer's output: the sum of every rank's partial (one all-reduce; none on one rank)."""
-        return self.comm.all_reduce(partial) if self.shard.world > 1 else partial
+        """A sublayer's bf16 output: the sum of every rank's fp32 partial (one all-reduce), rounded
+        once; on one rank the output itself."""
+        if self.shard.world == 1:
+            return partial
+        return self.backend.to_bf16(self.comm.all_reduce(partial))
 
     def head_logits(self, rows):
         """bf16 [R, V] logits of final-normed rows [R, H]: this rank's vocabulary slice, all-gathered
@@ -310,4 +325,4 @@ class TargetModel:
         # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both
         return self._reduce(mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq,
                                         LATENT_NORM_EPS, cache.layer(i), slots, plan, self.cfg.softmax_scale,
-                                        self.rope_scale))
+                                        self.rope_scale, out=self._partial(x)))
