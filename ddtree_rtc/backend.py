@@ -173,6 +173,12 @@ class Backend:
             x = x + np.asarray(plus_rounded, dtype=np.float32).astype(bfloat16).astype(np.float32)
         return x.astype(bfloat16)
 
+    def from_bf16(self, x):
+        """bf16 -> fp32 (exact)."""
+        if self.is_cuda:
+            return (x.astype(self.xp.uint32) << 16).view(self.xp.float32)
+        return np.asarray(x).astype(np.float32)
+
     def synchronize(self) -> None:
         if self.is_cuda:
             self.xp.cuda.get_current_stream().synchronize()

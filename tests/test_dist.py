@@ -141,6 +141,32 @@ def test_sampling_matches_one_rank(tiny_dir, one_rank, prompts):
     assert all(outs == want for outs, _, _ in results)
 
 
+def _head_argmax(comm, directory, w_full, rows):
+    """head_argmax on this rank's slice of ``w_full`` against the argmax of the gathered logits."""
+    model = _load(comm, directory, False)
+    lo, hi = model.shard.part(w_full.shape[0], "vocab")
+    model.lm_head = np.ascontiguousarray(w_full[lo:hi])
+    return model.head_argmax(rows), model.backend.argmax(model.head_logits(rows))
+
+
+def test_distributed_argmax_equals_argmax_of_the_full_logits(tiny_dir, one_rank):
+    """Ties across ranks go to the smaller id (the lower rank), ties inside a slice too; a row of
+    NaN logits gives -1, as the full argmax does."""
+    rng = np.random.default_rng(4)
+    v, h = one_rank.cfg.vocab_size, one_rank.cfg.hidden_size
+    w = (rng.standard_normal((v, h)) * h ** -0.5).astype(bfloat16)
+    rows = rng.standard_normal((5, h)).astype(bfloat16)
+    w[[700, 300, 301, 900]] = (rows[0].astype(np.float32) * 4).astype(bfloat16)  # row 0: 300 on rank 1 (of 4)
+    w[[10, 600]] = (rows[1].astype(np.float32) * 4).astype(bfloat16)  # row 1: across ranks 0 / 2
+    rows[2] = np.nan
+    want = Backend("numpy", quiet=True).argmax(rows.astype(np.float64) @ w.astype(np.float64).T)
+    assert want[0] == 300 and want[1] == 10 and want[2] == -1
+    for world in (2, 4):
+        for rank, (got, gathered) in enumerate(run_ranks(world, _head_argmax, tiny_dir, w, rows)):
+            assert np.array_equal(got, gathered), f"{world} ranks, rank {rank}: {got} vs {gathered}"
+            assert np.array_equal(got[:3], want[:3])
+
+
 def _bytes_read(comm, directory, ep):
     reader = CheckpointReader(directory)
     shard = Shard(comm.rank, comm.world_size, ep)

@@ -234,6 +234,29 @@ class TargetModel:
         full = self.comm.all_gather(local).reshape(n, r, -1)
         return be.xp.ascontiguousarray(full.transpose(1, 0, 2)).reshape(r, -1)
 
+    def head_argmax(self, rows):
+        """int32 [R]: the argmax of the full logits (``backend.argmax``'s rule: ties to the smallest
+        id, NaN ignored, -1 where a row has no number) without gathering them: each rank's best
+        (value, global id) of its vocabulary slice, all-gathered ([N, R, 2] fp32, ids exact below
+        2^24) and merged; the first rank wins a tie, and its slice holds the smaller ids."""
+        be, n = self.backend, self.shard.world
+        local = be.linear(rows, self.lm_head)
+        if n == 1:
+            return be.argmax(local)
+        xp, r = be.xp, rows.shape[0]
+        idx = be.argmax(local)
+        valid = idx >= 0
+        val = be.from_bf16(xp.take_along_axis(local, xp.maximum(idx, 0)[:, None].astype(xp.int64), 1)[:, 0])
+        offset = self.shard.part(self.cfg.vocab_size, "vocab_size (lm_head)")[0]
+        pair = xp.stack([xp.where(valid, val, -xp.inf), xp.where(valid, idx + offset, -1).astype(xp.float32)], 1)
+        g = self.comm.all_gather(xp.ascontiguousarray(pair.astype(xp.float32))).reshape(n, r, 2)
+        vals, ids = g[..., 0], g[..., 1]
+        best = xp.argmax(vals, axis=0)  # the first maximum: the lowest rank
+        first_valid = xp.argmax(ids >= 0, axis=0)  # rows whose best is -inf: the first rank with a number
+        top = xp.max(vals, axis=0)
+        pick = xp.where(top == -xp.inf, first_valid, best)
+        return xp.take_along_axis(ids, pick[None], 0)[0].astype(xp.int32)
+
     def prepare(self, batch: ForwardBatch, cache, into: StepInputs | None = None,
                 page_width: int | None = None) -> StepInputs:
         """The host half of a forward: validate ``batch``, compute its cache slots, plan the
@@ -313,11 +336,10 @@ class TargetModel:
         if output == "none":
             return out
         rows = x if inputs.logit_rows is None else be.xp.ascontiguousarray(x[inputs.logit_rows])
-        logits = self.head_logits(rows)
         if output == "logits":
-            out.logits = logits
+            out.logits = self.head_logits(rows)
         else:
-            out.tokens = be.argmax(logits)
+            out.tokens = self.head_argmax(rows)
         mark("head", -1, rows)
         return out
 
