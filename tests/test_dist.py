@@ -304,8 +304,9 @@ def test_failing_rank_ends_the_job_with_its_message(monkeypatch):
 def test_rank_env_reads_every_launcher():
     assert rank_env({}).world_size == 1
     t = rank_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"})
-    assert (t.rank, t.world_size, t.local_rank, t.master_addr, t.master_port, t.launcher) == (
-        3, 8, 3, "n1", 1234, "torchrun")
+    assert (t.rank, t.world_size, t.local_rank, t.master_addr, t.master_port, t.launcher, t.nccl_id_port) == (
+        3, 8, 3, "n1", 1234, "torchrun", 1235)
+    assert rank_env({"RANK": "0", "WORLD_SIZE": "2", "DDTREE_RTC_STORE_PORT": "777"}).nccl_id_port == 777
     m = rank_env({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
     assert (m.rank, m.world_size, m.local_rank, m.launcher) == (5, 16, 1, "mpirun")
     s = rank_env({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"})
