@@ -382,11 +382,11 @@ def test_nccl_two_ranks():
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_cli(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
+def _run_cli(tmp_path, name: str, *args: str, backend: str = "numpy") -> subprocess.CompletedProcess:
     out = tmp_path / f"{name}.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "ddtree_rtc.cli", "run", *args, "--quiet",
-                           "--set", f"output.json={out}", "--set", "runtime.backend=numpy"],
+                           "--set", f"output.json={out}", "--set", f"runtime.backend={backend}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -416,3 +416,21 @@ def test_cli_refuses_a_world_that_is_not_the_pipelines(tmp_path):
     assert r.returncode != 0 and "needs 2 ranks" in r.stderr and "--nproc 2" in r.stderr
     r = _run_cli(tmp_path, "x", "pipelines/tiny.yaml", "--nproc", "3", "--set", "runtime.tensor_parallel=3")
     assert r.returncode != 0 and "attention heads (4) does not split evenly over 3 ranks" in r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["pipelines/tiny.yaml", "pipelines/tiny_ddtree.yaml"])
+def test_cli_two_gpus_match_one(tmp_path, pipeline):
+    """2 ranks over NCCL, CUDA graphs on; the tiny model's experts split by expert (its 128-wide
+    intermediate cannot split into the GPU kernels' 128-wide k blocks). Ranks sum fp32 partials in
+    another order than one GPU's kernels, so a near-tie of the random model could flip a token: on
+    a mismatch, look at the two runs' logits before blaming the transport."""
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    one = _run_cli(tmp_path, "one", pipeline, backend="cuda")
+    assert one.returncode == 0, one.stderr
+    two = _run_cli(tmp_path, "two", pipeline, "--nproc", "2", "--set", "runtime.tensor_parallel=2",
+                   "--set", "runtime.expert_parallel=true", backend="cuda")
+    assert two.returncode == 0, two.stderr
+    assert _ids(tmp_path, "two") == _ids(tmp_path, "one")
+    assert json.loads((tmp_path / "two.json").read_text())["metrics"]["parallel"]["transport"] == "nccl"
