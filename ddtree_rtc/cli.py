@@ -249,6 +249,10 @@ def run_cmd(pipeline, overrides, quiet, nproc):
             _spawn_ranks(pipe, pipeline, overrides, quiet, nproc)
             return
         ranks = ranks_for(pipe)
+        if ranks.comm.world_size > 1:  # a launcher's SIGTERM still runs the finally below (frees the transport)
+            import signal
+
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         try:
             run_pipeline(pipe, quiet=quiet, ranks=ranks)
             ranks.comm.barrier()  # nobody tears the transport down under a peer
