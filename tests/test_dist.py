@@ -167,6 +167,47 @@ def test_distributed_argmax_equals_argmax_of_the_full_logits(tiny_dir, one_rank)
             assert np.array_equal(got[:3], want[:3])
 
 
+def _dflash_run(comm, directory, drafter_dir, prompts):
+    from ddtree_rtc.speculative.dflash import DFlashDrafter
+
+    model = _load(comm, directory, True)
+    drafter = DFlashDrafter.load(drafter_dir, model, window=6)
+    seen = []
+    draft = drafter.draft
+
+    def record(rids, roots, prefix_lens):
+        out = draft(rids, roots, prefix_lens)
+        seen.append(model.backend.to_host(out).astype(np.float32))
+        return out
+
+    drafter.draft = record
+    eng = Engine(model, len(prompts), 16, 64, mode="ddtree", drafter=drafter, budget=8)
+    outs = [r.output for r in eng.run([Request(i, p, NEW) for i, p in enumerate(prompts)])]
+    return outs, seen, drafter.k.data.shape
+
+
+def test_dflash_drafter_splits_like_the_target(tiny_dir, one_rank, prompts, tmp_path):
+    """The DFlash drafter on 2 ranks (1 of its 2 kv heads, half its q heads and intermediate each)
+    drafts one rank's logits and gives the same tokens."""
+    from ddtree_rtc.model.dflash import make_dflash
+    from ddtree_rtc.speculative.dflash import DFlashDrafter
+
+    make_dflash("dflash-tiny", tmp_path, seed=1)
+    want = _single(one_rank, prompts, "autoregressive", 0.0)
+    drafter = DFlashDrafter.load(tmp_path, one_rank, window=6)
+    seen = []
+    draft = drafter.draft
+    drafter.draft = lambda *a: seen.append(draft(*a).astype(np.float32)) or draft(*a)
+    eng = Engine(one_rank, len(prompts), 16, 64, mode="ddtree", drafter=drafter, budget=8)
+    assert [r.output for r in eng.run([Request(i, p, NEW) for i, p in enumerate(prompts)])] == want
+    for outs, drafts, kv_shape in run_ranks(2, _dflash_run, tiny_dir, tmp_path, prompts):
+        assert outs == want
+        assert kv_shape[-1] == drafter.k.data.shape[-1] // 2  # one of the two kv heads per rank
+        assert len(drafts) == len(seen)
+        for got, ref in zip(drafts, seen):
+            assert_close(got, ref, "bf16")
+
+
 def _bytes_read(comm, directory, ep):
     reader = CheckpointReader(directory)
     shard = Shard(comm.rank, comm.world_size, ep)
