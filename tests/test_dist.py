@@ -359,7 +359,31 @@ def test_rank_env_reads_every_launcher():
     assert isinstance(make_communicator(rank_env({}), cuda=False), SingleRank)
 
 
-# -- GPU: the NCCL transport -------------------------------------------------------------------------
+# -- the NCCL transport: its id store (CPU), then NCCL itself (GPU) --------------------------------------
+
+def test_nccl_id_store_hands_rank_0s_id_to_every_peer():
+    import threading
+
+    from ddtree_rtc.dist.launch import free_port
+    from ddtree_rtc.dist.nccl import exchange_unique_id
+
+    port, got = free_port(), {}
+    uid = bytes(np.random.default_rng(3).integers(0, 256, 128, dtype=np.uint8))
+
+    def rank(r):
+        got[r] = exchange_unique_id(r, 4, "127.0.0.1", port, lambda: uid, 20)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (3, 1, 0, 2)]  # peers may come first
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {r: uid for r in range(4)}
+    with pytest.raises(DistError, match="rank 2: no NCCL id from rank 0 at 127.0.0.1:"):
+        exchange_unique_id(2, 3, "127.0.0.1", free_port(), None, 0.3)
+    with pytest.raises(DistError, match="rank 0: only 0 of 2 peers connected"):
+        exchange_unique_id(0, 3, "127.0.0.1", free_port(), lambda: uid, 0.3)
+
 
 @pytest.mark.gpu
 def test_nccl_single_rank_collectives():
