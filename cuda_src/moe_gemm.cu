@@ -24,7 +24,7 @@
 // `nt1_down` the same for the 8-pair down GEMM, whose weights start streaming before its PDL wait
 // (EARLY below; on nt 4 the extra live state spills at the sm_90 register cap). Then
 // moe_gate_up_reduce_kernel (split-K gate_up -> h) and moe_combine_kernel (down partials ->
-// y = sum_slot w * down + shared).
+// y = sum_slot w * down + shared; moe_combine_f32_kernel writes y unrounded, fp32).
 #include "common.cuh"
 
 using namespace ddt;
@@ -786,9 +786,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_gate_up_reduce_kernel(
 // of kCombineSlots whose loads are all issued before the sums (one L2 round trip per group, not
 // per slot: this kernel is latency-bound at small M).
 constexpr int kCombineSlots = 8;
-extern "C" __global__ void __launch_bounds__(256, 1) moe_combine_kernel(
-    const float* __restrict__ part, int S, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
-    int E, int top_k, int M, int H, const bf16* __restrict__ shared, bf16* __restrict__ y) {
+__device__ __forceinline__ void store4(bf16* y, const float (&a)[4]) {
+  __align__(8) bf16 r[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r[i] = to_bf16(a[i]);
+  *reinterpret_cast<uint2*>(y) = *reinterpret_cast<const uint2*>(r);
+}
+
+// fp32 output: a tensor-parallel rank's partial sum, all-reduced before its one rounding to bf16
+__device__ __forceinline__ void store4(float* y, const float (&a)[4]) {
+  *reinterpret_cast<float4*>(y) = make_float4(a[0], a[1], a[2], a[3]);
+}
+
+template <typename OutT>
+__device__ __forceinline__ void combine(const float* __restrict__ part, int S, const int* __restrict__ topk_ids,
+                                        const float* __restrict__ topk_w, int E, int top_k, int M, int H,
+                                        const bf16* __restrict__ shared, OutT* __restrict__ y) {
   pdl_wait();
   pdl_trigger();
   const int m = blockIdx.y;
@@ -843,8 +856,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_combine_kernel(
     a[2] += sh.z;
     a[3] += sh.w;
   }
-  __align__(8) bf16 r[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) r[i] = to_bf16(a[i]);
-  *reinterpret_cast<uint2*>(y + o) = *reinterpret_cast<const uint2*>(r);
+  store4(y + o, a);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) moe_combine_kernel(
+    const float* __restrict__ part, int S, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
+    int E, int top_k, int M, int H, const bf16* __restrict__ shared, bf16* __restrict__ y) {
+  combine(part, S, topk_ids, topk_w, E, top_k, M, H, shared, y);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) moe_combine_f32_kernel(
+    const float* __restrict__ part, int S, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
+    int E, int top_k, int M, int H, const bf16* __restrict__ shared, float* __restrict__ y) {
+  combine(part, S, topk_ids, topk_w, E, top_k, M, H, shared, y);
 }

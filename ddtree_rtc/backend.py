@@ -54,6 +54,30 @@ def cuda_available() -> bool:
         return False
 
 
+_ROUND_BF16 = ("unsigned int b = __float_as_uint(v);"
+               "y = (b & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((b >> 16) | 0x40u)"
+               " : (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);")  # NaN stays NaN; else RNE
+_ELEMENTWISE = {
+    "to_bf16": ("float32 x", "const float v = x;"),
+    "sum_to_bf16": ("float32 x, float32 s",
+                    "unsigned int t = __float_as_uint(s);"
+                    "t = (t & 0x7fffffffu) > 0x7f800000u ? (t | 0x400000u) : ((t + 0x7fffu + ((t >> 16) & 1u)) "
+                    "& 0xffff0000u);"
+                    "const float v = x + __uint_as_float(t);"),
+}
+_KERNELS: dict = {}
+
+
+def _elementwise(name: str):
+    k = _KERNELS.get(name)
+    if k is None:
+        import cupy
+
+        args, body = _ELEMENTWISE[name]
+        k = _KERNELS[name] = cupy.ElementwiseKernel(args, "uint16 y", body + _ROUND_BF16, f"ddtree_{name}")
+    return k
+
+
 class BackendUnavailableError(RuntimeError):
     """The CUDA backend was asked for where CuPy finds no usable GPU."""
 
@@ -134,6 +158,26 @@ class Backend:
 
     def zeros(self, shape, dtype: str):
         return self.xp.zeros(shape, dtype=self.dtype(dtype))
+
+    def to_bf16(self, x, plus_rounded=None):
+        """fp32 ``x`` -> bf16, round to nearest even (NaN stays NaN): the one rounding of an
+        all-reduced tensor-parallel partial sum. ``plus_rounded`` (fp32, same shape) is first rounded
+        to bf16 and added in fp32, as the MoE combine adds the bf16 shared expert. The CUDA twin is
+        one CuPy elementwise kernel."""
+        if self.is_cuda:
+            if plus_rounded is None:
+                return _elementwise("to_bf16")(x)
+            return _elementwise("sum_to_bf16")(x, plus_rounded)
+        x = np.asarray(x, dtype=np.float32)
+        if plus_rounded is not None:
+            x = x + np.asarray(plus_rounded, dtype=np.float32).astype(bfloat16).astype(np.float32)
+        return x.astype(bfloat16)
+
+    def from_bf16(self, x):
+        """bf16 -> fp32 (exact)."""
+        if self.is_cuda:
+            return (x.astype(self.xp.uint32) << 16).view(self.xp.float32)
+        return np.asarray(x).astype(np.float32)
 
     def synchronize(self) -> None:
         if self.is_cuda:

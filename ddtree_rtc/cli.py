@@ -224,26 +224,62 @@ def kernels_clear_cache():
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a pipeline field, e.g. --set decode.temperature=0.7 (repeatable).")
 @click.option("--quiet", is_flag=True, help="No summary table (the JSON output is still written).")
-def run_cmd(pipeline, overrides, quiet):
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Spawn this many local ranks (one per GPU; runtime.tensor_parallel must match).")
+def run_cmd(pipeline, overrides, quiet, nproc):
     """Run a pipeline YAML: compile every kernel, load the model with a progress bar, run the workload,
     print a summary table (tokens, tok/s, latency, per-stage time) and write the JSON it names.
+    On several ranks (--nproc N, or N processes started by torchrun / mpirun / srun) rank 0 prints
+    and writes the JSON; the first rank to fail ends the job with its error.
 
     \b
     ddtree-rtc run pipelines/tiny.yaml
     ddtree-rtc run pipelines/k2_6_slice_h200.yaml --set workload.concurrency=8
+    ddtree-rtc run pipelines/tiny.yaml --nproc 2 --set runtime.tensor_parallel=2
     """
     from .backend import BackendUnavailableError
+    from .dist.comm import DistError
     from .engine.request import RequestError
     from .model.checkpoint import CheckpointError
     from .model.config import ConfigError
-    from .pipeline.runner import run_pipeline
+    from .pipeline.runner import ranks_for, run_pipeline
     from .pipeline.schema import PipelineError, load_pipeline, parse_set_options
 
     try:
         pipe = load_pipeline(pipeline, parse_set_options(overrides))
-        run_pipeline(pipe, quiet=quiet)
-    except (PipelineError, ConfigError, CheckpointError, RequestError, BackendUnavailableError) as e:
+        if nproc is not None:
+            _spawn_ranks(pipe, pipeline, overrides, quiet, nproc)
+            return
+        ranks = ranks_for(pipe)
+        if ranks.comm.world_size > 1:  # a launcher's SIGTERM still runs the finally below (frees the transport)
+            import signal
+
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        try:
+            run_pipeline(pipe, quiet=quiet, ranks=ranks)
+            ranks.comm.barrier()  # nobody tears the transport down under a peer
+        finally:
+            ranks.comm.close()
+    except (PipelineError, ConfigError, CheckpointError, RequestError, BackendUnavailableError, DistError) as e:
         raise click.ClickException(str(e)) from None
+
+
+def _spawn_ranks(pipe, pipeline: str, overrides, quiet: bool, nproc: int) -> None:
+    """``run --nproc N``: N copies of this run command as ranks 0..N-1 of one local job."""
+    import os
+
+    from .dist.launch import LAUNCHERS, rank_command, spawn
+    from .pipeline.schema import PipelineError
+
+    inside = [r for _, r, _, _ in LAUNCHERS if r in os.environ]
+    if inside:
+        raise PipelineError(f"--nproc {nproc}: this process is already a rank ({inside[0]} is set); "
+                            f"let the launcher start the ranks, or drop --nproc")
+    if pipe.runtime.tensor_parallel != nproc:
+        raise PipelineError(f"--nproc {nproc} but {pipe.source} has runtime.tensor_parallel "
+                            f"{pipe.runtime.tensor_parallel}: add --set runtime.tensor_parallel={nproc}")
+    args = ["run", pipeline, *[a for o in overrides for a in ("--set", o)], *(["--quiet"] if quiet else [])]
+    spawn(rank_command(args), nproc)
 
 
 @main.command("serve")

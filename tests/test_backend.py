@@ -4,9 +4,11 @@ so model code calls ``backend.<op>(...)`` the same way on either."""
 import importlib
 import inspect
 
+import numpy as np
 import pytest
+from ml_dtypes import bfloat16
 
-from ddtree_rtc.backend import OPS
+from ddtree_rtc.backend import OPS, Backend
 
 # Kernel-only launch options with no meaning in numpy; only kernel code passes them (moe_gemm's own align).
 KERNEL_ONLY = {"moe_align": {"pdl"}}
@@ -26,3 +28,35 @@ def test_kernel_and_reference_signatures_match(op):
         r = r[:-1]
         k = k[:len(r)]
     assert k == r, op
+
+
+def _bf16_cases(rng) -> np.ndarray:
+    """Random fp32 plus the rounding edge cases: ties to even both ways, NaN, +-inf, +-0, overflow."""
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 3.4e38, 1e-40], np.float32)
+    ties = (np.array([0x3F808000, 0x3F818000, 0xBF808000], np.uint32)).view(np.float32)  # exactly halfway
+    return np.concatenate([rng.standard_normal(997).astype(np.float32) * 7, special, ties])
+
+
+def test_to_bf16_rounds_to_nearest_even(rng):
+    be = Backend("numpy", quiet=True)
+    x = _bf16_cases(rng)
+    s = rng.standard_normal(x.size).astype(np.float32)
+    got = be.to_bf16(x)
+    assert got.dtype == bfloat16 and np.array_equal(got.view(np.uint16), x.astype(bfloat16).view(np.uint16))
+    want = (x + s.astype(bfloat16).astype(np.float32)).astype(bfloat16)
+    assert np.array_equal(be.to_bf16(x, plus_rounded=s).view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_to_bf16_cuda_matches_numpy(rng):
+    import cupy
+
+    be, ref = Backend("cuda"), Backend("numpy", quiet=True)
+    x = _bf16_cases(rng)
+    s = _bf16_cases(rng)[::-1].copy()
+    for got, want in ((be.to_bf16(cupy.asarray(x)), ref.to_bf16(x)),
+                      (be.to_bf16(cupy.asarray(x), plus_rounded=cupy.asarray(s)), ref.to_bf16(x, plus_rounded=s))):
+        g, w = got.get(), want.view(np.uint16)
+        nan = np.isnan(want.astype(np.float32))
+        assert np.array_equal(np.isnan(g.view(bfloat16).astype(np.float32)), nan)  # any NaN payload
+        assert np.array_equal(g[~nan], w[~nan])

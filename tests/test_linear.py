@@ -122,3 +122,32 @@ def test_kernel_k_zero_and_bad_input():
         linear(cupy.zeros((3, 8), dtype=cupy.uint16), cupy.zeros((4, 7), dtype=cupy.uint16))
     with pytest.raises(TypeError, match="x: expected dtype bf16"):
         linear(cupy.zeros((3, 8), dtype=cupy.float32), cupy.zeros((4, 8), dtype=cupy.uint16))
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 33, 17), (64, 1001, 513)])
+def test_reference_fp32_out_is_the_unrounded_sum(rng, m, n, k):
+    """An fp32 ``out`` (a tensor-parallel partial) gets the float64 sum rounded once to fp32; the
+    bf16 output is that value rounded to bf16."""
+    x, w = random_bf16(rng, (m, k)), random_bf16(rng, (n, k))
+    out = np.full((m, n), np.nan, np.float32)
+    got = ref_linear(x, w, out=out)
+    assert got is out
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    assert np.array_equal(got, exact.astype(np.float32))
+    assert np.array_equal(got.astype(bfloat16), ref_linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("m,n,k", [(1, 7168, 1024), (7, 584, 1048), (64, 1001, 513), (3, 33, 17)])
+def test_kernel_fp32_out(rng, m, n, k, impl):
+    import cupy
+
+    from ddtree_rtc.kernels.linear import linear
+
+    x, w = random_bf16(rng, (m, k)), random_bf16(rng, (n, k))
+    out = cupy.full((m, n), np.nan, np.float32)
+    got = linear(to_device_bf16(x), to_device_bf16(w), out=out, impl=impl)  # any impl: cuBLAS, fp32 C
+    assert got is out
+    want = np.full((m, n), np.nan, np.float32)
+    assert_close(got, ref_linear(x, w, out=want), "fp32")

@@ -596,3 +596,37 @@ def test_kernel_rejects_bad_input(rng):
     w0[2, 1] = 0
     y_ref = ref_moe(x.get().view(bfloat16), np.where(bad < e, bad, 0), w0, ex)
     assert_close(y, y_ref, "bf16_accum")
+
+
+def test_reference_fp32_out_is_the_unrounded_combine(rng):
+    """An fp32 ``out`` (a tensor-parallel partial) gets the combine before its bf16 rounding."""
+    ex = random_compressed_experts(rng, 5, 128, 128)
+    x = random_bf16(rng, (7, 128))
+    ids, w = random_routing(rng, 7, 5, 3)
+    shared = random_bf16(rng, (7, 128), 0.5)
+    out = np.full((7, 128), np.nan, np.float32)
+    got = ref_moe(x, ids, w, ex, shared=shared, out=out)
+    assert got is out and np.isfinite(got).all()
+    assert np.array_equal(got.astype(bfloat16), ref_moe(x, ids, w, ex, shared=shared))
+    assert not np.array_equal(got, got.astype(bfloat16).astype(np.float32))  # not rounded
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 33])
+def test_kernel_fp32_out(rng, m):
+    import cupy
+
+    from ddtree_rtc.kernels.moe_gemm import moe_experts
+    from ddtree_rtc.testing import to_device_bf16
+
+    ex, exg = experts_for("small")
+    e, h, i, top_k, poison = DIMS["small"]
+    x = random_bf16(rng, (m, h))
+    ids, w = random_routing(rng, m, e, top_k, allowed=range(e - poison))
+    shared = random_bf16(rng, (m, h), 0.5)
+    want = ref_moe(x, ids, w, ex, shared=shared, out=np.empty((m, h), np.float32))
+    out = cupy.full((m, h), np.nan, np.float32)
+    got = moe_experts(to_device_bf16(x), cupy.asarray(ids), cupy.asarray(w), exg, shared=to_device_bf16(shared),
+                      out=out, check_ids=False)
+    assert got is out
+    assert_close(got, want, "bf16_accum")  # h is bf16 in both; the sums differ by fp32 order only

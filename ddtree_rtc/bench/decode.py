@@ -13,7 +13,11 @@ Per step it reports
     between kernels); and one CUDA-graph replay (engine.runner). ``launch gap`` = 1 - queued /
     step time.
 Stage times come from events recorded between the stages in the queued run. The L2 is flushed
-before every timed run."""
+before every timed run.
+
+Started as several ranks (torchrun / srun / mpirun, one GPU each) it also times the NCCL all-reduce
+at the message sizes a tensor-parallel step sends (14 KB-1 MB, fp32 as the model reduces) in the
+same run; every rank benchmarks its own slice, rank 0 prints and writes the JSON."""
 
 from __future__ import annotations
 
@@ -227,6 +231,24 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     return rows
 
 
+# one token's hidden row in bf16 at K2.6 (7168 x 2 B) up to 1 MB: fp32 partials of 1-36 tokens
+ALLREDUCE_BYTES = (14336, 28672, 57344, 131072, 262144, 524288, 1048576)
+
+
+def allreduce_rows(comm, iters: int) -> list[Row]:
+    """Median latency of one fp32 all-reduce per message size on ``comm`` (no L2 flush: NCCL's
+    small messages are latency-bound); ``bus_gbs`` is NCCL's bus bandwidth, 2 (n - 1) / n x bytes / t."""
+    import cupy
+
+    n, rows = comm.world_size, []
+    for nbytes in ALLREDUCE_BYTES:
+        x = cupy.zeros(nbytes // 4, cupy.float32)
+        t = time_gpu(lambda x=x: comm.all_reduce(x), warmup=3, iters=iters, flush_l2=False).median_us
+        rows.append(Row(f"all-reduce {nbytes / 1024:g} KB fp32, {n} ranks", t,
+                        extra={"message_bytes": nbytes, "ranks": n, "bus_gbs": 2 * (n - 1) / n * nbytes / t / 1e3}))
+    return rows
+
+
 def print_summary(rows: list[Row]) -> None:
     print("\nbatch | ctx | attention µs (x floor) | dense µs (x floor) | MoE µs (x floor) | head µs | "
           "step eager / queued / graph µs | gap eager / graph")
@@ -252,10 +274,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     args = ap.parse_args(argv)
-    import cupy
 
     if args.moe_layers < 0:
         ap.error("--moe-layers must be >= 0")
+    from ..dist.launch import make_communicator, rank_env
+
+    env = rank_env()
+    comm = make_communicator(env, cuda=True) if env.world_size > 1 else None  # selects LOCAL_RANK's GPU
+    if not env.is_main:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            return _run(args, comm, None)
+    return _run(args, comm, args.json)
+
+
+def _run(args, comm, json_path) -> dict:
+    import cupy
+
     model = random_slice(args.moe_layers)
     weight_bytes = layer_weight_bytes(model)
     gate = Gate()
@@ -265,6 +302,9 @@ def main(argv=None) -> dict:
             rows += bench_case(model, b, c, args.iters, gate, weight_bytes)
             cupy.get_default_memory_pool().free_all_blocks()  # the case's cache and graphs
             print(f"  b{b} ctx{c}: graph {rows[-3].us:.0f} µs", flush=True)
+    if comm is not None:
+        rows += allreduce_rows(comm, args.iters)
+        comm.close()
     notes = {"model": f"K2.6 dims, layer 0 dense + {args.moe_layers} MoE layers, random weights",
              "floor": "weights read (routed experts: only those the step's tokens touch) + KV rows read, "
                       "over the read ceiling", "page_size": PAGE,
@@ -272,7 +312,7 @@ def main(argv=None) -> dict:
                        "waits (includes the GPU's own kernel-to-kernel switch)",
              "timing": "median, L2 flushed before each run; stage times from events between stages in the "
                        "queued run"}
-    doc = report("AR decode step on a K2.6-dims slice", rows, args.json, notes=notes)
+    doc = report("AR decode step on a K2.6-dims slice", rows, json_path, notes=notes)
     print_summary(rows)
     return doc
 

@@ -71,7 +71,7 @@ class Engine:
 
             drafter.attach(self.pages)
             self.round = SpeculativeRound(model, self.cache, self.runner, drafter, mode, budget, self._timed,
-                                          self.choose)
+                                          self.choose, self.output_for)
         self.scheduler = Scheduler(max_batch, self.pages, tail=self.round.tail if self.round else lambda r: 0)
 
     def _timed(self, stage: str, fn, *args, **kw):
@@ -111,6 +111,13 @@ class Engine:
             positions = np.asarray(positions, np.int64)
         return position_keys(self.seed, streams, positions)
 
+    def output_for(self, reqs: list[Request]) -> str:
+        """What a forward for ``reqs`` returns: on several ranks, when every request is greedy, the
+        argmax merged across the vocabulary slices (no logits gathered); else the logits."""
+        if self.model.shard.world > 1 and not any(r.temperature for r in reqs):
+            return "argmax"
+        return "logits"
+
     def choose(self, logits, reqs: list[Request], positions):
         """Backend int32 tokens for the rows of ``logits`` (row b: request ``reqs[b]``'s token at
         ``positions[b]``): argmax where the request's temperature is 0, else its seeded sample."""
@@ -133,12 +140,15 @@ class Engine:
     def _forward(self, stage: str, reqs: list[Request], ctx: list[int], new: list[list[int]]):
         batch = ForwardBatch.causal([r.rid for r in reqs], ctx, new)
         hidden = {}
+        output = self.output_for(reqs)
         if stage == "decode":
-            logits = self._timed(stage, self.runner.decode, batch)
+            logits = self._timed(stage, self.runner.decode, batch, output)
         else:
             layers = self.drafter.target_layer_ids if self.drafter is not None else ()
-            out = self._timed(stage, self.runner.prefill, batch, hidden_layers=layers)
-            logits, hidden = out.logits, out.hidden
+            out = self._timed(stage, self.runner.prefill, batch, hidden_layers=layers, output=output)
+            logits, hidden = out.tokens if output == "argmax" else out.logits, out.hidden
+        if output == "argmax":  # already the tokens
+            return self._timed("sample", self.backend.to_host, logits), hidden
         positions = [c + len(n) for c, n in zip(ctx, new)]  # where each request's next token goes
         return self._timed("sample", lambda: self.backend.to_host(self.choose(logits, reqs, positions))), hidden
 

@@ -10,7 +10,9 @@ A shape is the key (batch, tokens per request, tree or causal):
   ``TreeArrays`` into the shape's input buffers on the device, so the mask never visits the host.
 - Prefill is ragged and runs eagerly (``prefill``).
 
-A graph is captured the first time its shape is seen. One eager warm-up run of the same step comes
+A shape keeps one graph per output kind: the logits, or on several ranks their argmax merged across
+the vocabulary slices (greedy batches; no logits gathered). A graph is captured the first time its
+shape and output are seen. One eager warm-up run of the same step comes
 first; it compiles nothing new but lets cuBLAS pick its kernels outside the capture, and the KV rows
 it writes are the ones the replay writes again. The graph is then replayed for that step and every
 later one of the shape. Per step the host writes only the step's inputs and attention plan into the
@@ -27,7 +29,7 @@ memory how many tiles the current plan cut). Without graphs the same buffers are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,8 +45,11 @@ class _Shape:
     pool: Any  # cupy.cuda.MemoryPool of the shape's intermediates (None on numpy / without graphs)
     mask: Any = None  # uint64 [B * n, words] tree mask buffer (tree shapes)
     self_bits: Any = None  # uint64 [n, words]: slot s sees only itself (unused tree slots)
-    graph: Any = None  # cupy.cuda.graph.Graph once captured
-    out: ForwardOutput | None = None  # the graph's output buffers
+    # per output kind ('logits', or 'argmax' on several ranks): the captured graph, its output
+    # buffers and the collectives one replay runs (CommStats)
+    graphs: dict = field(default_factory=dict)
+    outs: dict = field(default_factory=dict)
+    collectives: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -72,19 +77,20 @@ class ModelRunner:
         self.replays = 0  # graph launches (the first of each shape included)
 
     def __len__(self) -> int:
-        return sum(s.graph is not None for s in self._shapes.values())
+        return sum(len(s.graphs) for s in self._shapes.values())
 
-    def graph_of(self, batch_size: int, tokens: int = 1, tree: bool = False):
+    def graph_of(self, batch_size: int, tokens: int = 1, tree: bool = False, output: str = "logits"):
         """The captured graph of a shape (KeyError before its first forward)."""
-        g = self._shapes[(batch_size, tokens, tree)].graph
+        g = self._shapes[(batch_size, tokens, tree)].graphs.get(output)
         if g is None:
-            raise KeyError(f"shape {(batch_size, tokens, tree)} has no captured graph (graphs={self.graphs})")
+            raise KeyError(f"shape {(batch_size, tokens, tree)} has no captured {output} graph (graphs={self.graphs})")
         return g
 
     # -- eager forwards ------------------------------------------------------------------------
-    def prefill(self, batch: ForwardBatch, hidden_layers=()) -> ForwardOutput:
-        """A ragged prefill (or any batch), eagerly; logits for ``batch.logit_rows``."""
-        return self.model.forward(batch, self.cache, output="logits", hidden_layers=hidden_layers)
+    def prefill(self, batch: ForwardBatch, hidden_layers=(), output: str = "logits") -> ForwardOutput:
+        """A ragged prefill (or any batch), eagerly; logits (or their argmax: ``output``) for
+        ``batch.logit_rows``."""
+        return self.model.forward(batch, self.cache, output=output, hidden_layers=hidden_layers)
 
     # -- shapes --------------------------------------------------------------------------------
     def _shape(self, b: int, n: int, tree: bool) -> _Shape:
@@ -124,44 +130,52 @@ class ModelRunner:
             s = self._shapes[key] = _Shape(inputs, model.moe_plan(b * n), pool, mask, self_bits)
         return s
 
-    def _run(self, s: _Shape, hidden_layers) -> ForwardOutput:
-        """Run the shape's prepared inputs: eagerly, or through its graph (captured on first use)."""
+    def _run(self, s: _Shape, hidden_layers, output: str = "logits") -> ForwardOutput:
+        """Run the shape's prepared inputs: eagerly, or through its graph for ``output`` (captured
+        on first use)."""
         model, cache = self.model, self.cache
         if not self.graphs:
-            return model.run(s.inputs, cache, output="logits", hidden_layers=hidden_layers, moe_plan=s.moe_plan)
-        if s.graph is None:
+            return model.run(s.inputs, cache, output=output, hidden_layers=hidden_layers, moe_plan=s.moe_plan)
+        if output not in s.graphs:
             import cupy
+
+            from ..dist.comm import CommStats
 
             stream = cupy.cuda.Stream(non_blocking=True)
             cupy.cuda.get_current_stream().synchronize()  # the inputs were written on the caller's stream
             with stream, cupy.cuda.using_allocator(s.pool.malloc):
-                model.run(s.inputs, cache, output="logits", hidden_layers=hidden_layers, moe_plan=s.moe_plan)
+                model.run(s.inputs, cache, output=output, hidden_layers=hidden_layers, moe_plan=s.moe_plan)
                 stream.synchronize()
+                counted, model.comm.stats = model.comm.stats, CommStats()  # what the capture enqueues
                 stream.begin_capture()
                 try:
-                    s.out = model.run(s.inputs, cache, output="logits", hidden_layers=hidden_layers,
-                                      moe_plan=s.moe_plan)
+                    s.outs[output] = model.run(s.inputs, cache, output=output, hidden_layers=hidden_layers,
+                                               moe_plan=s.moe_plan)
                 finally:
-                    s.graph = stream.end_capture()
+                    s.graphs[output] = stream.end_capture()
+                    s.collectives[output], model.comm.stats = model.comm.stats, counted
                 stream.synchronize()
             self.captures += 1
-        s.graph.launch()
+        s.graphs[output].launch()
+        model.comm.stats.add_counts(s.collectives[output])  # a replay's collectives are not seen by Python
         self.replays += 1
-        return s.out
+        return s.outs[output]
 
     # -- autoregressive decode -----------------------------------------------------------------
-    def decode(self, batch: ForwardBatch):
-        """Logits bf16 [B, V] of a decode batch (one new token per request, logits for every row).
-        With graphs this is the graph's output buffer: read it before the next call of that size."""
+    def decode(self, batch: ForwardBatch, output: str = "logits"):
+        """Logits bf16 [B, V] of a decode batch (one new token per request, logits for every row),
+        or with ``output='argmax'`` their int32 argmax [B]. With graphs this is the graph's output
+        buffer: read it before the next call of that size."""
         if batch.tree_mask is not None or not np.all(batch.num_new == 1):
             raise ValueError("decode runs decode batches: one new token per request, no tree mask")
         if batch.logit_rows is None or not np.array_equal(batch.logit_rows, np.arange(len(batch.seq_ids))):
             raise ValueError("decode needs logits for every row (logit_rows = 0..B-1)")
+        pick = "tokens" if output == "argmax" else "logits"
         if not self.graphs:
-            return self.model.forward(batch, self.cache, output="logits").logits
+            return getattr(self.model.forward(batch, self.cache, output=output), pick)
         s = self._shape(len(batch.seq_ids), 1, False)
         s.inputs = self.model.prepare(batch, self.cache, into=s.inputs, page_width=self.page_width)
-        return self._run(s, ()).logits
+        return getattr(self._run(s, (), output), pick)
 
     # -- tree verify ---------------------------------------------------------------------------
     def plan_tree(self, seq_ids, prefix, n: int) -> TreeStep:
@@ -194,7 +208,8 @@ class ModelRunner:
         s.inputs.positions[...] = xp.where(used, tree.positions, step.prefix_dev[:, None]).reshape(-1)
         s.mask[...] = xp.where(used[:, :, None], tree.mask, s.self_bits[None]).reshape(b * n, -1)
 
-    def verify(self, step: TreeStep) -> ForwardOutput:
-        """Logits [B * n, V] of every slot and the hidden states at ``hidden_layers`` (with graphs:
-        the graph's buffers, valid until the next verify of the shape)."""
-        return self._run(self._shapes[step.key], self.hidden_layers)
+    def verify(self, step: TreeStep, output: str = "logits") -> ForwardOutput:
+        """Logits [B * n, V] of every slot (or their argmax, ``output='argmax'``) and the hidden
+        states at ``hidden_layers`` (with graphs: the graph's buffers, valid until the next verify
+        of the shape)."""
+        return self._run(self._shapes[step.key], self.hidden_layers, output)

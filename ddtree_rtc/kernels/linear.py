@@ -110,9 +110,10 @@ def route(x, weight, impl: str = "auto") -> str:
 def _cublas_linear(x, weight, y, m: int, n: int, k: int) -> None:
     if max(m, n, k) >= 2**31:
         raise ValueError(f"linear: dims {(m, n, k)} exceed cuBLAS int32 sizes")
+    y_type = _cublas.R_32F if y.dtype == np.float32 else _cublas.R_16BF
     _cublas.gemm_ex(_cublas.OP_T, _cublas.OP_N, n, m, k,
                     _ALPHA.ctypes.data, weight.data.ptr, _cublas.R_16BF, k, x.data.ptr, _cublas.R_16BF, k,
-                    _BETA.ctypes.data, y.data.ptr, _cublas.R_16BF, n, _cublas.COMPUTE_32F, _cublas.GEMM_DEFAULT)
+                    _BETA.ctypes.data, y.data.ptr, y_type, n, _cublas.COMPUTE_32F, _cublas.GEMM_DEFAULT)
 
 
 def _skinny_linear(x, weight, y, m: int, n: int, k: int) -> None:
@@ -122,7 +123,8 @@ def _skinny_linear(x, weight, y, m: int, n: int, k: int) -> None:
 
 
 def linear(x, weight, out=None, impl: str = "auto"):
-    """x [M, K] bf16, weight [N, K] bf16 -> [M, N] bf16 (fp32 accumulate, one rounding).
+    """x [M, K] bf16, weight [N, K] bf16 -> [M, N] bf16 (fp32 accumulate, one rounding), or fp32
+    unrounded when ``out`` is an fp32 array (a tensor-parallel partial sum; always cuBLAS).
     ``impl``: 'auto' | 'skinny' | 'cublas' (see ``route``); all give the same values up to fp32
     summation order."""
     if impl not in IMPLS:
@@ -133,13 +135,14 @@ def linear(x, weight, out=None, impl: str = "auto"):
     if weight.shape[1] != k:
         raise ValueError(f"weight: expected [N, {k}] to match x [M, {k}], got {tuple(weight.shape)}")
     m, n = x.shape[0], weight.shape[0]
-    y = out_array("out", out, (m, n), BF16)
+    f32_out = out is not None and out.dtype == np.float32
+    y = out_array("out", out, (m, n), np.float32 if f32_out else BF16)
     if m == 0 or n == 0:
         return y
     if k == 0:
         y.fill(0)
         return y
-    if route(x, weight, impl) == "skinny":
+    if not f32_out and route(x, weight, impl) == "skinny":
         _skinny_linear(x, weight, y, m, n, k)
     else:
         _cublas_linear(x, weight, y, m, n, k)

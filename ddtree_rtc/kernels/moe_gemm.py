@@ -242,7 +242,8 @@ def _aligned(name: str, a) -> None:
 def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan: MoEPlan | None = None,
                 check_ids: bool = True):
     """x [M, H] bf16, topk_ids int32 [M, k], topk_weights fp32 [M, k], experts (layout 'mma'),
-    shared bf16 [M, H] or None (added to the output) -> y bf16 [M, H].
+    shared bf16 [M, H] or None (added to the output) -> y bf16 [M, H] (or fp32, unrounded, when
+    ``out`` is an fp32 array: a tensor-parallel partial sum).
     ``check_ids`` validates the ids on the host (one sync); pass False for ids from ``moe_route``
     (always in range) and for graph capture; out-of-range pairs then contribute nothing."""
     _check_experts(experts)
@@ -266,7 +267,8 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
         made = (plan.num_tokens, plan.num_experts, plan.top_k, plan.hidden, plan.intermediate)
         if made != (m, e, top_k, h, inter):
             raise ValueError(f"plan: made for (M, E, top_k, H, I) = {made}, called with {(m, e, top_k, h, inter)}")
-    y = out_array("out", out, (m, h), BF16)
+    f32_out = out is not None and out.dtype == np.float32
+    y = out_array("out", out, (m, h), np.float32 if f32_out else BF16)
     _aligned("out", y)
     al = plan.align
     moe_align(topk_ids, e, al.block, out=al, check_ids=check_ids, large_block=al.large_block,
@@ -275,7 +277,7 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
     moe_down(experts, plan)
     null = np.uint64(0)
     mod = plan.module()
-    launch(mod.fn("moe_combine_kernel"), (-(-h // _COMBINE_COLS), m), (256,), (
+    launch(mod.fn("moe_combine_f32_kernel" if f32_out else "moe_combine_kernel"), (-(-h // _COMBINE_COLS), m), (256,), (
         plan.part_down, np.int32(plan.split_down), topk_ids, topk_weights, np.int32(e), np.int32(top_k), np.int32(m),
         np.int32(h), shared if shared is not None else null, y), pdl=plan.pdl)
     return y

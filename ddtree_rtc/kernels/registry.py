@@ -40,7 +40,7 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("moe_gemm", ("moe_gemm_nt1_h", "moe_gemm_nt1_f32", "moe_gemm_nt1_down", "moe_gemm_nt4_h",
                             "moe_gemm_nt4_f32",
                             "moe_gemm_wg4_h", "moe_gemm_wg4_f32",
-                            "moe_gate_up_reduce_kernel", "moe_combine_kernel"),
+                            "moe_gate_up_reduce_kernel", "moe_combine_kernel", "moe_combine_f32_kernel"),
                "fused INT4 W4A16 group-32 expert GEMMs (mma.sync, weights on the 16-row side; an opt-in "
                "wgmma large-list kernel on sm_90a): gate_up with SiLU*up, down, split-K reduce, "
                "weighted top-k combine",

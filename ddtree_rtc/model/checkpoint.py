@@ -138,6 +138,9 @@ class CheckpointReader:
             for name, entry in table.items():
                 self._where[name] = (path, entry, start)
         self.prefix = "language_model." if any(k.startswith("language_model.") for k in self._where) else ""
+        # canonical name -> bytes handed out by get / get_part (the loader copies each once): how a
+        # test proves that a tensor-parallel rank reads only its slices
+        self.bytes_read: dict[str, int] = {}
 
     def names(self) -> list[str]:
         n = len(self.prefix)
@@ -173,7 +176,29 @@ class CheckpointReader:
         if dtype is not None and entry["dtype"] != dtype:
             raise CheckpointError(f"{path.name}: tensor {name} has dtype {entry['dtype']}, "
                                   f"expected {dtype}")
-        return open_tensor(path, name, entry, start)
+        mm = open_tensor(path, name, entry, start)
+        self._count(name, mm.nbytes)
+        return mm
+
+    def _count(self, full: str, nbytes: int) -> None:
+        key = full[len(self.prefix):] if self.prefix and full.startswith(self.prefix) else full
+        self.bytes_read[key] = self.bytes_read.get(key, 0) + int(nbytes)
+
+    def get_part(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
+        """A copy of ``[start, stop)`` of tensor ``name`` along ``axis``: only those bytes are read
+        from the memory map (rows: one contiguous range; columns: one range per row)."""
+        path, entry, begin = self._entry(name)
+        full = self.full_name(name)
+        shape = tuple(entry["shape"])
+        if not 0 <= axis < len(shape) or not 0 <= start < stop <= shape[axis]:
+            raise CheckpointError(f"{path.name}: tensor {full} {list(shape)}: no part [{start}, {stop}) "
+                                  f"on axis {axis}")
+        mm = open_tensor(path, full, entry, begin)
+        index = [slice(None)] * len(shape)
+        index[axis] = slice(start, stop)
+        part = np.ascontiguousarray(mm[tuple(index)])
+        self._count(full, part.nbytes)
+        return part
 
     def check(self, specs: list[TensorSpec]) -> None:
         """Every expected tensor present with the right shape and dtype; all problems in one error."""

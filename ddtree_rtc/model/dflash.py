@@ -177,11 +177,16 @@ class DFlashLayer:
 
 
 class DFlashModel:
-    """Weights on the backend plus the target's embedding and lm_head."""
+    """Weights on the backend plus the target's embedding and lm_head. On a tensor-parallel target
+    the drafter is split the same way (the target's shard and communicator): each rank holds its
+    share of the q and kv heads (q / k / v rows, o_proj columns) and of the MLP intermediate, and
+    all-reduces the fp32 partials of o_proj and down_proj; fc and the norms are whole."""
 
     def __init__(self, cfg: DFlashConfig, target, fc, hidden_norm, norm, layers: list[DFlashLayer]):
         self.cfg, self.target, self.backend = cfg, target, target.backend
         self.fc, self.hidden_norm, self.norm, self.layers = fc, hidden_norm, norm, layers
+        n = target.shard.world
+        self.q_heads, self.kv_heads = cfg.num_attention_heads // n, cfg.num_key_value_heads // n
         self.inv_freq = self.backend.asarray(rope_inv_freq(cfg.head_dim, cfg.rope.theta, cfg.rope.scaling()))
         self.scale = cfg.head_dim ** -0.5
 
@@ -197,22 +202,45 @@ class DFlashModel:
             raise CheckpointError(f"DFlash drafter {e}") from None
         from ml_dtypes import bfloat16
 
-        be = target.backend
+        be, shard = target.backend, target.shard
+        try:
+            q0, q1 = shard.part(cfg.num_attention_heads, "DFlash attention heads")
+            k0, k1 = shard.part(cfg.num_key_value_heads, "DFlash key/value heads")
+            i0, i1 = shard.part(cfg.intermediate_size, "DFlash intermediate_size")
+        except ValueError as e:
+            raise ConfigError(f"{cfg.source}: {e}") from None
+        d = cfg.head_dim
 
-        def get(name):
-            return be.asarray(np.ascontiguousarray(np.asarray(reader.get(name)).astype(bfloat16)))
+        def host(name, axis=0, lo=None, hi=None):
+            """Tensor ``name`` (this rank's [lo, hi) along ``axis``, when given) as host bf16."""
+            a = reader.get(name) if lo is None or shard.world == 1 else reader.get_part(name, axis, lo, hi)
+            return np.ascontiguousarray(np.asarray(a).astype(bfloat16))
+
+        def get(name, axis=0, lo=None, hi=None):
+            return be.asarray(host(name, axis, lo, hi))
 
         layers = []
         for n in range(cfg.num_hidden_layers):
             p = f"layers.{n}."
-            gu = np.concatenate([np.asarray(reader.get(p + "mlp.gate_proj.weight")).astype(bfloat16),
-                                 np.asarray(reader.get(p + "mlp.up_proj.weight")).astype(bfloat16)])
+            a = p + "self_attn."
+            gu = np.concatenate([host(p + f"mlp.{g}_proj.weight", 0, i0, i1) for g in ("gate", "up")])
             layers.append(DFlashLayer(get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"),
-                                      get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight"),
-                                      get(p + "self_attn.v_proj.weight"), get(p + "self_attn.o_proj.weight"),
-                                      get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight"),
-                                      be.asarray(gu), get(p + "mlp.down_proj.weight")))
+                                      get(a + "q_proj.weight", 0, q0 * d, q1 * d),
+                                      get(a + "k_proj.weight", 0, k0 * d, k1 * d),
+                                      get(a + "v_proj.weight", 0, k0 * d, k1 * d),
+                                      get(a + "o_proj.weight", 1, q0 * d, q1 * d),
+                                      get(a + "q_norm.weight"), get(a + "k_norm.weight"),
+                                      be.asarray(gu), get(p + "mlp.down_proj.weight", 1, i0, i1)))
         return cls(cfg, target, get("fc.weight"), get("hidden_norm.weight"), get("norm.weight"), layers)
+
+    def _reduce_linear(self, x, w):
+        """x @ w^T where w is row-parallel: one rank's bf16 output, or every rank's fp32 partial
+        all-reduced and rounded once (as the target's sublayers do)."""
+        be, target = self.backend, self.target
+        if target.shard.world == 1:
+            return be.linear(x, w)
+        part = be.linear(x, w, out=be.empty((x.shape[0], w.shape[0]), "fp32"))
+        return be.to_bf16(target.comm.all_reduce(part))
 
     # -- pieces -----------------------------------------------------------------------------------
     def _heads(self, x, w, norm, positions, heads: int):
@@ -231,7 +259,7 @@ class DFlashModel:
             raise ValueError(f"DFlash context: hidden states of target layers {missing} were not given")
         feats = be.xp.ascontiguousarray(be.xp.concatenate([hidden[i] for i in c.target_layer_ids], axis=1))
         ctx = be.rmsnorm(be.linear(feats, self.fc), self.hidden_norm, c.rms_norm_eps)
-        t, kv = ctx.shape[0], c.num_key_value_heads
+        t, kv = ctx.shape[0], self.kv_heads
         return [(self._heads(ctx, layer.wk, layer.k_norm, positions, kv).reshape(t, kv * c.head_dim),
                  be.linear(ctx, layer.wv)) for layer in self.layers]
 
@@ -239,7 +267,7 @@ class DFlashModel:
         """Block rows (backend int32 tokens / positions [B*Bs]) over the paged context K/V
         (per layer ``[pages, page_size, Hkv*D]``) -> logits [B, Bs-1, V] and final hidden [B*Bs, H]."""
         be, c = self.backend, self.cfg
-        bs, hq, kv, d = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        bs, hq, kv, d = c.block_size, self.q_heads, self.kv_heads, c.head_dim
         n = int(tokens.shape[0])
         b = n // bs
         h = be.embedding(tokens, self.target.embed)
@@ -254,13 +282,13 @@ class DFlashModel:
             a = be.gqa_attention(q.reshape(b, bs, hq, d), kc.reshape(kc.shape[0], kc.shape[1], kv, d),
                                  vc.reshape(vc.shape[0], vc.shape[1], kv, d), page_table, context_lens,
                                  k.reshape(b, bs, kv, d), v.reshape(b, bs, kv, d), self.scale, context_starts)
-            o = be.linear(a.reshape(n, hq * d), layer.wo)
+            o = self._reduce_linear(a.reshape(n, hq * d), layer.wo)
             x, h = be.rmsnorm(o, layer.post_norm, c.rms_norm_eps, residual=h)
-            m = be.linear(be.silu_mul(be.linear(x, layer.w_gate_up)), layer.w_down)
+            m = self._reduce_linear(be.silu_mul(be.linear(x, layer.w_gate_up)), layer.w_down)
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x, h = be.rmsnorm(m, nxt, c.rms_norm_eps, residual=h)
         rows = be.xp.ascontiguousarray(x.reshape(b, bs, -1)[:, 1:]).reshape(b * (bs - 1), -1)
-        logits = be.linear(rows, self.target.lm_head)
+        logits = self.target.head_logits(rows)
         if c.output_multiplier != 1.0 or c.final_logit_softcapping:
             z = logits.astype(be.xp.float32) * np.float32(c.output_multiplier)
             if c.final_logit_softcapping:
@@ -283,8 +311,8 @@ class DFlashModel:
             raise ValueError(f"start {start} < {t} context rows")
         page = 16
         alloc = PageAllocator(max(1, -(-start // page)), page)
-        kc = PagedKVCache(be, len(self.layers), alloc.num_pages, page, c.num_key_value_heads * c.head_dim, alloc)
-        vc = PagedKVCache(be, len(self.layers), alloc.num_pages, page, c.num_key_value_heads * c.head_dim, alloc)
+        kc = PagedKVCache(be, len(self.layers), alloc.num_pages, page, self.kv_heads * c.head_dim, alloc)
+        vc = PagedKVCache(be, len(self.layers), alloc.num_pages, page, self.kv_heads * c.head_dim, alloc)
         alloc.reserve(0, max(start, 1))
         pos = np.arange(start - t, start, dtype=np.int32)
         slots = be.asarray(alloc.slots(0, pos).astype(np.int32))

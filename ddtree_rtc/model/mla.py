@@ -106,18 +106,19 @@ def mla_kv_rows(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, e
     return backend.rope(kv, positions, inv_freq, dims.kv_lora, dims.qk_rope, "interleaved", rope_scale)
 
 
-def mla_output(backend, o_lat, w: MLAWeights, dims: MLADims):
-    """o_lat [T, H, kv_lora] bf16 -> attention output [T, hidden] bf16 (W_UV expansion, then o_proj)."""
+def mla_output(backend, o_lat, w: MLAWeights, dims: MLADims, out=None):
+    """o_lat [T, H, kv_lora] bf16 -> attention output [T, hidden] bf16 (W_UV expansion, then o_proj);
+    into ``out`` when given (fp32: a tensor-parallel rank's unrounded partial)."""
     t = o_lat.shape[0]
     o = backend.mla_head_gemm(o_lat, w.w_uv(dims), True)
-    return backend.linear(o.reshape(t, dims.num_heads * dims.v_head), w.o)
+    return backend.linear(o.reshape(t, dims.num_heads * dims.v_head), w.o, out=out)
 
 
 def mla_forward(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, cache, slots, plan,
-                scale: float, rope_scale: float = 1.0):
+                scale: float, rope_scale: float = 1.0, out=None):
     """One MLA attention block for the new tokens ``x`` of a planned batch: their cache rows are
     written at ``slots`` of ``cache`` (one layer) first, then every token attends as ``plan`` says."""
     q_att = mla_query(backend, x, w, dims, positions, inv_freq, eps, rope_scale)
     backend.kv_cache_write(cache, mla_kv_rows(backend, x, w, dims, positions, inv_freq, eps, rope_scale), slots)
     o_lat, _ = backend.mla_attention(plan, q_att, cache, scale)
-    return mla_output(backend, o_lat, w, dims)
+    return mla_output(backend, o_lat, w, dims, out)

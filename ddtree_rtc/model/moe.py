@@ -13,8 +13,9 @@ from ml_dtypes import bfloat16
 
 from ..reference.moe_routing import check_route_args
 from .checkpoint import BIAS_DTYPES, ROUTER_DTYPES, CheckpointError, CheckpointReader
-from .int4_repack import Int4Experts, prepare_experts
+from .int4_repack import GROUP, TILE_K, Int4Experts, prepare_experts
 from .quant import INT4_GROUP32, Int4Scheme, expert_prefix, load_moe_experts
+from .shard import Shard
 
 
 @dataclass(frozen=True)
@@ -52,18 +53,33 @@ class RoutingConfig:
 class MoELayerWeights:
     """One MoE layer's weights, already in the form the backend wants (see ``prepare_experts``).
     gate_weight bf16 or fp32 [E, H]; e_score_correction_bias fp32 [E] or None; shared_w13 bf16 [2*Is, H] =
-    [gate; up] and shared_w2 bf16 [H, Is], or both None."""
+    [gate; up] and shared_w2 bf16 [H, Is], or both None. An expert-parallel shard holds experts
+    [expert_offset, expert_offset + experts.num_experts) of the router's E."""
 
     gate_weight: object
     e_score_correction_bias: object
     experts: Int4Experts
     shared_w13: object = None
     shared_w2: object = None
+    expert_offset: int = 0
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts of the whole layer (the router's rows), not only this shard's."""
+        return int(self.gate_weight.shape[0])
+
+    @property
+    def is_expert_shard(self) -> bool:
+        return self.experts.num_experts != self.num_experts
 
     def __post_init__(self):
-        e, h = self.experts.num_experts, self.experts.hidden
-        if tuple(self.gate_weight.shape) != (e, h):
-            raise ValueError(f"gate_weight: expected [{e}, {h}], got {tuple(self.gate_weight.shape)}")
+        e, h, local = self.num_experts, self.experts.hidden, self.experts.num_experts
+        if self.gate_weight.ndim != 2 or self.gate_weight.shape[1] != h or e < local:
+            raise ValueError(f"gate_weight: expected [{local}, {h}] (or [E, {h}] of a router over more "
+                             f"experts on an expert-parallel shard), got {tuple(self.gate_weight.shape)}")
+        if not 0 <= self.expert_offset <= e - local:
+            raise ValueError(f"experts {self.expert_offset}..{self.expert_offset + self.experts.num_experts - 1} "
+                             f"are not experts of a router over {e}")
         bias = self.e_score_correction_bias
         if bias is not None and (tuple(bias.shape) != (e,) or bias.dtype != np.float32):
             raise ValueError(f"e_score_correction_bias: expected fp32 [{e}], got {bias.dtype} {tuple(bias.shape)}")
@@ -76,35 +92,50 @@ class MoELayerWeights:
                                  f"{tuple(self.shared_w13.shape)} and {tuple(self.shared_w2.shape)}")
 
 
-def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None):
+def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None,
+        shared_out=None):
     """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for
-    graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``."""
+    graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``. On a tensor- or expert-parallel
+    shard y is this rank's partial sum (its experts' or intermediate slice's share plus its share of
+    the shared expert), unrounded fp32 when ``out`` is fp32; the caller all-reduces it. With
+    ``shared_out`` (fp32 [M, H]) the shared expert's partial goes there instead of into y, so the
+    caller can round its sum to bf16 before adding it, as one rank's combine does."""
     lw, rc = layer_weights, routing_config
     if x.ndim != 2 or x.shape[0] == 0:
         raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {tuple(x.shape)}")
-    if rc.num_experts != lw.experts.num_experts:
-        raise ValueError(f"routing config has {rc.num_experts} experts, the layer weights "
-                         f"{lw.experts.num_experts}")
+    if rc.num_experts != lw.num_experts:
+        raise ValueError(f"routing config has {rc.num_experts} experts, the layer weights {lw.num_experts}")
     logits = backend.router_logits(x, lw.gate_weight)
     ids, w = backend.moe_route(logits, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group,
                                rc.norm_topk_prob, rc.routed_scaling_factor)
+    if lw.is_expert_shard:  # ids of other ranks' experts fall outside [0, local E): they contribute nothing
+        ids = ids - backend.xp.int32(lw.expert_offset)
     shared = None
     if lw.shared_w13 is not None:
-        shared = backend.linear(backend.silu_mul(backend.linear(x, lw.shared_w13)), lw.shared_w2)
-    return backend.moe_experts(x, ids, w, lw.experts, shared=shared, out=out, plan=plan, check_ids=False)
+        shared = backend.linear(backend.silu_mul(backend.linear(x, lw.shared_w13)), lw.shared_w2, out=shared_out)
+    elif shared_out is not None:
+        shared_out[...] = 0
+    return backend.moe_experts(x, ids, w, lw.experts, shared=None if shared_out is not None else shared, out=out,
+                               plan=plan, check_ids=False)
 
 
 def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, hidden: int,
-                   intermediate: int, backend, scheme: Int4Scheme = INT4_GROUP32) -> MoELayerWeights:
-    """Router, correction bias, INT4 routed experts and the bf16 shared expert of one layer."""
+                   intermediate: int, backend, scheme: Int4Scheme = INT4_GROUP32,
+                   shard: Shard | None = None) -> MoELayerWeights:
+    """Router, correction bias, INT4 routed experts and the bf16 shared expert of one layer (of
+    ``shard``'s part: its experts or intermediate slice, its slice of the shared expert)."""
+    shard = shard or Shard()
     stem = expert_prefix(ckpt, layer)[: -len("experts.")]  # "[language_model.]model.layers.N.mlp."
 
-    def dense(name: str, shape: tuple, dtypes: str) -> np.ndarray:
+    def check(name: str, shape: tuple, dtypes: str) -> None:
         got_dt, got_shape = ckpt.info(name)
         if got_dt not in dtypes.split("|") or got_shape != shape:
             want = " or ".join(dtypes.split("|"))
             raise CheckpointError(f"{name} in {ckpt.file_of(name).name}: {got_dt} {list(got_shape)}, "
                                   f"expected {want} {list(shape)}")
+
+    def dense(name: str, shape: tuple, dtypes: str) -> np.ndarray:
+        check(name, shape, dtypes)
         return ckpt.get(name)
 
     e = routing.num_experts
@@ -113,14 +144,19 @@ def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, h
     gate = np.ascontiguousarray(dense(stem + "gate.weight", (e, hidden), ROUTER_DTYPES))
     bias_name = stem + "gate.e_score_correction_bias"
     bias = np.asarray(dense(bias_name, (e,), BIAS_DTYPES)).astype(np.float32) if bias_name in ckpt else None
-    experts = load_moe_experts(ckpt, layer, e, hidden, intermediate, scheme)
+    mine = shard.experts(e)
+    experts = load_moe_experts(ckpt, layer, e, hidden, intermediate, scheme, experts=mine,
+                               inter_part=shard.expert_intermediate(intermediate, TILE_K if backend.is_cuda else GROUP))
     w13 = w2 = None
     if stem + "shared_experts.down_proj.weight" in ckpt:
         _, (_, inter_s) = ckpt.info(stem + "shared_experts.down_proj.weight")
-        g = dense(stem + "shared_experts.gate_proj.weight", (inter_s, hidden), "BF16")
-        u = dense(stem + "shared_experts.up_proj.weight", (inter_s, hidden), "BF16")
+        for proj, shape in (("gate_proj", (inter_s, hidden)), ("up_proj", (inter_s, hidden)),
+                            ("down_proj", (hidden, inter_s))):
+            check(stem + f"shared_experts.{proj}.weight", shape, "BF16")
+        lo, hi = shard.part(inter_s, "shared expert intermediate")
+        g, u = (ckpt.get_part(stem + f"shared_experts.{p}.weight", 0, lo, hi) for p in ("gate_proj", "up_proj"))
         w13 = np.concatenate([g, u]).astype(bfloat16)
-        w2 = dense(stem + "shared_experts.down_proj.weight", (hidden, inter_s), "BF16")
+        w2 = ckpt.get_part(stem + "shared_experts.down_proj.weight", 1, lo, hi)
     dev = backend.asarray
     return MoELayerWeights(dev(gate), None if bias is None else dev(bias), prepare_experts(experts, backend),
-                           None if w13 is None else dev(w13), None if w2 is None else dev(w2))
+                           None if w13 is None else dev(w13), None if w2 is None else dev(w2), mine.start)

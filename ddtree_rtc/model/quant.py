@@ -92,10 +92,14 @@ def expert_prefix(ckpt: CheckpointReader, layer: int) -> str:
 
 
 def load_int4_linear(ckpt: CheckpointReader, base: str, n: int, k: int,
-                     scheme: Int4Scheme = INT4_GROUP32) -> tuple[np.ndarray, np.ndarray]:
+                     scheme: Int4Scheme = INT4_GROUP32,
+                     part: tuple[int, int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``base``.{weight_packed, weight_scale, weight_shape} of an [n, k] linear -> (packed int32
-    [n, k/8], scale bf16 [n, k/32]), every dtype and shape checked against the scheme."""
+    [n, k/8], scale bf16 [n, k/32]), every dtype and shape checked against the scheme. ``part``
+    (axis, start, stop) of the [n, k] weight reads only that slice (a k slice keeps groups whole)."""
     g = scheme.group_size
+    if part is not None and part[0] == 1 and (part[1] % g or part[2] % g):
+        raise CheckpointError(f"{base}: k slice [{part[1]}, {part[2]}) cuts an INT4 group of {g}")
     if k % g:
         raise CheckpointError(f"{base}: in-features {k} is not a multiple of the group size {g}")
     for bad, why in (("weight_zero_point", "a zero point (asymmetric scheme)"),
@@ -119,7 +123,12 @@ def load_int4_linear(ckpt: CheckpointReader, base: str, n: int, k: int,
         if got_shape != shape:
             raise CheckpointError(f"{name} in {f}: shape {list(got_shape)}, expected {list(shape)} "
                                   f"(an [{n}, {k}] weight, {scheme.num_bits}-bit, group {g})")
-        out.append(ckpt.get(name))
+        if part is None:
+            out.append(ckpt.get(name))
+        else:
+            axis, lo, hi = part
+            div = 1 if axis == 0 else (8 if leaf == "weight_packed" else g)
+            out.append(ckpt.get_part(name, axis, lo // div, hi // div))
     if base + "weight_shape" in ckpt:
         name = base + "weight_shape"
         f = ckpt.file_of(name).name
@@ -127,10 +136,8 @@ def load_int4_linear(ckpt: CheckpointReader, base: str, n: int, k: int,
         if got_dt not in ("I32", "I64"):  # Kimi's files: int32; compressed-tensors 0.20: int64
             raise CheckpointError(f"{name} in {f}: dtype {got_dt}, expected I32 or I64")
         ws = np.asarray(ckpt.get(name)).reshape(-1)
-        packed_shape, scale_shape = out[0].shape, out[1].shape
-        implied = (packed_shape[0], packed_shape[1] * 8)
-        if ws.size != 2 or (int(ws[0]), int(ws[1])) != (n, k) or implied != (n, k) \
-                or (scale_shape[0], scale_shape[1] * g) != (n, k):
+        packed_shape, scale_shape = ckpt.info(base + "weight_packed")[1], ckpt.info(base + "weight_scale")[1]
+        if ws.size != 2 or (int(ws[0]), int(ws[1])) != (n, k):
             raise CheckpointError(f"{name} in {f} says {ws.tolist()}, but {base}weight_packed is "
                                   f"{list(packed_shape)} and {base}weight_scale {list(scale_shape)} "
                                   f"(an [{n}, {k}] weight, group {g})")
@@ -139,14 +146,20 @@ def load_int4_linear(ckpt: CheckpointReader, base: str, n: int, k: int,
 
 def load_moe_experts(ckpt: CheckpointReader, layer: int, num_experts: int, hidden: int,
                      intermediate: int, scheme: Int4Scheme = INT4_GROUP32,
-                     experts: range | None = None) -> Int4Experts:
+                     experts: range | None = None, inter_part: tuple[int, int] | None = None) -> Int4Experts:
     """The routed experts of one layer (all, or the ``experts`` range of an EP shard) as host
-    'compressed-tensors' Int4Experts, gate and up stacked along N."""
+    'compressed-tensors' Int4Experts, gate and up stacked along N. ``inter_part`` [start, stop) of
+    the intermediate (a TP shard): gate / up rows and down columns of that range only."""
     prefix = expert_prefix(ckpt, layer)
     ids = range(num_experts) if experts is None else experts
     if ids.start < 0 or ids.stop > num_experts or len(ids) == 0:
         raise ValueError(f"experts {ids} must be a non-empty sub-range of [0, {num_experts})")
     e = len(ids)
+    full_inter = intermediate
+    lo, hi = (0, intermediate) if inter_part is None else inter_part
+    intermediate = hi - lo
+    rows = None if inter_part is None else (0, lo, hi)
+    cols = None if inter_part is None else (1, lo, hi)
     w13 = np.empty((e, 2 * intermediate, hidden // 8), dtype=np.int32)
     s13 = np.empty((e, 2 * intermediate, hidden // scheme.group_size), dtype=bfloat16)
     w2 = np.empty((e, hidden, intermediate // 8), dtype=np.int32)
@@ -154,8 +167,8 @@ def load_moe_experts(ckpt: CheckpointReader, layer: int, num_experts: int, hidde
     for i, x in enumerate(ids):
         base = f"{prefix}{x}."
         w13[i, :intermediate], s13[i, :intermediate] = load_int4_linear(
-            ckpt, base + "gate_proj.", intermediate, hidden, scheme)
+            ckpt, base + "gate_proj.", full_inter, hidden, scheme, rows)
         w13[i, intermediate:], s13[i, intermediate:] = load_int4_linear(
-            ckpt, base + "up_proj.", intermediate, hidden, scheme)
-        w2[i], s2[i] = load_int4_linear(ckpt, base + "down_proj.", hidden, intermediate, scheme)
+            ckpt, base + "up_proj.", full_inter, hidden, scheme, rows)
+        w2[i], s2[i] = load_int4_linear(ckpt, base + "down_proj.", hidden, full_inter, scheme, cols)
     return Int4Experts("compressed-tensors", e, hidden, intermediate, w13, s13, w2, s2)

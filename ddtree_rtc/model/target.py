@@ -5,6 +5,11 @@ the hidden states after the layers asked for (the drafter's context features).
 
 Forward, per layer, with the residual add fused into the following RMSNorm:
     a = MLA(norm_in(h)); h += a; m = MLP(norm_post(h)); h += m       (MLP = dense or MoE + shared)
+
+On a tensor-parallel rank (``shard``, docs/architecture.md "Parallelism") ``a`` and ``m`` are this
+rank's fp32 partial sums, all-reduced once each (one collective per sublayer) and then rounded to
+bf16 once; the lm_head holds a slice of the vocabulary and the logits are all-gathered, so every
+rank sees the full logits.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from ..dist.comm import Communicator, SingleRank
 from ..reference.rope import rope_inv_freq
 from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig, load_config
+from .int4_repack import GROUP, TILE_K
 from .mla import MLADims, MLAWeights, mla_forward, rope_scale
 from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe
+from .shard import Shard
 
 # HF DeepseekV3 (and DeepSeek's own code) build the q_a / kv_a norms with the default eps, not the config's.
 LATENT_NORM_EPS = 1e-6
@@ -109,10 +117,17 @@ class StepInputs:
 
 
 class TargetModel:
-    def __init__(self, cfg: ModelConfig, backend, embed, layers: list[Layer], final_norm, lm_head):
+    def __init__(self, cfg: ModelConfig, backend, embed, layers: list[Layer], final_norm, lm_head,
+                 shard: Shard | None = None, comm: Communicator | None = None):
+        """``shard``: the part of the model these weights are (whole by default); ``comm``: the
+        communicator of its ranks (``shard.world`` of them)."""
         self.cfg, self.backend = cfg, backend
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
-        self.dims = MLADims.from_config(cfg)
+        self.shard, self.comm = shard or Shard(), comm or SingleRank()
+        if self.comm.world_size != self.shard.world or self.comm.rank != self.shard.rank:
+            raise ValueError(f"shard rank {self.shard.rank} of {self.shard.world} but communicator rank "
+                             f"{self.comm.rank} of {self.comm.world_size}")
+        self.dims = MLADims.from_config(cfg, cfg.num_attention_heads // self.shard.world)
         self.inv_freq = backend.asarray(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope.theta, cfg.rope.scaling()))
         self.rope_scale = rope_scale(cfg.rope.scaling())
         self.routing = _routing(cfg)
@@ -123,49 +138,124 @@ class TargetModel:
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
-    def load(cls, directory: str | Path, backend, layers: int | None = None, progress=None) -> TargetModel:
+    def load(cls, directory: str | Path, backend, layers: int | None = None, progress=None,
+             shard: Shard | None = None, comm: Communicator | None = None, reader: CheckpointReader | None = None
+             ) -> TargetModel:
         """Load a checkpoint directory (optionally only its first ``layers`` decoder layers);
-        ``progress(n)`` is called after each layer. Every missing or mis-shaped tensor is named."""
+        ``progress(n)`` is called after each layer. Every missing or mis-shaped tensor is named.
+        ``shard``: load only that rank's slices (see model/shard.py); ``reader``: an open reader
+        (its ``bytes_read`` then tells what this rank read)."""
         cfg = load_config(directory)
         if layers is not None:
             cfg = cfg.with_layers(layers)
-        reader = CheckpointReader(directory)
+        shard = shard or Shard()
+        shard.check(cfg, TILE_K if backend.is_cuda else GROUP)
+        reader = reader or CheckpointReader(directory)
         reader.check(expected_tensors(cfg))
         dev = backend.asarray
 
-        def get(name, dtype="BF16"):
-            return np.asarray(reader.get(name, dtype=dtype))
+        def get(name):
+            return np.asarray(reader.get(name))
 
+        def part(name, axis, lo, hi):
+            """This rank's [lo, hi) of ``name`` along ``axis`` (the whole tensor on one rank)."""
+            return get(name) if shard.world == 1 else reader.get_part(name, axis, lo, hi)
+
+        h0, h1 = shard.part(cfg.num_attention_heads, "attention heads")
+        qk, kvb, v = cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.v_head_dim
+        v0, v1 = shard.part(cfg.vocab_size, "vocab_size (lm_head)")
         embed = dev(get("model.embed_tokens.weight"))
-        lm = embed if cfg.tie_word_embeddings else dev(get("lm_head.weight"))
+        if shard.world == 1 and cfg.tie_word_embeddings:
+            lm = embed
+        else:
+            lm = dev(part("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", 0, v0, v1))
         routing = _routing(cfg)
         out = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             q_a = None if cfg.q_lora_rank is None else dev(get(a + "q_a_proj.weight"))
+            q_b = a + ("q_proj.weight" if cfg.q_lora_rank is None else "q_b_proj.weight")
             attn = MLAWeights(
-                q_b=dev(get(a + ("q_proj.weight" if cfg.q_lora_rank is None else "q_b_proj.weight"))),
+                q_b=dev(part(q_b, 0, h0 * qk, h1 * qk)),
                 kv_a=dev(get(a + "kv_a_proj_with_mqa.weight")), kv_a_norm=dev(get(a + "kv_a_layernorm.weight")),
-                kv_b=dev(get(a + "kv_b_proj.weight")), o=dev(get(a + "o_proj.weight")), q_a=q_a,
+                kv_b=dev(part(a + "kv_b_proj.weight", 0, h0 * kvb, h1 * kvb)),
+                o=dev(part(a + "o_proj.weight", 1, h0 * v, h1 * v)), q_a=q_a,
                 q_a_norm=None if q_a is None else dev(get(a + "q_a_layernorm.weight")))
             if cfg.is_moe_layer(i):
-                mlp = load_moe_layer(reader, i, routing, cfg.hidden_size, cfg.moe_intermediate_size, backend)
+                mlp = load_moe_layer(reader, i, routing, cfg.hidden_size, cfg.moe_intermediate_size, backend,
+                                     shard=shard)
             else:
-                w13 = np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-                mlp = DenseMLP(dev(w13), dev(get(p + "mlp.down_proj.weight")))
+                i0, i1 = shard.part(cfg.intermediate_size, "intermediate_size (dense MLP)")
+                w13 = np.concatenate([part(p + "mlp.gate_proj.weight", 0, i0, i1),
+                                      part(p + "mlp.up_proj.weight", 0, i0, i1)])
+                mlp = DenseMLP(dev(w13), dev(part(p + "mlp.down_proj.weight", 1, i0, i1)))
             out.append(Layer(dev(get(p + "input_layernorm.weight")), dev(get(p + "post_attention_layernorm.weight")),
                              attn, mlp))
             if progress is not None:
                 progress(i + 1)
-        return cls(cfg, backend, embed, out, dev(get("model.norm.weight")), lm)
+        return cls(cfg, backend, embed, out, dev(get("model.norm.weight")), lm, shard, comm)
 
     # -- forward ---------------------------------------------------------------------------------
     def _mlp(self, layer: Layer, x, moe_plan=None):
         be = self.backend
         if isinstance(layer.mlp, DenseMLP):
-            return be.linear(be.silu_mul(be.linear(x, layer.mlp.w13)), layer.mlp.w2)
-        return moe(x, layer.mlp, self.routing, be, plan=moe_plan)
+            m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13)), layer.mlp.w2, out=self._partial(x))
+            return self._reduce(m)
+        if self.shard.world == 1:
+            return moe(x, layer.mlp, self.routing, be, plan=moe_plan)
+        # routed and shared partials side by side, one all-reduce; then, as one rank's combine does,
+        # routed sum + bf16(shared sum), rounded once
+        parts = be.empty((2,) + tuple(x.shape), "fp32")
+        moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1])
+        self.comm.all_reduce(parts)
+        return be.to_bf16(parts[0], plus_rounded=parts[1])
+
+    def _partial(self, x):
+        """Where a sublayer writes its output: on several ranks an fp32 buffer, so the partial sums
+        are reduced unrounded and the result is rounded to bf16 once, as one rank's output is."""
+        return self.backend.empty(tuple(x.shape), "fp32") if self.shard.world > 1 else None
+
+    def _reduce(self, partial):
+        """A sublayer's bf16 output: the sum of every rank's fp32 partial (one all-reduce), rounded
+        once; on one rank the output itself."""
+        if self.shard.world == 1:
+            return partial
+        return self.backend.to_bf16(self.comm.all_reduce(partial))
+
+    def head_logits(self, rows):
+        """bf16 [R, V] logits of final-normed rows [R, H]: this rank's vocabulary slice, all-gathered
+        in rank order (exact: each logit is one rank's dot product)."""
+        be, n = self.backend, self.shard.world
+        local = be.linear(rows, self.lm_head)
+        if n == 1:
+            return local
+        r = rows.shape[0]
+        full = self.comm.all_gather(local).reshape(n, r, -1)
+        return be.xp.ascontiguousarray(full.transpose(1, 0, 2)).reshape(r, -1)
+
+    def head_argmax(self, rows):
+        """int32 [R]: the argmax of the full logits (``backend.argmax``'s rule: ties to the smallest
+        id, NaN ignored, -1 where a row has no number) without gathering them: each rank's best
+        (value, global id) of its vocabulary slice, all-gathered ([N, R, 2] fp32, ids exact below
+        2^24) and merged; the first rank wins a tie, and its slice holds the smaller ids."""
+        be, n = self.backend, self.shard.world
+        local = be.linear(rows, self.lm_head)
+        if n == 1:
+            return be.argmax(local)
+        xp, r = be.xp, rows.shape[0]
+        idx = be.argmax(local)
+        valid = idx >= 0
+        val = be.from_bf16(xp.take_along_axis(local, xp.maximum(idx, 0)[:, None].astype(xp.int64), 1)[:, 0])
+        offset = self.shard.part(self.cfg.vocab_size, "vocab_size (lm_head)")[0]
+        pair = xp.stack([xp.where(valid, val, -xp.inf), xp.where(valid, idx + offset, -1).astype(xp.float32)], 1)
+        g = self.comm.all_gather(xp.ascontiguousarray(pair.astype(xp.float32))).reshape(n, r, 2)
+        vals, ids = g[..., 0], g[..., 1]
+        best = xp.argmax(vals, axis=0)  # the first maximum: the lowest rank
+        first_valid = xp.argmax(ids >= 0, axis=0)  # rows whose best is -inf: the first rank with a number
+        top = xp.max(vals, axis=0)
+        pick = xp.where(top == -xp.inf, first_valid, best)
+        return xp.take_along_axis(ids, pick[None], 0)[0].astype(xp.int32)
 
     def prepare(self, batch: ForwardBatch, cache, into: StepInputs | None = None,
                 page_width: int | None = None) -> StepInputs:
@@ -205,10 +295,12 @@ class TargetModel:
         """The MoE launch plan (buffers) for ``num_tokens`` tokens, shared by every MoE layer of a
         forward; None where the model has no MoE layer (or on the numpy backend)."""
         c = self.cfg
-        if not c.n_routed_experts:
+        moe_layers = [ly.mlp for ly in self.layers if isinstance(ly.mlp, MoELayerWeights)]
+        if not moe_layers:
             return None
-        return self.backend.moe_plan(num_tokens, c.n_routed_experts, c.num_experts_per_tok, c.hidden_size,
-                                     c.moe_intermediate_size)
+        ex = moe_layers[0].experts  # this rank's experts (an EP / TP shard's count and intermediate)
+        return self.backend.moe_plan(num_tokens, ex.num_experts, c.num_experts_per_tok, c.hidden_size,
+                                     ex.intermediate)
 
     def run(self, inputs: StepInputs, cache, output: str = "argmax", hidden_layers=(), moe_plan=None,
             mark=None) -> ForwardOutput:
@@ -244,15 +336,15 @@ class TargetModel:
         if output == "none":
             return out
         rows = x if inputs.logit_rows is None else be.xp.ascontiguousarray(x[inputs.logit_rows])
-        logits = be.linear(rows, self.lm_head)
         if output == "logits":
-            out.logits = logits
+            out.logits = self.head_logits(rows)
         else:
-            out.tokens = be.argmax(logits)
+            out.tokens = self.head_argmax(rows)
         mark("head", -1, rows)
         return out
 
     def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache):
         # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both
-        return mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq, LATENT_NORM_EPS,
-                           cache.layer(i), slots, plan, self.cfg.softmax_scale, self.rope_scale)
+        return self._reduce(mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq,
+                                        LATENT_NORM_EPS, cache.layer(i), slots, plan, self.cfg.softmax_scale,
+                                        self.rope_scale, out=self._partial(x)))

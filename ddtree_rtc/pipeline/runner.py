@@ -1,29 +1,79 @@
 """Run a pipeline: backend -> compile every kernel -> load the model (progress bar) -> run the
-workload (progress bar) -> summary table and JSON (written atomically: nothing half-written)."""
+workload (progress bar) -> summary table and JSON (written atomically: nothing half-written).
+
+On several ranks (``runtime.tensor_parallel``; rank and world size from the launcher's variables,
+ddtree_rtc/dist/launch.py) every rank runs this same code on its shard of the model and makes the
+same scheduling decisions; rank 0 alone prints, shows progress and writes the JSON."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import numpy as np
 
 from ..backend import Backend
+from ..dist.comm import CommStats, Communicator, DistError
+from ..dist.launch import RankEnv, make_communicator, rank_env
 from ..engine.engine import Engine
 from ..engine.request import Request
 from ..model.config import preset_config
 from ..model.make_model import make_model
+from ..model.shard import Shard, ShardError
 from ..model.target import TargetModel
 from .schema import Pipeline, PipelineError
 
 
-def _echo(msg: str) -> None:
-    click.echo(msg, err=True)
+@dataclass
+class Ranks:
+    """This process's rank, its communicator, and where its messages go (rank 0: stderr; the
+    others: nowhere, their errors still reach the launcher as exceptions)."""
+
+    env: RankEnv
+    backend: Backend
+    comm: Communicator
+    log: object
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.is_main
+
+    def echo(self, msg: str) -> None:
+        click.echo(msg, file=self.log)
+
+
+def ranks_for(pipe: Pipeline, env: RankEnv | None = None) -> Ranks:
+    """The backend and communicator of this rank of ``pipe``'s job; refuses a world size that is
+    not ``runtime.tensor_parallel``."""
+    env = env or rank_env()
+    tp = pipe.runtime.tensor_parallel
+    if env.world_size != tp:
+        how = (f"this process is rank {env.rank} of {env.world_size} ({env.launcher})" if env.world_size > 1
+               else "this is a single process")
+        raise PipelineError(f"{pipe.source}: runtime.tensor_parallel {tp} needs {tp} ranks, but {how}: run "
+                            f"`ddtree-rtc run PIPELINE --nproc {tp}` or start {tp} ranks with torchrun / mpirun / srun")
+    log = sys.stderr if env.is_main else io.StringIO()
+    quiet = not env.is_main
+    if env.world_size > 1 and pipe.runtime.backend != "numpy":
+        from ..backend import cuda_available
+
+        if cuda_available():  # this rank's GPU, before anything touches the device
+            import cupy
+
+            cupy.cuda.Device(env.local_rank).use()
+    backend = Backend(pipe.runtime.backend, arch=pipe.runtime.arch, quiet=quiet)
+    try:
+        comm = make_communicator(env, backend.is_cuda)
+    except DistError as e:
+        raise PipelineError(f"{pipe.source}: {e}") from None
+    return Ranks(env, backend, comm, log)
 
 
 def compile_kernels(backend: Backend, pipe: Pipeline) -> float:
@@ -43,8 +93,9 @@ def compile_kernels(backend: Backend, pipe: Pipeline) -> float:
     return time.perf_counter() - t0
 
 
-def model_dir(pipe: Pipeline) -> Path:
-    """The checkpoint directory: the given path, or a preset's random checkpoint (made once, cached)."""
+def model_dir(pipe: Pipeline, ranks: Ranks | None = None) -> Path:
+    """The checkpoint directory: the given path, or a preset's random checkpoint (made once, cached;
+    on several ranks rank 0 makes it while the others wait)."""
     m = pipe.model
     if m.path is not None:
         return Path(m.path)
@@ -54,8 +105,11 @@ def model_dir(pipe: Pipeline) -> Path:
     from ..rtc.cache import cache_dir
 
     out = cache_dir() / "models" / f"{m.preset}-L{cfg.num_hidden_layers}-seed{m.seed}"
+    if ranks is not None and not ranks.is_main:
+        ranks.comm.barrier()  # rank 0 has made it
+        return out
     if not (out / "model.safetensors.index.json").exists():
-        _echo(f"making the random {m.preset} checkpoint in {out}")
+        click.echo(f"making the random {m.preset} checkpoint in {out}", err=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         make_model(cfg, tmp, seed=m.seed)
@@ -65,6 +119,8 @@ def model_dir(pipe: Pipeline) -> Path:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
+    if ranks is not None:
+        ranks.comm.barrier()
     return out
 
 
@@ -125,9 +181,9 @@ def _tokenizer(directory: Path):
     return tokenizer(directory).encode
 
 
-def make_drafter(pipe: Pipeline, model: TargetModel, max_new: int, prompts: list[list[int]]):
+def make_drafter(pipe: Pipeline, model: TargetModel, max_new: int, prompts: list[list[int]], log=None):
     """The pipeline's drafter for ddtree / chain decoding (None for autoregressive). The oracle's
-    greedy continuations are decoded here, before the timed run."""
+    greedy continuations are decoded here, before the timed run (every rank decodes them alike)."""
     from ..speculative.drafters import OracleDrafter, RandomDrafter, greedy_continuation
 
     d = pipe.decode
@@ -144,7 +200,7 @@ def make_drafter(pipe: Pipeline, model: TargetModel, max_new: int, prompts: list
         except ValueError as e:
             raise PipelineError(f"{pipe.source}: decode.drafter.path {spec.path}: {e}") from None
     cont = greedy_continuation(model, max_new + spec.depth, pipe.runtime.page_size)
-    with click.progressbar(prompts, label="oracle: target greedy decode", file=sys.stderr) as bar:
+    with click.progressbar(prompts, label="oracle: target greedy decode", file=log or sys.stderr) as bar:
         for i, p in enumerate(bar):
             cont(i, p)
     return OracleDrafter(model.backend, vocab, spec.depth, cont, accept_p=spec.acceptance.p,
@@ -157,29 +213,35 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
-                 prompts: list[list[int]] | None = None) -> tuple[Engine, dict]:
-    """The pipeline's engine (and its drafter): backend, kernels compiled, weights loaded; also the
-    load figures. ``prompts``: known up front (an oracle drafter decodes their continuations here)."""
-    if pipe.runtime.tensor_parallel != 1:
-        raise PipelineError(f"{pipe.source}: runtime.tensor_parallel {pipe.runtime.tensor_parallel}: only 1 GPU "
-                            f"is supported in this build")
-    backend = Backend(pipe.runtime.backend, arch=pipe.runtime.arch)
-    _echo(f"backend: {backend}")
+                 prompts: list[list[int]] | None = None, ranks: Ranks | None = None) -> tuple[Engine, dict]:
+    """The pipeline's engine (and its drafter): backend, kernels compiled, weights loaded (this
+    rank's shard); also the load figures. ``prompts``: known up front (an oracle drafter decodes
+    their continuations here). ``ranks``: from ``ranks_for`` (made here when not given)."""
+    ranks = ranks or ranks_for(pipe)
+    backend, log = ranks.backend, ranks.log
+    ranks.echo(f"backend: {backend}" + (f", {ranks.comm.world_size} ranks ({ranks.comm.name})"
+                                        if ranks.comm.world_size > 1 else ""))
     compile_s = compile_kernels(backend, pipe)
-    directory = model_dir(pipe)
+    directory = model_dir(pipe, ranks)
     t0 = time.perf_counter()
     from ..model.config import load_config
 
     cfg = load_config(directory)
     n_layers = pipe.model.layers or cfg.num_hidden_layers
-    with click.progressbar(length=n_layers, label="loading weights", file=sys.stderr) as bar:
+    shard = Shard(ranks.env.rank, ranks.env.world_size, pipe.runtime.expert_parallel)
+    with click.progressbar(length=n_layers, label="loading weights", file=log) as bar:
         last = [0]
 
         def progress(n):
             bar.update(n - last[0])
             last[0] = n
 
-        model = TargetModel.load(directory, backend, layers=pipe.model.layers, progress=progress)
+        try:
+            model = TargetModel.load(directory, backend, layers=pipe.model.layers, progress=progress,
+                                     shard=shard, comm=ranks.comm)
+        except ShardError as e:
+            raise PipelineError(f"{pipe.source}: runtime.tensor_parallel {shard.world}"
+                                f"{' with expert_parallel' if shard.expert_parallel else ''}: {e}") from None
     load_s = time.perf_counter() - t0
     if backend.is_cuda:
         from ..rtc import freeze
@@ -187,7 +249,7 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
         freeze()
     w, d = pipe.workload, pipe.decode
     new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
-    drafter = make_drafter(pipe, model, new, prompts or [])
+    drafter = make_drafter(pipe, model, new, prompts or [], log)
     try:
         engine = Engine(model, max_batch=max_batch, page_size=pipe.runtime.page_size,
                         max_context=pipe.runtime.max_context, seed=d.seed, profile=profile,
@@ -197,14 +259,30 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
     return engine, {"dir": directory, "compile_s": compile_s, "load_s": load_s}
 
 
-def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
+def parallel_metrics(engine: Engine) -> dict | None:
+    """Collectives this rank made (None on one rank): calls and bytes per kind, the layout's
+    all-reduces per layer, and bytes per engine step (one decode step or round of every request)."""
+    model = engine.model
+    comm, shard = model.comm, model.shard
+    if shard.world == 1:
+        return None
+    calls, nbytes = comm.stats.total()
+    return {"tensor_parallel": shard.world, "expert_parallel": shard.expert_parallel, "transport": comm.name,
+            "all_reduce_per_layer": 2, "all_gather_per_forward": 1, "collectives": comm.stats.snapshot(),
+            "collective_calls": calls, "collective_bytes": nbytes,
+            "collective_bytes_per_step": nbytes / engine.stats.steps if engine.stats.steps else None}
+
+
+def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None) -> dict:
     w = pipe.workload
-    directory = model_dir(pipe)
+    ranks = ranks or ranks_for(pipe)
+    quiet = quiet or not ranks.is_main
+    directory = model_dir(pipe, ranks)
     from ..model.config import load_config
 
     prompts = load_prompts(pipe, load_config(directory).vocab_size, directory)
     engine, info = build_engine(pipe, max_batch=min(w.concurrency, pipe.runtime.max_batch), profile=True,
-                                prompts=prompts)
+                                prompts=prompts, ranks=ranks)
     model, backend, drafter = engine.model, engine.backend, engine.drafter
     compile_s, load_s = info["compile_s"], info["load_s"]
     d = pipe.decode
@@ -215,8 +293,9 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
             engine.submit(r)
     except ValueError as e:
         raise PipelineError(f"{pipe.source}: {e}") from None
+    ranks.comm.stats = CommStats()  # count the timed run's collectives only
     t0 = time.perf_counter()
-    with click.progressbar(length=len(reqs), label="running workload", file=sys.stderr) as bar:
+    with click.progressbar(length=len(reqs), label="running workload", file=ranks.log) as bar:
         done = engine.run([], progress=bar.update)
     wall = time.perf_counter() - t0
     st = engine.stats
@@ -240,6 +319,7 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
             "acceptance_by_depth": engine.round.stats.acceptance_by_depth(), "budget": engine.round.budget},
         "cuda_graphs": None if engine.graphs is None else {"captured": engine.graphs.captures,
                                                            "replays": engine.graphs.replays},
+        "parallel": parallel_metrics(engine),
     }
     result = {
         "pipeline": pipe.source, "backend": backend.name, "arch": backend.arch,
@@ -269,8 +349,15 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False) -> dict:
                 ("kernel compile / weight load", f"{compile_s:.1f} s / {load_s:.1f} s")]
         if engine.graphs is not None:
             rows.append(("CUDA graphs", f"{engine.graphs.captures} captured, {engine.graphs.replays} replayed"))
+        par = metrics["parallel"]
+        if par is not None:
+            rows.append(("parallel", f"{par['tensor_parallel']} ranks ({par['transport']}), "
+                                     f"{'expert' if par['expert_parallel'] else 'tensor'}-parallel experts"))
+            rows.append(("collectives (rank 0)", f"{par['collective_calls']} calls, "
+                                                 f"{par['collective_bytes'] / 2**20:.2f} MiB, "
+                                                 f"{par['collective_bytes_per_step'] / 2**10:.1f} KiB per step"))
         click.echo(_table(rows))
-    if pipe.output.json:
+    if pipe.output.json and ranks.is_main:
         out = Path(pipe.output.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")

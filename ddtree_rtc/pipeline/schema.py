@@ -31,9 +31,14 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class RuntimeSpec:
+    """``tensor_parallel``: ranks (one GPU each) the model is split over: attention heads, dense and
+    shared-expert intermediate, lm_head vocabulary; the routed experts split their intermediate too,
+    or, with ``expert_parallel``, each rank holds 1/tensor_parallel of the experts whole."""
+
     backend: Literal["auto", "cuda", "numpy"] = "auto"
     arch: str | None = None
     tensor_parallel: int = 1
+    expert_parallel: bool = False
     cuda_graphs: bool = True
     max_batch: int = 8
     page_size: int = 64

@@ -11,11 +11,16 @@ from ml_dtypes import bfloat16
 
 
 def linear(x, weight, out=None, impl: str = "auto"):
-    """x [M, K] bf16, weight [N, K] bf16 -> [M, N] bf16. ``impl`` picks the CUDA twin's kernel
-    (skinny or cuBLAS); the reference has one path and takes it for signature parity."""
+    """x [M, K] bf16, weight [N, K] bf16 -> [M, N] bf16 (fp32, unrounded, when ``out`` is an fp32
+    array: a tensor-parallel partial sum). ``impl`` picks the CUDA twin's kernel (skinny or cuBLAS);
+    the reference has one path and takes it for signature parity."""
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: expected x [M, K] and weight [N, K], got {x.shape} and {weight.shape}")
-    y = (x.astype(np.float64) @ weight.astype(np.float64).T).astype(np.float32).astype(bfloat16)
+    y = (x.astype(np.float64) @ weight.astype(np.float64).T).astype(np.float32)
+    if out is not None and out.dtype == np.float32:
+        out[...] = y
+        return out
+    y = y.astype(bfloat16)
     if out is not None:
         out[...] = y
         return out

@@ -45,7 +45,8 @@ def check_experts_layout(experts, layout: str) -> None:
 
 def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=None, check_ids: bool = True):
     """x [M, H] bf16, topk_ids int32 [M, k], topk_weights fp32 [M, k], experts (layout
-    'compressed-tensors'), shared bf16 [M, H] or None -> y bf16 [M, H]. ``plan`` is the CUDA
+    'compressed-tensors'), shared bf16 [M, H] or None -> y bf16 [M, H] (fp32, unrounded, when
+    ``out`` is an fp32 array: a tensor-parallel partial sum). ``plan`` is the CUDA
     wrapper's and is ignored here. Pairs whose id is out of range contribute nothing (with
     ``check_ids`` they raise instead)."""
     check_experts_layout(experts, "compressed-tensors")
@@ -82,6 +83,9 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=
         if shared.shape != (m, hidden):
             raise ValueError(f"shared: expected [{m}, {hidden}], got {shared.shape}")
         acc = acc + shared.astype(np.float32)
+    if out is not None and out.dtype == np.float32:
+        out[...] = acc
+        return out
     y = acc.astype(bfloat16)
     if out is not None:
         out[...] = y

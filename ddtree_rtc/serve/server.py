@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from ..pipeline.runner import build_engine
+from ..pipeline.schema import PipelineError
 from .app import create_app
 from .text import Text
 
 
 def app_from_pipeline(pipe, max_queue: int = 256):
+    if pipe.runtime.tensor_parallel != 1:
+        # every rank must see the same requests in the same order; the server does not send them yet
+        raise PipelineError(f"{pipe.source}: serve runs one rank (runtime.tensor_parallel 1); multi-rank "
+                            f"serving is not in this build (ddtree-rtc run --nproc N runs multi-rank pipelines)")
     engine, info = build_engine(pipe, max_batch=pipe.runtime.max_batch)
     name = pipe.model.preset or str(info["dir"].name)
     return create_app(engine, Text(info["dir"], preset=pipe.model.preset is not None), name, pipe.decode,

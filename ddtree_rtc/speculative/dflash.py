@@ -31,7 +31,7 @@ class DFlashDrafter(Drafter):
 
     def attach(self, allocator) -> None:
         c = self.model.cfg
-        row = c.num_key_value_heads * c.head_dim
+        row = self.model.kv_heads * c.head_dim  # this rank's kv heads
         self.alloc = allocator
         self.k, self.v = (PagedKVCache(self.backend, c.num_hidden_layers, allocator.num_pages, allocator.page_size,
                                        row, allocator) for _ in range(2))

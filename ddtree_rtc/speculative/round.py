@@ -62,15 +62,18 @@ class RoundStats:
 class SpeculativeRound:
     """The round's buffers and its ``run(requests)``; ``mode`` 'ddtree' or 'chain'."""
 
-    def __init__(self, model, cache, runner, drafter, mode: str, budget: int, timed, choose):
+    def __init__(self, model, cache, runner, drafter, mode: str, budget: int, timed, choose, output_for=None):
         """``runner``: the engine's ModelRunner (plans the verify forward, replays its graphs);
-        ``choose(logits, reqs, positions)``: the engine's token choice per row (Engine.choose)."""
+        ``choose(logits, reqs, positions)``: the engine's token choice per row (Engine.choose);
+        ``output_for(reqs)``: 'argmax' where the verify forward returns the greedy tokens itself
+        (Engine.output_for), else 'logits'."""
         if mode not in ("ddtree", "chain"):
             raise ValueError(f"speculative mode must be 'ddtree' or 'chain', got {mode!r}")
         self.model, self.cache, self.runner, self.drafter, self.mode = model, cache, runner, drafter, mode
         self.budget = drafter.depth if mode == "chain" else budget
         TreeShape(batch=1, budget=self.budget, depth=drafter.depth, vocab=model.cfg.vocab_size)  # checks ranges
         self.timed, self.choose = timed, choose
+        self.output_for = output_for or (lambda reqs: "logits")
         self.hidden_layers = tuple(drafter.target_layer_ids)
         self.stats = RoundStats()
         self._buffers: dict[int, TreeBuffers] = {}
@@ -108,10 +111,12 @@ class SpeculativeRound:
         logits = timed("draft", self.drafter.draft, rids, roots, prefix)
         tree = timed("build", bufs.build, logits, be.asarray(roots), step.prefix_dev)
         timed("verify", runner.fill_tree, step, tree)
-        out = timed("verify", runner.verify, step)
+        output = self.output_for(reqs)
+        out = timed("verify", runner.verify, step, output)
         row_reqs = [r for r in reqs for _ in range(n_slots)]  # node j of tree b: its token at position + 1
-        choices = timed("sample", lambda: self.choose(out.logits, row_reqs, step.inputs.positions + 1)
-                        .reshape(len(reqs), n_slots).astype(be.xp.int32))
+        chosen = (lambda: out.tokens) if output == "argmax" else (
+            lambda: self.choose(out.logits, row_reqs, step.inputs.positions + 1))
+        choices = timed("sample", lambda: chosen().reshape(len(reqs), n_slots).astype(be.xp.int32))
         acc = timed("accept", bufs.accept, choices)
         accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
         emitted = be.to_host(acc.emitted)
