@@ -3,7 +3,7 @@
 # 0.93) and autoregressive, at each concurrency given (default 1 and 10); one JSON per run in $OUT,
 # then a table of tau, total tok/s and tok/s per user. About a minute per run once the checkpoint
 # exists (the first run makes it: ~2 minutes more).
-#   tools/k2_6_ddtree_runs.sh [concurrency...]
+#   [RUNS="ar 0.77"] tools/k2_6_ddtree_runs.sh [concurrency...]    (RUNS: which of ar 0.42 0.77 0.93)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 DDTREE_RTC_CACHE_DIR=${DDTREE_RTC_CACHE_DIR:-/tmp/ddtr
 pipe=pipelines/k2_6_slice_ddtree_h200.yaml
 concs=("$@"); [ ${#concs[@]} -eq 0 ] && concs=(1 10)
 for c in "${concs[@]}"; do
-  for p in ar 0.42 0.77 0.93; do
+  for p in ${RUNS:-ar 0.42 0.77 0.93}; do
     json="$OUT/k2_6_ddtree_c${c}_${p}.json"
     if [ "$p" = ar ]; then mode=(--set decode.mode=autoregressive); else mode=(--set "decode.drafter.acceptance.p=$p"); fi
     ddtree-rtc run "$pipe" --quiet "${mode[@]}" --set "workload.concurrency=$c" --set "output.json=$json" \
