@@ -1,7 +1,6 @@
 """Per-step compare of the INT4 MoE layer at K2.6 dims on the GPU (< 60 s): moe_route and moe_align
 alone, then moe_experts with the token tile forced to nt 1, forced to the large list, and chosen per
-expert on the device (the default plan), for each large-list kernel of --large (nt4 = mma.sync, wg4 =
-sm_90a wgmma), for the layer bench's skewed routing and for uniform routing. Each timed as a
+expert on the device (the default plan), for the layer bench's skewed routing and for uniform routing. Each timed as a
 CUDA graph, median of --iters; % of the read ceiling counts the touched experts' bytes; the outputs
 of all variants are compared with the first one's (max abs difference, relative to its max)."""
 
@@ -23,14 +22,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--ms", default="1,16,256,1024")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--large", default="nt4,wg4", help="large-list kernels to compare (nt4 = mma.sync, wg4 = "
-                    "sm_90a wgmma; comma list)")
     ap.add_argument("--routings", default="bench,uniform")
     args = ap.parse_args()
-    larges = [v for v in args.large.split(",") if v]
-    variants = [("nt1", {"nt": 1})]
-    for lg in larges:
-        variants += [(f"{lg}", {"nt": 4, "large": lg}), (f"auto-{lg}", {"large": lg})]
+    variants = [("nt1", {"nt": 1}), ("nt4", {"nt": 4}), ("auto", {})]
     e, h, inter = 384, 7168, 2048
     experts = int4_experts_device(e, h, inter, 0)
     ceil = read_ceiling_gbs()
@@ -60,9 +54,9 @@ def main():
             for name, kw in variants:
                 plan = moe_plan(m, e, TOP_K, h, inter, **kw)
                 al = plan.align
-                if name.startswith("auto"):
+                if name == "auto":
                     row["tiles-" + name] = plan.tiles
-                if name.startswith("auto") and "align" not in row:  # the same align for every large kernel
+                if name == "auto":
                     row["align"] = measure(lambda al=al, ids=ids: moe_align(
                         ids, e, al.block, out=al, check_ids=False, large_block=al.large_block,
                         large_above=al.large_above))

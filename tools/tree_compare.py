@@ -15,7 +15,7 @@ import numpy as np
 from ddtree_rtc.backend import Backend
 from ddtree_rtc.bench.harness import latency_floor_us, time_gpu
 from ddtree_rtc.bench.tree import DEPTH, VOCAB, target_choices, zipf_logits
-from ddtree_rtc.kernels.tree_accept import tree_accept_variant
+from ddtree_rtc.kernels.tree_accept import tree_accept
 from ddtree_rtc.kernels.tree_build import VARIANTS, default_variant, tree_build_variant
 from ddtree_rtc.reference.tree_build import tree_build as ref_tree_build
 from ddtree_rtc.speculative.tree import TreeBuffers, TreeShape
@@ -56,26 +56,24 @@ def case(batch: int, budget: int, rng) -> dict:
         tree_build_variant(v, *inputs, out=bufs.tree)
         row[f"build_{v}_ok"] = same_tree(bufs.tree, ref)
     choices = cupy.asarray(target_choices(bufs.tree, rng))
-    for v in ("scan", "table"):
-        accept = lambda v=v: tree_accept_variant(v, bufs.tree, choices, out=bufs.result)  # noqa: E731
-        row[f"accept_{v}_us"] = time_gpu(accept).median_us
+    row["accept_us"] = time_gpu(lambda: tree_accept(bufs.tree, choices, out=bufs.result)).median_us
     row["floor1_us"], row["floor2_us"] = latency_floor_us(batch), latency_floor_us(batch, kernels=2)
     best = default_variant(budget)
     row["both_new_us"] = time_gpu(lambda: (tree_build_variant(best, *inputs, out=bufs.tree),
-                                           tree_accept_variant("table", bufs.tree, choices, out=bufs.result))).median_us
+                                           tree_accept(bufs.tree, choices, out=bufs.result))).median_us
     return row
 
 
 def main():
     rng = np.random.default_rng(0)
     rows = [case(b, n, rng) for b in BATCHES for n in BUDGETS]
-    head = ("batch", "budget", "heapq us", *(f"build {v}" for v in VARIANTS), "accept scan", "accept table",
+    head = ("batch", "budget", "heapq us", *(f"build {v}" for v in VARIANTS), "accept",
             "default+table", "x heapq", "floor 1 / 2 kernels", f"exact {'/'.join(VARIANTS)}")
     print(" | ".join(head))
     for r in rows:
         print(" | ".join((f"{r['batch']}", f"{r['budget']}", f"{r['heapq_us']:.0f}",
-                          *(f"{r[f'build_{v}_us']:.2f}" for v in VARIANTS), f"{r['accept_scan_us']:.2f}",
-                          f"{r['accept_table_us']:.2f}", f"{r['both_new_us']:.2f}",
+                          *(f"{r[f'build_{v}_us']:.2f}" for v in VARIANTS), f"{r['accept_us']:.2f}",
+                          f"{r['both_new_us']:.2f}",
                           f"{r['heapq_us'] / r['both_new_us']:.0f}", f"{r['floor1_us']:.2f} / {r['floor2_us']:.2f}",
                           "/".join(str(r[f"build_{v}_ok"]) for v in VARIANTS))))
 

@@ -131,8 +131,7 @@ def uniform_logits(m: int, e: int, seed: int):
     return logits
 
 
-def bench_config(name: str, ms, iters: int, seed: int, peer: bool, routings=("bench",),
-                 large: str | None = None) -> list[Row]:
+def bench_config(name: str, ms, iters: int, seed: int, peer: bool, routings=("bench",)) -> list[Row]:
     import cupy
 
     from ..kernels.moe_gemm import moe_experts, moe_plan
@@ -154,7 +153,7 @@ def bench_config(name: str, ms, iters: int, seed: int, peer: bool, routings=("be
             ids = cupy.empty((m, TOP_K), cupy.int32)
             w = cupy.empty((m, TOP_K), cupy.float32)
             y = cupy.empty((m, hidden), cupy.uint16)
-            plan = moe_plan(m, e, TOP_K, hidden, inter, large=large)
+            plan = moe_plan(m, e, TOP_K, hidden, inter)
 
             def layer(x=x, logits=logits, bias=bias, ids=ids, w=w, y=y, plan=plan):
                 moe_route(logits, bias, TOP_K, 1, 1, True, SCALING, out_ids=ids, out_weights=w)
@@ -198,8 +197,6 @@ def print_moe_table(rows: list[Row], read_gbs: float) -> None:
 def main(argv=None) -> dict:
     import cupy
 
-    from ..kernels.moe_gemm import LARGE_KERNELS
-
     ap = argparse.ArgumentParser(prog="ddtree-rtc bench moe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer M values and iterations (a smoke run)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
@@ -210,15 +207,12 @@ def main(argv=None) -> dict:
                     help="token -> expert routing (repeatable; default: bench): 'bench' random logits + "
                          "bias (skewed), 'uniform' experts drawn uniformly per token (balanced)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--large", choices=sorted(LARGE_KERNELS), default=None,
-                    help="kernel of the large (32-pair) block list: nt4 (mma.sync) or wg4 (sm_90a wgmma); "
-                         "default: the plan's choice for this GPU")
     args = ap.parse_args(argv)
     rows = []
     for name in args.config or list(CONFIGS):
         ms = QUICK[name] if args.quick else MS
         rows += bench_config(name, ms, 10 if args.quick else 50, args.seed, not args.no_peer,
-                             args.routing or ["bench"], args.large)
+                             args.routing or ["bench"])
         cupy.get_default_memory_pool().free_all_blocks()  # this shape's weights are garbage now
     doc = report("INT4 MoE layer (routing + experts), H200 target >= 80% read ceiling at M=1, >= 85% at M>=256",
                  rows, args.json, notes={"bytes": "experts touched x (packed + scales) + x + y + logits",
