@@ -68,6 +68,16 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
 )}
 
 
+# Families only the benchmarks launch: built and spill-checked with the rest (kernels build, CI), not
+# compiled by a pipeline run before its loop.
+BENCHMARK_ONLY = frozenset({"bench_ceiling"})
+
+
+def engine_specs() -> list[KernelSpec]:
+    """The families an engine may launch: every registered one but the benchmark-only ones."""
+    return [s for name, s in SPECS.items() if name not in BENCHMARK_ONLY]
+
+
 def spec(name: str) -> KernelSpec:
     try:
         return SPECS[name]
