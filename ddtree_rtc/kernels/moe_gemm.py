@@ -25,8 +25,8 @@ BLOCK_BYTES = 1152
 # align step; the others 8-pair (nt 1) blocks. An expert that needs two nt 1 blocks streams its
 # weights twice and pays the (cheap, scale-after-mma) dequant twice; one nt 4 block streams them once
 # and its bf16 dequant costs about two nt 1 dequants, so from 9 pairs on nt 4 does no more dequant
-# work and halves the weight traffic through L2 and shared memory (the H200 sweep, tools/moe_sweep.py
-# --nt4-above, is the judge).
+# work and halves the weight traffic through L2 and shared memory (the H200 sweep, `ddtree-rtc bench moe
+# --sweep --nt4-above`, is the judge).
 NT4_ABOVE = 8
 CONCURRENT = True
 # Programmatic dependent launches inside moe_experts (kernels/_launch.py): the align, split-K reduce,
