@@ -112,7 +112,7 @@ def kernels_list():
 
 
 def _arch_list(arch: str) -> list[str]:
-    from .rtc import SUPPORTED_ARCHS, check_arch, detect_arch
+    from .rtc import check_arch, detect_arch
 
     if arch == "all":
         return list(SUPPORTED_ARCHS)
