@@ -3,12 +3,11 @@
 // target's choice at the current node (lowest node index if several would); the first unmatched
 // choice is the bonus token. One warp per request, four requests per block.
 //
-// tree_accept_kernel (variant "scan"): the warp stages the tree's tokens, parents and choices in
-// shared memory, then each step is a scan over the nodes after the current one and a warp min.
-// tree_accept_table_kernel (variant "table", the default): every load (num_nodes included) is
-// issued at once into registers, so the kernel makes one dependent trip to memory; each node v
-// then offers itself to its parent u (u < v, tokens[v] == choices[u]) by a shared atomicMin into
-// next[u], and the walk is a chain of at most max_depth shared loads.
+// tree_accept_table_kernel: every load (num_nodes included) is issued at once into registers, so the
+// kernel makes one dependent trip to memory; each node v then offers itself to its parent u (u < v,
+// tokens[v] == choices[u]) by a shared atomicMin into next[u], and the walk is a chain of at most
+// max_depth shared loads. (The scan variant, a warp scan over the nodes per step, was last in commit
+// 6fb308e; its H200 timings: benchmarks/README.md.)
 namespace {
 
 constexpr int THREADS = 128;
@@ -20,7 +19,7 @@ constexpr int NONE = 0x7fffffff;
 
 }  // namespace
 
-// Both variants' outputs from the finished walk: lane k holds the k-th accepted node (my_node), the
+// The outputs from the finished walk: lane k holds the k-th accepted node (my_node), the
 // walk ended at a node whose choice is the bonus token. Every lane of the warp calls it.
 __device__ __forceinline__ void write_walk(const int* tok, int bon, int my_node, int len, int b, int lane,
                                            int width, int* __restrict__ accepted, int* __restrict__ accept_len,
@@ -39,43 +38,6 @@ __device__ __forceinline__ void write_walk(const int* tok, int bon, int my_node,
 
 // tokens, parents, choices [B, n_slots] int32; num_nodes [B]; width = max_depth + 1 <= 17.
 // Outputs: accepted, emitted [B, width] (-1 padded), accept_len, bonus [B]. Grid ceil(B / 4), block 128.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_accept_kernel(
-    const int* __restrict__ tokens, const int* __restrict__ parents, const int* __restrict__ num_nodes,
-    const int* __restrict__ choices, int B, int n_slots, int width, int* __restrict__ accepted,
-    int* __restrict__ accept_len, int* __restrict__ emitted, int* __restrict__ bonus) {
-  __shared__ int tok[WARPS][MAX_SLOTS], par[WARPS][MAX_SLOTS], cho[WARPS][MAX_SLOTS];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int b = blockIdx.x * WARPS + warp;
-  if (b >= B) return;  // the whole warp leaves; nothing below synchronises the block
-  const long long base = (long long)b * n_slots;
-  const int nn = min(max(num_nodes[b], 1), n_slots);
-  for (int i = lane; i < nn; i += 32) {
-    tok[warp][i] = tokens[base + i];
-    par[warp][i] = parents[base + i];
-    cho[warp][i] = choices[base + i];
-  }
-  __syncwarp();
-
-  int u = 0, len = 1, my_node = lane == 0 ? 0 : -1;  // lane k holds the k-th accepted node
-  while (len < width) {
-    const int c = cho[warp][u];
-    int found = NONE;
-    for (int i = u + 1 + lane; i < nn; i += 32) {
-      if (par[warp][i] == u && tok[warp][i] == c) {
-        found = i;
-        break;
-      }
-    }
-    const int v = __reduce_min_sync(FULL, found);
-    if (v == NONE) break;
-    if (lane == len) my_node = v;
-    ++len;
-    u = v;
-  }
-  write_walk(tok[warp], cho[warp][u], my_node, len, b, lane, width, accepted, accept_len, emitted, bonus);
-}
-
-// Same arguments and grid as tree_accept_kernel.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_accept_table_kernel(
     const int* __restrict__ tokens, const int* __restrict__ parents, const int* __restrict__ num_nodes,
     const int* __restrict__ choices, int B, int n_slots, int width, int* __restrict__ accepted,

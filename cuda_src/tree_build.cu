@@ -16,17 +16,18 @@
 //
 // After the loop all THREADS threads write the outputs, including every unused slot up to max_budget.
 //
-// The level variant (tree_build_level_j*) first tries a parallel build that is exact whenever the
-// scores it meets are monotone (every generated child / next sibling scores <= its predecessor, as
-// sorted log-probs <= 0 give up to rounding). It grows a pool of candidates depth by depth: at
-// depth d every pool node of depth d-1 walks its child chain (first child, then siblings) in one
-// thread while the score stays >= tau, tau = the budget-th best pool score so far (ties kept).
+// The prune variant (tree_build_prune_j*, the default) first tries a parallel build that is exact
+// whenever the scores it meets are monotone (every generated child / next sibling scores <= its
+// predecessor, as sorted log-probs <= 0 give up to rounding). It grows a pool of candidates depth by
+// depth: at depth d every pool node of depth d-1 walks its child chain (first child, then siblings)
+// in one thread while the score stays >= tau, a bound that at least `budget` pool entries reach.
 // Then the pool's first `budget` entries in (score desc, rank tuple asc) order are the heap's pops,
 // in that order: the pool is prefix-closed, monotone, and every successor of a kept entry that is
 // not kept scores below all kept ones (it was cut below a tau <= the final budget-th score, or it
 // is in the pool and ranks later), so the heap, popping its minimum, pops exactly those in sorted
 // order. A non-monotone step or a full pool sets a flag and the request falls back to the heap
-// loop above, so the result is exact either way.
+// loop above, so the result is exact either way. (The level variant, tau the exact budget-th score
+// by a quadratic count, was last in commit 6fb308e; its H200 timings: benchmarks/variants_h200.txt.)
 
 #ifndef TREE_PROFILE
 #define TREE_PROFILE 0
@@ -254,30 +255,8 @@ __device__ void heap_loop(const Smem& s, const Limits& lim, int budget, int& n_o
 }
 
 
-struct Pool {
-  double* score;  // [cap] candidate score
-  int* parent;    // [cap] parent entry (-1: the root)
-  int* pred;      // [cap] previous sibling entry, or the parent for rank 0
-  int* rank;      // [cap]
-  int* depth;     // [cap]
-  int* node;      // [cap] node index once ranked, -1 if not kept
-};
-
-__device__ __forceinline__ Pool carve_pool(unsigned char* base, int cap) {
-  Pool q;
-  // Align by offsetting base itself (not through an integer) so the compiler keeps these in shared
-  // memory (LDS/STS) rather than falling back to generic loads; base is 4-byte aligned.
-  q.score = reinterpret_cast<double*>(base + (reinterpret_cast<size_t>(base) & 4));
-  q.parent = reinterpret_cast<int*>(q.score + cap);
-  q.pred = q.parent + cap;
-  q.rank = q.pred + cap;
-  q.depth = q.rank + cap;
-  q.node = q.depth + cap;
-  return q;
-}
-
 // Rank-tuple order of two distinct pool entries, from their parent / rank / depth links (the pool
-// twin of the heap's tuple codes; the level and prune pools both call it).
+// twin of the heap's tuple codes).
 __device__ __noinline__ bool entry_tuple_less(const int* parent, const int* rank, const int* depth, int a, int b) {
   int da = depth[a], db = depth[b];
   const bool a_shorter = da < db;
@@ -291,120 +270,9 @@ __device__ __noinline__ bool entry_tuple_less(const int* parent, const int* rank
   return rank[a] < rank[b];
 }
 
-__device__ __forceinline__ bool pool_tuple_less(const Pool& q, int a, int b) {
-  return entry_tuple_less(q.parent, q.rank, q.depth, a, b);
-}
-
-struct LevelShared {
-  int count;                      // pool entries claimed (may pass cap: then `bad`)
-  int bad;                        // non-monotone step or full pool: fall back to the heap loop
-  unsigned long long tau_acc[2];  // per-level atomicMin of ord64(score), alternating buffers
-};
-
-// Returns the number of nodes written into `s`, or -1 to fall back. All THREADS threads call it.
-__device__ int level_build(const Smem& s, const Pool& q, LevelShared& sh, int cap, int kc, int ks,
-                           int depth_limit, int budget) {
-  const int tid = threadIdx.x;
-  unsigned long long tau = 0ull;  // ord64 key: candidates below it are cut; 0 cuts nothing
-  int begin = 0, end = 0;
-  if (tid == 0) sh.bad = 0;
-  __syncthreads();
-  // Depth 1, all kc ranks at once (tau cuts nothing yet, kc < cap): there the sibling recurrence
-  // is exact, (s - lq[r]) + lq[r+1] with s == lq[r] gives +0 + lq[r+1], so rank r scores lq[0][0]
-  // for r = 0 and 0.0 + lq[0][r] after (only the sign of a zero differs from lq[0][r]).
-  for (int r = tid; r < kc; r += THREADS) {
-    const double sc = r == 0 ? (double)s.lq[0] : __dadd_rn(0.0, (double)s.lq[r]);
-    if (r > 0 && sc > (r == 1 ? (double)s.lq[0] : __dadd_rn(0.0, (double)s.lq[r - 1]))) sh.bad = 1;
-    q.score[r] = sc;
-    q.parent[r] = -1;
-    q.pred[r] = r - 1;
-    q.rank[r] = r;
-    q.depth[r] = 1;
-  }
-  if (tid == 0) sh.count = kc;
-  for (int d = 1; d <= depth_limit; ++d) {
-    if (tid == 0) sh.tau_acc[d & 1] = ~0ull;  // last read two barriers ago, next used after one
-    const int n_par = d == 1 ? 0 : end - begin;
-    const float* row = s.lq + (d - 1) * ks;
-    for (int i = tid; i < n_par; i += THREADS) {
-      const int p = begin + i;
-      const double ps = q.score[p];
-      double sc = ps + (double)row[0];
-      if (sc > ps) {
-        sh.bad = 1;
-        break;
-      }
-      if (ord64(sc) < tau) continue;
-      int pred = p;
-      for (int r = 0;; ++r) {
-        const int e = atomicAdd(&sh.count, 1);
-        if (e >= cap) {
-          sh.bad = 1;
-          break;
-        }
-        q.score[e] = sc;
-        q.parent[e] = p;
-        q.pred[e] = pred;
-        q.rank[e] = r;
-        q.depth[e] = d;
-        pred = e;
-        if (r + 1 >= kc) break;
-        const double s2 = (sc - (double)row[r]) + (double)row[r + 1];
-        if (s2 > sc) {
-          sh.bad = 1;
-          break;
-        }
-        if (ord64(s2) < tau) break;
-        sc = s2;
-      }
-    }
-    __syncthreads();
-    const int bad = sh.bad, count = sh.count;
-    if (!bad && count > end && count >= budget) {
-      // tau = the budget-th best score: fewer than `budget` entries beat it
-      for (int e = tid; e < count; e += THREADS) {
-        const double se = q.score[e];
-        int better = 0;
-        for (int x = 0; x < count; ++x) better += q.score[x] > se;
-        if (better < budget) atomicMin(&sh.tau_acc[d & 1], ord64(se));
-      }
-    }
-    __syncthreads();  // also: every thread has read count / bad before the next level claims entries
-    if (bad) return -1;
-    if (count == end) break;  // nothing at depth d: nothing deeper either
-    begin = end;
-    end = count;
-    if (end >= budget) tau = sh.tau_acc[d & 1];
-  }
-  const int n_pool = end, n = min(budget, n_pool);
-  for (int e = tid; e < n_pool; e += THREADS) {
-    const double se = q.score[e];
-    int before = 0;
-    for (int x = 0; x < n_pool; ++x) {
-      const double sx = q.score[x];
-      before += sx > se || (sx == se && x != e && pool_tuple_less(q, x, e));
-    }
-    q.node[e] = before < n ? before + 1 : -1;
-  }
-  __syncthreads();
-  for (int e = tid; e < n_pool; e += THREADS) {
-    const int node = q.node[e];
-    if (node < 0) continue;
-    const int pe = q.parent[e], r = q.rank[e];
-    const int p = pe < 0 ? 0 : q.node[pe];  // kept: the kept set is prefix-closed
-    s.score[node] = q.score[e];
-    s.parent[node] = p;
-    s.rank[node] = r;
-    s.depth[node] = q.depth[e];
-    if (r == 0) s.first_child[p] = node;
-    else s.next_sibling[q.node[q.pred[e]]] = node;
-  }
-  return n;
-}
-
 // ---------------------------------------------------------------- the prune variant
 //
-// The level variant's pool and exactness argument, with the two quadratic steps replaced. The pool
+// The pool and exactness argument of the file's header, with two quadratic steps avoided. The pool
 // grows depth by depth as there, but (1) each parent's child chain is walked twice, once to count
 // and once to store, so a warp claims its entries with one scan and one shared atomic instead of
 // one atomic per entry, and chains lie contiguously (the previous sibling of entry e is e - 1);
@@ -433,7 +301,9 @@ struct PrunePool {
 
 __device__ __forceinline__ PrunePool carve_prune(unsigned char* base, int cap, int lcap) {
   PrunePool q;
-  q.score = reinterpret_cast<double*>(base + (reinterpret_cast<size_t>(base) & 4));  // see carve_pool
+  // Align by offsetting base itself (not through an integer) so the compiler keeps these in shared
+  // memory (LDS/STS) rather than falling back to generic loads; base is 4-byte aligned.
+  q.score = reinterpret_cast<double*>(base + (reinterpret_cast<size_t>(base) & 4));
   q.lkey = reinterpret_cast<unsigned long long*>(q.score + cap);
   q.lcode = q.lkey + cap;
   q.parent = reinterpret_cast<int*>(q.lcode + lcap * CODE_WORDS);
@@ -582,8 +452,8 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
   }
   for (int i = tid; i < NB; i += THREADS) sh.hist[i] = 0;
   __syncthreads();
-  // Depth 1, all kc ranks at once (kc <= budget <= cap); as in level_build, rank r > 0 scores
-  // 0.0 + lq[0][r] by the exact sibling recurrence.
+  // Depth 1, all kc ranks at once (kc <= budget <= cap): there the sibling recurrence is exact,
+  // (s - lq[r]) + lq[r+1] with s == lq[r] gives +0 + lq[r+1], so rank r > 0 scores 0.0 + lq[0][r].
   int bad1 = 0;
   for (int r = tid; r < kc; r += THREADS) {
     const double sc = r == 0 ? (double)s.lq[0] : __dadd_rn(0.0, (double)s.lq[r]);
@@ -738,7 +608,7 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
   return n;
 }
 
-template <int J, int MODE>  // MODE: 0 heap loop, 1 level, 2 prune
+template <int J, bool PRUNE>  // PRUNE: the prune build first (heap loop on fallback); else the heap loop
 __device__ __forceinline__ void build(const float* __restrict__ logq, const int* __restrict__ ids,
                                       int L, int K, const int* __restrict__ root_tokens,
                                       const int* __restrict__ budgets, const int* __restrict__ depths,
@@ -748,7 +618,6 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
                                       int* first_child, int* next_sibling, double* scores) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ int n_popped;
-  __shared__ LevelShared level_sh;
   __shared__ PruneShared prune_sh;
   TREE_STAMP(0);
   const int b = blockIdx.x, tid = threadIdx.x;
@@ -781,19 +650,14 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
   }
   __syncthreads();
   TREE_STAMP(1);
-  int n_level = -1;
-  if (MODE == 1 && budget > 0 && depth_limit > 0) {
-    const Pool q = carve_pool(reinterpret_cast<unsigned char*>(s.ids + L * ks), cap);
-    n_level = level_build(s, q, level_sh, cap, kc, ks, depth_limit, budget);  // block-uniform
-    if (tid == 0 && n_level >= 0) n_popped = n_level;
-  }
-  if (MODE == 2 && budget > 0 && depth_limit > 0) {
+  int n_pruned = -1;
+  if (PRUNE && budget > 0 && depth_limit > 0) {
     const int lcap = n_slots + PRUNE_LIST_EXTRA;
     const PrunePool q = carve_prune(reinterpret_cast<unsigned char*>(s.ids + L * ks), cap, lcap);
-    n_level = prune_build(s, q, prune_sh, cap, lcap, kc, ks, depth_limit, budget);  // block-uniform
-    if (tid == 0 && n_level >= 0) n_popped = n_level;
+    n_pruned = prune_build(s, q, prune_sh, cap, lcap, kc, ks, depth_limit, budget);  // block-uniform
+    if (tid == 0 && n_pruned >= 0) n_popped = n_pruned;
   }
-  if (n_level < 0 && tid < 32) {
+  if (n_pruned < 0 && tid < 32) {
     int n = 0;
     heap_loop<J>(s, Limits{kc, ks, depth_limit, n_slots}, budget, n);
     if (tid == 0) n_popped = n;
@@ -846,28 +710,24 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
 }  // namespace
 
 // logq [B, L, K] fp32, ids [B, L, K] int32; root_tokens, budgets, depths, prefix_lens [B] int32.
-// Outputs [B, 1 + max_budget] (mask [B, 1 + max_budget, W]). Grid B, block 128, dynamic shared
-// memory (1 + max_budget) * 76 + L * ks * 8 bytes, ks = max(1, min(K, max_budget)), plus
-// cap * 28 + 8 bytes of pool for the level variant, cap * 36 + 8 + (max_budget + 64) * 24 for the
-// prune one (cap is ignored by the heap-only one).
-#define TREE_BUILD_ENTRY(NAME, J, MODE)                                                            \
+// Outputs [B, 1 + max_budget] (mask [B, 1 + max_budget, W]). Grid B, block TREE_THREADS, dynamic
+// shared memory (1 + max_budget) * 76 + L * ks * 8 bytes, ks = max(1, min(K, max_budget)), plus
+// cap * 36 + 8 + (max_budget + 64) * 24 for the prune one (cap is ignored by the heap-only one).
+#define TREE_BUILD_ENTRY(NAME, J, PRUNE)                                                           \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                    \
       const float* __restrict__ logq, const int* __restrict__ ids, int L, int K,                    \
       const int* __restrict__ root_tokens, const int* __restrict__ budgets,                         \
       const int* __restrict__ depths, const int* __restrict__ prefix_lens, int max_budget, int ks,  \
       int W, int cap, int* tokens, int* parents, int* node_depth, int* positions, int* num_nodes,   \
       unsigned long long* mask, int* first_child, int* next_sibling, double* scores) {              \
-    build<J, MODE>(logq, ids, L, K, root_tokens, budgets, depths, prefix_lens, max_budget, ks, W,  \
+    build<J, PRUNE>(logq, ids, L, K, root_tokens, budgets, depths, prefix_lens, max_budget, ks, W,  \
                     cap, tokens, parents, node_depth, positions, num_nodes, mask, first_child,      \
                     next_sibling, scores);                                                          \
   }
 
-TREE_BUILD_ENTRY(tree_build_j3, 3, 0)
-TREE_BUILD_ENTRY(tree_build_j9, 9, 0)
-TREE_BUILD_ENTRY(tree_build_j17, 17, 0)
-TREE_BUILD_ENTRY(tree_build_level_j3, 3, 1)
-TREE_BUILD_ENTRY(tree_build_level_j9, 9, 1)
-TREE_BUILD_ENTRY(tree_build_level_j17, 17, 1)
-TREE_BUILD_ENTRY(tree_build_prune_j3, 3, 2)
-TREE_BUILD_ENTRY(tree_build_prune_j9, 9, 2)
-TREE_BUILD_ENTRY(tree_build_prune_j17, 17, 2)
+TREE_BUILD_ENTRY(tree_build_j3, 3, false)
+TREE_BUILD_ENTRY(tree_build_j9, 9, false)
+TREE_BUILD_ENTRY(tree_build_j17, 17, false)
+TREE_BUILD_ENTRY(tree_build_prune_j3, 3, true)
+TREE_BUILD_ENTRY(tree_build_prune_j9, 9, true)
+TREE_BUILD_ENTRY(tree_build_prune_j17, 17, true)

@@ -14,11 +14,15 @@ import click
 from . import __version__
 from .rtc.arch import SUPPORTED_ARCHS
 
+# name -> one line for `bench --help`; the module ddtree_rtc.bench.<name> has main(argv) -> report dict
 BENCHMARKS = {
+    "ceiling": "read / copy bandwidth, latency floor, mma.sync peak, cuBLAS matmul: what the others are held to",
     "blocks": "building-block kernels: RMSNorm, RoPE, embedding, SiLU·mul, argmax/sampling, cuBLAS linear",
-    "tree": "DDTree top-k, tree build and accept vs the Python heapq reference",
-    "moe": "INT4 W4A16 MoE layer at K2.6 dims vs the read ceiling and a bf16 cuBLAS peer",
-    "attention": "MLA decode / tree-verify / prefill attention vs read and matmul ceilings",
+    "linear": "skinny-M bf16 linear vs cuBLAS on the K2.6 decode shapes",
+    "topk": "vocabulary top-k on drafter logits (--variants: stream / chunked / slices side by side)",
+    "tree": "DDTree top-k, tree build and accept vs the Python heapq reference (--variants: prune / heap)",
+    "moe": "INT4 W4A16 MoE layer vs the read ceiling and a bf16 cuBLAS peer (--variants: tiles; --sweep: plans)",
+    "attention": "MLA decode / tree-verify / prefill attention vs read and matmul ceilings (--variants: tiles)",
     "decode": "AR decode step on a K2.6-dims slice: stage times vs byte floors, eager / queued / CUDA graph",
     "round": "DDTree round on a K2.6-dims slice: stages, kernels vs CUDA graph, tok/s at the oracle's tau vs AR",
     "drafter": "DFlash drafter forward / context extend at K2.6 dims and its GQA attention vs byte floors",
@@ -110,7 +114,7 @@ def kernels_list():
 
 
 def _arch_list(arch: str) -> list[str]:
-    from .rtc import SUPPORTED_ARCHS, check_arch, detect_arch
+    from .rtc import check_arch, detect_arch
 
     if arch == "all":
         return list(SUPPORTED_ARCHS)

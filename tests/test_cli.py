@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from ddtree_rtc.backend import Backend
-from ddtree_rtc.cli import main
+from ddtree_rtc.cli import BENCHMARKS, main
 from ddtree_rtc.kernels.registry import SPECS
 
 
@@ -21,11 +21,13 @@ def test_help_on_every_command():
         assert "Usage:" in res.output and len(res.output.splitlines()) > 3
 
 
-@pytest.mark.parametrize("name", ["attention", "blocks", "decode", "moe", "tree"])
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
 def test_bench_help_reaches_the_benchmark(name):
     res = run("bench", name, "--help")
     assert res.exit_code == 0, res.output
     assert f"usage: ddtree-rtc bench {name}" in res.output and "--json" in res.output
+    if name in ("attention", "moe", "topk", "tree"):  # a kernel's variants side by side: one command
+        assert "--variants" in res.output
 
 
 def test_bench_unknown_name_is_refused():

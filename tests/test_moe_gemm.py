@@ -127,24 +127,6 @@ def test_token_tile_choice():
         pick_nt4_above(4, 8, 2, None)
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_120a"])
-def test_large_kernel_choice(monkeypatch, arch):
-    """The large list's kernel: nt4 by default on every arch; wg4 only on request and only where
-    the kernels are built for sm_90a; anything else refused by name."""
-    from ddtree_rtc.kernels.moe_gemm import pick_large
-    from ddtree_rtc.rtc.arch import ARCH_ENV
-
-    monkeypatch.setenv(ARCH_ENV, arch)
-    assert pick_large(None) == "nt4" and pick_large("nt4") == "nt4"
-    if arch == "sm_90a":
-        assert pick_large("wg4") == "wg4"
-    else:
-        with pytest.raises(RuntimeError, match=r"large='wg4' needs sm_90a \(wgmma\)"):
-            pick_large("wg4")
-    with pytest.raises(ValueError, match=r"large='wg8': expected one of \['nt4', 'wg4'\]"):
-        pick_large("wg8")
-
-
 # ---- the CUDA launch logic transliterated (grid, blocks, warps, epilogues, reduce, combine) ----
 
 def emulate_cuda_path(x, ids, w, rex, nt4_above, s13, s2, shared=None):
@@ -258,41 +240,6 @@ def test_shared_memory_staging_gives_each_lane_its_fragments(nt):
                     assert got == ("x", 8 * ntile + g, 32 * c + 8 * t)
 
 
-def test_wgmma_staging_matches_the_mma_k_order():
-    """moe_wg's activation staging (4-byte copies: thread -> shared offset, source k) read back
-    through its matrix descriptors the way wgmma reads a K-major, unswizzled B (core matrices of 8
-    rows x 16 bytes, LBO between the two k8 halves of a k16 step, SBO between pair groups), all
-    transliterated from moe_gemm.cu: the wgmma's k index 2t + i (+ 8) of k16 step h in chunk c must
-    hold the chunk's k that the mma.sync kernel feeds lane t's A fragment with, 8t + 4h + i (+ 2);
-    and the copies cover the activation area exactly once."""
-    from ddtree_rtc.kernels.moe_gemm import BLOCK_BYTES, stage_bytes
-
-    nt, weight_bytes = 4, 4 * 2 * BLOCK_BYTES
-    owner = {}  # shared byte offset -> (pair slot, k of the step)
-    for tid in range(128):
-        warp, lane = tid >> 5, tid & 31
-        an, at = lane >> 2, lane & 3
-        adst = weight_bytes + 4 * warp * nt * 128 + an * 16 + at * 4
-        for m in range(nt):
-            for hq in range(4):
-                dst, k0 = adst + (hq * nt + m) * 128, 32 * warp + 8 * at + 2 * hq
-                for b in range(4):
-                    off = dst + b
-                    assert weight_bytes <= off < stage_bytes(nt) and off not in owner, (tid, m, hq)
-                    owner[off] = (an + 8 * m, k0 + b // 2)
-    assert len(owner) == stage_bytes(nt) - weight_bytes
-    lbo, sbo = nt * 128, 128
-    for c in range(4):
-        for h in range(2):
-            start = weight_bytes + 2 * (2 * c + h) * nt * 128
-            for kappa in range(16):
-                for n in range(8 * nt):
-                    off = start + (kappa // 8) * lbo + (n // 8) * sbo + (n % 8) * 16 + (kappa % 8) * 2
-                    t, i, hi = (kappa % 8) // 2, kappa % 2, kappa // 8
-                    want = 32 * c + 8 * t + 4 * h + 2 * hi + i
-                    assert owner[off] == (n, want) and owner[off + 1] == (n, want), (c, h, kappa, n)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("m,nt4_above,s13,s2", [(1, 3, 1, 1), (3, 3, 2, 1), (11, 0, 1, 2), (13, 13 * 3, 2, 2),
                                                 (40, 0, 2, 1), (40, 20, 1, 1), (21, 12, 2, 2)])
@@ -344,13 +291,6 @@ def experts_for(name):
     return _cache[name]
 
 
-def _large() -> str:
-    """The large-list kernel a default plan uses on this GPU (LARGE where it can run: nt4 today)."""
-    from ddtree_rtc.kernels.moe_gemm import pick_large
-
-    return pick_large(None)
-
-
 def run_gpu(rng, name, m, with_shared=True, skew=False, **plan_kw):
     import cupy
 
@@ -400,7 +340,7 @@ def test_kernel_vs_reference_k26_dims(rng, m):
     from ddtree_rtc.kernels.moe_gemm import NT4_ABOVE
 
     plan = run_gpu(rng, "k26", m, skew=m > 8)
-    assert plan.tiles == ("nt1" if m <= NT4_ABOVE else f"nt1+{_large()}>{NT4_ABOVE}")
+    assert plan.tiles == ("nt1" if m <= NT4_ABOVE else f"nt1+nt4>{NT4_ABOVE}")
 
 
 @pytest.mark.gpu
@@ -424,7 +364,7 @@ def test_kernel_vs_reference_k26_dims(rng, m):
 ])
 def test_kernel_launch_variants(rng, name, m, skew, plan_kw, tiles):
     plan = run_gpu(rng, name, m, with_shared=False, skew=skew, **plan_kw)
-    assert plan.tiles == tiles.replace("nt4", _large())  # the default large-list kernel here
+    assert plan.tiles == tiles
     for k in ("split_gate_up", "split_down", "nt4_above"):
         if k in plan_kw:
             assert getattr(plan, k) == plan_kw[k]
@@ -433,11 +373,10 @@ def test_kernel_launch_variants(rng, name, m, skew, plan_kw, tiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("large", ["wg4", "nt4"])
 @pytest.mark.parametrize("name,m,skew,plan_kw", [
     ("tp8", 1, False, {"nt": 4}),                                  # one pair: N = 8
     ("small", 33, True, {}),
-    ("tp8", 256, False, {"split_gate_up": 4, "split_down": 1}),   # split-K partials from wgmma
+    ("tp8", 256, False, {"split_gate_up": 4, "split_down": 1}),   # split-K partials
     ("ep8", 40, True, {"nt4_above": 2, "split_gate_up": 2}),
     ("ep8", 300, True, {"nt4_above": 16, "split_down": 2}),
     ("ep8", 1000, True, {}),                                       # full blocks, every N
@@ -446,19 +385,14 @@ def test_kernel_launch_variants(rng, name, m, skew, plan_kw, tiles):
     ("deep", 21, True, {"stages": (3, 5)}),
     ("k26", 256, True, {}),
 ])
-def test_large_list_kernels(rng, large, name, m, skew, plan_kw):
-    """Each large-list kernel named explicitly (nt4: mma.sync, specialized per filled-tile count;
-    wg4: the opt-in sm_90a wgmma kernel, the weights as its register A operand): against the
+def test_large_list_kernel(rng, name, m, skew, plan_kw):
+    """The large list's kernel (nt 4, mma.sync, specialized per filled-tile count): against the
     reference, bitwise the same on two runs, every filled-tile count of a block, split-K, ring depths
     that wrap."""
-    from ddtree_rtc.kernels.moe_gemm import LARGE_KERNELS
-    from ddtree_rtc.rtc.arch import wgmma_build
+    from ddtree_rtc.kernels.moe_gemm import LARGE_BLOCK
 
-    if large == "wg4" and not wgmma_build():
-        pytest.skip("wgmma kernels need an sm_90a build")
-    plan = run_gpu(rng, name, m, with_shared=name != "deep", skew=skew, large=large, **plan_kw)
-    assert plan.large == large and plan.align.large_block == LARGE_KERNELS[large]
-    assert large in plan.tiles
+    plan = run_gpu(rng, name, m, with_shared=name != "deep", skew=skew, **plan_kw)
+    assert plan.align.large_block == LARGE_BLOCK and "nt4" in plan.tiles
 
 
 def skewed_inputs(rng, name, m):
@@ -549,7 +483,7 @@ def test_kernel_heuristic_splits_small_shards():
     plan = moe_plan(1, 384, 8, 7168, 256, num_sms=132)  # TP8 shard at M=1: few CTAs without split-K
     assert plan.split_gate_up > 1 and plan.part_gate_up is not None
     plan = moe_plan(1024, 384, 8, 7168, 2048, num_sms=132)
-    assert (plan.split_gate_up, plan.split_down, plan.tiles) == (1, 1, f"nt1+{_large()}>8")
+    assert (plan.split_gate_up, plan.split_down, plan.tiles) == (1, 1, "nt1+nt4>8")
     assert plan.part_gate_up is None
     assert moe_plan(1, 384, 8, 7168, 2048, num_sms=132).tiles == "nt1"  # M=1: no nt 4 launches
 

@@ -100,3 +100,22 @@ def test_k2_6_ddtree_pipeline_taus():
     for acc, tau in ((0.42, 3), (0.77, 5), (0.93, 7)):
         drafter = OracleDrafter(be, 163840, d.drafter.depth, None, accept_p=acc, seed=d.drafter.seed)
         assert abs(drafter.expected_tau(d.budget) - tau) < 0.1, (acc, drafter.expected_tau(d.budget))
+
+
+def test_run_compiles_every_engine_kernel_but_not_the_benchmark_ones(monkeypatch):
+    """`ddtree-rtc run` builds the families an engine may launch before its loop, and each stage's
+    variant; bench_ceiling (benchmark-only) is left to `kernels build` and the benchmarks."""
+    from types import SimpleNamespace
+
+    from ddtree_rtc.kernels.registry import BENCHMARK_ONLY, SPECS
+    from ddtree_rtc.pipeline.runner import compile_kernels
+    from ddtree_rtc.rtc import builder
+
+    built = []
+    monkeypatch.setattr(builder, "load", lambda spec, arch, **params: built.append((spec.name, arch, params)))
+    stage = SimpleNamespace(kernel="topk", params={"TOPK_STREAM_BLOCKS": 4})
+    compile_kernels(SimpleNamespace(is_cuda=True, arch="sm_90a"),
+                    SimpleNamespace(stages=[stage, SimpleNamespace(kernel="nope", params={"X": 1})]))
+    assert "bench_ceiling" in BENCHMARK_ONLY
+    assert sorted(n for n, _, p in built if not p) == sorted(set(SPECS) - BENCHMARK_ONLY)
+    assert [b for b in built if b[2]] == [("topk", "sm_90a", {"TOPK_STREAM_BLOCKS": 4})]

@@ -176,10 +176,10 @@ def test_greedy_choices_reproduce_greedy_decoding(rng):
 # ---------------------------------------------------------------- GPU
 
 
-def run_gpu(tree, choices, variant="table"):
+def run_gpu(tree, choices):
     import cupy
 
-    from ddtree_rtc.kernels.tree_accept import tree_accept_variant
+    from ddtree_rtc.kernels.tree_accept import tree_accept as kernel_accept
     from ddtree_rtc.reference.tree_accept import alloc_accept
     from ddtree_rtc.reference.tree_build import TreeArrays
 
@@ -189,7 +189,7 @@ def run_gpu(tree, choices, variant="table"):
     out = alloc_accept(cupy, tree.tokens.shape[0], tree.max_depth)
     for a in (out.accepted, out.accept_len, out.emitted, out.bonus):
         a.fill(0x5A5A5A5A)
-    got = tree_accept_variant(variant, dev, cupy.asarray(choices), out=out)
+    got = kernel_accept(dev, cupy.asarray(choices), out=out)
     assert got is out
     return got
 
@@ -206,21 +206,19 @@ def assert_accept_equal(got, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["table", "scan"])
 @pytest.mark.parametrize("max_budget", [0, 3, 64, 300, 512])
-def test_kernel_matches_reference(rng, max_budget, variant):
+def test_kernel_matches_reference(rng, max_budget):
     depth = int(rng.integers(1, 17))
     t = random_trees(rng, 333, depth, int(rng.choice([1, 2, 8, 512])), max_budget)
     for p_match in (0.0, 0.9, 1.0):
         choices = matching_choices(rng, t, p_match=p_match)
-        assert_accept_equal(run_gpu(t, choices, variant), tree_accept(t, choices))
+        assert_accept_equal(run_gpu(t, choices), tree_accept(t, choices))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["table", "scan"])
-def test_kernel_hand_made_trees(rng, variant):
+def test_kernel_hand_made_trees(rng):
     """Duplicate child tokens (the lowest index wins), parents out of range or after the child, and
-    garbage past num_nodes: every variant follows the reference's rules."""
+    garbage past num_nodes: the kernel follows the reference's rules."""
     t = random_trees(rng, 200, 6, 3, 40, vocab=3)  # 3 ids, so every node's children share tokens
     n = t.tokens.shape[1]
     junk = rng.random(t.parents.shape) < 0.1
@@ -228,7 +226,7 @@ def test_kernel_hand_made_trees(rng, variant):
     t.tokens[:, :] = np.where(np.arange(n) < t.num_nodes[:, None], t.tokens, rng.integers(0, 3, t.tokens.shape))
     for p_match in (0.5, 1.0):
         choices = matching_choices(rng, t, vocab=3, p_match=p_match)
-        assert_accept_equal(run_gpu(t, choices, variant), tree_accept(t, choices))
+        assert_accept_equal(run_gpu(t, choices), tree_accept(t, choices))
 
 
 @pytest.mark.gpu

@@ -178,7 +178,7 @@ def test_bad_shapes_are_rejected():
         tree_build(z(1, 3, 4), i(1, 3, 4), i(1), i(1), i(1), i(1), 513)
 
 
-# ---------------------------------------------------------------- the level kernel's procedure (CPU)
+# ---------------------------------------------------------------- the prune kernel's procedure (CPU)
 
 
 def entry_tuple_less(pool, a, b, depth: int, rank: int) -> bool:
@@ -195,59 +195,6 @@ def entry_tuple_less(pool, a, b, depth: int, rank: int) -> bool:
     while pool[a][1] != pool[b][1]:
         a, b = pool[a][1], pool[b][1]
     return pool[a][rank] < pool[b][rank]
-
-
-def level_build_model(lq, budget, depth, cap):
-    """The procedure of cuda_src/tree_build.cu's level variant, step for step: grow a pool depth by
-    depth (each depth-(d-1) entry walks its child chain while the score stays >= tau, tau = the
-    budget-th best pool score), stop on a non-monotone step or a full pool (None: the kernel falls
-    back to the heap loop), then rank the pool by (score desc, rank tuple asc)."""
-    k = len(lq[0])
-    if budget <= 0 or depth <= 0:
-        return []
-    pool = []  # (score, parent entry, previous-sibling-or-parent entry, depth, rank)
-    tau, begin, end = -np.inf, 0, 0
-    for d in range(1, depth + 1):
-        row = lq[d - 1]
-        for p in [-1] if d == 1 else range(begin, end):
-            s = row[0] if p < 0 else pool[p][0] + row[0]
-            if p >= 0 and s > pool[p][0]:
-                return None
-            if s < tau:
-                continue
-            pred, r = p, 0
-            while True:
-                if len(pool) >= cap:
-                    return None
-                pool.append((s, p, pred, d, r))
-                pred = len(pool) - 1
-                if r + 1 >= k:
-                    break
-                s2 = (s - row[r]) + row[r + 1]
-                if s2 > s:
-                    return None
-                if s2 < tau:
-                    break
-                s, r = s2, r + 1
-        if len(pool) == end:
-            break
-        begin, end = end, len(pool)
-        if end >= budget:
-            sc = [e[0] for e in pool]
-            tau = min(x for x in sc if sum(y > x for y in sc) < budget)
-
-    def tuple_less(a, b):
-        return entry_tuple_less(pool, a, b, depth=3, rank=4)
-
-    n = min(budget, len(pool))
-    rank = [sum(sx > se or (sx == se and x != e and tuple_less(x, e)) for x, (sx, *_) in enumerate(pool))
-            for e, (se, *_) in enumerate(pool)]
-    node = [r + 1 if r < n else -1 for r in rank]
-    out = [None] * n
-    for e, (s, p, _, d, r) in enumerate(pool):
-        if node[e] > 0:
-            out[node[e] - 1] = (0 if p < 0 else node[p], d, r, s)
-    return out
 
 
 def procedure_cases(rng, n: int = 600):
@@ -267,19 +214,6 @@ def assert_heap_nodes(got, lq, budget: int, depth: int, case) -> None:
     want = build_one(lq, budget, depth)
     assert [g[:3] for g in got] == [w[:3] for w in want], case
     assert np.array([g[3] for g in got]).tobytes() == np.array([w[3] for w in want]).tobytes(), case
-
-
-def test_level_procedure_equals_the_heap_loop(rng):
-    """Wherever the level procedure does not fall back it gives the heap loop's nodes, bit for bit;
-    on sorted non-positive log-probs it rarely falls back."""
-    fell_back = {kind: 0 for kind in KINDS}
-    for kind, l, k, budget, lq, depth in procedure_cases(rng):
-        got = level_build_model(lq, budget, depth, 4 * budget + 64)
-        if got is None:
-            fell_back[kind] += 1
-            continue
-        assert_heap_nodes(got, lq, budget, depth, (kind, l, k, budget, depth))
-    assert fell_back["equal"] == 0 and fell_back["sorted"] < 40, fell_back
 
 
 def ord64(x: float) -> int:
@@ -307,9 +241,11 @@ def span_shift(lo: int, hi: int) -> int:
 
 
 def prune_build_model(lq, budget, depth, cap, slack=16):
-    """The procedure of cuda_src/tree_build.cu's prune variant: the level pool with tau a histogram
-    lower bound (>= `budget` entries reach it) and contiguous chains; then rounds narrowing the
-    bound to <= budget + slack entries and a ranking of those only. None: the heap loop runs."""
+    """The procedure of cuda_src/tree_build.cu's prune variant, step for step: grow a pool depth by
+    depth (each depth-(d-1) entry walks its child chain, stored contiguously, while the score stays
+    >= tau, a histogram lower bound that >= `budget` entries reach), stop on a non-monotone step or a
+    full pool (None: the kernel falls back to the heap loop); then rounds narrowing the bound to
+    <= budget + slack entries and a ranking of those only by (score desc, rank tuple asc)."""
     k = len(lq[0])
     if budget <= 0 or depth <= 0:
         return [], 0
@@ -386,28 +322,21 @@ def prune_build_model(lq, budget, depth, cap, slack=16):
 
 def test_prune_procedure_equals_the_heap_loop(rng):
     """The prune variant's procedure gives the heap loop's nodes bit for bit wherever it does not
-    fall back (exactly where the level procedure does not), and lists few entries beyond the
-    budget on continuous log-probs."""
-    listed_over = []
+    fall back; it never falls back on equal log-probs, rarely on sorted ones (a full pool only:
+    with room for every entry it succeeds), and lists few entries beyond the budget on continuous
+    log-probs."""
+    listed_over, fell_back = [], {kind: 0 for kind in KINDS}
     for kind, l, k, budget, lq, depth in procedure_cases(rng):
-        cap = 4 * budget + 64
-        got, listed = prune_build_model(lq, budget, depth, cap)
-        lev = level_build_model(lq, budget, depth, cap)
-        if (got is None) != (lev is None) and kind in ("sorted", "equal"):
-            # the bounds differ (a histogram edge against the exact budget-th score), so on rows
-            # without a non-monotone step only a full pool may differ: the side that fell back
-            # succeeds with room for every entry (seed 3295738292: prune's looser bound fills the
-            # 112-entry pool of budget 12, the level's exact one does not)
-            unbounded = 10**9
-            if got is None:
-                assert prune_build_model(lq, budget, depth, unbounded)[0] is not None, (kind, l, k, budget, depth)
-            else:
-                assert level_build_model(lq, budget, depth, unbounded) is not None, (kind, l, k, budget, depth)
+        got, listed = prune_build_model(lq, budget, depth, 4 * budget + 64)
         if got is None:
+            fell_back[kind] += 1
+            if kind in ("sorted", "equal"):
+                assert prune_build_model(lq, budget, depth, 10**9)[0] is not None, (kind, l, k, budget, depth)
             continue
         assert_heap_nodes(got, lq, budget, depth, (kind, l, k, budget, depth))
         if kind == "sorted" and budget >= 12:
             listed_over.append(listed - min(budget, listed))
+    assert fell_back["equal"] == 0 and fell_back["sorted"] < 40, fell_back
     assert listed_over and max(listed_over) <= 16 + 12, listed_over
 
 
@@ -444,7 +373,7 @@ def run_gpu(args, max_budget, variant, poison=True):
     return got
 
 
-GPU_VARIANTS = ("prune", "level", "heap")
+GPU_VARIANTS = ("prune", "heap")
 
 
 @pytest.mark.gpu
@@ -468,8 +397,8 @@ def test_kernel_thousands_of_small_trees_with_heavy_ties(rng, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_budget", [16, 64, 256, 512])
-def test_level_kernel_on_drafter_like_log_probs(rng, max_budget):
-    """Sorted non-positive log-probs, Zipf-like and peaked (the level path's own case, and where a
+def test_prune_kernel_on_drafter_like_log_probs(rng, max_budget):
+    """Sorted non-positive log-probs, Zipf-like and peaked (the prune path's own case, and where a
     full pool sends it to the heap loop), against the reference."""
     b, depth = 64, 7
     ranks = np.arange(1, max_budget + 1, dtype=np.float64)
@@ -481,7 +410,7 @@ def test_level_kernel_on_drafter_like_log_probs(rng, max_budget):
         args = (logq, make_case(rng, b, depth, max_budget, max_budget, "sorted")[1],
                 rng.integers(0, 1000, b).astype(np.int32), np.full(b, max_budget, np.int32),
                 np.full(b, depth, np.int32), rng.integers(0, 1000, b).astype(np.int32))
-        assert_trees_equal(run_gpu(args, max_budget, "level"), tree_build(*args, max_budget), "drafter-like:")
+        assert_trees_equal(run_gpu(args, max_budget, "prune"), tree_build(*args, max_budget), "drafter-like:")
 
 
 @pytest.mark.gpu

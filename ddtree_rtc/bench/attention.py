@@ -3,7 +3,13 @@ scattered): decode (N = 1) and DDTree verify (N nodes of a realistic tree per re
 8 heads (one TP8 rank). Bytes = cache rows read once per request (1152 B each); FLOPs = useful
 work, 2·H·(576+512) per (query, visible row). Decode is measured against the read ceiling, verify
 against the bf16 matmul ceiling, both from the same run. Peer: the same attention as plain CuPy
-batched matmuls (cuBLAS, fp16 data of the same size, contiguous KV) + a masked fp32 softmax."""
+batched matmuls (cuBLAS, fp16 data of the same size, contiguous KV) + a masked fp32 softmax.
+
+``--variants``: every tile variant this GPU can run, side by side on the same inputs: decode (N = 1)
+at 8 heads (a TP8 rank) and 64 heads, batch 1 / 8 / 32, context 4k / 16k, plus one 64-head tree verify
+(b8, N16). The first row of a case is the variant the plan picks; every other variant's output and
+LSE are checked against it (``check`` in extra), so a broken kernel shows as a mismatch, not as a
+fast time. Time = attention + merge launch; % = cache bytes against the read ceiling."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import heapq
 
 import numpy as np
 
-from .harness import Row, random_bf16_device, report, time_gpu
+from .harness import Row, bf16_to_f32, random_bf16_device, rel_diff, report, time_gpu
 
 ROW, DV, PAGE = 576, 512, 64
 SCALE = 0.14467963
@@ -147,12 +153,65 @@ def run_case(case: Case, peer: bool = True) -> Row:
                       "work_items": plan.num_work, "merged_tiles": plan.num_merge})
 
 
+VARIANT_CASES = [(h, ctx, b, 1) for h in (8, 64) for b in (1, 8, 32) for ctx in (4096, 16384)] + [(64, 4096, 8, 16)]
+
+
+def variant_rows(case: Case) -> list[Row]:
+    """Every tile variant that fits this GPU on one case, the plan's pick first and the reference of
+    the check."""
+    import cupy
+
+    from ..kernels.mla_attention import _VARIANTS, DV, build_plan
+    from ..kernels.mla_attention import mla_attention as attend
+    from ..reference.mla_attention import validate_batch
+    from ..rtc.arch import wgmma_build
+
+    b = validate_batch(np.full(case.batch, case.ctx), np.full(case.batch, case.nodes), case.page_table,
+                       case.heads, PAGE, case.num_pages, case.mask)
+    cache = random_bf16_device((case.num_pages, PAGE, ROW), seed=1)
+    t = case.batch * case.nodes
+    q = random_bf16_device((t, case.heads, ROW), scale=0.3, seed=2)
+    pick = build_plan(b).variant
+    rows, first = [], None
+    for variant in [pick] + sorted(v for v in _VARIANTS if v != pick and (wgmma_build() or not _VARIANTS[v].wgmma)):
+        try:
+            plan = build_plan(b, variant=variant)
+        except RuntimeError as e:  # more shared memory than this GPU has
+            print(f"  {case.name} {variant}: skipped ({e})", flush=True)
+            continue
+        out = cupy.empty((t, case.heads, DV), cupy.uint16)
+        lse = cupy.empty((t, case.heads), cupy.float32)
+
+        def fn(plan=plan, out=out, lse=lse):
+            attend(plan, q, cache, SCALE, out=out, lse=lse)
+
+        timing = time_gpu(fn, warmup=3, iters=20)
+        o, lg = bf16_to_f32(out.get()), lse.get()
+        if first is None:
+            first, check = (o, lg), "reference"
+        else:
+            err, lerr = rel_diff(o, first[0]), float(np.abs(lg - first[1]).max())
+            check = "ok" if err < 1e-2 and lerr < 1e-3 else f"MISMATCH o (rel) {err:.3g} lse {lerr:.3g}"
+        rows.append(Row(f"{case.name} [{variant}]", timing.median_us, bytes=case.kv_bytes(), flops=case.flops(),
+                        extra={"variant": variant, "picked": variant == pick, "work_items": plan.num_work,
+                               "merged_tiles": plan.num_merge, "check": check}))
+        print(f"  {rows[-1].case}: {timing.median_us:.1f} µs {check}", flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="ddtree-rtc bench attention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes (a smoke run)")
+    ap.add_argument("--variants", action="store_true",
+                    help="every tile variant side by side on decode / verify cases, checked against the pick")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     ap.add_argument("--no-peer", action="store_true", help="skip the CuPy peer")
     args = ap.parse_args(argv)
+    if args.variants:
+        rows = [r for h, ctx, b, n in VARIANT_CASES for r in variant_rows(Case(h, ctx, b, n))]
+        return report("MLA attention tile variants", rows, args.json,
+                      notes={"page_size": PAGE, "bytes": "cache rows read once per request",
+                             "check": "output (rel) < 1e-2 and LSE < 1e-3 of the plan's pick"})
     if args.quick:
         grid = [(h, 4096, b, n) for h in (64, 8) for b in (1, 8) for n in (1, 16)]
     else:

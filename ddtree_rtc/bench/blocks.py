@@ -8,16 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from .harness import Row, random_bf16_device, report, time_gpu
+from .harness import Row, bf16_to_f32, random_bf16_device, report, time_gpu
 
 HIDDEN, VOCAB, HEADS = 7168, 163840, 64
-
-
-def _f32(bits):
-    """bf16 bits (uint16) -> fp32, as CuPy expressions."""
-    import cupy
-
-    return (bits.astype(cupy.uint32) << 16).view(cupy.float32)
 
 
 def _bf16(x):
@@ -54,8 +47,8 @@ def _rmsnorm(b: _Bench, ns):
         y = cupy.empty_like(x)
 
         def peer(x=x, w=w):
-            h = _f32(x)
-            return _bf16(h / cupy.sqrt((h * h).mean(axis=-1, keepdims=True) + eps) * _f32(w))
+            h = bf16_to_f32(x)
+            return _bf16(h / cupy.sqrt((h * h).mean(axis=-1, keepdims=True) + eps) * bf16_to_f32(w))
 
         b.add(case, lambda x=x, w=w, y=y: rmsnorm(x, w, eps, out=y), 2 * x.nbytes + w.nbytes, peer)
 
@@ -78,7 +71,7 @@ def _rope(b: _Bench, ns):
             def peer(x=x, pos=pos, inv=inv, half=half, layout=layout):
                 ang = pos[:, None].astype(cupy.float32) * inv[None, :]
                 c, s = cupy.cos(ang)[:, None, :], cupy.sin(ang)[:, None, :]
-                h = _f32(x)
+                h = bf16_to_f32(x)
                 a, bb = (h[..., 0::2], h[..., 1::2]) if layout == "interleaved" else (h[..., :half], h[..., half:])
                 ra, rb = a * c - bb * s, a * s + bb * c
                 out = cupy.empty_like(h)
@@ -117,7 +110,7 @@ def _silu_mul(b: _Bench, ns):
             x = random_bf16_device((n, 2 * inter), seed=6)
 
             def peer(x=x, inter=inter):
-                g, u = _f32(x[:, :inter]), _f32(x[:, inter:])
+                g, u = bf16_to_f32(x[:, :inter]), bf16_to_f32(x[:, inter:])
                 return _bf16(g / (1 + cupy.exp(-g)) * u)
 
             b.add(f"silu_mul [{n}, 2*{inter}]", lambda x=x: silu_mul(x), x.nbytes * 3 // 2, peer)
@@ -129,7 +122,7 @@ def _sampling(b: _Bench, batches):
     from ..kernels.sampling import argmax, sample
 
     def peer_sample(l, temp, top_p):
-        z = _f32(l) if l.dtype == cupy.uint16 else l
+        z = bf16_to_f32(l) if l.dtype == cupy.uint16 else l
         z = z / temp
         p = cupy.exp(z - z.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)
@@ -145,9 +138,9 @@ def _sampling(b: _Bench, batches):
                 continue
             l = random_bf16_device((rows, VOCAB), scale=3.0, seed=7)
             if dtype == "fp32":
-                l = _f32(l)
+                l = bf16_to_f32(l)
             out = cupy.empty(rows, cupy.int32)
-            f32 = _f32(l) if dtype == "bf16" else l
+            f32 = bf16_to_f32(l) if dtype == "bf16" else l
             b.add(f"argmax {dtype} [{rows}, {VOCAB}]", lambda l=l, out=out: argmax(l, out=out), l.nbytes,
                   lambda f32=f32: cupy.argmax(f32, axis=1))
             for top_p in (0.9, 1.0):
@@ -162,11 +155,11 @@ def _linear(b: _Bench, ms):
     from ..kernels.linear import linear
 
     w = random_bf16_device((HIDDEN, HIDDEN), seed=8)
-    wf = _f32(w)
+    wf = bf16_to_f32(w)
     for m in ms:
         x = random_bf16_device((m, HIDDEN), seed=9)
         y = cupy.empty((m, HIDDEN), cupy.uint16)
-        xf = _f32(x)
+        xf = bf16_to_f32(x)
         nbytes = w.nbytes + x.nbytes + y.nbytes
         flops = 2 * m * HIDDEN * HIDDEN
         peer = lambda xf=xf: cupy.matmul(xf, wf.T)  # noqa: E731

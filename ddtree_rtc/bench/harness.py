@@ -91,6 +91,36 @@ def time_gpu(fn, warmup: int = 5, iters: int = 50, flush_l2: bool | str = True) 
     return Timing(statistics.median(us), us[0], us[min(len(us) - 1, int(0.9 * len(us)))])
 
 
+def graphed(fn):
+    """``fn`` captured once as a CUDA graph; returns a launcher (on the current stream)."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            fn()
+        finally:
+            graph = stream.end_capture()
+    return graph.launch
+
+
+def bf16_to_f32(bits):
+    """bf16 bits (uint16, numpy or CuPy) -> fp32, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def rel_diff(got, ref) -> float:
+    """max |got - ref| / max |ref| (inf when ``got`` is not finite): how far a variant's output is
+    from the reference variant's, on the host."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - ref).max() / max(float(np.abs(ref).max()), 1e-30))
+
+
 @functools.cache
 def read_ceiling_gbs(nbytes: int = 2 << 30) -> float:
     """Streaming read bandwidth (GB/s) over a buffer far beyond the L2."""

@@ -11,17 +11,26 @@ random fp32 logits N(0, 1) and correction bias N(0, 0.1) (skewed: some experts d
 balanced load. Weights: random, made on the GPU. Peer: the bf16 dense grouped
 GEMM a user without INT4 would run over the same experts and tokens: per touched expert, cuBLAS
 gate_up, SiLU*mul, cuBLAS down (inputs gathered beforehand, outside the timing).
+
+``--variants`` (K2.6 dims, M in --ms, bench and uniform routing): moe_route and moe_align alone, then
+moe_experts with the token tile forced to nt 1, forced to nt 4 and chosen per expert on the device
+(the default plan), each as a CUDA graph; % of the read ceiling counts route + experts against the
+touched experts' bytes; every variant's output is compared with nt 1's (``rel_diff`` in extra).
+``--sweep`` (K2.6 dims): every plan setting of token tiles (nt 1 / nt 4 forced, or per expert above
+each --nt4-above threshold) x split-K of each GEMM, moe_experts alone as a CUDA graph, then the
+default plan and each GEMM of the best setting on its own: the data behind moe_plan's heuristic.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 
 import numpy as np
 
-from .harness import Row, random_bf16_device, report, time_gpu
+from .harness import Row, bf16_to_f32, graphed, random_bf16_device, read_ceiling_gbs, rel_diff, report, time_gpu
 
 TOP_K = 8
 SCALING = 2.827
@@ -50,22 +59,6 @@ def int4_experts_device(num_experts: int, hidden: int, inter: int, seed: int):
         return b
 
     return Int4Experts("mma", num_experts, hidden, inter, blob(2 * inter, hidden), None, blob(hidden, inter), None)
-
-
-def graphed(fn):
-    """``fn`` captured once as a CUDA graph; returns a launcher (on the current stream)."""
-    import cupy
-
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            fn()
-        finally:
-            graph = stream.end_capture()
-    return graph.launch
 
 
 def _timed(fn, iters: int, extra: dict, key: str) -> float:
@@ -131,8 +124,7 @@ def uniform_logits(m: int, e: int, seed: int):
     return logits
 
 
-def bench_config(name: str, ms, iters: int, seed: int, peer: bool, routings=("bench",),
-                 large: str | None = None) -> list[Row]:
+def bench_config(name: str, ms, iters: int, seed: int, peer: bool, routings=("bench",)) -> list[Row]:
     import cupy
 
     from ..kernels.moe_gemm import moe_experts, moe_plan
@@ -154,7 +146,7 @@ def bench_config(name: str, ms, iters: int, seed: int, peer: bool, routings=("be
             ids = cupy.empty((m, TOP_K), cupy.int32)
             w = cupy.empty((m, TOP_K), cupy.float32)
             y = cupy.empty((m, hidden), cupy.uint16)
-            plan = moe_plan(m, e, TOP_K, hidden, inter, large=large)
+            plan = moe_plan(m, e, TOP_K, hidden, inter)
 
             def layer(x=x, logits=logits, bias=bias, ids=ids, w=w, y=y, plan=plan):
                 moe_route(logits, bias, TOP_K, 1, 1, True, SCALING, out_ids=ids, out_weights=w)
@@ -195,10 +187,136 @@ def print_moe_table(rows: list[Row], read_gbs: float) -> None:
         print(" | ".join(c.ljust(wd) for c, wd in zip(ln, widths)))
 
 
-def main(argv=None) -> dict:
+K26 = CONFIGS["K2.6"]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def variant_rows(ms, routings, iters: int) -> list[Row]:
+    """route, align, and moe_experts with nt 1 / nt 4 / per-expert tiles (the default) per (routing, M)."""
     import cupy
 
-    from ..kernels.moe_gemm import LARGE_KERNELS
+    from ..kernels.moe_gemm import moe_experts, moe_plan
+    from ..kernels.moe_routing import moe_align, moe_route
+
+    e, h, inter = K26
+    experts = int4_experts_device(e, h, inter, 0)
+    variants = (("nt1", {"nt": 1}), ("nt4", {"nt": 4}), ("default", {}))
+    rows = []
+    for routing in routings:
+        rng = cupy.random.default_rng(1)
+        bench_bias = (rng.standard_normal(e, dtype=cupy.float32) * 0.1).astype(cupy.float32)
+        for m in ms:
+            if routing == "bench":
+                logits, bias = rng.standard_normal((m, e), dtype=cupy.float32), bench_bias
+            else:
+                logits, bias = uniform_logits(m, e, 1 + m), None
+            ids = cupy.empty((m, TOP_K), cupy.int32)
+            w = cupy.empty((m, TOP_K), cupy.float32)
+
+            def route(logits=logits, bias=bias, ids=ids, w=w):
+                moe_route(logits, bias, TOP_K, 1, 1, True, SCALING, out_ids=ids, out_weights=w)
+
+            route()
+            counts = np.bincount(ids.get().reshape(-1), minlength=e)
+            touched = int((counts > 0).sum())
+            x = cupy.asarray(np.random.default_rng(m).integers(0x3C00, 0x3F00, (m, h)).astype(np.uint16))
+            y = cupy.empty((m, h), cupy.uint16)
+            nbytes = touched * experts.expert_nbytes() + 2 * x.nbytes + logits.nbytes
+            extra = {"routing": routing, "M": m, "experts_touched": touched, "max_pairs_per_expert": int(counts.max())}
+            route_us = time_gpu(graphed(route), iters=iters).median_us
+            rows.append(Row(f"route M={m} {routing}", route_us, bytes=logits.nbytes, extra=extra))
+            first = None
+            for name, kw in variants:
+                plan = moe_plan(m, e, TOP_K, h, inter, **kw)
+                if name == "default":
+                    al = plan.align
+                    rows.append(Row(f"align M={m} {routing}", time_gpu(graphed(lambda al=al, ids=ids: moe_align(
+                        ids, e, al.block, out=al, check_ids=False, large_block=al.large_block,
+                        large_above=al.large_above)), iters=iters).median_us, extra=extra))
+                us = time_gpu(graphed(lambda plan=plan, x=x, ids=ids, w=w, y=y: moe_experts(
+                    x, ids, w, experts, out=y, plan=plan, check_ids=False)), iters=iters).median_us
+                yf = bf16_to_f32(y.get())
+                first = yf if first is None else first
+                layer_us = us + route_us  # the layer (route + experts) against the touched experts' bytes
+                rows.append(Row(f"experts M={m} {routing} [{name}: {plan.tiles}]", us,
+                                extra={**extra, "variant": name, "tiles": plan.tiles, "rel_diff": rel_diff(yf, first),
+                                       "layer_us": layer_us, "layer_bytes": int(nbytes),
+                                       "layer_fraction_of_read": nbytes / layer_us / 1e3 / read_ceiling_gbs()}))
+            print(f"  M={m} {routing}: " + ", ".join(f"{r.case} {r.us:.1f} µs" for r in rows[-5:]), flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def sweep_rows(ms, args) -> list[Row]:
+    """moe_experts over every (tiles, split_gate_up, split_down) setting per M, then the default
+    plan and each GEMM of the best setting alone."""
+    import cupy
+
+    from ..kernels._launch import sm_count
+    from ..kernels.moe_gemm import ROWS_PER_CTA, moe_down, moe_experts, moe_gate_up, moe_plan
+    from ..kernels.moe_routing import moe_route
+
+    e, h, inter = K26
+    k, sms = TOP_K, sm_count()
+    experts = int4_experts_device(e, h, inter, 0)
+    rng = np.random.default_rng(0)
+    w13_b, w2_b = 2 * inter * h * 9 // 16, h * inter * 9 // 16
+    rows = []
+    for m in ms:
+        seed = int(rng.integers(2**31))
+        if args.routing == "uniform":
+            logits, bias = uniform_logits(m, e, seed), None
+        else:
+            crng = cupy.random.default_rng(seed)
+            bias = (crng.standard_normal(e, dtype=cupy.float32) * 0.1).astype(cupy.float32)
+            logits = crng.standard_normal((m, e), dtype=cupy.float32)
+        ids, w = moe_route(logits, bias, k, routed_scaling_factor=SCALING)
+        ids_h = ids.get()
+        x = cupy.asarray(rng.integers(0x3C00, 0x3F00, (m, h)).astype(np.uint16))
+        y = cupy.empty((m, h), cupy.uint16)
+        touched = len(np.unique(ids_h))
+        nbytes = touched * (w13_b + w2_b) + 2 * x.nbytes
+        extra = {"M": m, "routing": args.routing, "experts_touched": touched,
+                 "max_pairs_per_expert": int(np.bincount(ids_h.reshape(-1)).max())}
+
+        def layer(plan, x=x, ids=ids, w=w, y=y):
+            return graphed(lambda: moe_experts(x, ids, w, experts, out=y, plan=plan, check_ids=False))
+
+        # split-K only where the unsplit grid is small against the SMs
+        s13s = _ints(args.splits_gate_up) if touched * (2 * inter // ROWS_PER_CTA) < 8 * sms else [1]
+        s2s = _ints(args.splits_down) if touched * (h // ROWS_PER_CTA) < 8 * sms else [1]
+        tiles = [{"nt": v} for v in _ints(args.nts)] + [{"nt4_above": v} for v in _ints(args.nt4_above)]
+        best = None
+        for tile, s13, s2 in itertools.product(tiles, s13s, s2s):
+            try:
+                plan = moe_plan(m, e, k, h, inter, split_gate_up=s13, split_down=s2, **tile)
+            except ValueError:
+                continue
+            us = time_gpu(layer(plan), iters=args.iters).median_us
+            rows.append(Row(f"experts M={m} [{plan.tiles} splits {s13},{s2}]", us, bytes=int(nbytes),
+                            extra={**extra, "tiles": plan.tiles, "split_gate_up": s13, "split_down": s2}))
+            if best is None or us < best[0]:
+                best = (us, plan)
+        default = moe_plan(m, e, k, h, inter)
+        rows.append(Row(f"experts M={m} [default: {default.tiles} splits {default.split_gate_up},"
+                        f"{default.split_down}]", time_gpu(layer(default), iters=args.iters).median_us,
+                        bytes=int(nbytes), extra={**extra, "tiles": default.tiles, "default": True}))
+        plan = best[1]
+        layer(plan)()  # fills plan.align and plan.h for the single-GEMM timings
+        for name, fn, b in (("gate_up", lambda x=x, plan=plan: moe_gate_up(x, experts, plan), touched * w13_b),
+                            ("down", lambda plan=plan: moe_down(experts, plan), touched * w2_b)):
+            rows.append(Row(f"{name} alone M={m} [best: {plan.tiles} splits {plan.split_gate_up},{plan.split_down}]",
+                            time_gpu(graphed(fn), iters=args.iters).median_us, bytes=int(b), extra=extra))
+        print(f"  M={m}: best {best[0]:.1f} µs ({plan.tiles}), default {rows[-3].us:.1f} µs", flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def main(argv=None) -> dict:
+    import cupy
 
     ap = argparse.ArgumentParser(prog="ddtree-rtc bench moe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer M values and iterations (a smoke run)")
@@ -210,15 +328,31 @@ def main(argv=None) -> dict:
                     help="token -> expert routing (repeatable; default: bench): 'bench' random logits + "
                          "bias (skewed), 'uniform' experts drawn uniformly per token (balanced)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--large", choices=sorted(LARGE_KERNELS), default=None,
-                    help="kernel of the large (32-pair) block list: nt4 (mma.sync) or wg4 (sm_90a wgmma); "
-                         "default: the plan's choice for this GPU")
+    ap.add_argument("--variants", action="store_true",
+                    help="route, align and the experts with nt 1 / nt 4 / per-expert tiles side by side (K2.6)")
+    ap.add_argument("--sweep", action="store_true", help="every token-tile x split-K plan setting (K2.6)")
+    ap.add_argument("--ms", help="--variants / --sweep: token counts (default 1,16,256,1024 / 1,8,256,1024)")
+    ap.add_argument("--iters", type=int, default=20, help="--variants / --sweep: timed runs per case")
+    ap.add_argument("--nts", default="1,4", help="--sweep: forced token tiles to try ('' for none)")
+    ap.add_argument("--nt4-above", default="8,16", help="--sweep: per-expert thresholds to try ('' for none)")
+    ap.add_argument("--splits-gate-up", default="1,2,4,7,14", help="--sweep: gate_up split-K factors")
+    ap.add_argument("--splits-down", default="1,2,4", help="--sweep: down split-K factors")
     args = ap.parse_args(argv)
+    if args.variants:
+        rows = variant_rows(_ints(args.ms or "1,16,256,1024"), args.routing or list(ROUTINGS), args.iters)
+        return report("INT4 MoE variants at K2.6 dims (CUDA graphs)", rows, args.json,
+                      notes={"rel_diff": "max |y - y(nt1)| / max |y(nt1)|",
+                             "layer": "layer_bytes / layer_us (route + experts) is the layer's rate"})
+    if args.sweep:
+        args.routing = (args.routing or ["uniform"])[0]
+        rows = sweep_rows(_ints(args.ms or "1,8,256,1024"), args)
+        return report("INT4 MoE plan sweep at K2.6 dims (moe_experts as a CUDA graph)", rows, args.json,
+                      notes={"bytes": "experts touched x (packed + scales) + x + y"})
     rows = []
     for name in args.config or list(CONFIGS):
         ms = QUICK[name] if args.quick else MS
         rows += bench_config(name, ms, 10 if args.quick else 50, args.seed, not args.no_peer,
-                             args.routing or ["bench"], args.large)
+                             args.routing or ["bench"])
         cupy.get_default_memory_pool().free_all_blocks()  # this shape's weights are garbage now
     doc = report("INT4 MoE layer (routing + experts), H200 target >= 80% read ceiling at M=1, >= 85% at M>=256",
                  rows, args.json, notes={"bytes": "experts touched x (packed + scales) + x + y + logits",

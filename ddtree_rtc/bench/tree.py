@@ -11,6 +11,11 @@ for an empty kernel here); the "[graph x20, per round]" rows give the GPU time p
 build + accept run back to back from a CUDA graph, as a decode loop runs them, and the "floor" rows
 the same for two launches of the same grids that compute nothing (one dependent load each): the
 part of a round that is launch and memory latency, measured in the same run.
+
+``--variants``: every tree_build kernel (prune, the default, and the heap loop alone) at batch
+{1, 8, 32, 64} x budget {16, 64, 256, 512}, each checked bit for bit against the heapq reference
+(``exact`` in extra), the accept kernel, the default build + accept, and the latency floor of one
+and of two back-to-back kernels of the same grid (launch plus one dependent memory trip each).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from ..reference.tree_accept import tree_accept as ref_tree_accept
 from ..reference.tree_accept import walk
 from ..reference.tree_build import build_one, sanitize_logq
 from ..reference.tree_build import tree_build as ref_tree_build
-from .harness import Row, latency_floor_launch, report, time_gpu
+from .harness import Row, graphed, latency_floor_launch, latency_floor_us, report, time_gpu
 
 BATCHES = (1, 8, 32, 64)
 BUDGETS = (16, 32, 64, 128, 256, 512)
@@ -92,8 +97,6 @@ def per_round(fn, iters: int) -> float:
     loop's graph runs them: no host launch and no event in between; the L2 is flushed before each
     replay, so the first call starts cold and the later ones find their inputs where the previous
     kernels left them, as after the top-k and the target's sampling in a real round)."""
-    from .moe import graphed
-
     launch = graphed(lambda: [fn() for _ in range(ROUNDS)])
     return time_gpu(launch, iters=iters).median_us / ROUNDS
 
@@ -180,11 +183,77 @@ def bench_case(batch: int, budget: int, reps: int, iters: int, rng) -> list[Row]
     return rows
 
 
+VARIANT_BUDGETS = (16, 64, 256, 512)
+TREE_FIELDS = ("tokens", "parents", "node_depth", "positions", "num_nodes", "mask", "first_child",
+               "next_sibling", "scores")
+
+
+def same_tree(got, ref) -> bool:
+    """Device TreeArrays equal to the reference's, scores bit for bit."""
+    for name in TREE_FIELDS:
+        g, r = getattr(got, name).get(), getattr(ref, name)
+        if name == "scores":
+            g, r = g.view(np.int64), r.view(np.int64)
+        if not np.array_equal(g, r):
+            return False
+    return True
+
+
+def variant_rows(batch: int, budget: int, rng) -> list[Row]:
+    """Every build kernel, the accept kernel and the latency floors for one (batch, budget)."""
+    import cupy
+
+    from ..backend import Backend
+    from ..kernels.tree_accept import tree_accept
+    from ..kernels.tree_build import VARIANTS, default_variant, tree_build_variant
+    from ..speculative.tree import TreeBuffers, TreeShape
+
+    be = Backend("cuda")
+    bufs = TreeBuffers(be, TreeShape(batch=batch, budget=budget, depth=DEPTH, vocab=VOCAB))
+    logits = zipf_logits(batch, DEPTH, VOCAB, seed=batch * 1000 + budget)
+    roots = cupy.asarray(rng.integers(0, VOCAB, batch).astype(np.int32))
+    prefix = cupy.asarray(rng.integers(100, 4000, batch).astype(np.int32))
+    bufs.build(logits, roots, prefix)
+    inputs = (bufs.logq, bufs.ids, roots, bufs.budgets, bufs.depths, prefix, budget)
+    host = [a.get() for a in inputs[:6]] + [budget]
+    t0 = time.perf_counter()
+    ref = ref_tree_build(*host)
+    heapq_us = (time.perf_counter() - t0) * 1e6
+    case = f"b={batch} budget={budget}"
+    extra = {"batch": batch, "budget": budget, "depth": DEPTH, "vocab": VOCAB}
+    rows = []
+    for v in VARIANTS:
+        us = time_gpu(lambda v=v: tree_build_variant(v, *inputs, out=bufs.tree)).median_us
+        tree_build_variant(v, *inputs, out=bufs.tree)
+        rows.append(Row(f"build {case} [{v}]", us, peer="heapq", peer_us=heapq_us,
+                        extra={**extra, "variant": v, "exact": same_tree(bufs.tree, ref)}))
+    choices = cupy.asarray(target_choices(bufs.tree, rng))
+    rows.append(Row(f"accept {case}", time_gpu(lambda: tree_accept(bufs.tree, choices, out=bufs.result)).median_us,
+                    extra=extra))
+    best = default_variant(budget)
+    both = time_gpu(lambda: (tree_build_variant(best, *inputs, out=bufs.tree),
+                             tree_accept(bufs.tree, choices, out=bufs.result))).median_us
+    rows.append(Row(f"build+accept {case} [{best}]", both, peer="heapq", peer_us=heapq_us,
+                    extra={**extra, "speedup": heapq_us / both}))
+    for kernels in (1, 2):
+        rows.append(Row(f"floor {case}: {kernels} launch(es) of {batch} blocks, 1 load each",
+                        latency_floor_us(batch, kernels=kernels), extra={**extra, "kernels": kernels}))
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="ddtree-rtc bench tree", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCHES}, budgets {QUICK_BUDGETS}")
+    ap.add_argument("--variants", action="store_true",
+                    help="every tree_build kernel side by side (checked against heapq), accept, floors")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
+    if args.variants:
+        rng = np.random.default_rng(0)
+        rows = [r for b in BATCHES for n in VARIANT_BUDGETS for r in variant_rows(b, n, rng)]
+        return report("DDTree tree build variants and accept", rows, args.json,
+                      notes={"peer": "reference tree_build (heapq + outputs) on the host",
+                             "exact": "the build's outputs equal the reference's bit for bit"})
     batches, budgets = (QUICK_BATCHES, QUICK_BUDGETS) if args.quick else (BATCHES, BUDGETS)
     reps, iters = (3, 20) if args.quick else (3, 50)  # host times: median of 3 (one run varied 2x)
     rng = np.random.default_rng(0)

@@ -27,7 +27,7 @@ _BETA = np.zeros(1, dtype=np.float32)
 
 IMPLS = ("auto", "skinny", "cublas")
 SKINNY_MAX_M = 16
-# auto, from the H200 (tools/linear_compare.py): skinny for M <= 8 on weights of 1M..64M elements —
+# auto, from the H200 (`ddtree-rtc bench linear`): skinny for M <= 8 on weights of 1M..64M elements —
 # 1.05-1.3x over cuBLAS on q_a, q_b, kv_a, o_proj, the shared expert and the router; the dense MLP
 # (264M) and lm_head read at 78-100% through cuBLAS and lose 1-10% here; at M = 16 it is even or
 # worse; and a K split of 4+ over N >= 4096 rows loses (shared w13 at M >= 2: 0.85x).

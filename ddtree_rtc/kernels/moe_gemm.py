@@ -13,7 +13,6 @@ import numpy as np
 
 from ..reference.moe_gemm import check_experts_layout
 from ..reference.moe_routing import MoEAlignment
-from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported, sm_count
 from .moe_routing import alignment_buffers, moe_align
@@ -26,8 +25,8 @@ BLOCK_BYTES = 1152
 # align step; the others 8-pair (nt 1) blocks. An expert that needs two nt 1 blocks streams its
 # weights twice and pays the (cheap, scale-after-mma) dequant twice; one nt 4 block streams them once
 # and its bf16 dequant costs about two nt 1 dequants, so from 9 pairs on nt 4 does no more dequant
-# work and halves the weight traffic through L2 and shared memory (the H200 sweep, tools/moe_sweep.py
-# --nt4-above, is the judge).
+# work and halves the weight traffic through L2 and shared memory (the H200 sweep, `ddtree-rtc bench moe
+# --sweep --nt4-above`, is the judge).
 NT4_ABOVE = 8
 CONCURRENT = True
 # Programmatic dependent launches inside moe_experts (kernels/_launch.py): the align, split-K reduce,
@@ -36,15 +35,7 @@ CONCURRENT = True
 # before). The gate_up GEMM itself launches plainly: PDL there measured no steady gain
 # (benchmarks/README.md, moe_gemm).
 PDL = True
-# The kernel of the large list (32-pair blocks): "nt4" (mma.sync, every arch) or "wg4" (opt-in, sm_90a
-# only: the warpgroup's wgmma, the dequantized weights as its register A operand, the pairs staged in
-# shared memory). On the H200 at K2.6 dims (stop 18, benchmarks/variants_h200.txt) wg4 beat the nt4
-# kernel of the time by up to 8%, but only because it fixed the block's filled n-tiles at compile
-# time; nt4 specialized the same way (moe_gemm_ntl in the .cu) is 1-7% faster than wg4 at M = 128..1024
-# and on the EP8 shard, so LARGE stays "nt4" everywhere. 64-pair wgmma blocks (N up to 64, 176
-# registers, 2-3 CTAs per SM) were no faster and were dropped.
-LARGE_KERNELS = {"nt4": 32, "wg4": 32}  # kernel -> pairs per block
-LARGE = "nt4"
+LARGE_BLOCK = 32  # pairs per block of the large list (nt 4)
 _COMBINE_COLS = 256 * 4
 _MAX_GRID_Y = 65535
 
@@ -68,13 +59,12 @@ class MoEPlan:
     side: object = None  # with both lists: a second stream that runs the nt 4 launch beside the nt 1 one
     events: tuple = ()  # (fork, join) events of that side stream
     pdl: bool = False  # programmatic dependent launches (one stream only)
-    large: str = "nt4"  # the large list's kernel (LARGE_KERNELS)
 
     def module(self):
         """The moe_gemm module built with this plan's ring depths."""
-        if self.stages == default_stages(self.large):
+        if self.stages == default_stages():
             return module("moe_gemm")
-        return module("moe_gemm", **{"MOE_STAGES_NT1": self.stages[0], _stage_param(self.large): self.stages[1]})
+        return module("moe_gemm", MOE_STAGES_NT1=self.stages[0], MOE_STAGES_NT4=self.stages[1])
 
     def stages_of(self, nt: int) -> int:
         return self.stages[0 if nt == 1 else 1]
@@ -90,12 +80,12 @@ class MoEPlan:
 
     @property
     def tiles(self) -> str:
-        """Which GEMM variants the plan launches: 'nt1', the large kernel ('nt4' / 'wg4') or
-        'nt1+nt4>T' (per expert: the large kernel above T pairs)."""
+        """Which GEMM variants the plan launches: 'nt1', 'nt4' or 'nt1+nt4>T' (per expert: nt 4
+        above T pairs)."""
         al = self.align
         if al.large_capacity == 0:
             return "nt1"
-        return self.large if al.small_capacity == 0 else f"nt1+{self.large}>{al.large_above}"
+        return "nt4" if al.small_capacity == 0 else f"nt1+nt4>{al.large_above}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -137,38 +127,23 @@ def pick_nt4_above(num_tokens: int, top_k: int, nt: int | None, nt4_above: int |
 
 def stage_bytes(nt: int) -> int:
     """One ring stage: the CTA's 8 weight blocks + nt x 8 pairs x 128 k bf16 activations (11.3 KB
-    for nt 1, 17.2 KB for nt 4 and wg4); a launch takes the plan's ring depth of them."""
+    for nt 1, 17.2 KB for nt 4); a launch takes the plan's ring depth of them."""
     return 4 * 2 * BLOCK_BYTES + nt * 8 * TILE_K * 2
 
 
-def _stage_param(large: str) -> str:
-    return "MOE_STAGES_NT4" if large == "nt4" else "MOE_STAGES_WG"
-
-
-def pick_large(large: str | None) -> str:
-    """The large list's kernel: ``large`` if given (checked), else LARGE on sm_90a, "nt4" elsewhere."""
-    if large is None:
-        return LARGE if LARGE == "nt4" or wgmma_build() else "nt4"
-    if large not in LARGE_KERNELS:
-        raise ValueError(f"large={large!r}: expected one of {sorted(LARGE_KERNELS)}")
-    if large != "nt4" and not wgmma_build():
-        raise RuntimeError(f"large={large!r} needs {WGMMA_ARCH} (wgmma); the kernels are built for another arch")
-    return large
-
-
-def default_stages(large: str = "nt4") -> tuple[int, int]:
+def default_stages() -> tuple[int, int]:
     """The ring depths cuda_src/moe_gemm.cu is built with by default (nt 1, nt 4): shallow rings, since
     deeper ones take shared memory per CTA and so CTAs per SM (H200 sweeps: benchmarks/README.md); the
     parameter stays for other GPUs' sweeps."""
     p = spec("moe_gemm").params
-    return p["MOE_STAGES_NT1"], p[_stage_param(large)]
+    return p["MOE_STAGES_NT1"], p["MOE_STAGES_NT4"]
 
 
 def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
              split_gate_up: int | None = None, split_down: int | None = None, nt: int | None = None,
              num_sms: int | None = None, nt4_above: int | None = None,
              stages: tuple[int, int] | None = None, concurrent: bool | None = None,
-             pdl: bool | None = None, large: str | None = None) -> MoEPlan:
+             pdl: bool | None = None) -> MoEPlan:
     """Plan one MoE shape: token tiles (by default per expert on the device: 8-pair blocks for
     experts with at most ``nt4_above`` pairs, 32-pair blocks beyond; ``nt`` 1 or 4 forces one tile
     for all), split-K of each GEMM (enough CTAs to cover the SMs when few experts are touched), and
@@ -177,9 +152,7 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     GEMM run on two streams (forked and joined by events, so a CUDA graph captures them as two
     branches) and share the SMs: the compute-bound 32-pair blocks beside the byte-bound 8-pair ones.
     ``pdl`` (default PDL, on GPUs that have it): programmatic dependent launches of moe_experts'
-    kernels, for a plan without the side stream (asking for both is an error). ``large``: the kernel
-    of the large list (LARGE_KERNELS; default LARGE on sm_90a, "nt4" elsewhere). ``nt`` 4 means
-    "every expert in the large list", whatever its kernel."""
+    kernels, for a plan without the side stream (asking for both is an error)."""
     import cupy
 
     if num_tokens < 1:
@@ -190,10 +163,9 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     stages = (0, 0) if stages is None else tuple(int(v) for v in stages)
     if len(stages) != 2 or any(v and not 2 <= v <= 16 for v in stages):
         raise ValueError(f"stages={stages}: expected (nt1, nt4) ring depths in 2..16 (0 = default)")
-    large = pick_large(large)
-    stages = tuple(v or d for v, d in zip(stages, default_stages(large)))
+    stages = tuple(v or d for v, d in zip(stages, default_stages()))
     p = num_tokens * top_k
-    align = alignment_buffers(p, num_experts, 8, LARGE_KERNELS[large],
+    align = alignment_buffers(p, num_experts, 8, LARGE_BLOCK,
                               pick_nt4_above(num_tokens, top_k, nt, nt4_above))
     for what, n in (("8-pair", align.small_blocks), (f"{align.large_block}-pair", align.large_blocks)):
         if n > _MAX_GRID_Y:
@@ -208,7 +180,7 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
         num_tokens, num_experts, top_k, hidden, intermediate, s13, s2, align,
         cupy.empty((p, intermediate), dtype=cupy.uint16),
         cupy.empty((s13, p, 2 * intermediate), dtype=cupy.float32) if s13 > 1 else None,
-        cupy.empty((s2, p, hidden), dtype=cupy.float32), stages, large=large)
+        cupy.empty((s2, p, hidden), dtype=cupy.float32), stages)
     if (CONCURRENT if concurrent is None else concurrent) and align.large_capacity and align.small_capacity:
         plan.side = cupy.cuda.Stream(non_blocking=True)
         plan.events = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True))
@@ -290,12 +262,12 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
 
 def _lists(plan: MoEPlan):
     """(kernel, n-tiles per block, grid y bound, sorted_pairs, block_expert, num_blocks) of each
-    non-empty block list; kernel is the entry's stem ("nt1", or the plan's large kernel)."""
+    non-empty block list; kernel is the entry's stem ("nt1" or "nt4")."""
     al = plan.align
     cs, bs = al.small_capacity, al.small_blocks
     out = []
     if al.large_capacity:
-        out.append((plan.large, al.large_block // 8, al.large_blocks, al.sorted_pairs[cs:], al.block_expert[bs:],
+        out.append(("nt4", al.large_block // 8, al.large_blocks, al.sorted_pairs[cs:], al.block_expert[bs:],
                     al.num_blocks[1:]))
     if cs:
         out.append(("nt1", 1, bs, al.sorted_pairs[:cs], al.block_expert[:bs], al.num_blocks[:1]))

@@ -1,10 +1,7 @@
 """DDTree acceptance walk on the GPU, one warp per request. See cuda_src/tree_accept.cu; the rules
 are in ddtree_rtc/reference/tree_accept.py, which the kernel matches exactly. The target's choices
-come in as tokens, so one kernel serves T=0 (argmax per node) and T>0 (one sample per node).
-
-Variants: ``"table"`` (default: one trip to memory, then a shared next-node table; 4.9-6.0 us on
-the H200 at every batch and budget of tools/tree_compare.py) and ``"scan"`` (a warp scan per step:
-5.1-13 us, growing with the budget)."""
+come in as tokens, so one kernel serves T=0 (argmax per node) and T>0 (one sample per node): one
+trip to memory, then a shared next-node table (timings: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -17,21 +14,13 @@ from .registry import module
 
 _THREADS = 128  # four requests per block, fixed by the kernel
 _PER_BLOCK = _THREADS // 32
-VARIANTS = {"table": "tree_accept_table_kernel", "scan": "tree_accept_kernel"}
 
 
 def tree_accept(tree, choices, out=None) -> AcceptArrays:
     """tree: TreeArrays from tree_build; choices ``[B, 1 + max_budget]`` int32 (the target's token
-    at every node slot). Returns AcceptArrays with ``1 + max_depth`` columns. Default variant."""
-    return tree_accept_variant("table", tree, choices, out)
-
-
-def tree_accept_variant(variant: str, tree, choices, out=None) -> AcceptArrays:
-    """``tree_accept`` with the kernel variant named (a key of VARIANTS), for tests and timing."""
+    at every node slot). Returns AcceptArrays with ``1 + max_depth`` columns."""
     import cupy
 
-    if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r}: expected one of {tuple(VARIANTS)}")
     b, n = check_accept_args(tree, choices)
     if n > MAX_BUDGET + 1 or tree.max_depth > MAX_DEPTH:
         raise ValueError(f"tree: {n} node slots / depth {tree.max_depth} exceed the kernel's "
@@ -49,7 +38,7 @@ def tree_accept_variant(variant: str, tree, choices, out=None) -> AcceptArrays:
             check(f"out.{name}", getattr(out, name), np.int32, shape=shape)
     if b == 0:
         return out
-    module("tree_accept").fn(VARIANTS[variant])(
+    module("tree_accept").fn("tree_accept_table_kernel")(
         ((b + _PER_BLOCK - 1) // _PER_BLOCK,), (_THREADS,),
         (tree.tokens, tree.parents, tree.num_nodes, choices, np.int32(b), np.int32(n), np.int32(width),
          out.accepted, out.accept_len, out.emitted, out.bonus))

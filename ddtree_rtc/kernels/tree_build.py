@@ -2,11 +2,11 @@
 algorithm and every output rule are in ddtree_rtc/reference/tree_build.py, which the kernel matches
 bit for bit (nodes, order, scores, masks). One graph-capturable launch for the whole batch.
 
-Variants: ``"heap"`` runs the sequential heap loop; ``"level"`` builds depth by depth in parallel and
-falls back per request to the heap loop where its exactness conditions fail; ``"prune"`` (the
-default) is the level build with tau a histogram lower bound instead of the exact budget-th score
-(no quadratic step), contiguous chains and a ranking of only the narrowed final list, which is why it
-is the fastest of the three at every budget (measurements: benchmarks/README.md)."""
+Variants: ``"prune"`` (the default) builds depth by depth in parallel, cutting candidates below a
+histogram lower bound on the budget-th score, and falls back per request to the sequential heap loop
+where its exactness conditions fail; ``"heap"`` runs the heap loop alone, so tests check the fallback
+on every input and ``ddtree-rtc bench tree --variants`` times it beside the default (measurements:
+benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ from .registry import module
 # per node slot: score, 3-word tuple code; heap slot key, score, rank, last child; parent, rank, depth,
 # first child, next sibling
 _SMEM_PER_SLOT = 8 + 3 * 8 + 8 + 8 + 4 + 4 + 5 * 4
-_SMEM_PER_POOL_ENTRY = 8 + 5 * 4  # level variant: score; parent, pred, rank, depth, node
 _SMEM_PER_PRUNE_ENTRY = 2 * 8 + 5 * 4  # prune variant: score, list score; parent, rank, depth, node, list
 _PRUNE_LIST_EXTRA = 63  # prune variant: tuple codes (3 words) for 1 + max_budget + this listed entries
-VARIANTS = ("heap", "level", "prune")
+VARIANTS = ("heap", "prune")
 
 
 def block_threads() -> int:
@@ -33,7 +32,7 @@ def block_threads() -> int:
 
 
 def pool_capacity(max_budget: int) -> int:
-    """Level variant: candidates held per request; more falls back to the heap loop."""
+    """Prune variant: candidates held per request; more falls back to the heap loop."""
     return 4 * max_budget + 64
 
 
@@ -59,8 +58,8 @@ def _check_out(out: TreeArrays, batch: int, max_budget: int, max_depth: int) -> 
 
 def default_variant(max_budget: int) -> str:
     """The variant ``tree_build`` runs for this max_budget: prune at every budget up to MAX_BUDGET
-    (it falls back per request to the heap loop where its exactness conditions fail; every variant
-    gives the heap loop's tree, see the module docstring)."""
+    (it falls back per request to the heap loop where its exactness conditions fail; both variants
+    give the heap loop's tree, see the module docstring)."""
     return "prune"
 
 
@@ -93,10 +92,8 @@ def tree_build_variant(variant: str, logq, ids, root_tokens, budgets, depths, pr
     ks = max(1, min(k, max_budget))
     smem = (max_budget + 1) * _SMEM_PER_SLOT + l * ks * 8  # + the staged [L, ks] log-probs and ids
     cap = pool_capacity(max_budget)
-    if variant != "heap":  # + 8: the pool's doubles are 8-byte aligned
-        smem += cap * (_SMEM_PER_POOL_ENTRY if variant == "level" else _SMEM_PER_PRUNE_ENTRY) + 8
-        if variant == "prune":
-            smem += (max_budget + 1 + _PRUNE_LIST_EXTRA) * 3 * 8
+    if variant == "prune":  # + 8: the pool's doubles are 8-byte aligned
+        smem += cap * _SMEM_PER_PRUNE_ENTRY + 8 + (max_budget + 1 + _PRUNE_LIST_EXTRA) * 3 * 8
     name = "tree_build" if variant == "heap" else f"tree_build_{variant}"
     fn = module("tree_build").fn(f"{name}_j{_variant(max_budget)}")
     allow_dynamic_smem(fn, smem)  # also under 48 KB: static shared memory counts against that default

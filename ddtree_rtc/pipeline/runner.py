@@ -77,15 +77,16 @@ def ranks_for(pipe: Pipeline, env: RankEnv | None = None) -> Ranks:
 
 
 def compile_kernels(backend: Backend, pipe: Pipeline) -> float:
-    """Build every registered kernel family (and each stage's variant) before the loop; then any
-    later build warns, or fails under DDTREE_RTC_NO_LATE_COMPILE=1."""
-    from ..kernels.registry import SPECS
+    """Build every kernel family an engine may launch (and each stage's variant) before the loop;
+    then any later build warns, or fails under DDTREE_RTC_NO_LATE_COMPILE=1. The benchmark-only
+    families (registry.BENCHMARK_ONLY) are not built here."""
+    from ..kernels.registry import SPECS, engine_specs
     from ..rtc import builder
 
     if not backend.is_cuda:
         return 0.0
     t0 = time.perf_counter()
-    for spec in SPECS.values():
+    for spec in engine_specs():
         builder.load(spec, backend.arch)
     for st in pipe.stages:
         if st.kernel in SPECS and st.params:
