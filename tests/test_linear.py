@@ -150,4 +150,4 @@ def test_kernel_fp32_out(rng, m, n, k, impl):
     got = linear(to_device_bf16(x), to_device_bf16(w), out=out, impl=impl)  # any impl: cuBLAS, fp32 C
     assert got is out
     want = np.full((m, n), np.nan, np.float32)
-    assert_close(got, ref_linear(x, w, out=want), "fp32")
+    assert_close(got, ref_linear(x, w, out=want), "fp32_accum")

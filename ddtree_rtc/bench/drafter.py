@@ -72,13 +72,16 @@ def gqa_bytes(c, batch: int, ctx: int) -> int:
 
 def random_drafter(seed: int = 0):
     """DFlashModel with the K2.6 drafter dims on the GPU: weights N(0, 1/fan-in), norms 1; its
-    'target' carries only the embedding and lm_head (vocab x hidden) it borrows."""
+    'target' carries only what the drafter borrows: the embedding, the lm_head (vocab x hidden)
+    behind head_logits, and a one-rank shard."""
     from types import SimpleNamespace
 
     from ml_dtypes import bfloat16
 
     from ..backend import Backend
+    from ..dist.comm import SingleRank
     from ..model.dflash import DFlashLayer, DFlashModel
+    from ..model.shard import Shard
 
     c, be = k26_config(), Backend("cuda")
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
@@ -90,8 +93,10 @@ def random_drafter(seed: int = 0):
     def ones(n):
         return be.asarray(np.ones(n, dtype=bfloat16))
 
+    lm_head = w(c.vocab_size, h)
     target = SimpleNamespace(backend=be, embed=random_bf16_device((c.vocab_size, h), seed=next(counter)),
-                             lm_head=w(c.vocab_size, h))
+                             lm_head=lm_head, shard=Shard(), comm=SingleRank(),
+                             head_logits=lambda rows: be.linear(rows, lm_head))
     layers = [DFlashLayer(ones(h), ones(h), w(c.num_attention_heads * d, h), w(c.num_key_value_heads * d, h),
                           w(c.num_key_value_heads * d, h), w(h, c.num_attention_heads * d), ones(d), ones(d),
                           w(2 * i, h), w(h, i)) for _ in range(c.num_hidden_layers)]

@@ -74,11 +74,16 @@ class NcclCommunicator(Communicator):
         timeout = timeout_s() if timeout is None else timeout
 
         def make_id() -> bytes:
-            return bytes(np.asarray(nccl.get_unique_id(), np.int8).view(np.uint8))
+            uid = nccl.get_unique_id()  # bytes from CuPy 14 on, a tuple of signed chars before
+            if isinstance(uid, (bytes, bytearray)):
+                return bytes(uid)
+            return bytes(np.asarray(uid, np.int8).view(np.uint8))
 
         uid = exchange_unique_id(rank, world_size, addr, port, make_id, timeout)
-        uid_tuple = tuple(np.frombuffer(uid, np.uint8).view(np.int8).tolist())
-        self._comm = nccl.NcclCommunicator(world_size, uid_tuple, rank)
+        try:
+            self._comm = nccl.NcclCommunicator(world_size, uid, rank)  # CuPy >= 14 takes the bytes
+        except TypeError:  # older CuPy: its typed ``tuple commId`` refuses bytes
+            self._comm = nccl.NcclCommunicator(world_size, tuple(np.frombuffer(uid, np.int8).tolist()), rank)
         self._types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.uint16): nccl.NCCL_BFLOAT16,
                        np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.int32): nccl.NCCL_INT32,
                        np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.uint8): nccl.NCCL_UINT8}
