@@ -99,14 +99,7 @@ def _load(comm, directory, ep):
 
 def _generate(comm, directory, ep, prompts, mode, temperature):
     model = _load(comm, directory, ep)
-    drafter = None
-    if mode != "autoregressive":
-        cont = greedy_continuation(model, NEW + 4, page_size=16)
-        drafter = OracleDrafter(model.backend, model.cfg.vocab_size, 4, cont, accept_p=0.7, seed=3)
-    eng = Engine(model, max_batch=len(prompts), page_size=16, max_context=64, mode=mode, drafter=drafter,
-                 budget=6, seed=2)
-    reqs = [Request(i, p, NEW, temperature=temperature) for i, p in enumerate(prompts)]
-    outs = [r.output for r in eng.run(reqs)]
+    outs = _single(model, prompts, mode, temperature)
     return outs, last_logits(model, prompts[0]), comm.stats.snapshot()
 
 

@@ -91,12 +91,17 @@ def time_gpu(fn, warmup: int = 5, iters: int = 50, flush_l2: bool | str = True) 
     return Timing(statistics.median(us), us[0], us[min(len(us) - 1, int(0.9 * len(us)))])
 
 
-def graphed(fn):
-    """``fn`` captured once as a CUDA graph; returns a launcher (on the current stream)."""
+def capture_graph(fn, pool=None):
+    """``fn()`` run once eagerly on a private stream, then captured there as a CUDA graph; with
+    ``pool`` (a cupy MemoryPool, kept alive by the caller) its allocations come from that pool, so a
+    buffer freed during the capture is reused only by the graph. Returns the graph."""
+    import contextlib
+
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
+    cupy.cuda.get_current_stream().synchronize()
+    with stream, cupy.cuda.using_allocator(pool.malloc) if pool is not None else contextlib.nullcontext():
         fn()
         stream.synchronize()
         stream.begin_capture()
@@ -104,7 +109,13 @@ def graphed(fn):
             fn()
         finally:
             graph = stream.end_capture()
-    return graph.launch
+        stream.synchronize()
+    return graph
+
+
+def graphed(fn):
+    """``fn`` captured once as a CUDA graph; returns a launcher (on the current stream)."""
+    return capture_graph(fn).launch
 
 
 def bf16_to_f32(bits):

@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 from ..reference.tree_build import MAX_BUDGET
-from .harness import Row, flush_l2, random_bf16_device, read_ceiling_gbs, report, time_gpu
+from .harness import Row, capture_graph, flush_l2, random_bf16_device, read_ceiling_gbs, report, time_gpu
 
 PAGE = 64
 DEPTH = 7  # the K2.6 DFlash drafter's block 8
@@ -160,18 +160,7 @@ def capture(fn):
     import cupy
 
     pool = cupy.cuda.MemoryPool()
-    stream = cupy.cuda.Stream(non_blocking=True)
-    cupy.cuda.get_current_stream().synchronize()
-    with stream, cupy.cuda.using_allocator(pool.malloc):
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            fn()
-        finally:
-            graph = stream.end_capture()
-        stream.synchronize()
-    return graph, pool
+    return capture_graph(fn, pool), pool
 
 
 class DeviceRound:
