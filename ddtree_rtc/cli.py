@@ -324,7 +324,9 @@ def serve_cmd(pipeline, host, port, max_queue, overrides):
               help="Stored dtype of mlp.gate.weight (fp32 when saved from an fp32 model).")
 @click.option("--bias-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
               help="Stored dtype of mlp.gate.e_score_correction_bias.")
-def make_model_cmd(preset, layers, seed, out_dir, weight_shape_dtype, router_dtype, bias_dtype):
+@click.option("--head", type=click.Choice(["random", "decisive"]), default="random", show_default=True,
+              help="lm_head form: decisive makes every greedy choice far from a tie (for oracle-drafter benchmarks).")
+def make_model_cmd(preset, layers, seed, out_dir, weight_shape_dtype, router_dtype, bias_dtype, head):
     """Write a seeded random-weight checkpoint in the real format: HF DeepseekV3 names, compressed-tensors
     INT4 routed experts, bf16 elsewhere, non-zero router bias, complete config.json."""
     from .model.config import ConfigError, preset_config
@@ -345,7 +347,7 @@ def make_model_cmd(preset, layers, seed, out_dir, weight_shape_dtype, router_dty
         raise click.BadParameter(str(e), param_hint="--layers") from None
     with click.progressbar(length=cfg.num_hidden_layers + 1, label=f"writing {preset}", file=sys.stderr) as bar:
         make_model(cfg, out_dir, seed=seed, progress=lambda _key: bar.update(1), weight_shape_dtype=weight_shape_dtype,
-                   router_dtype=router_dtype, bias_dtype=bias_dtype)
+                   router_dtype=router_dtype, bias_dtype=bias_dtype, head=head)
     total = sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors"))
     click.echo(f"wrote {out_dir}: {cfg.num_hidden_layers} layers, {total / 2**20:.1f} MiB")
 

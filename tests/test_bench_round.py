@@ -131,3 +131,15 @@ def test_device_round_on_numpy(tmp_path, accept_p, budget):
         assert acc.accept_len.tolist() == [depth + 1] * batch and moved == 0
     else:
         assert moved > 0 and acc.accept_len.max() >= 4, (moved, acc.accept_len)
+
+
+def test_f32_to_bf16_bits_rounds_to_nearest_even():
+    from ml_dtypes import bfloat16
+
+    from ddtree_rtc.bench.harness import bf16_to_f32, f32_to_bf16_bits
+
+    x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 37
+    x[:4] = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 0.0]  # ties go to even
+    bits = f32_to_bf16_bits(x)
+    assert np.array_equal(bits, x.astype(bfloat16).view(np.uint16))
+    assert np.array_equal(bf16_to_f32(bits), x.astype(bfloat16).astype(np.float32))

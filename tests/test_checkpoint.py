@@ -156,3 +156,52 @@ def test_quantized_is_decided_by_weight_packed_not_the_ignore_list(tmp_path, def
     raw["quantization_config"]["ignore"] = ["re:.*"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert np.array_equal(_logits(tmp_path), default_logits)
+
+
+
+def _tensors(path):
+    from ddtree_rtc.model.safetensors_io import open_tensor
+
+    header, start = read_header(path)
+    return {k: open_tensor(path, k, e, start) for k, e in header.items() if k != "__metadata__"}
+
+
+@pytest.mark.parametrize("head", ["random", "decisive"])
+def test_decisive_head_keeps_greedy_choices_far_from_ties(tmp_path, head):
+    """make-model --head decisive: lm_head = the embedding of a fixed permutation over sqrt(H), so on
+    any context the greedy choice leads its runner-up by most of the logit range (the random head
+    leaves near-ties that bf16 noise flips on the GPU)."""
+    from ddtree_rtc.backend import Backend
+    from ddtree_rtc.engine.kv_cache import PagedKVCache
+    from ddtree_rtc.model.target import ForwardBatch, TargetModel
+
+    cfg = preset_config("tiny")
+    make_model(cfg, tmp_path, seed=0, head=head)
+    model = TargetModel.load(tmp_path, Backend("numpy", quiet=True))
+    seq = np.random.default_rng(1).integers(3, cfg.vocab_size, 60).tolist()
+    cache = PagedKVCache(model.backend, model.num_layers, 16, 16)
+    cache.reserve(0, len(seq))
+    logits = model.forward(ForwardBatch.causal([0], [0], [seq], last_only=False), cache, output="logits").logits
+    logits = np.asarray(logits, np.float32)
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    margin = (top2[:, 1] - top2[:, 0]) / np.abs(logits).max(axis=1)
+    if head == "decisive":
+        assert margin.min() > 0.4, margin.min()
+    else:
+        assert np.quantile(margin, 0.1) < 0.05  # the random head's near-ties, which the decisive one removes
+
+
+def test_decisive_head_changes_only_the_lm_head(tmp_path):
+    cfg = preset_config("tiny")
+    for head in ("random", "decisive"):
+        make_model(cfg, tmp_path / head, seed=4, head=head)
+    names = sorted(p.name for p in (tmp_path / "random").glob("*.safetensors"))
+    assert names == sorted(p.name for p in (tmp_path / "decisive").glob("*.safetensors"))
+    for name in names:
+        a, b = _tensors(tmp_path / "random" / name), _tensors(tmp_path / "decisive" / name)
+        assert sorted(a) == sorted(b)
+        for k in a:
+            same = np.array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8))
+            assert same == (k != "lm_head.weight"), k
+    with pytest.raises(ValueError, match="head 'peaked'"):
+        make_model(cfg, tmp_path / "bad", head="peaked")

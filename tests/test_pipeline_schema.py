@@ -119,3 +119,13 @@ def test_run_compiles_every_engine_kernel_but_not_the_benchmark_ones(monkeypatch
     assert "bench_ceiling" in BENCHMARK_ONLY
     assert sorted(n for n, _, p in built if not p) == sorted(set(SPECS) - BENCHMARK_ONLY)
     assert [b for b in built if b[2]] == [("topk", "sm_90a", {"TOPK_STREAM_BLOCKS": 4})]
+
+
+def test_model_head():
+    p = parse_pipeline(GOOD.replace("  preset: tiny\n", "  preset: tiny\n  head: decisive\n"), "h.yaml")
+    assert p.model.head == "decisive"
+    assert load_pipeline("pipelines/k2_6_slice_ddtree_h200.yaml").model.head == "decisive"
+    for text, msg in ((GOOD.replace("  preset: tiny\n", "  preset: tiny\n  head: peaked\n"), "head"),
+                      (GOOD.replace("  preset: tiny\n", "  path: /x\n  head: decisive\n"), "not to a checkpoint")):
+        with pytest.raises(PipelineError, match=msg):
+            parse_pipeline(text, "bad.yaml")

@@ -27,7 +27,16 @@ import statistics
 import numpy as np
 from ml_dtypes import bfloat16
 
-from .harness import Row, flush_l2, random_bf16_device, read_ceiling_gbs, report, time_gpu
+from .harness import (
+    Row,
+    bf16_to_f32,
+    f32_to_bf16_bits,
+    flush_l2,
+    random_bf16_device,
+    read_ceiling_gbs,
+    report,
+    time_gpu,
+)
 
 PAGE = 64
 BATCHES = (1, 8, 32)
@@ -35,9 +44,12 @@ CONTEXTS = (1024, 8192)
 STAGE_KINDS = ("attention", "dense", "moe", "head", "embed")
 
 
-def random_slice(moe_layers: int, seed: int = 0):
+def random_slice(moe_layers: int, seed: int = 0, head: str = "random"):
     """TargetModel with K2.6 dims: layer 0 dense, then ``moe_layers`` MoE layers; weights random
-    with 1/sqrt(fan-in) scales (activations stay O(1)), norms 1, correction bias small."""
+    with 1/sqrt(fan-in) scales (activations stay O(1)), norms 1, correction bias small. ``head``
+    "decisive": the embedding at 8x scale, so the residual stream stays near its token's embedding
+    past every branch, and the lm_head its permuted rows (model.make_model.decisive_head): every greedy
+    choice far from a tie, as an oracle drafter needs to hold tau on the GPU."""
     import cupy
 
     from ..backend import Backend
@@ -75,8 +87,16 @@ def random_slice(moe_layers: int, seed: int = 0):
         else:
             mlp = DenseMLP(w(2 * cfg.intermediate_size, hid), w(hid, cfg.intermediate_size))
         layers.append(Layer(ones(hid), ones(hid), attn, mlp))
-    embed = random_bf16_device((cfg.vocab_size, hid), seed=next(counter))
-    return TargetModel(cfg, be, embed, layers, ones(hid), w(cfg.vocab_size, hid))
+    if head not in ("random", "decisive"):
+        raise ValueError(f"head {head!r}: expected random or decisive")
+    embed_scale = 8.0 if head == "decisive" else 1.0
+    embed = random_bf16_device((cfg.vocab_size, hid), scale=embed_scale, seed=next(counter))
+    if head == "decisive":
+        perm = cupy.random.default_rng(next(counter)).permutation(cfg.vocab_size)
+        lm_head = f32_to_bf16_bits(bf16_to_f32(embed[perm]) * np.float32(hid ** -0.5 / embed_scale))
+    else:
+        lm_head = w(cfg.vocab_size, hid)
+    return TargetModel(cfg, be, embed, layers, ones(hid), lm_head)
 
 
 def _nbytes(*arrays) -> int:

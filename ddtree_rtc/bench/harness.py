@@ -219,9 +219,14 @@ def random_bf16_device(shape, scale: float = 1.0, seed: int = 0):
     """Random bf16 (uint16 bits) made on the GPU: round-to-nearest of normal fp32 samples."""
     import cupy
 
-    x = cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32) * np.float32(scale)
-    bits = x.view(cupy.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(cupy.uint16)
+    return f32_to_bf16_bits(cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32)
+                            * np.float32(scale))
+
+
+def f32_to_bf16_bits(x):
+    """fp32 (finite, numpy or CuPy) -> bf16 bits (uint16), round to nearest even."""
+    bits = x.view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 @functools.cache

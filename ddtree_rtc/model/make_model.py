@@ -48,6 +48,20 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
 # The stored dtypes of the tensors real checkpoints write either way (the loader accepts each).
 WEIGHT_SHAPE_DTYPES = {"int32": np.int32, "int64": np.int64}
 ROUTER_DTYPES = {"bf16": bfloat16, "fp32": np.float32}
+# lm_head forms: "random" (N(0, 1/H), the next token an arbitrary function of the context, top-1 and
+# top-2 logits mostly within bf16 noise of each other); "decisive" (decisive_head below).
+HEADS = ("random", "decisive")
+
+
+def decisive_head(embed: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """lm_head rows = the embedding rows of a fixed random permutation, over sqrt(H): the residual
+    stream of a random model stays close to its input token's embedding (every branch's output
+    projection is scaled down), so the greedy next token is perm^-1(token) with a top-1/top-2 margin
+    of most of the logit range (random dot products are ~sqrt(2 ln V / H) of it), far beyond bf16
+    noise. Benchmarks that set tau by an oracle need that: with the random head, any change of batch
+    shape flips near-tied choices and the target leaves the oracle's precomputed path."""
+    e = embed.astype(np.float32)
+    return (e[rng.permutation(e.shape[0])] * e.shape[1] ** -0.5).astype(bfloat16)
 
 
 def random_int4_weight(rng: np.random.Generator, n: int, k: int, std: float):
@@ -78,13 +92,16 @@ def _tensor(rng: np.random.Generator, spec: TensorSpec, cfg: ModelConfig, n_laye
 
 
 def make_model(cfg: ModelConfig, out: str | Path, seed: int = 0, progress=None, weight_shape_dtype: str = "int32",
-               router_dtype: str = "bf16", bias_dtype: str = "fp32") -> Path:
+               router_dtype: str = "bf16", bias_dtype: str = "fp32", head: str = "random") -> Path:
     """Write config.json and sharded safetensors (one shard per layer) to ``out``. ``weight_shape_dtype``
     (int32 as Kimi's files, int64 as compressed-tensors 0.20), ``router_dtype`` (of mlp.gate.weight) and
     ``bias_dtype`` (of e_score_correction_bias; bf16 or fp32 each) pick the stored forms; the values
-    drawn are the same for every choice but the rounding of the router and bias to bf16."""
+    drawn are the same for every choice but the rounding of the router and bias to bf16. ``head``:
+    the lm_head's form, one of HEADS (``decisive``: see decisive_head; every other tensor is the
+    same as with ``random``)."""
     for what, v, choices in (("weight_shape_dtype", weight_shape_dtype, WEIGHT_SHAPE_DTYPES),
-                             ("router_dtype", router_dtype, ROUTER_DTYPES), ("bias_dtype", bias_dtype, ROUTER_DTYPES)):
+                             ("router_dtype", router_dtype, ROUTER_DTYPES), ("bias_dtype", bias_dtype, ROUTER_DTYPES),
+                             ("head", head, HEADS)):
         if v not in choices:
             raise ValueError(f"{what} {v!r}: expected one of {', '.join(choices)}")
     out = Path(out)
@@ -119,6 +136,8 @@ def make_model(cfg: ModelConfig, out: str | Path, seed: int = 0, progress=None, 
                 elif s.name.endswith(".e_score_correction_bias"):
                     t = t.astype(ROUTER_DTYPES[bias_dtype])
                 tensors[s.name] = t
+        if key == "globals" and head == "decisive":
+            tensors["lm_head.weight"] = decisive_head(tensors["model.embed_tokens.weight"], rng)
         write_file(out / shard, tensors, {"format": "pt"})
         weight_map.update({name: shard for name in tensors})
         if progress is not None:

@@ -105,7 +105,8 @@ def model_dir(pipe: Pipeline, ranks: Ranks | None = None) -> Path:
         cfg = cfg.with_layers(m.layers)
     from ..rtc.cache import cache_dir
 
-    out = cache_dir() / "models" / f"{m.preset}-L{cfg.num_hidden_layers}-seed{m.seed}"
+    head = "" if m.head == "random" else f"-{m.head}"
+    out = cache_dir() / "models" / f"{m.preset}-L{cfg.num_hidden_layers}-seed{m.seed}{head}"
     if ranks is not None and not ranks.is_main:
         ranks.comm.barrier()  # rank 0 has made it
         return out
@@ -113,7 +114,7 @@ def model_dir(pipe: Pipeline, ranks: Ranks | None = None) -> Path:
         click.echo(f"making the random {m.preset} checkpoint in {out}", err=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        make_model(cfg, tmp, seed=m.seed)
+        make_model(cfg, tmp, seed=m.seed, head=m.head)
         try:
             tmp.rename(out)
         except OSError:  # another process made it meanwhile

@@ -15,16 +15,21 @@ from .yamlio import LinedDict, PipelineError, load_yaml
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to load: a preset (built-in random weights) or a checkpoint directory."""
+    """What to load: a preset (built-in random weights) or a checkpoint directory. ``head``: a
+    preset's lm_head, ``random`` or ``decisive`` (greedy choices far from ties; see
+    ddtree_rtc.model.make_model.decisive_head)."""
 
     preset: str | None = None
     path: str | None = None
     layers: int | None = None  # keep only the first n decoder layers
     seed: int = 0
+    head: Literal["random", "decisive"] = "random"
 
     def __post_init__(self):
         if (self.preset is None) == (self.path is None):
             raise ValueError("give exactly one of 'preset' or 'path'")
+        if self.path is not None and self.head != "random":
+            raise ValueError("head applies to a preset's random weights, not to a checkpoint 'path'")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"layers must be >= 1, got {self.layers}")
 
