@@ -92,7 +92,7 @@ def random_slice(moe_layers: int, seed: int = 0, head: str = "random"):
     embed_scale = 8.0 if head == "decisive" else 1.0
     embed = random_bf16_device((cfg.vocab_size, hid), scale=embed_scale, seed=next(counter))
     if head == "decisive":
-        perm = cupy.random.default_rng(next(counter)).permutation(cfg.vocab_size)
+        perm = cupy.asarray(np.random.default_rng(next(counter)).permutation(cfg.vocab_size))
         lm_head = f32_to_bf16_bits(bf16_to_f32(embed[perm]) * np.float32(hid ** -0.5 / embed_scale))
     else:
         lm_head = w(cfg.vocab_size, hid)
