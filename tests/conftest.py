@@ -30,3 +30,14 @@ def rng(request):
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """One kernel cache per test session, never the user's."""
     monkeypatch.setenv("DDTREE_RTC_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kcache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny preset's random checkpoint (seed 5), written once per session; tests only read it."""
+    from ddtree_rtc.model.config import preset_config
+    from ddtree_rtc.model.make_model import make_model
+
+    d = tmp_path_factory.mktemp("tiny_seed5")
+    make_model(preset_config("tiny"), d, seed=5)
+    return d

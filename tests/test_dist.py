@@ -29,7 +29,6 @@ from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.request import Request
 from ddtree_rtc.model.checkpoint import CheckpointReader
 from ddtree_rtc.model.config import preset_config
-from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.shard import Shard, ShardError
 from ddtree_rtc.model.target import TargetModel
 from ddtree_rtc.speculative.drafters import OracleDrafter, greedy_continuation
@@ -72,13 +71,6 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0, comm_timeout: float
             if p.is_alive():
                 p.kill()
     return [got[r] for r in range(world)]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_dist")
-    make_model(preset_config("tiny"), d, seed=5)
-    return d
 
 
 @pytest.fixture(scope="module")

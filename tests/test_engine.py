@@ -11,17 +11,8 @@ from ddtree_rtc.cli import main
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.kv_cache import PagedKVCache
 from ddtree_rtc.engine.request import Request, RequestError
-from ddtree_rtc.model.config import preset_config
-from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
 from ddtree_rtc.testing import RouteRecorder, assert_close, last_logits
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    make_model(preset_config("tiny"), d, seed=5)
-    return d
 
 
 @pytest.fixture(scope="module")

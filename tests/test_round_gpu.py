@@ -25,7 +25,7 @@ from ml_dtypes import bfloat16
 from ddtree_rtc.backend import Backend
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.request import Request
-from ddtree_rtc.model.config import PRESETS, config_from_dict, preset_config
+from ddtree_rtc.model.config import PRESETS, config_from_dict
 from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.target import TargetModel
 from ddtree_rtc.reference.sampling import gumbel
@@ -49,13 +49,6 @@ def dense_tiny_config():
 def dense_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_dense")
     make_model(dense_tiny_config(), d, seed=5)
-    return d
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_moe")
-    make_model(preset_config("tiny"), d, seed=5)
     return d
 
 
@@ -192,11 +185,11 @@ def test_cuda_round_equals_cuda_autoregressive_up_to_near_ties(dense_dir, mode, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_cuda_round_graph_replay_equals_eager(moe_dir, temperature):
+def test_cuda_round_graph_replay_equals_eager(tiny_dir, temperature):
     """The round with its verify forward replayed from CUDA graphs gives the eager round's ids bit
     for bit (same kernels, same attention and MoE plans), at T = 0 and T > 0; the runner captured
     one graph per (batch, 1 + budget) shape the rounds met and replayed one per round."""
-    cuda = TargetModel.load(moe_dir, Backend("cuda"))
+    cuda = TargetModel.load(tiny_dir, Backend("cuda"))
     reqs = pool_requests(temperature, seed=3)[:7]  # 7 requests, 4 slots: round batches of several sizes
     _, ref = run_engine(cuda, copies(reqs))
     outs = []
@@ -221,7 +214,7 @@ def test_cuda_round_graph_replay_equals_eager(moe_dir, temperature):
 
 
 @pytest.mark.gpu
-def test_cuda_device_round_matches_numpy_with_moe(moe_dir):
+def test_cuda_device_round_matches_numpy_with_moe(tiny_dir):
     """The device round the round bench times (bench.round.DeviceRound: top-k, build, fill_tree,
     verify, argmax, accept, commit) on the MoE tiny model, CUDA against numpy from the same draft
     logits and cache contents: the same trees (top-k ids and the build are exact), verify logits
@@ -239,7 +232,7 @@ def test_cuda_device_round_matches_numpy_with_moe(moe_dir):
     rows = None
     rounds = {}
     for kind in ("numpy", "cuda"):
-        model = TargetModel.load(moe_dir, Backend(kind))
+        model = TargetModel.load(tiny_dir, Backend(kind))
         rd = DeviceRound(model, batch=3, budget=16, ctx=40, accept_p=0.8, seed=4)
         rows = random_bf16(np.random.default_rng(1), rd.cache.data.shape, 0.5) if rows is None else rows
         rd.cache.data[...] = model.backend.asarray(rows)

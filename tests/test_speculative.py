@@ -9,7 +9,6 @@ from ddtree_rtc.backend import Backend
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.kv_cache import PagedKVCache
 from ddtree_rtc.engine.request import Request, RequestError
-from ddtree_rtc.model.config import preset_config
 from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
 from ddtree_rtc.reference.mla_attention import tree_mask_from_parents
@@ -19,10 +18,8 @@ DEPTH = 7
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    make_model(preset_config("tiny"), d, seed=5)
-    return TargetModel.load(d, Backend("numpy"))
+def tiny(tiny_dir):
+    return TargetModel.load(tiny_dir, Backend("numpy"))
 
 
 @pytest.fixture(scope="module")
