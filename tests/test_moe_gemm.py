@@ -564,3 +564,264 @@ def test_kernel_fp32_out(rng, m):
                       out=out, check_ids=False)
     assert got is out
     assert_close(got, want, "bf16_accum")  # h is bf16 in both; the sums differ by fp32 order only
+
+
+# ---- the small-M fused kernel (moe_plan(small="fused"), moe_fused_small) ----
+
+def emulate_fused_small(x, ids, w, rex, shared=None):
+    """moe_fused_small as cuda_src/moe_gemm.cu computes it, index by index: the distinct-expert
+    slot of each CTA, the tokens as mma columns, each warp's gate_up tiles and the slice's h in the
+    down GEMM's B layout, the down tiles of each ring step, the weighted atomic adds, the last CTA's
+    output. The mma fragments come from the lane emulation in test_moe_repack (nt 1 numerics)."""
+    from test_moe_repack import emulate_weights
+
+    m, hid = x.shape
+    top_k, inter, n_exp = ids.shape[1], rex.intermediate, rex.num_experts
+    p_all = m * top_k
+    flat = ids.reshape(-1)
+    s_ids = np.where((flat >= 0) & (flat < n_exp), flat, -1)  # fused_expert()
+    first = [p for p in range(p_all) if s_ids[p] >= 0 and s_ids[p] not in s_ids[:p]]
+    acc = np.zeros((m, hid), np.float32)
+    for u in range(min(n_exp, p_all)):  # grid y
+        if u >= len(first):
+            continue  # the CTA only checks in
+        e = int(s_ids[first[u]])
+        wsum, mask = np.zeros(8, np.float32), 0
+        for tok in range(m):
+            for j in range(top_k):
+                if s_ids[tok * top_k + j] == e:
+                    wsum[tok] += w[tok, j]
+                    mask |= 1 << tok
+        b = np.zeros((hid, 8), np.float64)  # tokens that do not route to e are zero-filled
+        for tok in range(m):
+            if mask >> tok & 1:
+                b[:, tok] = x[tok].astype(np.float64)
+        w13 = emulate_weights(np.asarray(rex.w13[e]), 2 * inter, hid, scale_after=True).astype(np.float64)
+        w2 = emulate_weights(np.asarray(rex.w2[e]), hid, inter, scale_after=True).astype(np.float64)
+        for sl in range(inter // 128):  # grid x
+            hbuf = np.full((4, 8, 32), np.nan, np.float32)  # [k32 chunk][token][k]
+            for warp in range(8):
+                for r in range(2):
+                    tile = sl * 16 + warp * 2 + r
+                    a = w13[16 * tile:16 * tile + 16] @ b
+                    for g in range(8):
+                        il = warp * 16 + r * 8 + g
+                        for col in range(8):
+                            gt, up = a[g, col], a[g + 8, col]
+                            hbuf[il >> 5, col, il & 31] = np.float32(gt / (1 + np.exp(-gt)) * up)
+            hb = hbuf.astype(bfloat16).astype(np.float64).transpose(0, 2, 1).reshape(128, 8)  # [k, token]
+            for step in range(-(-hid // 256)):
+                for warp in range(8):
+                    tile_d = step * 16 + warp * 2
+                    if tile_d >= hid // 16:
+                        continue
+                    for r in range(2):
+                        rows = slice(16 * (tile_d + r), 16 * (tile_d + r) + 16)
+                        d = w2[rows, sl * 128:(sl + 1) * 128] @ hb
+                        for col in range(8):
+                            if mask >> col & 1:
+                                acc[col, rows] += np.float32(wsum[col] * d[:, col])
+    y = acc.astype(np.float64)
+    if shared is not None:
+        y += shared.astype(np.float32)
+    return y
+
+
+def test_fused_small_staging_and_h_layout():
+    """moe_fused_small's ring stage (8 warps' weight copies, threads 0..127's activation copies)
+    against the mma loop's reads, and the h writes of the gate_up epilogue against the down
+    GEMM's B reads: every lane reads what the emulation assumes, nothing overlaps."""
+    from ddtree_rtc.kernels.moe_gemm import _FUSED_STAGE_BYTES, BLOCK_BYTES
+
+    weight_bytes = 8 * 2 * BLOCK_BYTES
+    owner = {}
+
+    def put(off, what, size=_FUSED_STAGE_BYTES):
+        assert off % 16 == 0 and 0 <= off < size and off not in owner, (off, what)
+        owner[off] = what
+
+    for tid in range(256):
+        warp, lane = tid >> 5, tid & 31
+        for r in range(2):
+            put(warp * 2 * BLOCK_BYTES + r * BLOCK_BYTES + 16 * lane, ("w", warp, r, 16 * lane))
+            put(warp * 2 * BLOCK_BYTES + r * BLOCK_BYTES + 512 + 16 * lane, ("w", warp, r, 512 + 16 * lane))
+        if lane < 16:
+            sc_tile, sc_off = (lane >> 3) & 1, 1024 + 16 * (lane & 7)
+            put(warp * 2 * BLOCK_BYTES + sc_tile * BLOCK_BYTES + sc_off, ("w", warp, sc_tile, sc_off))
+        if tid < 128:
+            q, j = tid & 15, tid >> 4
+            put(weight_bytes + ((q >> 2) * 8 + j) * 64 + (q & 3) * 16, ("x", j, 8 * q))
+    assert len(owner) * 16 == _FUSED_STAGE_BYTES
+    for warp in range(8):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for r in range(2):
+                for off in (16 * lane, 512 + 16 * lane, 1024 + 16 * g):
+                    assert owner[warp * 2 * BLOCK_BYTES + r * BLOCK_BYTES + off] == ("w", warp, r, off)
+            for c in range(4):
+                assert owner[weight_bytes + (c * 8 + g) * 64 + t * 16] == ("x", g, 32 * c + 8 * t)
+    hbuf = {}  # byte offset -> (token, slice k)
+    for warp in range(8):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for r in range(2):
+                for c in range(2):
+                    il = warp * 16 + r * 8 + g
+                    off = ((il >> 5) * 8 + 2 * t + c) * 64 + (il & 31) * 2
+                    assert off not in hbuf and 0 <= off < 2048
+                    hbuf[off] = (2 * t + c, il)
+    assert len(hbuf) == 1024  # 8 tokens x 128 k, each written once
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for c in range(4):  # stage_chunk's lds128(xs + ((C * 8 + g) * 64 + t * 16)): k 8t..8t+7 of chunk C
+            base = (c * 8 + g) * 64 + t * 16
+            assert [hbuf[base + 2 * i] for i in range(8)] == [(g, 32 * c + 8 * t + i) for i in range(8)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m,top_k,dup", [(1, 3, False), (2, 3, False), (3, 4, True), (8, 2, True)])
+def test_emulated_fused_small_matches_reference(rng, m, top_k, dup):
+    """dup: a repeated expert within a token and an out-of-range id (both allowed without check_ids)."""
+    e, h, i = 5, 384, 256
+    ex = random_compressed_experts(rng, e, h, i)
+    x = random_bf16(rng, (m, h))
+    ids, w = random_routing(rng, m, e, top_k)
+    if dup:
+        ids[0, 1] = ids[0, 0]
+        ids[-1, -1] = -1
+    shared = random_bf16(rng, (m, h), 0.5)
+    got = emulate_fused_small(x, ids, w, repack_experts(ex), shared)
+    assert_close(got, ref_moe(x, ids, w, ex, shared=shared, check_ids=False), "bf16_accum")
+
+
+def test_fused_small_argument_rules():
+    from ddtree_rtc.kernels.moe_gemm import SMALL_MAX_TOKENS, check_small, default_fused_stages
+
+    assert check_small(None, 100, 8, None) == 0
+    assert check_small("fused", 1, 8, None) == default_fused_stages()
+    assert check_small("fused", SMALL_MAX_TOKENS, 32, 6) == 6
+    with pytest.raises(ValueError, match="known small-M variants"):
+        check_small("fast", 1, 8, None)
+    with pytest.raises(ValueError, match="M <= 8 tokens"):
+        check_small("fused", SMALL_MAX_TOKENS + 1, 8, None)
+    with pytest.raises(ValueError, match="pairs must be in"):
+        check_small("fused", 8, 33, None)
+    with pytest.raises(ValueError, match="ring depth in 2..10"):
+        check_small("fused", 1, 8, 1)
+    with pytest.raises(ValueError, match="pass small='fused' too"):
+        check_small(None, 1, 8, 4)
+
+
+def run_fused_gpu(rng, name, m, with_shared=True, f32_out=False, **plan_kw):
+    """moe_experts with a small="fused" plan, twice, against the reference: fresh inputs, the output
+    NaN-filled, poisoned unused experts (a wrong expert index gives NaN)."""
+    import cupy
+
+    from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
+    from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
+
+    ex, exg = experts_for(name)
+    e, h, i, top_k, poison = DIMS[name]
+    x = random_bf16(rng, (m, h))
+    ids, w = random_routing(rng, m, e, top_k, allowed=range(e - poison))
+    shared = random_bf16(rng, (m, h), 0.5) if with_shared else None
+    want = ref_moe(x, ids, w, ex, shared=shared, out=np.empty((m, h), np.float32) if f32_out else None)
+    plan = moe_plan(m, e, top_k, h, i, small="fused", **plan_kw)
+    outs = []
+    for _ in range(2):
+        out = cupy.full((m, h), np.nan, np.float32) if f32_out else nan_bf16_bits((m, h))
+        y = moe_experts(to_device_bf16(x), cupy.asarray(ids), cupy.asarray(w), exg,
+                        shared=None if shared is None else to_device_bf16(shared), out=out, plan=plan,
+                        check_ids=False)
+        assert y is out
+        outs.append(y.get())
+        assert_close(outs[-1], want, "bf16_accum")
+    # the kernel leaves its accumulator and counter zero (fp32 atomics: runs may differ in the last bits)
+    assert not plan.fused_acc.any() and int(plan.fused_count[0]) == 0
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["small", "tp8", "ep8", "deep"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_fused_small_vs_reference(rng, name, m):
+    run_fused_gpu(rng, name, m, with_shared=m != 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3])
+def test_fused_small_fp32_out(rng, m):
+    run_fused_gpu(rng, "tp8", m, f32_out=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused_stages", [2, 6])
+def test_fused_small_ring_depths(rng, fused_stages):
+    run_fused_gpu(rng, "deep", 3, fused_stages=fused_stages)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_fused_small_vs_reference_k26_dims(rng, m):
+    run_fused_gpu(rng, "k26", m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,m", [("k26", 1), ("tp8", 8)])
+def test_fused_small_pdl_and_capture(name, m):
+    """PDL and plain launches and CUDA-graph replays of the fused plan: all close to the reference
+    (not bitwise: fp32 atomics), and every replay starts from the zero accumulator the last left."""
+    import cupy
+
+    from ddtree_rtc.bench.moe import graphed
+    from ddtree_rtc.kernels.moe_gemm import moe_experts, moe_plan
+
+    rng = np.random.default_rng(m)
+    ex, exg = experts_for(name)
+    e, h, i, top_k, _ = DIMS[name]
+    x_h, ids_h, w_h, (x, ids, w) = skewed_inputs(rng, name, m)
+    want = ref_moe(x_h, ids_h, w_h, ex)
+    for pdl in (False, True):
+        plan = moe_plan(m, e, top_k, h, i, pdl=pdl, small="fused")
+        assert_close(moe_experts(x, ids, w, exg, plan=plan, check_ids=False), want, "bf16_accum")
+        out = cupy.zeros_like(x)
+        launch = graphed(lambda out=out, plan=plan: moe_experts(x, ids, w, exg, out=out, plan=plan, check_ids=False))
+        for _ in range(3):
+            out.fill(0x7FC0)
+            launch()
+            cupy.cuda.get_current_stream().synchronize()
+            assert_close(out, want, "bf16_accum")
+
+
+@pytest.mark.gpu
+def test_fused_small_rejects_bad_input(rng):
+    import cupy
+
+    from ddtree_rtc.kernels.moe_gemm import _FUSED_STAGE_BYTES, _FUSED_STATIC_SMEM, moe_experts, moe_plan
+    from ddtree_rtc.testing import to_device_bf16
+
+    ex, exg = experts_for("small")
+    e, h, i, top_k, poison = DIMS["small"]
+    with pytest.raises(ValueError, match="M <= 8 tokens"):
+        moe_plan(9, e, top_k, h, i, small="fused")
+    with pytest.raises(ValueError, match="known small-M variants"):
+        moe_plan(1, e, top_k, h, i, small="tiny")
+    optin = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    too_deep = [s for s in range(2, 11) if s * _FUSED_STAGE_BYTES + _FUSED_STATIC_SMEM > optin]
+    if too_deep:  # sm_120's 99 KB; H100 / H200 take all ten
+        with pytest.raises(ValueError, match="exceed this GPU's"):
+            moe_plan(1, e, top_k, h, i, small="fused", fused_stages=too_deep[0])
+    x = to_device_bf16(random_bf16(rng, (3, h)))
+    ids, w = random_routing(rng, 3, e, top_k, allowed=range(e - poison))
+    bad = ids.copy()
+    bad[1, 0] = e
+    plan = moe_plan(3, e, top_k, h, i, small="fused")
+    with pytest.raises(ValueError, match=f"expert id {e} at pair {top_k}"):
+        moe_experts(x, cupy.asarray(bad), cupy.asarray(w), exg, plan=plan)
+    with pytest.raises(ValueError, match="plan: made for"):
+        moe_experts(x[:2], cupy.asarray(ids[:2]), cupy.asarray(w[:2]), exg, plan=plan)
+    # out-of-range ids without the host check contribute nothing, as on the default path
+    bad[1, 0] = -3
+    y = moe_experts(x, cupy.asarray(bad), cupy.asarray(w), exg, plan=plan, check_ids=False)
+    assert_close(y, ref_moe(x.get().view(bfloat16), bad, w, ex, check_ids=False), "bf16_accum")

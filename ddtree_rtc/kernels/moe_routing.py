@@ -80,6 +80,18 @@ def alignment_buffers(num_pairs: int, num_experts: int, block: int, large_block:
                         z(2), z(1), block, num_pairs, large_block, large_above, cap_s, cap_l)
 
 
+def check_ids_in_range(topk_ids, num_experts: int) -> None:
+    """Raise on the first expert id of ``topk_ids`` (device int32 [M, k]) outside [0, E) (one host sync)."""
+    import cupy
+
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= num_experts:
+        flat = topk_ids.reshape(-1)
+        i = int(cupy.argmax((flat < 0) | (flat >= num_experts)))
+        raise ValueError(f"topk_ids: expert id {int(flat[i])} at pair {i} (token {i // topk_ids.shape[1]}) "
+                         f"is out of range [0, {num_experts})")
+
+
 def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None = None,
               check_ids: bool = True, large_block: int | None = None,
               large_above: int | None = None, pdl: bool = False) -> MoEAlignment:
@@ -88,8 +100,6 @@ def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None =
     ``large_block``, all). With ``check_ids`` an id out of [0, E) raises (one host sync); without,
     such pairs are left out and ``error[0]`` is set. ``pdl``: a programmatic dependent launch
     (kernels/_launch.py), for a call right after the kernel that wrote ``topk_ids``."""
-    import cupy
-
     check("topk_ids", topk_ids, np.int32, ndim=2)
     p = topk_ids.size
     if p == 0:
@@ -98,12 +108,7 @@ def moe_align(topk_ids, num_experts: int, block: int, out: MoEAlignment | None =
         raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
     large_block, large_above = align_args(p, block, large_block, large_above)
     if check_ids:
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= num_experts:
-            flat = topk_ids.reshape(-1)
-            i = int(cupy.argmax((flat < 0) | (flat >= num_experts)))
-            raise ValueError(f"topk_ids: expert id {int(flat[i])} at pair {i} (token {i // topk_ids.shape[1]}) "
-                             f"is out of range [0, {num_experts})")
+        check_ids_in_range(topk_ids, num_experts)
     al = out if out is not None else alignment_buffers(p, num_experts, block, large_block, large_above)
     made = (al.block, al.num_pairs, al.large_block, al.large_above)
     if made != (block, p, large_block, large_above):

@@ -40,11 +40,12 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "8-pair runs for experts with few pairs, 32-pair runs for the rest)"),
     KernelSpec("moe_gemm", ("moe_gemm_nt1_h", "moe_gemm_nt1_f32", "moe_gemm_nt1_down", "moe_gemm_nt4_h",
                             "moe_gemm_nt4_f32", "moe_gate_up_reduce_kernel", "moe_combine_kernel",
-                            "moe_combine_f32_kernel"),
+                            "moe_combine_f32_kernel", "moe_fused_small"),
                "fused INT4 W4A16 group-32 expert GEMMs (mma.sync, weights on the 16-row side): gate_up "
-               "with SiLU*up, down, split-K reduce, weighted top-k combine",
+               "with SiLU*up, down, split-K reduce, weighted top-k combine; for M <= 8 one fused kernel "
+               "(gate_up slice -> down K-split -> atomic fp32 combine, the last CTA writes y)",
                params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4,
-                       "MOE_NT4_WEIGHTS_NORMAL": 1}),
+                       "MOE_NT4_WEIGHTS_NORMAL": 1, "MOE_STAGES_FUSED": 4}),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),
                "paged KV cache: write rows at slots; DDTree commit of accepted rows, in place, all layers"),
