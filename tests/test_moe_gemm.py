@@ -825,3 +825,20 @@ def test_fused_small_rejects_bad_input(rng):
     bad[1, 0] = -3
     y = moe_experts(x, cupy.asarray(bad), cupy.asarray(w), exg, plan=plan, check_ids=False)
     assert_close(y, ref_moe(x.get().view(bfloat16), bad, w, ex, check_ids=False), "bf16_accum")
+
+
+@pytest.mark.parametrize("m,top_k", [(1, 2), (3, 3)])
+def test_bench_mma_reference_matches_reference(rng, m, top_k):
+    """bench moe --variants checks every variant against mma_reference (the reference rebuilt from
+    the 'mma' blobs, in CuPy there); here in numpy against the compressed-tensors reference."""
+    from ddtree_rtc.bench.moe import mma_reference
+
+    e, h, i = 4, 256, 384
+    ex = random_compressed_experts(rng, e, h, i)
+    x = random_bf16(rng, (m, h))
+    ids, w = random_routing(rng, m, e, top_k)
+    ids[-1, -1] = e  # out of range: left out
+    got = mma_reference(x.view(np.uint16), ids, w, repack_experts(ex))
+    want = ref_moe(x, ids, w, ex, check_ids=False)
+    assert_close(got, want.view(np.uint16), "bf16")
+    assert np.mean(got == want.view(np.uint16)) > 0.98  # float64 vs fp32 slot sums: rare last-bit flips

@@ -13,9 +13,11 @@ GEMM a user without INT4 would run over the same experts and tokens: per touched
 gate_up, SiLU*mul, cuBLAS down (inputs gathered beforehand, outside the timing).
 
 ``--variants`` (K2.6 dims, M in --ms, bench and uniform routing): moe_route and moe_align alone, then
-moe_experts with the token tile forced to nt 1, forced to nt 4 and chosen per expert on the device
-(the default plan), each as a CUDA graph; % of the read ceiling counts route + experts against the
-touched experts' bytes; every variant's output is compared with nt 1's (``rel_diff`` in extra).
+moe_experts with the token tile forced to nt 1, forced to nt 4, chosen per expert on the device
+(the default plan) and, for M <= 8, the fused small-M kernel (``moe_plan(small="fused")``), each as a
+CUDA graph; % of the read ceiling counts route + experts against the touched experts' bytes; every
+variant's output is compared with nt 1's (``rel_diff`` in extra) and with the reference computed on
+the GPU from the same 'mma' blobs (``mma_reference``: ``rel_diff_ref``).
 ``--sweep`` (K2.6 dims): every plan setting of token tiles (nt 1 / nt 4 forced, or per expert above
 each --nt4-above threshold) x split-K of each GEMM, moe_experts alone as a CUDA graph, then the
 default plan and each GEMM of the best setting on its own: the data behind moe_plan's heuristic.
@@ -30,7 +32,17 @@ import sys
 
 import numpy as np
 
-from .harness import Row, bf16_to_f32, graphed, random_bf16_device, read_ceiling_gbs, rel_diff, report, time_gpu
+from .harness import (
+    Row,
+    bf16_to_f32,
+    f32_to_bf16_bits,
+    graphed,
+    random_bf16_device,
+    read_ceiling_gbs,
+    rel_diff,
+    report,
+    time_gpu,
+)
 
 TOP_K = 8
 SCALING = 2.827
@@ -59,6 +71,47 @@ def int4_experts_device(num_experts: int, hidden: int, inter: int, seed: int):
         return b
 
     return Int4Experts("mma", num_experts, hidden, inter, blob(2 * inter, hidden), None, blob(hidden, inter), None)
+
+
+def _dequant_mma(blob, n: int, k: int, xp):
+    """One 'mma' blob (uint8 [N/16, K/128, 1152], numpy or CuPy) -> fp32 [N, K] dequantized exactly:
+    ``int4_repack.unrepack_matrix`` and ``reference.moe_gemm.dequant_int4`` in array ops of ``xp``."""
+    from ..model.int4_repack import _NIBBLE_POS, BLOCK_BYTES, GROUP, TILE_K, TILE_N
+
+    tn, kc = n // TILE_N, k // TILE_K
+    b = xp.ascontiguousarray(blob).reshape(tn, kc, BLOCK_BYTES)
+    words = xp.ascontiguousarray(b[:, :, :1024]).view(xp.uint32).reshape(tn, kc, 2, 8, 4, 2, 2)
+    p = xp.ascontiguousarray(words.transpose(0, 6, 3, 1, 2, 5, 4)).reshape(n, k // 8)
+    pos = xp.asarray(_NIBBLE_POS.astype(np.uint32) * 4)  # value i sits at nibble _NIBBLE_POS[i]
+    q = ((p[:, :, None] >> pos[None, None, :]) & xp.uint32(0xF)).astype(xp.int32).reshape(n, k) - 8
+    s = xp.ascontiguousarray(b[:, :, 1024:]).view(xp.uint16).reshape(tn, kc, 8, 2, 4)
+    s = xp.ascontiguousarray(s.transpose(0, 3, 2, 1, 4)).reshape(n, k // GROUP)
+    s = (s.astype(xp.uint32) << 16).view(xp.float32)
+    return q.astype(xp.float32) * xp.repeat(s, GROUP, axis=1)
+
+
+def mma_reference(x_bits, ids, w, experts, xp=np):
+    """The reference's y (reference/moe_gemm.py: h rounded to bf16, float64 sums, y rounded to bf16
+    once) from experts in the kernels' 'mma' layout, in ``xp`` (CuPy on the GPU: the bench's
+    random K2.6 experts exist only as device blobs) -> bf16 bits [M, H]. Slots sum in float64, not in
+    the reference's fp32 slot order (a last-bit difference at most). Ids out of range contribute nothing."""
+    m, hid = x_bits.shape
+    inter = experts.intermediate
+    ids_h = np.asarray(ids.get() if hasattr(ids, "get") else ids)
+    w_h = np.asarray(w.get() if hasattr(w, "get") else w, dtype=np.float64)
+    xf = bf16_to_f32(x_bits).astype(xp.float64)
+    y = xp.zeros((m, hid), xp.float64)
+    for e in np.unique(ids_h[(ids_h >= 0) & (ids_h < experts.num_experts)]):
+        toks = np.nonzero((ids_h == e).any(axis=1))[0]
+        wt = xp.asarray(np.array([w_h[t][ids_h[t] == e].sum() for t in toks]))
+        gu = _dequant_mma(experts.w13[e], 2 * inter, hid, xp).astype(xp.float64) @ xf[toks].T  # fused tile rows
+        gu = gu.astype(xp.float32).reshape(inter // 8, 2, 8, len(toks))
+        g, u = gu[:, 0].reshape(inter, -1), gu[:, 1].reshape(inter, -1)
+        h = (g / (xp.float32(1) + xp.exp(-g)) * u).astype(xp.float32)  # fp32 SiLU * up, as the reference
+        h = bf16_to_f32(f32_to_bf16_bits(h)).astype(xp.float64)
+        d = _dequant_mma(experts.w2[e], hid, inter, xp).astype(xp.float64) @ h  # [H, tokens]
+        y[xp.asarray(toks)] += (d * wt[None, :]).T
+    return f32_to_bf16_bits(y.astype(xp.float32))
 
 
 def _timed(fn, iters: int, extra: dict, key: str) -> float:
@@ -195,15 +248,15 @@ def _ints(s: str) -> list[int]:
 
 
 def variant_rows(ms, routings, iters: int) -> list[Row]:
-    """route, align, and moe_experts with nt 1 / nt 4 / per-expert tiles (the default) per (routing, M)."""
+    """route, align, and moe_experts with nt 1 / nt 4 / per-expert tiles (the default) / the fused small-M
+    kernel (M <= 8) per (routing, M), each checked against ``mma_reference``."""
     import cupy
 
-    from ..kernels.moe_gemm import moe_experts, moe_plan
+    from ..kernels.moe_gemm import SMALL_MAX_TOKENS, moe_experts, moe_plan
     from ..kernels.moe_routing import moe_align, moe_route
 
     e, h, inter = K26
     experts = int4_experts_device(e, h, inter, 0)
-    variants = (("nt1", {"nt": 1}), ("nt4", {"nt": 4}), ("default", {}))
     rows = []
     for routing in routings:
         rng = cupy.random.default_rng(1)
@@ -228,7 +281,11 @@ def variant_rows(ms, routings, iters: int) -> list[Row]:
             extra = {"routing": routing, "M": m, "experts_touched": touched, "max_pairs_per_expert": int(counts.max())}
             route_us = time_gpu(graphed(route), iters=iters).median_us
             rows.append(Row(f"route M={m} {routing}", route_us, bytes=logits.nbytes, extra=extra))
+            ref = bf16_to_f32(mma_reference(x, ids, w, experts, cupy).get())
             first = None
+            variants = [("nt1", {"nt": 1}), ("nt4", {"nt": 4}), ("default", {})]
+            if m <= SMALL_MAX_TOKENS:
+                variants.append(("fused", {"small": "fused"}))
             for name, kw in variants:
                 plan = moe_plan(m, e, TOP_K, h, inter, **kw)
                 if name == "default":
@@ -236,16 +293,31 @@ def variant_rows(ms, routings, iters: int) -> list[Row]:
                     rows.append(Row(f"align M={m} {routing}", time_gpu(graphed(lambda al=al, ids=ids: moe_align(
                         ids, e, al.block, out=al, check_ids=False, large_block=al.large_block,
                         large_above=al.large_above)), iters=iters).median_us, extra=extra))
-                us = time_gpu(graphed(lambda plan=plan, x=x, ids=ids, w=w, y=y: moe_experts(
-                    x, ids, w, experts, out=y, plan=plan, check_ids=False)), iters=iters).median_us
+                def experts_step(plan=plan, x=x, ids=ids, w=w, y=y):
+                    moe_experts(x, ids, w, experts, out=y, plan=plan, check_ids=False)
+
+                def layer(route=route, experts_step=experts_step):
+                    route()
+                    experts_step()
+
+                us = time_gpu(graphed(experts_step), iters=iters).median_us
+                layer_graph_us = time_gpu(graphed(layer), iters=iters).median_us  # one graph, as bench moe
                 yf = bf16_to_f32(y.get())
                 first = yf if first is None else first
                 layer_us = us + route_us  # the layer (route + experts) against the touched experts' bytes
-                rows.append(Row(f"experts M={m} {routing} [{name}: {plan.tiles}]", us,
-                                extra={**extra, "variant": name, "tiles": plan.tiles, "rel_diff": rel_diff(yf, first),
-                                       "layer_us": layer_us, "layer_bytes": int(nbytes),
+                rows.append(Row(f"experts M={m} {routing} [{name}: {plan.small or plan.tiles}]", us,
+                                extra={**extra, "variant": name, "tiles": plan.small or plan.tiles,
+                                       "rel_diff": rel_diff(yf, first), "rel_diff_ref": rel_diff(yf, ref),
+                                       "layer_us": layer_us, "layer_graph_us": layer_graph_us,
+                                       "layer_bytes": int(nbytes),
+                                       "layer_graph_fraction_of_read":
+                                           nbytes / layer_graph_us / 1e3 / read_ceiling_gbs(),
                                        "layer_fraction_of_read": nbytes / layer_us / 1e3 / read_ceiling_gbs()}))
-            print(f"  M={m} {routing}: " + ", ".join(f"{r.case} {r.us:.1f} µs" for r in rows[-5:]), flush=True)
+            done = rows[-(2 + len(variants)):]
+            print(f"  M={m} {routing}: " + ", ".join(
+                f"{r.case} {r.us:.1f} µs" + (f" (layer {r.extra['layer_graph_us']:.1f} µs, rel diff vs ref "
+                                             f"{r.extra['rel_diff_ref']:.1e})" if "variant" in r.extra else "")
+                for r in done), flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
     return rows
 
@@ -342,7 +414,10 @@ def main(argv=None) -> dict:
         rows = variant_rows(_ints(args.ms or "1,16,256,1024"), args.routing or list(ROUTINGS), args.iters)
         return report("INT4 MoE variants at K2.6 dims (CUDA graphs)", rows, args.json,
                       notes={"rel_diff": "max |y - y(nt1)| / max |y(nt1)|",
-                             "layer": "layer_bytes / layer_us (route + experts) is the layer's rate"})
+                             "rel_diff_ref": "max |y - y(ref)| / max |y(ref)|, ref = mma_reference on the GPU",
+                             "layer": "layer_bytes / layer_us (route + experts) is the layer's rate",
+                             "layer_graph_us": "route + experts captured as one CUDA graph (PDL edges included), "
+                                               "the way bench moe times the layer"})
     if args.sweep:
         args.routing = (args.routing or ["uniform"])[0]
         rows = sweep_rows(_ints(args.ms or "1,8,256,1024"), args)
