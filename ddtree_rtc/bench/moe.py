@@ -247,12 +247,13 @@ def _ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
 
-def variant_rows(ms, routings, iters: int) -> list[Row]:
+def variant_rows(ms, routings, iters: int, fused_stages=(0,)) -> list[Row]:
     """route, align, and moe_experts with nt 1 / nt 4 / per-expert tiles (the default) / the fused small-M
-    kernel (M <= 8) per (routing, M), each checked against ``mma_reference``."""
+    kernel (M <= 8; once per ring depth in ``fused_stages``, 0 = its default) per (routing, M), each
+    checked against ``mma_reference``."""
     import cupy
 
-    from ..kernels.moe_gemm import SMALL_MAX_TOKENS, moe_experts, moe_plan
+    from ..kernels.moe_gemm import SMALL_MAX_TOKENS, default_fused_stages, moe_experts, moe_plan
     from ..kernels.moe_routing import moe_align, moe_route
 
     e, h, inter = K26
@@ -285,14 +286,20 @@ def variant_rows(ms, routings, iters: int) -> list[Row]:
             first = None
             variants = [("nt1", {"nt": 1}), ("nt4", {"nt": 4}), ("default", {})]
             if m <= SMALL_MAX_TOKENS:
-                variants.append(("fused", {"small": "fused"}))
+                variants += [("fused" if st in (0, default_fused_stages()) else f"fused s{st}",
+                              {"small": "fused", "fused_stages": st or None}) for st in fused_stages]
             for name, kw in variants:
-                plan = moe_plan(m, e, TOP_K, h, inter, **kw)
+                try:
+                    plan = moe_plan(m, e, TOP_K, h, inter, **kw)
+                except ValueError as err:  # a ring deeper than this GPU's shared memory
+                    print(f"  M={m} {routing} [{name}]: skipped ({err})", flush=True)
+                    continue
                 if name == "default":
                     al = plan.align
                     rows.append(Row(f"align M={m} {routing}", time_gpu(graphed(lambda al=al, ids=ids: moe_align(
                         ids, e, al.block, out=al, check_ids=False, large_block=al.large_block,
                         large_above=al.large_above)), iters=iters).median_us, extra=extra))
+
                 def experts_step(plan=plan, x=x, ids=ids, w=w, y=y):
                     moe_experts(x, ids, w, experts, out=y, plan=plan, check_ids=False)
 
@@ -313,7 +320,7 @@ def variant_rows(ms, routings, iters: int) -> list[Row]:
                                        "layer_graph_fraction_of_read":
                                            nbytes / layer_graph_us / 1e3 / read_ceiling_gbs(),
                                        "layer_fraction_of_read": nbytes / layer_us / 1e3 / read_ceiling_gbs()}))
-            done = rows[-(2 + len(variants)):]
+            done = [r for r in rows if r.extra.get("M") == m and r.extra.get("routing") == routing]
             print(f"  M={m} {routing}: " + ", ".join(
                 f"{r.case} {r.us:.1f} µs" + (f" (layer {r.extra['layer_graph_us']:.1f} µs, rel diff vs ref "
                                              f"{r.extra['rel_diff_ref']:.1e})" if "variant" in r.extra else "")
@@ -404,6 +411,8 @@ def main(argv=None) -> dict:
                     help="route, align and the experts with nt 1 / nt 4 / per-expert tiles side by side (K2.6)")
     ap.add_argument("--sweep", action="store_true", help="every token-tile x split-K plan setting (K2.6)")
     ap.add_argument("--ms", help="--variants / --sweep: token counts (default 1,16,256,1024 / 1,8,256,1024)")
+    ap.add_argument("--fused-stages", default="0,6",
+                    help="--variants: ring depths of the fused small-M kernel to time at M <= 8 (0 = default)")
     ap.add_argument("--iters", type=int, default=20, help="--variants / --sweep: timed runs per case")
     ap.add_argument("--nts", default="1,4", help="--sweep: forced token tiles to try ('' for none)")
     ap.add_argument("--nt4-above", default="8,16", help="--sweep: per-expert thresholds to try ('' for none)")
@@ -411,7 +420,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--splits-down", default="1,2,4", help="--sweep: down split-K factors")
     args = ap.parse_args(argv)
     if args.variants:
-        rows = variant_rows(_ints(args.ms or "1,16,256,1024"), args.routing or list(ROUTINGS), args.iters)
+        rows = variant_rows(_ints(args.ms or "1,16,256,1024"), args.routing or list(ROUTINGS), args.iters,
+                            _ints(args.fused_stages))
         return report("INT4 MoE variants at K2.6 dims (CUDA graphs)", rows, args.json,
                       notes={"rel_diff": "max |y - y(nt1)| / max |y(nt1)|",
                              "rel_diff_ref": "max |y - y(ref)| / max |y(ref)|, ref = mma_reference on the GPU",
