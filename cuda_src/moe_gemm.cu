@@ -633,12 +633,14 @@ constexpr int kFusedMaxTokens = 8;
 constexpr int kFusedMaxPairs = kFusedThreads;  // M * top_k (checked on the host)
 
 // Which expert this CTA serves: the u-th pair (in pair order) whose id is in range and not seen at
-// a lower pair; -1 when the batch has u or fewer distinct experts. s_ids: the ids, -1 if invalid.
-__device__ __forceinline__ int fused_expert(const int* __restrict__ ids, int P, int E, int u, int* s_ids,
-                                            int* s_first, int* s_e) {
+// a lower pair; -1 when the batch has u or fewer distinct experts. s_ids: the ids, -1 if invalid;
+// s_wp: the pairs' routing weights (loaded beside the ids: one round trip, not two).
+__device__ __forceinline__ int fused_expert(const int* __restrict__ ids, const float* __restrict__ topk_w, int P,
+                                            int E, int u, int* s_ids, float* s_wp, int* s_first, int* s_e) {
   const int tid = threadIdx.x;
   if (tid < P) {
     const int v = ids[tid];
+    s_wp[tid] = topk_w[tid];
     s_ids[tid] = v >= 0 && v < E ? v : -1;
   }
   if (tid == 0) *s_e = -1;
@@ -667,7 +669,7 @@ extern "C" __global__ void __launch_bounds__(kFusedThreads, 1) moe_fused_small(
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ __align__(16) unsigned char hbuf[kActTileBytes];  // h of the slice, in the B layout
   __shared__ int s_ids[kFusedMaxPairs], s_first[kFusedMaxPairs], s_e, s_last;
-  __shared__ float s_w[kFusedMaxTokens];
+  __shared__ float s_wp[kFusedMaxPairs], s_w[kFusedMaxTokens];
   __shared__ unsigned s_mask;
   constexpr int kStages = MOE_STAGES_FUSED;
   static_assert(kStages >= 2, "the ring needs two stages");
@@ -675,7 +677,7 @@ extern "C" __global__ void __launch_bounds__(kFusedThreads, 1) moe_fused_small(
   pdl_trigger();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int slice = blockIdx.x, P = M * top_k;
-  const int e = fused_expert(topk_ids, P, E, blockIdx.y, s_ids, s_first, &s_e);
+  const int e = fused_expert(topk_ids, topk_w, P, E, blockIdx.y, s_ids, s_wp, s_first, &s_e);
   if (e >= 0) {
     if (warp == 0) {
       // token lane's routing weight for e, its slots summed in slot order
@@ -684,7 +686,7 @@ extern "C" __global__ void __launch_bounds__(kFusedThreads, 1) moe_fused_small(
       if (lane < M)
         for (int j = 0; j < top_k; ++j)
           if (s_ids[lane * top_k + j] == e) {
-            wsum += topk_w[lane * top_k + j];
+            wsum += s_wp[lane * top_k + j];
             uses = true;
           }
       const unsigned mask = __ballot_sync(0xffffffffu, uses);

@@ -694,6 +694,18 @@ def test_emulated_fused_small_matches_reference(rng, m, top_k, dup):
     assert_close(got, ref_moe(x, ids, w, ex, shared=shared, check_ids=False), "bf16_accum")
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_fused_small_static_shared_memory(arch):
+    """The plan's shared-memory check counts the kernel's static shared memory as a constant: keep it
+    equal to what the build reports (and the default ring within sm_120's 99 KB per block)."""
+    from ddtree_rtc.kernels.moe_gemm import _FUSED_STAGE_BYTES, _FUSED_STATIC_SMEM, default_fused_stages
+    from ddtree_rtc.kernels.registry import spec
+    from ddtree_rtc.rtc import build
+
+    assert build(spec("moe_gemm"), arch).resources["moe_fused_small"]["shared"] == _FUSED_STATIC_SMEM
+    assert default_fused_stages() * _FUSED_STAGE_BYTES + _FUSED_STATIC_SMEM <= 99 * 1024
+
+
 def test_fused_small_argument_rules():
     from ddtree_rtc.kernels.moe_gemm import SMALL_MAX_TOKENS, check_small, default_fused_stages
 

@@ -46,7 +46,7 @@ SMALL_VARIANTS = ("fused",)
 SMALL_MAX_TOKENS = 8
 _FUSED_THREADS = 256
 _FUSED_STAGE_BYTES = 8 * 2 * BLOCK_BYTES + 8 * TILE_K * 2  # 16 weight blocks + 8 tokens x k128 bf16
-_FUSED_STATIC_SMEM = 4144  # its static shared memory (h, the ids, flags; `kernels build` lists it)
+_FUSED_STATIC_SMEM = 5168  # its static shared memory (h, the ids and weights, flags; `kernels build` lists it)
 _MAX_GRID_Y = 65535
 
 
