@@ -661,7 +661,9 @@ __device__ __forceinline__ int fused_expert(const int* __restrict__ ids, const f
   return *s_e;
 }
 
-extern "C" __global__ void __launch_bounds__(kFusedThreads, 1) moe_fused_small(
+// Two CTAs per SM (128 registers, 2 x 86 KB of shared memory with the default ring): at M = 2..8 the
+// grid has several waves of CTAs.
+extern "C" __global__ void __launch_bounds__(kFusedThreads, 2) moe_fused_small(
     const unsigned char* __restrict__ w13, long long w13_expert_bytes, const unsigned char* __restrict__ w2,
     long long w2_expert_bytes, const bf16* __restrict__ x, const int* __restrict__ topk_ids,
     const float* __restrict__ topk_w, int M, int top_k, int E, int H, int I, const bf16* __restrict__ shared,
@@ -815,23 +817,35 @@ extern "C" __global__ void __launch_bounds__(kFusedThreads, 1) moe_fused_small(
   __syncthreads();
   if (!s_last) return;
   __threadfence();
+  // loads of kBatch float4 per thread issued before any use: one L2 round trip per batch
+  constexpr int kBatch = 8;
   const int n4 = M * H / 4;
   float4* acc4 = reinterpret_cast<float4*>(acc_out);
-#pragma unroll 4
-  for (int i = tid; i < n4; i += kFusedThreads) {
-    float4 v = __ldcg(acc4 + i);
-    __stcg(acc4 + i, make_float4(0.f, 0.f, 0.f, 0.f));
-    float a[4] = {v.x, v.y, v.z, v.w};
-    if (shared) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(shared + 4LL * i);
-      const bf16* b = reinterpret_cast<const bf16*>(&raw);
+  for (int i0 = tid; i0 < n4; i0 += kBatch * kFusedThreads) {
+    float4 v[kBatch];
+    uint2 sh[kBatch];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) a[c] += to_f32(b[c]);
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = i0 + b * kFusedThreads;
+      v[b] = i < n4 ? __ldcg(acc4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+      sh[b] = i < n4 && shared ? *reinterpret_cast<const uint2*>(shared + 4LL * i) : make_uint2(0u, 0u);
     }
-    if (f32_out)
-      store4(reinterpret_cast<float*>(y) + 4LL * i, a);
-    else
-      store4(reinterpret_cast<bf16*>(y) + 4LL * i, a);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = i0 + b * kFusedThreads;
+      if (i >= n4) break;
+      __stcg(acc4 + i, make_float4(0.f, 0.f, 0.f, 0.f));
+      const bf16* sb = reinterpret_cast<const bf16*>(&sh[b]);
+      float a[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+      if (shared) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) a[c] += to_f32(sb[c]);
+      }
+      if (f32_out)
+        store4(reinterpret_cast<float*>(y) + 4LL * i, a);
+      else
+        store4(reinterpret_cast<bf16*>(y) + 4LL * i, a);
+    }
   }
   if (tid == 0) *counter = 0u;
 }
