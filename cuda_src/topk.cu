@@ -1206,6 +1206,295 @@ __device__ __forceinline__ Shared carve(int cand_keys, unsigned long long* top) 
   return sh;
 }
 
+// ---------------------------------------------------------------- radix variant
+// Two launches per call (docs/architecture.md section 1, the round's top-k), no block waiting on
+// another and no per-block select:
+//   hist (grid (C, rows), RT threads, chunks of a multiple of 256 16-byte vectors): one streaming
+//     read of each chunk with every thread's loads of a step in flight. Per element: the online
+//     max / sum of exponentials (fp32, the same math as the other variants). Per vector: its
+//     largest element (sanitized, -0 -> +0) as an order key; the top RB bits of that key are
+//     counted in a shared histogram, flushed once per block into the row's global histogram (one
+//     atomic per non-zero bin), and per group of 32 consecutive vectors (512 bytes) the largest
+//     bin is written to gmax[row, group]. (max, sum) go to ms[row, chunk].
+//   select (grid rows, RT threads): the row's histogram gives the bin T holding the K-th largest
+//     vector key: K distinct vectors, hence K elements, have a key >= T's lower edge t, and every
+//     element >= t lies in a group whose gmax >= T. Only those groups are re-read (mostly from L2:
+//     a few dozen of the 640 per bf16 row at k = 64); their elements >= t go to a shared buffer.
+//     On overflow (heavy ties at t) the K-th best buffered key raises the threshold and the flagged
+//     groups are read again, as in the slices kernel. Then: rank directly (<= RADIX_RANK
+//     candidates), or a value-only select and rank, or the exact radix select + bitonic sort.
+//     The block also zeroes the row's histogram for the next launch (and graph replay).
+// NaN / +inf: a vector whose NaN-propagating max is not finite is sanitized in registers first.
+constexpr int RT = 256;
+constexpr int RU = 4;           // vectors per thread and step, all loads in flight
+constexpr int RB = 12;          // histogram bits: sign, 8 exponent bits, 3 mantissa bits
+constexpr int RBINS = 1 << RB;  // 4096
+constexpr int RADIX_RANK = MAX_K;  // candidates ranked directly (in sh.top on the value-select path)
+static_assert(RT == ST, "value_select strides by ST");
+static_assert(RBINS * 4 <= CAP * 8, "the row histogram is staged in the candidate buffer");
+
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+__device__ __forceinline__ unsigned bf16x2_max_nan(unsigned a, unsigned b) {
+  unsigned d;
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The largest element of a vector as a float, NaN if any element is NaN.
+template <typename T>
+__device__ __forceinline__ float vec_max_nan(const uint4& r) {
+  if (sizeof(T) == 2) {
+    const unsigned w = bf16x2_max_nan(bf16x2_max_nan(r.x, r.y), bf16x2_max_nan(r.z, r.w));
+    return max_nan(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+  return max_nan(max_nan(__uint_as_float(r.x), __uint_as_float(r.y)),
+                 max_nan(__uint_as_float(r.z), __uint_as_float(r.w)));
+}
+
+// The vector with NaN / +inf elements replaced by -inf (bit patterns of T).
+template <typename T>
+__device__ __forceinline__ uint4 vec_sanitize(const uint4& r) {
+  using W = Vec16<T>;
+  float x[W::N];
+  W::unpack(r, x);
+  unsigned w[4];
+  if (sizeof(T) == 2) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] = (__float_as_uint(sanitize(x[2 * i])) >> 16) | (__float_as_uint(sanitize(x[2 * i + 1])) & 0xffff0000u);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(sanitize(x[i]));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Vector v of a row (16-byte aligned rows with whole vectors when VL; else element loads, -inf past V).
+template <typename T, bool VL>
+__device__ __forceinline__ uint4 row_vec(const T* row, int V, int v) {
+  using W = Vec16<T>;
+  if (VL) return *reinterpret_cast<const uint4*>(row + (long long)v * W::N);
+  return W::load_scalar(row + (long long)v * W::N, V - v * W::N);
+}
+
+// hist [RBINS] and red_f [2 * RT / 32]: the kernel's shared memory (one copy for both template paths).
+template <typename T, bool VL>
+__device__ void radix_hist_block(const T* logits, int V, int C, int cvec, float* ms, int ms_stride,
+                                 unsigned* ghist, unsigned short* gmax, int g_stride, unsigned* hist,
+                                 float* red_f) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int c = blockIdx.x, row = blockIdx.y;
+  const int nvec = (V + VEC - 1) / VEC;
+  const int v0 = c * cvec;  // < nvec: the host launches ceil(nvec / cvec) chunks per row
+  const int n = min(cvec, nvec - v0);
+  const T* src = logits + (long long)row * V;
+  for (int i = tid; i < RBINS; i += RT) hist[i] = 0u;
+  __syncthreads();
+  float m = neg_inf(), s = 0.f, s2 = 0.f;
+#pragma unroll 1
+  for (int base = 0; base < n; base += RT * RU) {
+    uint4 raw[RU];
+#pragma unroll
+    for (int u = 0; u < RU; ++u) {
+      const int v = base + u * RT + tid;
+      raw[u] = v < n ? row_vec<T, VL>(src, V, v0 + v) : neg_inf_vec<T>();
+    }
+#pragma unroll
+    for (int u = 0; u < RU; ++u) {
+      const int v = base + u * RT + tid;  // this warp's 32 vectors are one group (cvec % 256 == 0)
+      if (base + u * RT >= n) break;      // uniform: no thread has more
+      float vm = vec_max_nan<T>(raw[u]);
+      if (!(vm <= FLT_MAX_F)) {  // NaN or +inf in the vector (rare)
+        raw[u] = vec_sanitize<T>(raw[u]);
+        vm = vec_max_nan<T>(raw[u]);
+      }
+      const unsigned bin = ord32(canon(vm)) >> (32 - RB);
+      if (v < n) atomicAdd(&hist[bin], 1u);
+      const unsigned gbin = __reduce_max_sync(FULL, v < n ? bin : 0u);
+      if (lane == 0 && v < n) gmax[(long long)row * g_stride + (v0 + v) / 32] = (unsigned short)gbin;  // lane 0 has the warp's first vector
+      if (vm > m) {
+        s = (s + s2) * fast_exp2((m - vm) * LOG2E);  // m = -inf: s is 0 and stays 0
+        s2 = 0.f;
+        m = vm;
+      }
+      const float ml = m == neg_inf() ? 0.f : m * LOG2E;  // all -inf so far: every term is 0
+      float x[VEC];
+      W::unpack(raw[u], x);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float y = fast_exp2(fmaf(x[e], LOG2E, -ml));
+        if (e & 1) s2 += y;
+        else s += y;
+      }
+    }
+  }
+  s += s2;
+  __syncthreads();
+  unsigned* rh = ghist + (long long)row * RBINS;
+  for (int i = tid; i < RBINS; i += RT) {
+    const unsigned h = hist[i];
+    if (h) atomicAdd(rh + i, h);
+  }
+  // block (max, sum): the same reduction as block_lse, on this kernel's own scratch
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float mo = __shfl_xor_sync(FULL, m, o), so = __shfl_xor_sync(FULL, s, o);
+    lse_combine(m, s, mo, so);
+  }
+  if (lane == 0) {
+    red_f[tid >> 5] = m;
+    red_f[RT / 32 + (tid >> 5)] = s;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    m = neg_inf();
+    s = 0.f;
+    for (int w = 0; w < RT / 32; ++w) lse_combine(m, s, red_f[w], red_f[RT / 32 + w]);
+    ms[2 * ((long long)row * ms_stride + c)] = m;
+    ms[2 * ((long long)row * ms_stride + c) + 1] = s;
+  }
+}
+
+// Append every element with key >= thr of the groups whose gmax >= tb to sh.cand (the count in
+// sh.scalars[0] goes on past CAP). A warp takes 32 groups at a time and loads up to RU flagged
+// ones at once, a vector per lane.
+template <typename T, bool VL>
+__device__ void radix_collect(const T* row, int V, const unsigned short* gm, unsigned tb,
+                              unsigned long long thr, const Shared& sh) {
+  using W = Vec16<T>;
+  constexpr int VEC = W::N;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nvec = (V + VEC - 1) / VEC, ngroups = (nvec + 31) / 32;
+  const unsigned lt = (1u << lane) - 1u;
+  for (int g0 = warp * 32; g0 < ngroups; g0 += RT) {
+    const int g = g0 + lane;
+    unsigned bits = __ballot_sync(FULL, g < ngroups && gm[g] >= tb);
+    while (bits) {
+      int gs[RU];
+      uint4 raw[RU];
+#pragma unroll
+      for (int u = 0; u < RU; ++u) {
+        gs[u] = bits ? g0 + __ffs(bits) - 1 : -1;
+        bits &= bits - 1u;
+        const int v = gs[u] * 32 + lane;
+        raw[u] = gs[u] >= 0 && v < nvec ? row_vec<T, VL>(row, V, v) : neg_inf_vec<T>();
+      }
+#pragma unroll
+      for (int u = 0; u < RU; ++u) {
+        if (gs[u] < 0) break;  // uniform
+        const int v = gs[u] * 32 + lane;
+        float x[VEC];
+        W::unpack(raw[u], x);
+        unsigned long long kx[VEC];
+        unsigned bal[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          kx[e] = make_key(ord32(canon(sanitize(x[e]))), v * VEC + e);
+          bal[e] = __ballot_sync(FULL, v < nvec && v * VEC + e < V && kx[e] >= thr);
+        }
+        unsigned pos = warp_claim(bal, &sh.scalars[0]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const unsigned at = pos + __popc(bal[e] & lt);
+          if ((bal[e] >> lane & 1u) && at < (unsigned)CAP) sh.cand[at] = kx[e];
+          pos += __popc(bal[e]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, bool VL>
+__device__ void radix_select_block(const T* logits, int V, int K, int C, const float* ms, int ms_stride,
+                                   unsigned* ghist, const unsigned short* gmax, int g_stride, float* logq_out,
+                                   int* ids_out, const Shared& sh) {
+  constexpr int PER = RBINS / RT;  // bins per thread
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int row = blockIdx.x;
+  const T* src = logits + (long long)row * V;
+  // The row's histogram: thread t holds bins [PER t, PER t + PER) and zeroes them in global memory.
+  unsigned* rh = ghist + (long long)row * RBINS;
+  unsigned* h = reinterpret_cast<unsigned*>(sh.cand);  // staged over the candidate buffer
+  unsigned local = 0u;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const unsigned c = __ldcg(rh + PER * tid + i);
+    h[PER * tid + i] = c;
+    local += c;
+  }
+#pragma unroll
+  for (int i = 0; i < PER; ++i) rh[PER * tid + i] = 0u;
+  // above = the count in the bins of higher threads (a suffix sum over the block)
+  unsigned incl = local;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned t = __shfl_down_sync(FULL, incl, d);
+    if (lane + d < 32) incl += t;
+  }
+  __shared__ unsigned warp_sum[RT / 32];
+  __shared__ unsigned tbin;
+  if (lane == 0) warp_sum[warp] = incl;
+  if (tid == 0) tbin = 0u;  // fewer than K vectors in the row: every element is a candidate
+  __syncthreads();
+  unsigned above = incl - local;
+  for (int w = warp + 1; w < RT / 32; ++w) above += warp_sum[w];
+  for (int i = PER - 1; i >= 0; --i) {
+    const unsigned c = h[PER * tid + i];
+    if (above < (unsigned)K && (unsigned)K <= above + c) tbin = (unsigned)(PER * tid + i);  // one thread
+    above += c;
+  }
+  // The row's (max, sum) from its chunks; block_lse's barriers also publish tbin.
+  float m = neg_inf(), s = 0.f;
+  for (int j = tid; j < C; j += RT)
+    lse_combine(m, s, ms[2 * ((long long)row * ms_stride + j)], ms[2 * ((long long)row * ms_stride + j) + 1]);
+  block_lse<RT>(m, s, sh);
+  const unsigned tb = tbin;
+  const unsigned short* gm = gmax + (long long)row * g_stride;
+  unsigned long long thr = (unsigned long long)(tb << (32 - RB)) << 32;
+  int n;
+  while (true) {
+    __syncthreads();  // everyone is done with the staged histogram / the buffer and the counter
+    if (tid == 0) sh.scalars[0] = 0u;
+    __syncthreads();
+    radix_collect<T, VL>(src, V, gm, tb, thr, sh);
+    __syncthreads();
+    n = (int)sh.scalars[0];  // >= K: K vectors reach thr with their largest element
+    if (n <= CAP) break;
+    thr = radix_select<RT>(sh.cand, CAP, K, sh);  // K-th best of those kept: strictly higher
+  }
+  const long long out_row = (long long)row * K;
+  const float lse = row_lse(m, s);
+  if (n <= RADIX_RANK) {
+    rank_write<RT>(sh.cand, n, K, nullptr, lse, logq_out + out_row, ids_out + out_row);
+    return;
+  }
+  unsigned cv;
+  const unsigned long long tv = value_select<sizeof(T) * 8>(sh.cand, n, K, &cv, sh);
+  if (cv <= (unsigned)RADIX_RANK) {  // the keys reaching the K-th value: rank those
+    if (tid == 0) sh.scalars[4] = 0u;
+    __syncthreads();
+    for (int i0 = 0; i0 < n; i0 += RT) {
+      const int i = i0 + tid;
+      const unsigned long long k = i < n ? sh.cand[i] : 0ull;
+      const bool take = i < n && k >= tv;
+      const unsigned pos = warp_append(take, &sh.scalars[4]);
+      if (take) sh.top[pos] = k;
+    }
+    __syncthreads();
+    rank_write<RT>(sh.top, (int)cv, K, nullptr, lse, logq_out + out_row, ids_out + out_row);
+    return;
+  }
+  gather<RT>(sh.cand, n, radix_select<RT>(sh.cand, n, K, sh), sh);  // many ties at the K-th value
+  sort_top<RT>(K, sh);
+  write_row<RT>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
+}
+
 }  // namespace
 
 // logits [rows, V]; logq [rows, K] fp32, ids [rows, K] int32; grid rows * S, block 512, dynamic
@@ -1266,4 +1555,47 @@ extern "C" __global__ void __launch_bounds__(ST, TOPK_STREAM_BLOCKS) topk_stream
   const StreamShared ss = stream_carve();
   if (vec) stream_block<float, true>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, ss);
   else stream_block<float, false>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, ss);
+}
+
+// Radix variant, launch 1 of 2. grid (C, rows), block 256, no dynamic shared memory; cvec
+// (16-byte vectors per chunk) a multiple of 256, C = ceil(ceil(V / VEC) / cvec), VEC = 16 / element
+// size. vec = 1: rows are 16-byte aligned and V % VEC == 0. ms [rows, >= C, 2] (row stride
+// ms_stride chunks), ghist [rows, 4096] uint32 zero before (the select launch zeroes it again),
+// gmax [rows, >= ceil(ceil(V / VEC) / 32)] uint16 (row stride g_stride).
+extern "C" __global__ void __launch_bounds__(RT, 4) topk_radix_hist_bf16_kernel(
+    const unsigned short* __restrict__ logits, int V, int C, int cvec, int vec, float* __restrict__ ms, int ms_stride,
+    unsigned* __restrict__ ghist, unsigned short* __restrict__ gmax, int g_stride) {
+  __shared__ unsigned hist[RBINS];
+  __shared__ float red_f[2 * (RT / 32)];
+  if (vec) radix_hist_block<unsigned short, true>(logits, V, C, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f);
+  else radix_hist_block<unsigned short, false>(logits, V, C, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f);
+}
+
+extern "C" __global__ void __launch_bounds__(RT, 4) topk_radix_hist_f32_kernel(
+    const float* __restrict__ logits, int V, int C, int cvec, int vec, float* __restrict__ ms, int ms_stride,
+    unsigned* __restrict__ ghist, unsigned short* __restrict__ gmax, int g_stride) {
+  __shared__ unsigned hist[RBINS];
+  __shared__ float red_f[2 * (RT / 32)];
+  if (vec) radix_hist_block<float, true>(logits, V, C, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f);
+  else radix_hist_block<float, false>(logits, V, C, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f);
+}
+
+// Radix variant, launch 2 of 2 (after the hist launch on the same stream). grid rows, block 256,
+// dynamic shared memory (TOPK_CAP + 512) * 8 bytes; the arguments as for the hist launch, K <= 512.
+extern "C" __global__ void __launch_bounds__(RT, 2) topk_radix_select_bf16_kernel(
+    const unsigned short* __restrict__ logits, int V, int K, int C, int vec, const float* __restrict__ ms,
+    int ms_stride, unsigned* __restrict__ ghist, const unsigned short* __restrict__ gmax, int g_stride,
+    float* __restrict__ logq, int* __restrict__ ids) {
+  const Shared sh = carve(CAP, nullptr);
+  if (vec) radix_select_block<unsigned short, true>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh);
+  else radix_select_block<unsigned short, false>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh);
+}
+
+extern "C" __global__ void __launch_bounds__(RT, 2) topk_radix_select_f32_kernel(
+    const float* __restrict__ logits, int V, int K, int C, int vec, const float* __restrict__ ms, int ms_stride,
+    unsigned* __restrict__ ghist, const unsigned short* __restrict__ gmax, int g_stride, float* __restrict__ logq,
+    int* __restrict__ ids) {
+  const Shared sh = carve(CAP, nullptr);
+  if (vec) radix_select_block<float, true>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh);
+  else radix_select_block<float, false>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh);
 }

@@ -1,7 +1,7 @@
-"""Vocabulary top-k: the reference against a float64 full sort and its rules (CPU), then the three
+"""Vocabulary top-k: the reference against a float64 full sort and its rules (CPU), then the four
 kernel variants against the reference: ids exactly, log-probs to fp32 tolerance, on every path
 (vectorised or not, one or several blocks per row, chunk sizes, the stream kernel's compactions and
-its restart on NaN / +inf, candidate-buffer overflow of the slices kernel)."""
+its restart on NaN / +inf, candidate-buffer overflow of the slices and radix kernels)."""
 
 import numpy as np
 import pytest
@@ -129,11 +129,14 @@ def run_gpu(x, k, slices=None, cap=None, offset=0, repeat=1, variant=None, vecto
         assert got[0] is logq and got[1] is ids
     if ws.count is not None:
         assert int(ws.count.sum()) == 0
+    if ws.hist is not None:  # radix: the select launch zeroes the row histograms again
+        assert int(ws.hist.sum()) == 0
     return logq.get(), ids.get()
 
 
-def check_gpu(x, k, **kw):
-    want_logq, want_ids = topk_logprobs(x, k)
+def check_gpu(x, k, want=None, **kw):
+    """``want``: the reference's (logq, ids) for (x, k) when the caller has it already."""
+    want_logq, want_ids = topk_logprobs(x, k) if want is None else want
     logq, ids = run_gpu(x, k, **kw)
     if not np.array_equal(ids, want_ids):
         bad = np.argwhere(ids != want_ids)[:3].tolist()
@@ -142,7 +145,7 @@ def check_gpu(x, k, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["stream", "chunked", "slices"])
+@pytest.mark.parametrize("variant", ["stream", "chunked", "slices", "radix"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16])
 @pytest.mark.parametrize("vocab", [1, 7, 1000, 4099, 20_000, 163_840])
@@ -212,12 +215,56 @@ def test_kernel_candidate_overflow(rng, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["stream", "chunked", "slices"])
+@pytest.mark.parametrize("variant", ["stream", "chunked", "slices", "radix"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_kernel_batch_of_drafter_rows(rng, variant, batch):
     x = make_logits(rng, batch * 7, 163_840, "zipf_perm").astype(bfloat16).reshape(batch, 7, 163_840)
     for k in (64, 256 if variant == "stream" else 512):
         check_gpu(x, k, variant=variant, repeat=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["zipf_perm", "zipf_sorted", "normal", "quant", "equal", "zeros", "weird"])
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+@pytest.mark.parametrize("vocab", [4099, 163_840, 163_837])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_kernel_radix(rng, kind, dtype, vocab, batch):
+    """Radix: drafter-shaped batches (depth 7) of Zipf, random and heavily tied rows, odd vocabularies
+    (the element-load path), k 1..512, the default split and one-vector-step chunks (the most chunks
+    per row), repeated launches (the row histograms are zeroed again), NaN-filled outputs."""
+    if batch == 32 and (vocab != 163_840 or kind not in ("zipf_perm", "quant")):
+        pytest.skip("batch 32: the two main kinds on the drafter vocabulary only (the reference is slow)")
+    x = make_logits(rng, batch * 7, vocab, kind).astype(dtype).reshape(batch, 7, vocab)
+    for k in (1, 16, 64, 256, 512):
+        want = topk_logprobs(x, k)
+        check_gpu(x, k, want, variant="radix", repeat=2)
+        if k in (64, 512):
+            check_gpu(x, k, want, variant="radix", vectors=256)
+            check_gpu(x, k, want, variant="radix", vectors=1280, offset=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_kernel_radix_ties_and_overflow(rng, dtype):
+    """Radix: the threshold bin holds far more than the 8192-key buffer (few distinct values, one
+    value everywhere, one finite value among -inf, ties at the k-th value across groups and chunks),
+    and rows with fewer vectors than k."""
+    vocab = 163_840
+    x = np.round(rng.standard_normal((6, vocab)) * 0.5)  # ~5 distinct values
+    x[1] = 0.0
+    x[2] = -np.inf
+    x[2, vocab - 3] = 1.0
+    x[3] = np.where(rng.random(vocab) < 0.01, 2.0, 1.0)  # ~1600 at the top, the rest tied just below
+    x[4, ::2] = 7.0  # 81920 ties at the top
+    x[5] = -1.5
+    x = x.astype(dtype)
+    for k in (1, 37, 64, 256, 512):
+        want = topk_logprobs(x, k)
+        check_gpu(x, k, want, variant="radix", repeat=2)
+        check_gpu(x, k, want, variant="radix", vectors=512, offset=1)
+    small = make_logits(rng, 3, 600, "quant").astype(dtype)  # 75 / 150 vectors < k = 512
+    check_gpu(small, 512, variant="radix")
+    check_gpu(small, 200, variant="radix", offset=3)
 
 
 @pytest.mark.gpu
@@ -232,6 +279,7 @@ def test_kernel_default_variant():
     assert topk_workspace((1, 2**27), 64).variant == "stream"  # larger chunks keep the merge in bounds
     assert topk_workspace((3, 1000), 4, slices=1).variant == "slices"
     assert topk_workspace((1, 2**27), 512).variant == "slices"  # the merge would not fit
+    assert topk_workspace((32, 7, 163_840), 64, variant="radix").variant == "radix"  # only by name
 
 
 @pytest.mark.gpu
@@ -239,6 +287,7 @@ def test_kernel_rejects_bad_input():
     import cupy
 
     from ddtree_rtc.kernels.topk import _STREAM_STEP, topk_workspace
+    from ddtree_rtc.kernels.topk import launch as gpu_launch
     from ddtree_rtc.kernels.topk import topk_logprobs as gpu_topk
 
     x = cupy.zeros((4, 1000), dtype=cupy.float32)
@@ -270,3 +319,13 @@ def test_kernel_rejects_bad_input():
         topk_workspace((4, 1000), 4, variant="chunked", chunk=8192)
     with pytest.raises(ValueError, match="exceed the merge buffer"):
         topk_workspace((1, 327_680), 256, variant="stream", chunk=_STREAM_STEP)
+    with pytest.raises(ValueError, match="vectors=300 .* for 'radix'"):
+        topk_workspace((4, 1000), 4, variant="radix", vectors=300)
+    with pytest.raises(ValueError, match="slices and cap belong"):
+        topk_workspace((4, 1000), 4, variant="radix", slices=2)
+    with pytest.raises(ValueError, match="chunk belongs"):
+        topk_workspace((4, 1000), 4, variant="radix", chunk=8192)
+    with pytest.raises(ValueError, match="at most 65535 rows"):
+        topk_workspace((65536, 10), 4, variant="radix")
+    with pytest.raises(ValueError, match="cap belongs"):
+        gpu_launch(x, 4, workspace=topk_workspace((4, 1000), 4, variant="radix"), cap=1024)

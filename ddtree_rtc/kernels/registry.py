@@ -19,10 +19,14 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "argmax and seeded temperature / top-p sampling over the vocabulary"),
     # -- DDTree (issue: tree build) --
     KernelSpec("topk", ("topk_stream_bf16_kernel", "topk_stream_f32_kernel", "topk_chunk_bf16_kernel",
-                        "topk_chunk_f32_kernel", "topk_bf16_kernel", "topk_f32_kernel"),
+                        "topk_chunk_f32_kernel", "topk_bf16_kernel", "topk_f32_kernel",
+                        "topk_radix_hist_bf16_kernel", "topk_radix_hist_f32_kernel",
+                        "topk_radix_select_bf16_kernel", "topk_radix_select_f32_kernel"),
                "vocabulary top-k: fp32 log-softmax and the K best log-probs + ids per row, ties by id "
                "(stream: one read, a shared buffer of candidate vectors behind a rising threshold; chunked: "
-               "each chunk copied to shared memory; slices: the older one-block-per-slice kernel)",
+               "each chunk copied to shared memory; slices: the older one-block-per-slice kernel; radix: a "
+               "streaming histogram pass, then one block per row re-reads only the groups that can hold "
+               "candidates)",
                params={"TOPK_CAP": 8192, "TOPK_STREAM_BLOCKS": 2, "TOPK_PROFILE": 0}),
     KernelSpec("tree_build", ("tree_build_prune_j3", "tree_build_prune_j9", "tree_build_prune_j17",
                               "tree_build_j3", "tree_build_j9", "tree_build_j17"),

@@ -2,7 +2,7 @@
 ties, clamping) are in ddtree_rtc/reference/topk.py. Ids match the reference exactly, log-probs to
 fp32 rounding.
 
-Three variants, same results:
+Four variants, same results:
   * ``stream`` (default for k <= 256): every row is cut into chunks (multiples of 8 K tokens), one
     256-thread block each, reading its chunk once from HBM and keeping only the 16-byte vectors
     that reach a threshold rising as it goes; the last block of a row merges.
@@ -10,6 +10,10 @@ Three variants, same results:
     once into shared memory and selected there; the last block of a row merges.
   * ``slices``: the older kernel, one 512-thread block per row slice (at most 8 per row), which
     re-reads its slice (mostly from L2). Used for k = 257..511 and where no merge buffer would fit.
+  * ``radix`` (never the default yet; only by name): two launches. Many small blocks per row
+    stream the logits once (max / sum of exponentials, a 4096-bin histogram of each 16-byte
+    vector's largest key, the largest bin per 512-byte group); then one block per row finds the
+    bin holding the k-th vector key and re-reads only the groups that reach it.
 
 Plan/run: ``topk_workspace`` (host, once per shape) picks the split and allocates its scratch;
 ``topk_logprobs`` with a workspace and outputs given is one graph-capturable launch.
@@ -27,7 +31,7 @@ from ._args import BF16, allow_dynamic_smem, check, dtype_name, out_array
 from ._launch import sm_count
 from .registry import module, spec
 
-VARIANTS = ("stream", "chunked", "slices")
+VARIANTS = ("stream", "chunked", "slices", "radix")
 _THREADS = 512  # fixed by the slices kernel
 _CHUNK_THREADS = 256  # fixed by the chunked kernel (CT)
 _MAX_VECS = 2048  # 16-byte vectors per chunk at most (MAX_VECS)
@@ -45,6 +49,11 @@ _STREAM_BUFFER = 2048 * 24  # bytes of dynamic shared memory: the vector buffer 
 _STREAM_MERGE_KEYS = _STREAM_BUFFER // 8  # chunks x k keys the merging block holds in that area
 _STREAM_MAX_CHUNKS = 5  # H200: more chunks per row cost more in per-block selects than they gain
 _MIN_SLICE = 16384  # below this a slice's selection and the merge cost more than the split saves
+_RADIX_THREADS = 256  # RT in the kernel
+_RADIX_BINS = 4096  # RBINS
+_RADIX_STEP = 256  # radix chunks are multiples of this many 16-byte vectors (one per thread)
+_RADIX_MIN_VECS = 1024  # default chunks at least this long: a block's histogram work is fixed
+_RADIX_BLOCKS_PER_SM = 8  # default split: about this many hist blocks per SM (two waves at 4 resident)
 
 
 def default_cap() -> int:
@@ -64,8 +73,10 @@ class TopkWorkspace:
     ms: object  # [rows, slices, 2] fp32 per-block (max, sum of exp)
     count: object  # [rows] uint32 arrival counters, zero between launches
     variant: str = "slices"
-    vectors: int = 0  # chunked: 16-byte vectors per chunk
+    vectors: int = 0  # chunked and radix: 16-byte vectors per chunk
     tokens: int = 0  # stream: tokens per chunk
+    hist: object = None  # radix: [rows, 4096] uint32 row histograms, zero between launches
+    gmax: object = None  # radix: [rows, groups of 32 fp32 vectors] uint16 largest bin per group
 
     def chunk(self, itemsize: int) -> int:
         """Chunk length in tokens for logits of this element size (chunked and stream variants)."""
@@ -108,6 +119,27 @@ def _plan_stream(rows: int, vocab: int, k: int) -> int | None:
 
 
 
+def _plan_radix(rows: int, vocab: int) -> int:
+    """16-byte vectors per radix chunk: enough chunks (of bf16 rows) for about
+    _RADIX_BLOCKS_PER_SM blocks per SM, each at least _RADIX_MIN_VECS long, in steps of 256."""
+    nvec = -(-vocab // 8)
+    want = -(-(_RADIX_BLOCKS_PER_SM * sm_count()) // max(rows, 1))
+    want = max(1, min(want, -(-nvec // _RADIX_MIN_VECS)))
+    vectors = -(-nvec // want)
+    return -(-vectors // _RADIX_STEP) * _RADIX_STEP
+
+
+def _radix(rows: int, vocab: int, k: int, vectors: int) -> TopkWorkspace:
+    """A radix workspace; its per-chunk and per-group scratch is sized for fp32 rows (the most vectors)."""
+    import cupy
+
+    nvec = -(-vocab // 4)
+    chunks = -(-nvec // vectors)
+    return TopkWorkspace(rows, vocab, k, chunks, None, cupy.empty((rows, chunks, 2), dtype=np.float32), None,
+                         "radix", vectors=vectors, hist=cupy.zeros((rows, _RADIX_BINS), dtype=np.uint32),
+                         gmax=cupy.empty((rows, -(-nvec // 32)), dtype=np.uint16))
+
+
 def _split(rows: int, vocab: int, k: int, chunks: int, variant: str, **fields) -> TopkWorkspace:
     """A workspace with ``chunks`` blocks per row (their scratch only when there are several)."""
     import cupy
@@ -125,7 +157,9 @@ def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = N
     chunked for larger k where its merge fits, else slices. Stream: ``chunk`` tokens per chunk (a
     multiple of 8192; default: the fewest chunks that give a full wave of blocks). Chunked:
     ``vectors`` 16-byte vectors per chunk (256..2048, default: full chunks, smaller while the grid is
-    under two blocks per SM). Slices: ``slices`` blocks per row (default: enough rows x slices to
+    under two blocks per SM). Radix (only when named): ``vectors`` 16-byte vectors per chunk, a
+    multiple of 256 (default: about 8 blocks per SM, chunks of at least 1024 vectors). Slices:
+    ``slices`` blocks per row (default: enough rows x slices to
     give every SM one block, at most 8, at least 16 K tokens per slice), ``cap`` the candidate
     buffer."""
     import cupy
@@ -158,6 +192,16 @@ def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = N
         if chunks * k > _STREAM_MERGE_KEYS:
             raise ValueError(f"chunk={chunk}: {chunks} chunks x k={k} exceed the merge buffer ({_STREAM_MERGE_KEYS})")
         return _split(rows, vocab, k, chunks, "stream", tokens=chunk)
+    if variant == "radix":
+        if slices is not None or cap is not None:
+            raise ValueError("slices and cap belong to the slices variant")
+        if rows > _MAX_ROWS:
+            raise ValueError(f"variant='radix' takes at most {_MAX_ROWS} rows (got {rows})")
+        if vectors is None:
+            vectors = _plan_radix(rows, vocab)
+        elif int(vectors) <= 0 or int(vectors) % _RADIX_STEP:
+            raise ValueError(f"vectors={vectors} is out of range: a positive multiple of {_RADIX_STEP} for 'radix'")
+        return _radix(rows, vocab, k, int(vectors))
     if variant == "chunked":
         if slices is not None or cap is not None:
             raise ValueError("slices and cap belong to the slices variant")
@@ -175,7 +219,7 @@ def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = N
             raise ValueError(f"vectors={vectors}: {chunks} chunks x k={k} exceed the merge buffer ({_MERGE_KEYS})")
         return _split(rows, vocab, k, chunks, "chunked", vectors=vectors)
     if vectors is not None:
-        raise ValueError("vectors belongs to the chunked variant")
+        raise ValueError("vectors belongs to the chunked and radix variants")
     cap = default_cap() if cap is None else int(cap)
     most = max(1, min(_MAX_SLICES, cap // k))
     if slices is None:
@@ -227,6 +271,24 @@ def launch(logits, k: int, out_logq=None, out_ids=None, workspace=None, cap: int
     per16 = 16 // logits.dtype.itemsize
     vec = int(vocab % per16 == 0 and logits.data.ptr % 16 == 0)
     null = np.uint64(0)
+    if ws.variant == "radix":
+        if cap is not None:
+            raise ValueError("cap belongs to the slices variant; the workspace is radix")
+        nvec = -(-vocab // per16)
+        chunks = -(-nvec // ws.vectors)
+        name = "bf16" if logits.dtype == BF16 else "f32"
+        hist_fn = module("topk").fn(f"topk_radix_hist_{name}_kernel")
+        select_fn = module("topk").fn(f"topk_radix_select_{name}_kernel")
+        smem = (default_cap() + 512) * 8
+        allow_dynamic_smem(select_fn, smem)
+        ms_stride, g_stride = np.int32(ws.ms.shape[1]), np.int32(ws.gmax.shape[1])
+        hist_fn((chunks, rows), (_RADIX_THREADS,),
+                (logits, np.int32(vocab), np.int32(chunks), np.int32(ws.vectors), np.int32(vec), ws.ms, ms_stride,
+                 ws.hist, ws.gmax, g_stride))
+        select_fn((rows,), (_RADIX_THREADS,),
+                  (logits, np.int32(vocab), np.int32(k), np.int32(chunks), np.int32(vec), ws.ms, ms_stride, ws.hist,
+                   ws.gmax, g_stride, logq, ids), shared_mem=smem)
+        return logq, ids
     if ws.variant == "stream":
         if cap is not None:
             raise ValueError("cap belongs to the slices variant; the workspace is stream")
