@@ -55,9 +55,13 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "paged KV cache: write rows at slots; DDTree commit of accepted rows, in place, all layers"),
     KernelSpec("mla_attention", ("mla_attention_m64_kernel", "mla_attention_m16_kernel",
                                  "mla_attention_small_kernel", "mla_attention_d16_kernel",
-                                 "mla_attention_w64_kernel", "mla_attention_merge_kernel"),
+                                 "mla_attention_w64_kernel", "mla_attention_merge_kernel",
+                                 "mla_attention_m64_fused_kernel", "mla_attention_m16_fused_kernel",
+                                 "mla_attention_small_fused_kernel", "mla_attention_d16_fused_kernel",
+                                 "mla_attention_w64_fused_kernel"),
                "absorbed MLA attention over the paged latent cache (decode / tree verify / causal "
-               "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge",
+               "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge; *_fused: the "
+               "same tiles with the split merge in the same launch",
                arch_specific=True),
     # -- the DFlash drafter's attention --
     KernelSpec("gqa_attention", ("gqa_attention_d64_kernel", "gqa_attention_d128_kernel",
