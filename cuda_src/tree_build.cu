@@ -807,27 +807,30 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
   const int prefix = prefix_lens[b], root = root_tokens[b];
   const int kc = min(K, max(budget, 1));  // ranks >= budget are never popped (kc <= ks)
 
-  // Stage the [L, ks] tiles, STAGE loads per lane in flight at once (one memory trip for L * ks <= 512).
-  // Row of flat index i: i * m >> 32 with m = 2^32 / ks + 1 (exact while i * ks < 2^32).
+  // Stage the [L, ks] tiles, STAGE loads per lane in flight at once (one memory trip for L * ks <= 512),
+  // without branches: indices past the tile load its last element again and store nothing. Flat index
+  // i = d * ks + c sits at d * K + c = i + d * (K - ks), its row d = i * m >> 32 with m = 2^32 / ks + 1
+  // (exact while i * ks < 2^32).
   constexpr int STAGE = 16;
+  const int total = L * ks;
   const unsigned long long m_div = (1ull << 32) / (unsigned)ks + 1ull;
-  const long long in0 = (long long)b * L * K;
-  for (int i0 = 0; i0 < L * ks; i0 += 32 * STAGE) {
+  const float* __restrict__ lq_in = logq + (long long)b * L * K;
+  const int* __restrict__ id_in = ids + (long long)b * L * K;
+  for (int i0 = 0; i0 < total; i0 += 32 * STAGE) {
     float v[STAGE];
     int t[STAGE];
 #pragma unroll
     for (int u = 0; u < STAGE; ++u) {
-      const int i = i0 + lane + 32 * u;
-      if (i < L * ks) {
-        const int d = (int)(((unsigned long long)i * m_div) >> 32), c = i - d * ks;
-        v[u] = logq[in0 + d * K + c];
-        t[u] = ids[in0 + d * K + c];
-      }
+      const int i = min(i0 + lane + 32 * u, total - 1);
+      const int d = (int)(((unsigned long long)i * m_div) >> 32);
+      const long long g = i + (long long)d * (K - ks);
+      v[u] = lq_in[g];
+      t[u] = id_in[g];
     }
 #pragma unroll
     for (int u = 0; u < STAGE; ++u) {
       const int i = i0 + lane + 32 * u;
-      if (i < L * ks) {
+      if (i < total) {
         s.lq[i] = v[u] != v[u] ? -FLT_MAX_F : fminf(fmaxf(v[u], -FLT_MAX_F), FLT_MAX_F);
         s.ids[i] = t[u];
       }
