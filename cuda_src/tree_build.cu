@@ -731,3 +731,293 @@ TREE_BUILD_ENTRY(tree_build_j17, 17, false)
 TREE_BUILD_ENTRY(tree_build_prune_j3, 3, true)
 TREE_BUILD_ENTRY(tree_build_prune_j9, 9, true)
 TREE_BUILD_ENTRY(tree_build_prune_j17, 17, true)
+
+// ---------------------------------------------------------------- the warp variant
+//
+// tree_build_warp_j*: the heap loop of the reference with the heap in registers, one warp per request
+// and blockDim.x / 32 requests per block (no block barrier anywhere). As in heap_loop, the heap holds
+// at most one entry per node: "slot i" = node i's next unpopped child, owned by lane i % 32 as its
+// register j = i / 32 (J * 32 >= max_budget + 1): score (double), order key ord64(score), rank-tuple
+// code, and rank / depth / node i's last popped child packed in one int.
+//
+// Order: larger key first; equal keys go to the smaller code. The code of a candidate holds its ranks
+// (not rank + 1) in fields of fb = bit_length(ks - 1) bits, depth 1 most significant, zeros after its
+// depth (fb * L <= 64). That is the tuple order for any two candidates on the heap at once: the popped
+// set is prefix-closed and a candidate's parent is popped, so no candidate on the heap is a proper
+// prefix of another (its ancestors are all popped); two such tuples differ at a position both have,
+// and the first one decides the codes too. So codes of distinct heap entries differ, and a rank-0
+// child's code is its parent's; a next sibling's is its predecessor's plus one unit at its depth.
+//
+// A pop: each lane takes the best of its J slots (a tournament in registers) and, off the chain, the
+// two successors of that best (next sibling (s - lq[d-1][r]) + lq[d-1][r+1], first child s + lq[d][0],
+// the reference's exact operation order); one warp max over the keys' high words, a ballot, and only
+// where several lanes share it the low words, then the codes. The winner records the node in shared
+// memory, turns its slot into the next sibling; the first child goes by shuffle to the lane that owns
+// slot `node`. Nothing but the next max depends on shared memory, so a pop is a short register chain
+// (vs heap_loop's ~1000 cycles of shared-memory rescans and two reductions per pop).
+namespace {
+
+constexpr int WARP_REQS = 4;  // requests (warps) per block at most; the wrapper may launch fewer
+
+// Per-request shared memory, `stride` bytes per warp (see warp_stride in kernels/tree_build.py):
+// node score [N] (double), parent, depth << 16 | rank, first child, next sibling [N] (int), then the
+// staged [L, ks] log-probs and ids.
+struct WarpSmem {
+  double* score;
+  int* parent;
+  int* info;
+  int* first_child;
+  int* next_sibling;
+  float* lq;
+  int* ids;
+};
+
+__device__ __forceinline__ bool cand_before(unsigned long long ka, unsigned long long ca, unsigned long long kb,
+                                            unsigned long long cb) {
+  return ka > kb || (ka == kb && ca < cb);
+}
+
+// slot info: rank (10 bits) | candidate depth << 10 (5 bits) | (node's last popped child + 1) << 15
+__device__ __forceinline__ int pack_info(int rank, int depth, int last) { return rank | depth << 10 | (last + 1) << 15; }
+
+template <int J>
+__device__ __forceinline__ void warp_build(const float* __restrict__ logq, const int* __restrict__ ids, int L, int K,
+                                           const int* __restrict__ root_tokens, const int* __restrict__ budgets,
+                                           const int* __restrict__ depths, const int* __restrict__ prefix_lens,
+                                           int B, int max_budget, int ks, int W, int fb, int stride, int* tokens,
+                                           int* parents, int* node_depth, int* positions, int* num_nodes,
+                                           unsigned long long* mask, int* first_child, int* next_sibling,
+                                           double* scores) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int b = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (b >= B) return;  // the whole warp leaves; nothing below synchronises the block
+  const int n_slots = max_budget + 1;
+  WarpSmem s;
+  s.score = reinterpret_cast<double*>(smem_raw + warp * stride);
+  s.parent = reinterpret_cast<int*>(s.score + n_slots);
+  s.info = s.parent + n_slots;
+  s.first_child = s.info + n_slots;
+  s.next_sibling = s.first_child + n_slots;
+  s.lq = reinterpret_cast<float*>(s.next_sibling + n_slots);
+  s.ids = reinterpret_cast<int*>(s.lq + L * ks);
+
+  const int budget = min(max(budgets[b], 0), max_budget);
+  const int depth_limit = min(max(depths[b], 0), L);
+  const int prefix = prefix_lens[b], root = root_tokens[b];
+  const int kc = min(K, max(budget, 1));  // ranks >= budget are never popped (kc <= ks)
+
+  // Stage the [L, ks] tiles, STAGE loads per lane in flight at once (one memory trip for L * ks <= 512),
+  // without branches: indices past the tile load its last element again and store nothing. Flat index
+  // i = d * ks + c sits at d * K + c = i + d * (K - ks), its row d = i * m >> 32 with m = 2^32 / ks + 1
+  // (exact while i * ks < 2^32).
+  constexpr int STAGE = 16;
+  const int total = L * ks;
+  const unsigned long long m_div = (1ull << 32) / (unsigned)ks + 1ull;
+  const float* __restrict__ lq_in = logq + (long long)b * L * K;
+  const int* __restrict__ id_in = ids + (long long)b * L * K;
+  for (int i0 = 0; i0 < total; i0 += 32 * STAGE) {
+    float v[STAGE];
+    int t[STAGE];
+#pragma unroll
+    for (int u = 0; u < STAGE; ++u) {
+      const int i = min(i0 + lane + 32 * u, total - 1);
+      const int d = (int)(((unsigned long long)i * m_div) >> 32);
+      const long long g = i + (long long)d * (K - ks);
+      v[u] = lq_in[g];
+      t[u] = id_in[g];
+    }
+#pragma unroll
+    for (int u = 0; u < STAGE; ++u) {
+      const int i = i0 + lane + 32 * u;
+      if (i < total) {
+        s.lq[i] = v[u] != v[u] ? -FLT_MAX_F : fminf(fmaxf(v[u], -FLT_MAX_F), FLT_MAX_F);
+        s.ids[i] = t[u];
+      }
+    }
+  }
+  for (int i = lane; i < n_slots; i += 32) {
+    s.first_child[i] = -1;
+    s.next_sibling[i] = -1;
+  }
+  if (lane == 0) {
+    s.score[0] = 0.0;
+    s.parent[0] = -1;
+    s.info[0] = 0;
+  }
+  __syncwarp();
+
+  double sc[J];
+  unsigned long long ky[J], cd[J];
+  int inf[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    sc[j] = 0.0;
+    ky[j] = 0ull;
+    cd[j] = 0ull;
+    inf[j] = 0;
+  }
+  if (lane == 0 && budget > 0 && depth_limit > 0) {  // (-lq[0][0], (0,), 0, 1, 0)
+    sc[0] = (double)s.lq[0];
+    ky[0] = ord64(sc[0]);
+    inf[0] = pack_info(0, 1, -1);
+  }
+  int n = 0;
+  while (n < budget) {
+    // this lane's best slot: a tournament over (key desc, code asc), then its score and info
+    unsigned long long tk[J], tc[J];
+    int tj[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      tk[j] = ky[j];
+      tc[j] = cd[j];
+      tj[j] = j;
+    }
+#pragma unroll
+    for (int step = 1; step < J; step <<= 1) {
+#pragma unroll
+      for (int j = 0; j + step < J; j += 2 * step) {
+        if (cand_before(tk[j + step], tc[j + step], tk[j], tc[j])) {
+          tk[j] = tk[j + step];
+          tc[j] = tc[j + step];
+          tj[j] = tj[j + step];
+        }
+      }
+    }
+    const unsigned long long bk = tk[0], bc = tc[0];
+    const int bj = tj[0];
+    double bs = sc[0];
+    int binf = inf[0];
+#pragma unroll
+    for (int j = 1; j < J; ++j) {
+      if (bj == j) {
+        bs = sc[j];
+        binf = inf[j];
+      }
+    }
+    // its successors (used only if it wins): the next sibling and the first child
+    const int r = binf & 1023, d = max((binf >> 10) & 31, 1);
+    const float* row = s.lq + (d - 1) * ks;
+    const bool has_sib = r + 1 < kc;
+    const double a = (double)row[r], nb = (double)row[min(r + 1, ks - 1)];
+    const double c0 = (double)row[d < L ? ks : 0];
+    const double sib = __dadd_rn(__dsub_rn(bs, a), nb);
+    const double chd = __dadd_rn(bs, c0);
+
+    // the warp's best: high key words, then (rarely) low words, then codes
+    const unsigned hi = (unsigned)(bk >> 32), lo = (unsigned)bk;
+    const unsigned mh = __reduce_max_sync(FULL, hi);
+    if (mh == 0u) break;  // every slot is empty: the heap is exhausted
+    unsigned tied = __ballot_sync(FULL, hi == mh);
+    if (tied & (tied - 1u)) {
+      const unsigned ml = __reduce_max_sync(FULL, hi == mh ? lo : 0u);
+      tied = __ballot_sync(FULL, hi == mh && lo == ml);
+      if (tied & (tied - 1u)) {  // equal scores: the smallest code (distinct on the heap) wins
+        const bool in = (tied >> lane) & 1u;
+        const unsigned ch = in ? (unsigned)(bc >> 32) : ~0u;
+        const unsigned mch = __reduce_min_sync(FULL, ch);
+        const bool in2 = in && ch == mch;
+        const unsigned mcl = __reduce_min_sync(FULL, in2 ? (unsigned)bc : ~0u);
+        tied = __ballot_sync(FULL, in2 && (unsigned)bc == mcl);
+      }
+    }
+    const int win = __ffs(tied) - 1;
+    const int node = ++n;
+    const double child_score = __shfl_sync(FULL, chd, win);
+    const unsigned long long child_code = __shfl_sync(FULL, bc, win);
+    const int wd = __shfl_sync(FULL, d, win);
+    if (lane == win) {
+      const int p = lane + 32 * bj;
+      s.score[node] = bs;
+      s.parent[node] = p;
+      s.info[node] = d << 16 | r;
+      if (r == 0) s.first_child[p] = node;
+      else s.next_sibling[(binf >> 15) - 1] = node;
+      const unsigned long long unit = fb ? 1ull << (64 - d * fb) : 0ull;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        if (bj == j) {  // slot p offers its next child, or nothing
+          sc[j] = sib;
+          ky[j] = has_sib ? ord64(sib) : 0ull;
+          cd[j] = bc + unit;
+          inf[j] = pack_info(r + 1, d, node);
+        }
+      }
+    }
+    if (wd < depth_limit && lane == (node & 31)) {  // slot `node` offers the new node's first child
+      const int jn = node >> 5;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        if (jn == j) {
+          sc[j] = child_score;
+          ky[j] = ord64(child_score);
+          cd[j] = child_code;
+          inf[j] = pack_info(0, wd + 1, -1);
+        }
+      }
+    }
+  }
+  __syncwarp();  // node records are visible to every lane
+
+  const int n_nodes = n + 1;
+  const long long row0 = (long long)b * n_slots;
+  for (int i = lane; i < n_slots; i += 32) {
+    const long long o = row0 + i;
+    unsigned long long words[MAX_WORDS];
+#pragma unroll
+    for (int w = 0; w < MAX_WORDS; ++w) words[w] = 0ull;
+    if (i < n_nodes) {
+      const int info = s.info[i], d = info >> 16;
+      tokens[o] = i == 0 ? root : s.ids[(d - 1) * ks + (info & 0xffff)];
+      parents[o] = s.parent[i];
+      node_depth[o] = d;
+      positions[o] = prefix + d;
+      scores[o] = s.score[i];
+      first_child[o] = s.first_child[i];
+      next_sibling[o] = s.next_sibling[i];
+      for (int a = i; a >= 0; a = s.parent[a]) {  // ancestors, self included (<= 17 steps)
+        const unsigned long long bit = 1ull << (a & 63);
+        const int aw = a >> 6;
+#pragma unroll
+        for (int w = 0; w < MAX_WORDS; ++w) words[w] |= aw == w ? bit : 0ull;
+      }
+    } else {
+      tokens[o] = -1;
+      parents[o] = -1;
+      node_depth[o] = -1;
+      positions[o] = -1;
+      scores[o] = __longlong_as_double(0x7ff8000000000000ll);
+      first_child[o] = -1;
+      next_sibling[o] = -1;
+    }
+    unsigned long long* m = mask + o * W;
+#pragma unroll
+    for (int w = 0; w < MAX_WORDS; ++w)
+      if (w < W) m[w] = words[w];
+  }
+  if (lane == 0) num_nodes[b] = n_nodes;
+}
+
+}  // namespace
+
+// Same arrays as tree_build_*; B requests, blockDim.x / 32 <= WARP_REQS of them per block (grid
+// ceil(B / that)), fb = bit_length(ks - 1) with fb * L <= 64, dynamic shared memory stride bytes per warp
+// (N * 24 + L * ks * 8, rounded up to 16).
+#define TREE_BUILD_WARP_ENTRY(J)                                                                    \
+  extern "C" __global__ void __launch_bounds__(32 * WARP_REQS, 1) tree_build_warp_j##J(            \
+      const float* __restrict__ logq, const int* __restrict__ ids, int L, int K,                    \
+      const int* __restrict__ root_tokens, const int* __restrict__ budgets,                         \
+      const int* __restrict__ depths, const int* __restrict__ prefix_lens, int B, int max_budget,   \
+      int ks, int W, int fb, int stride, int* tokens, int* parents, int* node_depth, int* positions, \
+      int* num_nodes, unsigned long long* mask, int* first_child, int* next_sibling, double* scores) { \
+    warp_build<J>(logq, ids, L, K, root_tokens, budgets, depths, prefix_lens, B, max_budget, ks, W, fb, \
+                  stride, tokens, parents, node_depth, positions, num_nodes, mask, first_child,       \
+                  next_sibling, scores);                                                            \
+  }
+
+TREE_BUILD_WARP_ENTRY(1)
+TREE_BUILD_WARP_ENTRY(2)
+TREE_BUILD_WARP_ENTRY(3)
+TREE_BUILD_WARP_ENTRY(5)
+TREE_BUILD_WARP_ENTRY(9)
+TREE_BUILD_WARP_ENTRY(17)

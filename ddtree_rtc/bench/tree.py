@@ -12,10 +12,12 @@ build + accept run back to back from a CUDA graph, as a decode loop runs them, a
 the same for two launches of the same grids that compute nothing (one dependent load each): the
 part of a round that is launch and memory latency, measured in the same run.
 
-``--variants``: every tree_build kernel (prune, the default, and the heap loop alone) at batch
-{1, 8, 32, 64} x budget {16, 64, 256, 512}, each checked bit for bit against the heapq reference
-(``exact`` in extra), the accept kernel, the default build + accept, and the latency floor of one
-and of two back-to-back kernels of the same grid (launch plus one dependent memory trip each).
+``--variants``: every tree_build kernel (prune, the default; the heap loop alone; warp, the heap loop
+in registers with one warp per request) at batch {1, 32, 64} x budget {16, 64, 128, 512}, each
+checked bit for bit against the heapq reference (``exact`` in extra), timed between events and per
+round from a CUDA graph; the accept kernel, build + accept for the default and for warp (events and
+graph), and the latency floor of one and of two back-to-back kernels of the same grid (launch plus
+one dependent memory trip each) and of the graph floor row's two launches.
 """
 
 from __future__ import annotations
@@ -183,7 +185,9 @@ def bench_case(batch: int, budget: int, reps: int, iters: int, rng) -> list[Row]
     return rows
 
 
-VARIANT_BUDGETS = (16, 64, 256, 512)
+VARIANT_BATCHES = (1, 32, 64)
+VARIANT_BUDGETS = (16, 64, 128, 512)
+VARIANT_ITERS = 30  # events and graph replays per variant row (--variants runs in well under 2 minutes)
 TREE_FIELDS = ("tokens", "parents", "node_depth", "positions", "num_nodes", "mask", "first_child",
                "next_sibling", "scores")
 
@@ -222,22 +226,36 @@ def variant_rows(batch: int, budget: int, rng) -> list[Row]:
     case = f"b={batch} budget={budget}"
     extra = {"batch": batch, "budget": budget, "depth": DEPTH, "vocab": VOCAB}
     rows = []
+    it = VARIANT_ITERS
     for v in VARIANTS:
-        us = time_gpu(lambda v=v: tree_build_variant(v, *inputs, out=bufs.tree)).median_us
-        tree_build_variant(v, *inputs, out=bufs.tree)
+        build = lambda v=v: tree_build_variant(v, *inputs, out=bufs.tree)  # noqa: E731
+        us = time_gpu(build, iters=it).median_us
+        graph_us = per_round(build, it)
+        bufs.tree.num_nodes.fill(-1)  # the check sees this variant's outputs, not the previous one's
+        build()
+        exact = same_tree(bufs.tree, ref)
         rows.append(Row(f"build {case} [{v}]", us, peer="heapq", peer_us=heapq_us,
-                        extra={**extra, "variant": v, "exact": same_tree(bufs.tree, ref)}))
+                        extra={**extra, "variant": v, "exact": exact, "graph_us": graph_us}))
+        rows.append(Row(f"build {case} [{v}] [graph x{ROUNDS}, per round]", graph_us, peer="heapq",
+                        peer_us=heapq_us, extra={**extra, "variant": v, "exact": exact}))
     choices = cupy.asarray(target_choices(bufs.tree, rng))
-    rows.append(Row(f"accept {case}", time_gpu(lambda: tree_accept(bufs.tree, choices, out=bufs.result)).median_us,
-                    extra=extra))
-    best = default_variant(budget)
-    both = time_gpu(lambda: (tree_build_variant(best, *inputs, out=bufs.tree),
-                             tree_accept(bufs.tree, choices, out=bufs.result))).median_us
-    rows.append(Row(f"build+accept {case} [{best}]", both, peer="heapq", peer_us=heapq_us,
-                    extra={**extra, "speedup": heapq_us / both}))
+    accept = lambda: tree_accept(bufs.tree, choices, out=bufs.result)  # noqa: E731
+    rows.append(Row(f"accept {case}", time_gpu(accept, iters=it).median_us,
+                    extra={**extra, "graph_us": per_round(accept, it)}))
+    for v in dict.fromkeys((default_variant(budget), "warp")):
+        both = lambda v=v: (tree_build_variant(v, *inputs, out=bufs.tree), accept())  # noqa: E731
+        us, graph_us = time_gpu(both, iters=it).median_us, per_round(both, it)
+        rows.append(Row(f"build+accept {case} [{v}]", us, peer="heapq", peer_us=heapq_us,
+                        extra={**extra, "speedup": heapq_us / us, "graph_us": graph_us}))
+        rows.append(Row(f"build+accept {case} [{v}] [graph x{ROUNDS}, per round]", graph_us, peer="heapq",
+                        peer_us=heapq_us, extra={**extra, "speedup": heapq_us / graph_us}))
     for kernels in (1, 2):
         rows.append(Row(f"floor {case}: {kernels} launch(es) of {batch} blocks, 1 load each",
                         latency_floor_us(batch, kernels=kernels), extra={**extra, "kernels": kernels}))
+    rows.append(Row(f"floor {case} [graph x{ROUNDS}, per round]: 2 launches, 1 load each",
+                    per_round(latency_floor_launch((batch, -(-batch // 4))), it),
+                    extra={**extra, "what": "the prune build's and the accept's grids as latency_floor_kernel "
+                                            "launches"}))
     return rows
 
 
@@ -250,7 +268,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.variants:
         rng = np.random.default_rng(0)
-        rows = [r for b in BATCHES for n in VARIANT_BUDGETS for r in variant_rows(b, n, rng)]
+        rows = [r for b in VARIANT_BATCHES for n in VARIANT_BUDGETS for r in variant_rows(b, n, rng)]
         return report("DDTree tree build variants and accept", rows, args.json,
                       notes={"peer": "reference tree_build (heapq + outputs) on the host",
                              "exact": "the build's outputs equal the reference's bit for bit"})
