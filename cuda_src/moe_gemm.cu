@@ -632,6 +632,11 @@ constexpr int kFusedStageBytes = kFusedWeightBytes + kActTileBytes;
 constexpr int kFusedMaxTokens = 8;
 constexpr int kFusedMaxPairs = kFusedThreads;  // M * top_k (checked on the host)
 
+// Fire-and-forget fp32 add in L2 (no value returned, so no round trip the warp waits on).
+__device__ __forceinline__ void red_add(float* p, float v) {
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+
 // Which expert this CTA serves: the u-th pair (in pair order) whose id is in range and not seen at
 // a lower pair; -1 when the batch has u or fewer distinct experts. s_ids: the ids, -1 if invalid;
 // s_wp: the pairs' routing weights (loaded beside the ids: one round trip, not two).
@@ -801,8 +806,8 @@ extern "C" __global__ void __launch_bounds__(kFusedThreads, 2) moe_fused_small(
 #pragma unroll
             for (int r = 0; r < kTilesPerWarp; ++r) {
               float* dst = acc_out + (long long)tok * H + (tile_d + r) * 16 + g;
-              atomicAdd(dst, wt * d[r][0][c]);
-              atomicAdd(dst + 8, wt * d[r][0][2 + c]);
+              red_add(dst, wt * d[r][0][c]);
+              red_add(dst + 8, wt * d[r][0][2 + c]);
             }
           }
         }
