@@ -697,13 +697,16 @@ def test_emulated_fused_small_matches_reference(rng, m, top_k, dup):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_fused_small_static_shared_memory(arch):
     """The plan's shared-memory check counts the kernel's static shared memory as a constant: keep it
-    equal to what the build reports (and the default ring within sm_120's 99 KB per block)."""
-    from ddtree_rtc.kernels.moe_gemm import _FUSED_STAGE_BYTES, _FUSED_STATIC_SMEM, default_fused_stages
+    equal to what the build reports. The default ring lets two CTAs share an sm_90 SM (228 KB, 1 KB
+    reserved per block); on sm_120 (99 KB per block) the plan picks 4 stages."""
+    from ddtree_rtc.kernels.moe_gemm import _FUSED_STATIC_SMEM, _fused_smem, check_small, default_fused_stages
     from ddtree_rtc.kernels.registry import spec
     from ddtree_rtc.rtc import build
 
     assert build(spec("moe_gemm"), arch).resources["moe_fused_small"]["shared"] == _FUSED_STATIC_SMEM
-    assert default_fused_stages() * _FUSED_STAGE_BYTES + _FUSED_STATIC_SMEM <= 99 * 1024
+    assert 2 * (_fused_smem(default_fused_stages()) + 1024) <= 228 * 1024
+    assert check_small("fused", 1, 8, None, 227 * 1024) == default_fused_stages()
+    assert check_small("fused", 1, 8, None, 99 * 1024) == 4
 
 
 def test_fused_small_argument_rules():
@@ -722,6 +725,8 @@ def test_fused_small_argument_rules():
         check_small("fused", 1, 8, 1)
     with pytest.raises(ValueError, match="pass small='fused' too"):
         check_small(None, 1, 8, 4)
+    with pytest.raises(ValueError, match="exceed this GPU's 101376 B"):
+        check_small("fused", 1, 8, 5, 99 * 1024)
 
 
 def run_fused_gpu(rng, name, m, with_shared=True, f32_out=False, **plan_kw):

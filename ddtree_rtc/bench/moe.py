@@ -249,11 +249,11 @@ def _ints(s: str) -> list[int]:
 
 def variant_rows(ms, routings, iters: int, fused_stages=(0,)) -> list[Row]:
     """route, align, and moe_experts with nt 1 / nt 4 / per-expert tiles (the default) / the fused small-M
-    kernel (M <= 8; once per ring depth in ``fused_stages``, 0 = its default) per (routing, M), each
+    kernel (M <= 8; once per ring depth in ``fused_stages``, 0 = the plan's default) per (routing, M), each
     checked against ``mma_reference``."""
     import cupy
 
-    from ..kernels.moe_gemm import SMALL_MAX_TOKENS, default_fused_stages, moe_experts, moe_plan
+    from ..kernels.moe_gemm import SMALL_MAX_TOKENS, moe_experts, moe_plan
     from ..kernels.moe_routing import moe_align, moe_route
 
     e, h, inter = K26
@@ -286,14 +286,19 @@ def variant_rows(ms, routings, iters: int, fused_stages=(0,)) -> list[Row]:
             first = None
             variants = [("nt1", {"nt": 1}), ("nt4", {"nt": 4}), ("default", {})]
             if m <= SMALL_MAX_TOKENS:
-                variants += [("fused" if st in (0, default_fused_stages()) else f"fused s{st}",
-                              {"small": "fused", "fused_stages": st or None}) for st in fused_stages]
+                variants += [("fused", {"small": "fused", "fused_stages": st or None}) for st in fused_stages]
+            timed = set()
             for name, kw in variants:
                 try:
                     plan = moe_plan(m, e, TOP_K, h, inter, **kw)
                 except ValueError as err:  # a ring deeper than this GPU's shared memory
-                    print(f"  M={m} {routing} [{name}]: skipped ({err})", flush=True)
+                    print(f"  M={m} {routing} [{name} {kw}]: skipped ({err})", flush=True)
                     continue
+                if plan.small:  # named by the ring depth it got ("fused" alone: the plan's default)
+                    name = "fused" if kw["fused_stages"] is None else f"fused s{plan.fused_stages}"
+                    if plan.fused_stages in timed:
+                        continue
+                    timed.add(plan.fused_stages)
                 if name == "default":
                     al = plan.align
                     rows.append(Row(f"align M={m} {routing}", time_gpu(graphed(lambda al=al, ids=ids: moe_align(
@@ -411,8 +416,9 @@ def main(argv=None) -> dict:
                     help="route, align and the experts with nt 1 / nt 4 / per-expert tiles side by side (K2.6)")
     ap.add_argument("--sweep", action="store_true", help="every token-tile x split-K plan setting (K2.6)")
     ap.add_argument("--ms", help="--variants / --sweep: token counts (default 1,16,256,1024 / 1,8,256,1024)")
-    ap.add_argument("--fused-stages", default="0,6",
-                    help="--variants: ring depths of the fused small-M kernel to time at M <= 8 (0 = default)")
+    ap.add_argument("--fused-stages", default="0,4,6",
+                    help="--variants: ring depths of the fused small-M kernel to time at M <= 8 (0 = the plan's "
+                         "default; a depth already timed is skipped)")
     ap.add_argument("--iters", type=int, default=20, help="--variants / --sweep: timed runs per case")
     ap.add_argument("--nts", default="1,4", help="--sweep: forced token tiles to try ('' for none)")
     ap.add_argument("--nt4-above", default="8,16", help="--sweep: per-expert thresholds to try ('' for none)")

@@ -157,12 +157,20 @@ def default_stages() -> tuple[int, int]:
 
 
 def default_fused_stages() -> int:
-    """The ring depth moe_fused_small is built with by default (4 x 20 KB: fits sm_120's 99 KB)."""
+    """The ring depth moe_fused_small is built with by default: 5 x 20 KB, two CTAs per SM on sm_90 /
+    sm_100 (228 KB); where a block gets less (sm_120: 99 KB) the plan takes the deepest ring that fits."""
     return spec("moe_gemm").params["MOE_STAGES_FUSED"]
 
 
-def check_small(small: str | None, num_tokens: int, top_k: int, fused_stages: int | None) -> int:
-    """The small-M variant's rules; returns its ring depth (0 without the variant)."""
+def _fused_smem(stages: int) -> int:
+    return stages * _FUSED_STAGE_BYTES + _FUSED_STATIC_SMEM
+
+
+def check_small(small: str | None, num_tokens: int, top_k: int, fused_stages: int | None,
+                smem_per_block: int | None = None) -> int:
+    """The small-M variant's rules; returns its ring depth (0 without the variant): ``fused_stages``,
+    checked against ``smem_per_block`` (the GPU's opt-in limit) when given, or by default the built
+    depth, or the deepest ring under that limit."""
     if small is None:
         if fused_stages is not None:
             raise ValueError("fused_stages is a setting of small='fused'; pass small='fused' too")
@@ -174,9 +182,17 @@ def check_small(small: str | None, num_tokens: int, top_k: int, fused_stages: in
                          f"got M = {num_tokens}; use the default path")
     if not 1 <= top_k or num_tokens * top_k > _FUSED_THREADS:
         raise ValueError(f"small={small!r}: M * top_k = {num_tokens * top_k} pairs must be in [1, {_FUSED_THREADS}]")
-    st = default_fused_stages() if fused_stages is None else int(fused_stages)
+    if fused_stages is None:
+        st = default_fused_stages()
+        while smem_per_block is not None and st > 2 and _fused_smem(st) > smem_per_block:
+            st -= 1
+        return st
+    st = int(fused_stages)
     if not 2 <= st <= 10:
         raise ValueError(f"fused_stages={fused_stages}: expected a ring depth in 2..10")
+    if smem_per_block is not None and _fused_smem(st) > smem_per_block:
+        raise ValueError(f"fused_stages={st}: {st} x {_FUSED_STAGE_BYTES} B of ring (+ {_FUSED_STATIC_SMEM} B "
+                         f"static) exceed this GPU's {smem_per_block} B of shared memory per block")
     return st
 
 
@@ -195,7 +211,8 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     ``pdl`` (default PDL, on GPUs that have it): programmatic dependent launches of moe_experts'
     kernels, for a plan without the side stream (asking for both is an error).
     ``small="fused"`` (M <= SMALL_MAX_TOKENS; default None, the path above): moe_experts launches the
-    one fused kernel moe_fused_small instead (``fused_stages``: its ring depth, 2..10); its fp32
+    one fused kernel moe_fused_small instead (``fused_stages``: its ring depth, 2..10, default
+    ``default_fused_stages()`` or the deepest this GPU's shared memory holds); its fp32
     atomic sums make the output vary in the last bits between runs (not bitwise reproducible)."""
     import cupy
 
@@ -208,7 +225,8 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     if len(stages) != 2 or any(v and not 2 <= v <= 16 for v in stages):
         raise ValueError(f"stages={stages}: expected (nt1, nt4) ring depths in 2..16 (0 = default)")
     stages = tuple(v or d for v, d in zip(stages, default_stages()))
-    fused_st = check_small(small, num_tokens, top_k, fused_stages)
+    fused_st = check_small(small, num_tokens, top_k, fused_stages,
+                           cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"] if small else None)
     p = num_tokens * top_k
     align = alignment_buffers(p, num_experts, 8, LARGE_BLOCK,
                               pick_nt4_above(num_tokens, top_k, nt, nt4_above))
@@ -234,10 +252,6 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
                          "(pass concurrent=False)")
     plan.pdl = (PDL if pdl is None else pdl) and plan.side is None and pdl_supported()
     if small is not None:
-        optin = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
-        if fused_st * _FUSED_STAGE_BYTES + _FUSED_STATIC_SMEM > optin:
-            raise ValueError(f"fused_stages={fused_st}: {fused_st} x {_FUSED_STAGE_BYTES} B of ring (+ "
-                             f"{_FUSED_STATIC_SMEM} B static) exceed this GPU's {optin} B of shared memory per block")
         plan.small, plan.fused_stages = small, fused_st
         plan.fused_acc = cupy.zeros((num_tokens, hidden), dtype=cupy.float32)
         plan.fused_count = cupy.zeros(1, dtype=cupy.uint32)

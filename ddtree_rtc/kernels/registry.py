@@ -50,7 +50,7 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "with SiLU*up, down, split-K reduce, weighted top-k combine; for M <= 8 one fused kernel "
                "(gate_up slice -> down K-split -> atomic fp32 combine, the last CTA writes y)",
                params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4,
-                       "MOE_NT4_WEIGHTS_NORMAL": 1, "MOE_STAGES_FUSED": 4}),
+                       "MOE_NT4_WEIGHTS_NORMAL": 1, "MOE_STAGES_FUSED": 5}),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),
                "paged KV cache: write rows at slots; DDTree commit of accepted rows, in place, all layers"),
