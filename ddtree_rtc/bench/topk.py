@@ -1,9 +1,9 @@
 """Vocabulary top-k on drafter-shaped logits: batch {1, 8, 32, 64} x k {16, 64, 256, 512}, depth 7,
 V = 163840, bf16 Zipf logits (``bench.tree.zipf_logits``), plus one fp32 case. Bytes = the logits,
 against the read ceiling. By default the kernel ``topk_workspace`` picks; ``--variants`` runs the
-stream, chunked and slices kernels side by side on the same logits (stream takes k <= 256 only) and
-checks that every variant's ids and log-probs equal the slices kernel's (``ids_equal`` and
-``max_logq_diff`` in each row's extra)."""
+stream, chunked, slices and radix kernels side by side on the same logits (stream takes k <= 256
+only; radix runs only here or when named) and checks that every variant's ids and log-probs equal
+the slices kernel's (``ids_equal`` and ``max_logq_diff`` in each row's extra)."""
 
 from __future__ import annotations
 
