@@ -1454,6 +1454,10 @@ __device__ void radix_select_block(const T* logits, int V, int K, int C, const f
   }
 #pragma unroll
   for (int i = 0; i < PER / 4; ++i) rh[i] = make_uint4(0u, 0u, 0u, 0u);
+  // The row's (max, sum) from its chunks, loaded while the histogram is (block_lse further down).
+  float m = neg_inf(), s = 0.f;
+  for (int j = tid; j < C; j += RT)
+    lse_combine(m, s, ms[2 * ((long long)row * ms_stride + j)], ms[2 * ((long long)row * ms_stride + j) + 1]);
 #pragma unroll
   for (int i = 0; i < PER; ++i) local += h[i];
   // above = the count in the bins of higher threads (a suffix sum over the block)
@@ -1475,11 +1479,7 @@ __device__ void radix_select_block(const T* logits, int V, int K, int C, const f
     if (above < (unsigned)K && (unsigned)K <= above + h[i]) tbin = (unsigned)(PER * tid + i);  // one thread
     above += h[i];
   }
-  // The row's (max, sum) from its chunks; block_lse's barriers also publish tbin.
-  float m = neg_inf(), s = 0.f;
-  for (int j = tid; j < C; j += RT)
-    lse_combine(m, s, ms[2 * ((long long)row * ms_stride + j)], ms[2 * ((long long)row * ms_stride + j) + 1]);
-  block_lse<RT>(m, s, sh);
+  block_lse<RT>(m, s, sh);  // its barriers also publish tbin
   const unsigned tb = tbin;
   const unsigned short* gm = gmax + (long long)row * g_stride;
   unsigned long long thr = (unsigned long long)(tb << (32 - RB)) << 32;
