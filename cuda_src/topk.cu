@@ -1214,12 +1214,13 @@ __device__ __forceinline__ Shared carve(int cand_keys, unsigned long long* top) 
 //     max / sum of exponentials (fp32, the same math as the other variants). Per vector: its
 //     largest element (sanitized, -0 -> +0) as an order key; the top RB bits of that key are
 //     counted in a shared histogram, flushed once per block into the row's global histogram (one
-//     atomic per non-zero bin), and per group of 32 consecutive vectors (512 bytes) the largest
+//     atomic per non-zero bin), and per group of 8 consecutive vectors (128 bytes) the largest
 //     bin is written to gmax[row, group]. (max, sum) go to ms[row, chunk].
 //   select (grid rows, RT threads): the row's histogram gives the bin T holding the K-th largest
 //     vector key: K distinct vectors, hence K elements, have a key >= T's lower edge t, and every
-//     element >= t lies in a group whose gmax >= T. Only those groups are re-read (mostly from L2:
-//     a few dozen of the 640 per bf16 row at k = 64); their elements >= t go to a shared buffer.
+//     element >= t lies in a group whose gmax >= T. Only those groups are re-read (mostly from L2;
+//     on the bench's Zipf rows ~90 of 2560 bf16 groups at k = 64, ~520 at k = 512, by an
+//     emulation in numpy); their elements >= t go to a shared buffer.
 //     On overflow (heavy ties at t) the K-th best buffered key raises the threshold and the flagged
 //     groups are read again, as in the slices kernel. Then: rank directly (<= RADIX_RANK
 //     candidates), or a value-only select and rank, or the exact radix select + bitonic sort.
@@ -1230,8 +1231,9 @@ constexpr int RU = 4;           // vectors per thread and step, all loads in fli
 constexpr int RB = 12;          // histogram bits: sign, 8 exponent bits, 3 mantissa bits
 constexpr int RBINS = 1 << RB;  // 4096
 constexpr int RADIX_RANK = MAX_K;  // candidates ranked directly (in sh.top on the value-select path)
+constexpr int RWIN = 4096;  // groups listed at once by the select block (16 KB of dynamic shared memory)
 static_assert(RT == ST, "value_select strides by ST");
-static_assert(RBINS * 4 <= CAP * 8, "the row histogram is staged in the candidate buffer");
+static_assert(RBINS == 16 * RT, "the select block holds 16 bins per thread");
 
 __device__ __forceinline__ float max_nan(float a, float b) {
   float d;
@@ -1307,7 +1309,7 @@ __device__ void radix_hist_block(const T* logits, int V, int C, int cvec, float*
     }
 #pragma unroll
     for (int u = 0; u < RU; ++u) {
-      const int v = base + u * RT + tid;  // this warp's 32 vectors are one group (cvec % 256 == 0)
+      const int v = base + u * RT + tid;  // v0 + v - lane % 8 is a multiple of 8 (cvec % 256 == 0)
       if (base + u * RT >= n) break;      // uniform: no thread has more
       float vm = vec_max_nan<T>(raw[u]);
       if (!(vm <= FLT_MAX_F)) {  // NaN or +inf in the vector (rare)
@@ -1316,8 +1318,10 @@ __device__ void radix_hist_block(const T* logits, int V, int C, int cvec, float*
       }
       const unsigned bin = ord32(canon(vm)) >> (32 - RB);
       if (v < n) atomicAdd(&hist[bin], 1u);
-      const unsigned gbin = __reduce_max_sync(FULL, v < n ? bin : 0u);
-      if (lane == 0 && v < n) gmax[(long long)row * g_stride + (v0 + v) / 32] = (unsigned short)gbin;  // lane 0 has the warp's first vector
+      unsigned gbin = v < n ? bin : 0u;  // the largest bin of lanes 8j..8j+7: one group of 8 vectors
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) gbin = max(gbin, __shfl_xor_sync(FULL, gbin, o));
+      if ((lane & 7) == 0 && v < n) gmax[(long long)row * g_stride + (v0 + v) / 8] = (unsigned short)gbin;
       if (vm > m) {
         s = (s + s2) * fast_exp2((m - vm) * LOG2E);  // m = -inf: s is 0 and stays 0
         s2 = 0.f;
@@ -1361,34 +1365,50 @@ __device__ void radix_hist_block(const T* logits, int V, int C, int cvec, float*
   }
 }
 
-// Append every element with key >= thr of the groups whose gmax >= tb to sh.cand (the count in
-// sh.scalars[0] goes on past CAP). A warp takes 32 groups at a time and loads up to RU flagged
-// ones at once, a vector per lane.
+// Append every element with key >= thr of the groups (8 vectors, 128 bytes) whose gmax >= tb to
+// sh.cand (the count in sh.scalars[0] goes on past CAP). Window by window of RWIN groups: the
+// flagged ones are listed in shared memory, then every thread loads RU of their vectors at once.
 template <typename T, bool VL>
 __device__ void radix_collect(const T* row, int V, const unsigned short* gm, unsigned tb,
-                              unsigned long long thr, const Shared& sh) {
+                              unsigned long long thr, int* list, const Shared& sh) {
   using W = Vec16<T>;
   constexpr int VEC = W::N;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nvec = (V + VEC - 1) / VEC, ngroups = (nvec + 31) / 32;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int nvec = (V + VEC - 1) / VEC, ngroups = (nvec + 7) / 8;
   const unsigned lt = (1u << lane) - 1u;
-  for (int g0 = warp * 32; g0 < ngroups; g0 += RT) {
-    const int g = g0 + lane;
-    unsigned bits = __ballot_sync(FULL, g < ngroups && gm[g] >= tb);
-    while (bits) {
-      int gs[RU];
+  for (int w0 = 0; w0 < ngroups; w0 += RWIN) {
+    const int end = min(ngroups, w0 + RWIN);
+    if (tid == 0) sh.scalars[5] = 0u;
+    __syncthreads();
+    for (int i0 = w0; i0 < end; i0 += RT * 8) {  // 8 groups' bins (16 bytes) per thread
+      const int g = i0 + 8 * tid;  // a multiple of 8, and g + 8 <= the row stride of gmax
+      const uint4 q = g < end ? *reinterpret_cast<const uint4*>(gm + g) : make_uint4(0u, 0u, 0u, 0u);
+      const unsigned w[4] = {q.x, q.y, q.z, q.w};
+      unsigned bal[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) bal[j] = __ballot_sync(FULL, g + j < end && (w[j / 2] >> (16 * (j & 1)) & 0xffffu) >= tb);
+      unsigned pos = warp_claim(bal, &sh.scalars[5]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (bal[j] >> lane & 1u) list[pos + __popc(bal[j] & lt)] = g + j;
+        pos += __popc(bal[j]);
+      }
+    }
+    __syncthreads();
+    const int items = 8 * (int)sh.scalars[5];  // vectors of the flagged groups (<= 8 RWIN)
+    for (int i0 = 0; i0 < items; i0 += RT * RU) {
+      int vv[RU];
       uint4 raw[RU];
 #pragma unroll
       for (int u = 0; u < RU; ++u) {
-        gs[u] = bits ? g0 + __ffs(bits) - 1 : -1;
-        bits &= bits - 1u;
-        const int v = gs[u] * 32 + lane;
-        raw[u] = gs[u] >= 0 && v < nvec ? row_vec<T, VL>(row, V, v) : neg_inf_vec<T>();
+        const int i = i0 + u * RT + tid;
+        vv[u] = i < items ? list[i >> 3] * 8 + (i & 7) : nvec;
+        raw[u] = vv[u] < nvec ? row_vec<T, VL>(row, V, vv[u]) : neg_inf_vec<T>();
       }
 #pragma unroll
       for (int u = 0; u < RU; ++u) {
-        if (gs[u] < 0) break;  // uniform
-        const int v = gs[u] * 32 + lane;
+        if (i0 + u * RT >= items) break;  // uniform
+        const int v = vv[u];
         float x[VEC];
         W::unpack(raw[u], x);
         unsigned long long kx[VEC];
@@ -1407,29 +1427,39 @@ __device__ void radix_collect(const T* row, int V, const unsigned short* gm, uns
         }
       }
     }
+    __syncthreads();  // the list is rewritten by the next window
   }
 }
 
 template <typename T, bool VL>
 __device__ void radix_select_block(const T* logits, int V, int K, int C, const float* ms, int ms_stride,
                                    unsigned* ghist, const unsigned short* gmax, int g_stride, float* logq_out,
-                                   int* ids_out, const Shared& sh) {
+                                   int* ids_out, const Shared& sh, int* list) {
   constexpr int PER = RBINS / RT;  // bins per thread
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row = blockIdx.x;
   const T* src = logits + (long long)row * V;
-  // The row's histogram: thread t holds bins [PER t, PER t + PER) and zeroes them in global memory.
-  unsigned* rh = ghist + (long long)row * RBINS;
-  unsigned* h = reinterpret_cast<unsigned*>(sh.cand);  // staged over the candidate buffer
+  // The row's histogram: thread t holds bins [PER t, PER t + PER) in registers and zeroes them in
+  // global memory (16-byte pieces: rows of the histogram are 16 KB apart).
+  uint4* rh = reinterpret_cast<uint4*>(ghist + (long long)row * RBINS + PER * tid);
+  unsigned h[PER];
   unsigned local = 0u;
 #pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const unsigned c = __ldcg(rh + PER * tid + i);
-    h[PER * tid + i] = c;
-    local += c;
+  for (int i = 0; i < PER / 4; ++i) {
+    const uint4 q = __ldcg(rh + i);
+    h[4 * i] = q.x;
+    h[4 * i + 1] = q.y;
+    h[4 * i + 2] = q.z;
+    h[4 * i + 3] = q.w;
   }
 #pragma unroll
-  for (int i = 0; i < PER; ++i) rh[PER * tid + i] = 0u;
+  for (int i = 0; i < PER / 4; ++i) rh[i] = make_uint4(0u, 0u, 0u, 0u);
+  // The row's (max, sum) from its chunks, loaded while the histogram is (block_lse further down).
+  float m = neg_inf(), s = 0.f;
+  for (int j = tid; j < C; j += RT)
+    lse_combine(m, s, ms[2 * ((long long)row * ms_stride + j)], ms[2 * ((long long)row * ms_stride + j) + 1]);
+#pragma unroll
+  for (int i = 0; i < PER; ++i) local += h[i];
   // above = the count in the bins of higher threads (a suffix sum over the block)
   unsigned incl = local;
 #pragma unroll
@@ -1444,25 +1474,21 @@ __device__ void radix_select_block(const T* logits, int V, int K, int C, const f
   __syncthreads();
   unsigned above = incl - local;
   for (int w = warp + 1; w < RT / 32; ++w) above += warp_sum[w];
+#pragma unroll
   for (int i = PER - 1; i >= 0; --i) {
-    const unsigned c = h[PER * tid + i];
-    if (above < (unsigned)K && (unsigned)K <= above + c) tbin = (unsigned)(PER * tid + i);  // one thread
-    above += c;
+    if (above < (unsigned)K && (unsigned)K <= above + h[i]) tbin = (unsigned)(PER * tid + i);  // one thread
+    above += h[i];
   }
-  // The row's (max, sum) from its chunks; block_lse's barriers also publish tbin.
-  float m = neg_inf(), s = 0.f;
-  for (int j = tid; j < C; j += RT)
-    lse_combine(m, s, ms[2 * ((long long)row * ms_stride + j)], ms[2 * ((long long)row * ms_stride + j) + 1]);
-  block_lse<RT>(m, s, sh);
+  block_lse<RT>(m, s, sh);  // its barriers also publish tbin
   const unsigned tb = tbin;
   const unsigned short* gm = gmax + (long long)row * g_stride;
   unsigned long long thr = (unsigned long long)(tb << (32 - RB)) << 32;
   int n;
   while (true) {
-    __syncthreads();  // everyone is done with the staged histogram / the buffer and the counter
+    __syncthreads();  // everyone is done with the buffer and the counter
     if (tid == 0) sh.scalars[0] = 0u;
     __syncthreads();
-    radix_collect<T, VL>(src, V, gm, tb, thr, sh);
+    radix_collect<T, VL>(src, V, gm, tb, thr, list, sh);
     __syncthreads();
     n = (int)sh.scalars[0];  // >= K: K vectors reach thr with their largest element
     if (n <= CAP) break;
@@ -1561,7 +1587,7 @@ extern "C" __global__ void __launch_bounds__(ST, TOPK_STREAM_BLOCKS) topk_stream
 // (16-byte vectors per chunk) a multiple of 256, C = ceil(ceil(V / VEC) / cvec), VEC = 16 / element
 // size. vec = 1: rows are 16-byte aligned and V % VEC == 0. ms [rows, >= C, 2] (row stride
 // ms_stride chunks), ghist [rows, 4096] uint32 zero before (the select launch zeroes it again),
-// gmax [rows, >= ceil(ceil(V / VEC) / 32)] uint16 (row stride g_stride).
+// gmax [rows, g_stride] uint16, g_stride >= ceil(ceil(V / VEC) / 8) and a multiple of 8.
 extern "C" __global__ void __launch_bounds__(RT, 4) topk_radix_hist_bf16_kernel(
     const unsigned short* __restrict__ logits, int V, int C, int cvec, int vec, float* __restrict__ ms, int ms_stride,
     unsigned* __restrict__ ghist, unsigned short* __restrict__ gmax, int g_stride) {
@@ -1581,14 +1607,16 @@ extern "C" __global__ void __launch_bounds__(RT, 4) topk_radix_hist_f32_kernel(
 }
 
 // Radix variant, launch 2 of 2 (after the hist launch on the same stream). grid rows, block 256,
-// dynamic shared memory (TOPK_CAP + 512) * 8 bytes; the arguments as for the hist launch, K <= 512.
+// dynamic shared memory (TOPK_CAP + 512) * 8 + RWIN * 4 bytes; the arguments as for the hist
+// launch, K <= 512.
 extern "C" __global__ void __launch_bounds__(RT, 2) topk_radix_select_bf16_kernel(
     const unsigned short* __restrict__ logits, int V, int K, int C, int vec, const float* __restrict__ ms,
     int ms_stride, unsigned* __restrict__ ghist, const unsigned short* __restrict__ gmax, int g_stride,
     float* __restrict__ logq, int* __restrict__ ids) {
   const Shared sh = carve(CAP, nullptr);
-  if (vec) radix_select_block<unsigned short, true>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh);
-  else radix_select_block<unsigned short, false>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh);
+  int* list = reinterpret_cast<int*>(sh.top + MAX_K);
+  if (vec) radix_select_block<unsigned short, true>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh, list);
+  else radix_select_block<unsigned short, false>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh, list);
 }
 
 extern "C" __global__ void __launch_bounds__(RT, 2) topk_radix_select_f32_kernel(
@@ -1596,6 +1624,7 @@ extern "C" __global__ void __launch_bounds__(RT, 2) topk_radix_select_f32_kernel
     unsigned* __restrict__ ghist, const unsigned short* __restrict__ gmax, int g_stride, float* __restrict__ logq,
     int* __restrict__ ids) {
   const Shared sh = carve(CAP, nullptr);
-  if (vec) radix_select_block<float, true>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh);
-  else radix_select_block<float, false>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh);
+  int* list = reinterpret_cast<int*>(sh.top + MAX_K);
+  if (vec) radix_select_block<float, true>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh, list);
+  else radix_select_block<float, false>(logits, V, K, C, ms, ms_stride, ghist, gmax, g_stride, logq, ids, sh, list);
 }

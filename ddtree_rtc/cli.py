@@ -19,7 +19,7 @@ BENCHMARKS = {
     "ceiling": "read / copy bandwidth, latency floor, mma.sync peak, cuBLAS matmul: what the others are held to",
     "blocks": "building-block kernels: RMSNorm, RoPE, embedding, SiLU·mul, argmax/sampling, cuBLAS linear",
     "linear": "skinny-M bf16 linear vs cuBLAS on the K2.6 decode shapes",
-    "topk": "vocabulary top-k on drafter logits (--variants: stream / chunked / slices side by side)",
+    "topk": "vocabulary top-k on drafter logits (--variants: stream / chunked / slices / radix side by side)",
     "tree": "DDTree top-k, tree build and accept vs the Python heapq reference (--variants: prune / heap)",
     "moe": "INT4 W4A16 MoE layer vs the read ceiling and a bf16 cuBLAS peer (--variants: tiles; --sweep: plans)",
     "attention": "MLA decode / tree-verify / prefill attention vs read and matmul ceilings (--variants: tiles)",

@@ -12,7 +12,7 @@ Four variants, same results:
     re-reads its slice (mostly from L2). Used for k = 257..511 and where no merge buffer would fit.
   * ``radix`` (never the default yet; only by name): two launches. Many small blocks per row
     stream the logits once (max / sum of exponentials, a 4096-bin histogram of each 16-byte
-    vector's largest key, the largest bin per 512-byte group); then one block per row finds the
+    vector's largest key, the largest bin per 128-byte group); then one block per row finds the
     bin holding the k-th vector key and re-reads only the groups that reach it.
 
 Plan/run: ``topk_workspace`` (host, once per shape) picks the split and allocates its scratch;
@@ -51,6 +51,7 @@ _STREAM_MAX_CHUNKS = 5  # H200: more chunks per row cost more in per-block selec
 _MIN_SLICE = 16384  # below this a slice's selection and the merge cost more than the split saves
 _RADIX_THREADS = 256  # RT in the kernel
 _RADIX_BINS = 4096  # RBINS
+_RADIX_WINDOW = 4096  # RWIN: groups the select block lists at once
 _RADIX_STEP = 256  # radix chunks are multiples of this many 16-byte vectors (one per thread)
 _RADIX_MIN_VECS = 1024  # default chunks at least this long: a block's histogram work is fixed
 _RADIX_BLOCKS_PER_SM = 8  # default split: about this many hist blocks per SM (two waves at 4 resident)
@@ -76,7 +77,7 @@ class TopkWorkspace:
     vectors: int = 0  # chunked and radix: 16-byte vectors per chunk
     tokens: int = 0  # stream: tokens per chunk
     hist: object = None  # radix: [rows, 4096] uint32 row histograms, zero between launches
-    gmax: object = None  # radix: [rows, groups of 32 fp32 vectors] uint16 largest bin per group
+    gmax: object = None  # radix: [rows, groups of 8 fp32 vectors, rounded up to 8] uint16 largest bin per group
 
     def chunk(self, itemsize: int) -> int:
         """Chunk length in tokens for logits of this element size (chunked and stream variants)."""
@@ -137,7 +138,7 @@ def _radix(rows: int, vocab: int, k: int, vectors: int) -> TopkWorkspace:
     chunks = -(-nvec // vectors)
     return TopkWorkspace(rows, vocab, k, chunks, None, cupy.empty((rows, chunks, 2), dtype=np.float32), None,
                          "radix", vectors=vectors, hist=cupy.zeros((rows, _RADIX_BINS), dtype=np.uint32),
-                         gmax=cupy.empty((rows, -(-nvec // 32)), dtype=np.uint16))
+                         gmax=cupy.empty((rows, -(-nvec // 64) * 8), dtype=np.uint16))
 
 
 def _split(rows: int, vocab: int, k: int, chunks: int, variant: str, **fields) -> TopkWorkspace:
@@ -279,7 +280,7 @@ def launch(logits, k: int, out_logq=None, out_ids=None, workspace=None, cap: int
         name = "bf16" if logits.dtype == BF16 else "f32"
         hist_fn = module("topk").fn(f"topk_radix_hist_{name}_kernel")
         select_fn = module("topk").fn(f"topk_radix_select_{name}_kernel")
-        smem = (default_cap() + 512) * 8
+        smem = (default_cap() + 512) * 8 + _RADIX_WINDOW * 4
         allow_dynamic_smem(select_fn, smem)
         ms_stride, g_stride = np.int32(ws.ms.shape[1]), np.int32(ws.gmax.shape[1])
         hist_fn((chunks, rows), (_RADIX_THREADS,),
