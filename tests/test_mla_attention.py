@@ -8,7 +8,7 @@ from ml_dtypes import bfloat16
 
 from ddtree_rtc.kernels.mla_attention import (
     _VARIANTS,
-    FUSED_MIN_STAGES,
+    FUSED_MIN_SPLIT,
     MIN_SPLIT,
     _fused_mode,
     _pick_variant,
@@ -221,7 +221,7 @@ def test_work_split_emulated(rng, variant, num_sms, case, fused):
     bt = Batch(rng, *case, dtype=np.float32)
     batch = bt.ref_plan()
     v = _VARIANTS[variant]
-    min_split = FUSED_MIN_STAGES * v.bn if fused else v.min_split
+    min_split = FUSED_MIN_SPLIT if fused else v.min_split
     o, lse = emulate_kernel(batch, bt.q, bt.cache, K26_SCALE, v.bm, v.bn, num_sms, min_split, fused)
     o_ref, lse_ref = ref.attend_f32(batch, bt.q, bt.cache, K26_SCALE)
     assert_close(o, o_ref, "fp32", "o_lat")
@@ -281,7 +281,7 @@ def test_fused_units_and_split():
             assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(units, units[1:]))
     for b, busy in ((1, 65), (8, 130)):  # b1: 65 stages of 64 rows; b8: 520 stages over 132 CTAs, 4 each
         batch = ref.validate_batch([4096] * b, [1] * b, np.zeros((b, 4097), np.int32), 64, 1, 1)
-        _, cta_work, _, _ = split_work(batch, 64, 64, 132, FUSED_MIN_STAGES * 64)
+        _, cta_work, _, _ = split_work(batch, 64, 64, 132, FUSED_MIN_SPLIT)
         assert int((np.diff(cta_work) > 0).sum()) == busy
 
 

@@ -7,7 +7,7 @@ are given) launches the attention kernel and, when a split exists, the merge ker
 captured in a CUDA graph. A later plan written with ``into=`` reuses the same device buffers and
 grid, so a captured graph replays it. ``merge="fused"`` (not the default) merges in the attention
 launch itself (the *_fused kernels: per-merge-item arrival counters, zeroed again by the kernel) and
-splits finer (down to one BN stage per CTA).
+splits finer (down to FUSED_MIN_SPLIT cache rows per CTA).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from ._launch import sm_count
 from .registry import module
 
 MIN_SPLIT = 256  # fewest cache rows per CTA: below that the partial write and merge dominate
-# merge="fused": fewest cache rows per CTA in BN stages. One stage (untuned): no second launch, and
-# the merge spread over the writers, so small batches split over every SM.
-FUSED_MIN_STAGES = 1
+# merge="fused": fewest cache rows per CTA (untuned; one stage of m64 / w64, two of d16). No second
+# launch and the merge spread over the writers, so small batches split over more SMs; much finer and
+# the merge of a few rows over 100+ partials (one row per SM, 2 KB per partial) would dominate.
+FUSED_MIN_SPLIT = 64
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
     same result; the default picks the fastest that fits the GPU). ``merge``: None / "launch" (the
     default: split tiles are merged by a second launch) or "fused": the same tile variant's
     *_fused kernel merges them in the attention launch (one launch, no merge kernel; decode, tree
-    verify and prefill alike) and the split goes down to FUSED_MIN_STAGES stages per CTA. With
+    verify and prefill alike) and the split goes down to FUSED_MIN_SPLIT rows per CTA. With
     ``into``, the mode is the given plan's (a different explicit ``merge`` is an error)."""
     import cupy
 
@@ -252,7 +253,7 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
     bm, bn, nw = v.bm, v.bn, v.warps
     allow_dynamic_smem(module("mla_attention").fn(_kernel_name(variant, fused)), _smem_bytes(variant))
     grid = into.grid if into is not None else (num_sms or sms)
-    work, cta_work, merge, partials = split_work(batch, bm, bn, grid, FUSED_MIN_STAGES * bn if fused else v.min_split)
+    work, cta_work, merge, partials = split_work(batch, bm, bn, grid, FUSED_MIN_SPLIT if fused else v.min_split)
     if fused:  # the kernel remembers the items a CTA completes in two registers (its first and last)
         if partial_items_per_cta(work, cta_work).max(initial=0) > 2:
             raise RuntimeError("split_work gave a CTA more than two partial items (the fused kernel keeps two)")
