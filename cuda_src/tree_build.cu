@@ -737,8 +737,9 @@ TREE_BUILD_ENTRY(tree_build_prune_j17, 17, true)
 // tree_build_warp_j*: the heap loop of the reference with the heap in registers, one warp per request
 // and blockDim.x / 32 requests per block (no block barrier anywhere). As in heap_loop, the heap holds
 // at most one entry per node: "slot i" = node i's next unpopped child, owned by lane i % 32 as its
-// register j = i / 32 (J * 32 >= max_budget + 1): score (double), order key ord64(score), rank-tuple
-// code, and rank / depth / node i's last popped child packed in one int.
+// register j = i / 32 (J * 32 >= max_budget): score (double), order key ord64(score), rank-tuple
+// code, and rank / depth / node i's last popped child packed in one int. Slot `budget` would hold the
+// last node's first child, which is never popped, so it is never filled: J * 32 >= max_budget suffices.
 //
 // Order: larger key first; equal keys go to the smaller code. The code of a candidate holds its ranks
 // (not rank + 1) in fields of fb = bit_length(ks - 1) bits, depth 1 most significant, zeros after its
@@ -966,7 +967,7 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
         }
       }
     }
-    if (wd < depth_limit && lane == (node & 31)) {  // slot `node` offers the new node's first child
+    if (wd < depth_limit && node < budget && lane == (node & 31)) {  // slot `node`: the new node's first child
       const int jn = node >> 5;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
@@ -1045,6 +1046,6 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
 TREE_BUILD_WARP_ENTRY(1)
 TREE_BUILD_WARP_ENTRY(2)
 TREE_BUILD_WARP_ENTRY(3)
-TREE_BUILD_WARP_ENTRY(5)
-TREE_BUILD_WARP_ENTRY(9)
-TREE_BUILD_WARP_ENTRY(17)
+TREE_BUILD_WARP_ENTRY(4)
+TREE_BUILD_WARP_ENTRY(8)
+TREE_BUILD_WARP_ENTRY(16)
