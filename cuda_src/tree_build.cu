@@ -737,8 +737,9 @@ TREE_BUILD_ENTRY(tree_build_prune_j17, 17, true)
 // tree_build_warp_j*: the heap loop of the reference with the heap in registers, one warp per request
 // and blockDim.x / 32 requests per block (no block barrier anywhere). As in heap_loop, the heap holds
 // at most one entry per node: "slot i" = node i's next unpopped child, owned by lane i % 32 as its
-// register j = i / 32 (J * 32 >= max_budget + 1): score (double), order key ord64(score), rank-tuple
-// code, and rank / depth / node i's last popped child packed in one int.
+// register j = i / 32 (J * 32 >= max_budget): score (double), order key ord64(score), rank-tuple
+// code, and rank / depth / node i's last popped child packed in one int. Slot `budget` would hold the
+// last node's first child, which is never popped, so it is never filled: J * 32 >= max_budget suffices.
 //
 // Order: larger key first; equal keys go to the smaller code. The code of a candidate holds its ranks
 // (not rank + 1) in fields of fb = bit_length(ks - 1) bits, depth 1 most significant, zeros after its
@@ -758,6 +759,16 @@ TREE_BUILD_ENTRY(tree_build_prune_j17, 17, true)
 namespace {
 
 constexpr int WARP_REQS = 4;  // requests (warps) per block at most; the wrapper may launch fewer
+
+#if TREE_PROFILE
+// Diagnostics build: request b's lane 0 stamps tree_prof[32 * b + i] (b < 1024) as the block kernels
+// do their block's: 0 start, 1 staged, 2 built, 3 written; 6 the nodes popped, 7 the warp max rounds
+// that needed the low key words, 8 those that needed the codes.
+#define WARP_STAMP(i, v) \
+  if (lane == 0 && b < 1024) tree_prof[32 * b + (i)] = (v)
+#else
+#define WARP_STAMP(i, v)
+#endif
 
 // Per-request shared memory, `stride` bytes per warp (see warp_stride in kernels/tree_build.py):
 // node score [N] (double), parent, depth << 16 | rank, first child, next sibling [N] (int), then the
@@ -802,6 +813,7 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
   s.lq = reinterpret_cast<float*>(s.next_sibling + n_slots);
   s.ids = reinterpret_cast<int*>(s.lq + L * ks);
 
+  WARP_STAMP(0, clock64());
   const int budget = min(max(budgets[b], 0), max_budget);
   const int depth_limit = min(max(depths[b], 0), L);
   const int prefix = prefix_lens[b], root = root_tokens[b];
@@ -809,11 +821,12 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
 
   // Stage the [L, ks] tiles, STAGE loads per lane in flight at once (one memory trip for L * ks <= 512),
   // without branches: indices past the tile load its last element again and store nothing. Flat index
-  // i = d * ks + c sits at d * K + c = i + d * (K - ks), its row d = i * m >> 32 with m = 2^32 / ks + 1
-  // (exact while i * ks < 2^32).
+  // i = d * ks + c sits at d * K + c = i + d * (K - ks), its row d = i * m >> 32 with
+  // m = (2^32 - 1) / ks + 1 (2^32 / ks for a power of two, else floor(2^32 / ks) + 1: exact while
+  // i * ks < 2^32; a 32-bit division, not the 64-bit library call).
   constexpr int STAGE = 16;
   const int total = L * ks;
-  const unsigned long long m_div = (1ull << 32) / (unsigned)ks + 1ull;
+  const unsigned long long m_div = (unsigned long long)(0xffffffffu / (unsigned)ks) + 1ull;
   const float* __restrict__ lq_in = logq + (long long)b * L * K;
   const int* __restrict__ id_in = ids + (long long)b * L * K;
   for (int i0 = 0; i0 < total; i0 += 32 * STAGE) {
@@ -846,6 +859,10 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
     s.info[0] = 0;
   }
   __syncwarp();
+  WARP_STAMP(1, clock64());
+#if TREE_PROFILE
+  long long lo_rounds = 0, code_rounds = 0;
+#endif
 
   double sc[J];
   unsigned long long ky[J], cd[J];
@@ -910,9 +927,15 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
     if (mh == 0u) break;  // every slot is empty: the heap is exhausted
     unsigned tied = __ballot_sync(FULL, hi == mh);
     if (tied & (tied - 1u)) {
+#if TREE_PROFILE
+      ++lo_rounds;
+#endif
       const unsigned ml = __reduce_max_sync(FULL, hi == mh ? lo : 0u);
       tied = __ballot_sync(FULL, hi == mh && lo == ml);
       if (tied & (tied - 1u)) {  // equal scores: the smallest code (distinct on the heap) wins
+#if TREE_PROFILE
+        ++code_rounds;
+#endif
         const bool in = (tied >> lane) & 1u;
         const unsigned ch = in ? (unsigned)(bc >> 32) : ~0u;
         const unsigned mch = __reduce_min_sync(FULL, ch);
@@ -944,7 +967,7 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
         }
       }
     }
-    if (wd < depth_limit && lane == (node & 31)) {  // slot `node` offers the new node's first child
+    if (wd < depth_limit && node < budget && lane == (node & 31)) {  // slot `node`: the new node's first child
       const int jn = node >> 5;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
@@ -958,6 +981,10 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
     }
   }
   __syncwarp();  // node records are visible to every lane
+  WARP_STAMP(2, clock64());
+  WARP_STAMP(6, n);
+  WARP_STAMP(7, lo_rounds);
+  WARP_STAMP(8, code_rounds);
 
   const int n_nodes = n + 1;
   const long long row0 = (long long)b * n_slots;
@@ -996,6 +1023,7 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
       if (w < W) m[w] = words[w];
   }
   if (lane == 0) num_nodes[b] = n_nodes;
+  WARP_STAMP(3, clock64());
 }
 
 }  // namespace
@@ -1018,6 +1046,6 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
 TREE_BUILD_WARP_ENTRY(1)
 TREE_BUILD_WARP_ENTRY(2)
 TREE_BUILD_WARP_ENTRY(3)
-TREE_BUILD_WARP_ENTRY(5)
-TREE_BUILD_WARP_ENTRY(9)
-TREE_BUILD_WARP_ENTRY(17)
+TREE_BUILD_WARP_ENTRY(4)
+TREE_BUILD_WARP_ENTRY(8)
+TREE_BUILD_WARP_ENTRY(16)

@@ -342,7 +342,7 @@ def test_prune_procedure_equals_the_heap_loop(rng):
 
 # ---------------------------------------------------------------- the warp kernel's procedure (CPU)
 
-WARP_J = (1, 2, 3, 5, 9, 17)
+WARP_J = (1, 2, 3, 4, 8, 16)
 
 
 def warp_build_model(lq, budget: int, depth: int, max_budget: int, ks: int):
@@ -350,14 +350,14 @@ def warp_build_model(lq, budget: int, depth: int, max_budget: int, ks: int):
     unpopped child) lives in lane i % 32, register i // 32; each lane's best by a tournament over
     (key desc, code asc); the warp's best by the high key words, then the low words, then the codes
     (high, low) among the lanes still tied; the winner's slot becomes its next sibling, slot `node`
-    its first child. Codes hold ranks (not rank + 1) in fields of bit_length(ks - 1) bits, depth 1
+    its first child (except slot `budget`: never popped, never filled). Codes hold ranks (not rank + 1) in fields of bit_length(ks - 1) bits, depth 1
     most significant; the model checks that the heap's codes stay distinct (the kernel relies on it)
     and that a lane's J registers cover every slot. Returns the nodes (parent, depth, rank, score)
     and the first_child / next_sibling links the winner writes."""
     kc = len(lq[0])
     fb = (max(1, ks) - 1).bit_length()
     assert len(lq) * fb <= 64
-    j_slots = next(j for j in WARP_J if 32 * j >= max_budget + 1)
+    j_slots = next(j for j in WARP_J if 32 * j >= max_budget)
     empty = (0.0, 0, 0, 0, 0, -1)  # score, key, code, rank, candidate depth, the node's last child
     slots = [[empty] * j_slots for _ in range(32)]
     if budget > 0 and depth > 0:
@@ -411,7 +411,7 @@ def warp_build_model(lq, budget: int, depth: int, max_budget: int, ks: int):
             slots[win][bj] = (sib, ord64(sib), code + unit, r + 1, d, node)
         else:
             slots[win][bj] = empty
-        if d < depth:
+        if d < depth and node < budget:
             assert node >> 5 < j_slots
             c = sc + lq[d][0]
             slots[node & 31][node >> 5] = (c, ord64(c), code, 0, d + 1, -1)

@@ -30,7 +30,7 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                params={"TOPK_CAP": 8192, "TOPK_STREAM_BLOCKS": 2, "TOPK_PROFILE": 0}),
     KernelSpec("tree_build", ("tree_build_prune_j3", "tree_build_prune_j9", "tree_build_prune_j17",
                               "tree_build_j3", "tree_build_j9", "tree_build_j17",
-                              *(f"tree_build_warp_j{j}" for j in (1, 2, 3, 5, 9, 17))),
+                              *(f"tree_build_warp_j{j}" for j in (1, 2, 3, 4, 8, 16))),
                "DDTree best-first tree build per request, bit-identical to the heapq reference (prune: "
                "depth by depth in parallel, the heap loop where that is not exact; the heap loop alone "
                "for tests and bench tree --variants; warp: the heap loop in registers, one warp per request)",

@@ -25,7 +25,7 @@ _SMEM_PER_SLOT = 8 + 3 * 8 + 8 + 8 + 4 + 4 + 5 * 4
 _SMEM_PER_PRUNE_ENTRY = 2 * 8 + 5 * 4  # prune variant: score, list score; parent, rank, depth, node, list
 _PRUNE_LIST_EXTRA = 63  # prune variant: tuple codes (3 words) for 1 + max_budget + this listed entries
 VARIANTS = ("heap", "prune", "warp")
-_WARP_J = (1, 2, 3, 5, 9, 17)  # warp variant: heap slots per lane, 32 * J >= 1 + max_budget
+_WARP_J = (1, 2, 3, 4, 8, 16)  # warp variant: heap slots per lane, 32 * J >= max_budget
 _WARP_REQS = 4  # warp variant: requests (warps) per block at most (WARP_REQS in the kernel)
 _WARP_SMEM = 48 * 1024  # warp variant: shared memory per block it aims under
 
@@ -140,7 +140,7 @@ def _launch_warp(logq, ids, root_tokens, budgets, depths, prefix_lens, max_budge
     """One warp per request, ``reqs`` requests per block (fewer where their shared memory passes
     _WARP_SMEM); the caller checked ``warp_supports``."""
     fb = warp_field_bits(ks)
-    j = next(j for j in _WARP_J if 32 * j >= max_budget + 1)
+    j = next(j for j in _WARP_J if 32 * j >= max_budget)
     stride = warp_stride(max_budget, l, ks)
     reqs = max(1, min(_WARP_REQS, _WARP_SMEM // stride, b))
     fn = module("tree_build").fn(f"tree_build_warp_j{j}")
