@@ -1376,7 +1376,13 @@ __device__ void radix_hist_block(const T* logits, int V, int K, int cvec, float*
       __syncthreads();  // this step's counts are in
       unsigned h[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) h[i] = hist[16 * tid + i];
+      for (int i = 0; i < 4; ++i) {  // 16-byte reads: 4-byte ones 64 bytes apart would hit 2 banks
+        const uint4 q = reinterpret_cast<const uint4*>(hist)[4 * tid + i];
+        h[4 * i] = q.x;
+        h[4 * i + 1] = q.y;
+        h[4 * i + 2] = q.z;
+        h[4 * i + 3] = q.w;
+      }
       pick_kth_bin(h, (unsigned)K, scan, scan + RT / 32);
       floor = max(floor, scan[RT / 32]);
     }
@@ -1617,7 +1623,7 @@ extern "C" __global__ void __launch_bounds__(ST, TOPK_STREAM_BLOCKS) topk_stream
 extern "C" __global__ void __launch_bounds__(RT, 4) topk_radix_hist_bf16_kernel(
     const unsigned short* __restrict__ logits, int V, int K, int cvec, int vec, float* __restrict__ ms, int ms_stride,
     unsigned* __restrict__ ghist, unsigned short* __restrict__ gmax, int g_stride) {
-  __shared__ unsigned hist[RBINS];
+  __shared__ __align__(16) unsigned hist[RBINS];
   __shared__ float red_f[2 * (RT / 32)];
   __shared__ unsigned scan[RT / 32 + 1];
   if (vec) radix_hist_block<unsigned short, true>(logits, V, K, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f, scan);
@@ -1627,7 +1633,7 @@ extern "C" __global__ void __launch_bounds__(RT, 4) topk_radix_hist_bf16_kernel(
 extern "C" __global__ void __launch_bounds__(RT, 4) topk_radix_hist_f32_kernel(
     const float* __restrict__ logits, int V, int K, int cvec, int vec, float* __restrict__ ms, int ms_stride,
     unsigned* __restrict__ ghist, unsigned short* __restrict__ gmax, int g_stride) {
-  __shared__ unsigned hist[RBINS];
+  __shared__ __align__(16) unsigned hist[RBINS];
   __shared__ float red_f[2 * (RT / 32)];
   __shared__ unsigned scan[RT / 32 + 1];
   if (vec) radix_hist_block<float, true>(logits, V, K, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f, scan);
