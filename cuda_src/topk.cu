@@ -1215,7 +1215,10 @@ __device__ __forceinline__ Shared carve(int cand_keys, unsigned long long* top) 
 //     largest element (sanitized, -0 -> +0) as an order key; the top RB bits of that key are
 //     counted in a shared histogram, flushed once per block into the row's global histogram (one
 //     atomic per non-zero bin), and per group of 8 consecutive vectors (128 bytes) the largest
-//     bin is written to gmax[row, group]. (max, sum) go to ms[row, chunk].
+//     bin is written to gmax[row, group]. (max, sum) go to ms[row, chunk]. After steps 1, 2, 4,
+//     ... the bin of the chunk's own K-th vector key so far becomes a floor below which vectors
+//     are not counted: the row's K-th is at or above it, and most shared atomics (which collide:
+//     ~12 lanes of a warp on one bin on Zipf rows) are saved.
 //   select (grid rows, RT threads): the row's histogram gives the bin T holding the K-th largest
 //     vector key: K distinct vectors, hence K elements, have a key >= T's lower edge t, and every
 //     element >= t lies in a group whose gmax >= T. Only those groups are re-read (mostly from L2;
@@ -1233,7 +1236,7 @@ constexpr int RBINS = 1 << RB;  // 4096
 constexpr int RADIX_RANK = MAX_K;  // candidates ranked directly (in sh.top on the value-select path)
 constexpr int RWIN = 4096;  // groups listed at once by the select block (16 KB of dynamic shared memory)
 static_assert(RT == ST, "value_select strides by ST");
-static_assert(RBINS == 16 * RT, "the select block holds 16 bins per thread");
+static_assert(RBINS == 16 * RT, "pick_kth_bin: 16 bins per thread");
 
 __device__ __forceinline__ float max_nan(float a, float b) {
   float d;
@@ -1283,11 +1286,39 @@ __device__ __forceinline__ uint4 row_vec(const T* row, int V, int v) {
   return W::load_scalar(row + (long long)v * W::N, V - v * W::N);
 }
 
-// hist [RBINS] and red_f [2 * RT / 32]: the kernel's shared memory (one copy for both template paths).
+// Thread t of RT holds the counts of bins [16 t, 16 t + 16) of a 4096-bin histogram in h: *out =
+// the largest bin b with at least K counts in bins >= b (0 when the total is below K), visible to
+// all after the call. warp_sum: RT / 32 words of shared scratch. Two barriers.
+__device__ void pick_kth_bin(const unsigned (&h)[16], unsigned K, unsigned* warp_sum, unsigned* out) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  unsigned local = 0u;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) local += h[i];
+  unsigned incl = local;  // suffix sum over the warp's lanes
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned t = __shfl_down_sync(FULL, incl, d);
+    if (lane + d < 32) incl += t;
+  }
+  if (lane == 0) warp_sum[warp] = incl;
+  if (tid == 0) *out = 0u;
+  __syncthreads();
+  unsigned above = incl - local;  // the counts in the bins of higher threads
+  for (int w = warp + 1; w < RT / 32; ++w) above += warp_sum[w];
+#pragma unroll
+  for (int i = 15; i >= 0; --i) {
+    if (above < K && K <= above + h[i]) *out = (unsigned)(16 * tid + i);  // one thread
+    above += h[i];
+  }
+  __syncthreads();
+}
+
+// hist [RBINS], red_f [2 * RT / 32], scan [RT / 32 + 1]: the kernel's shared memory (one copy for
+// both template paths).
 template <typename T, bool VL>
-__device__ void radix_hist_block(const T* logits, int V, int C, int cvec, float* ms, int ms_stride,
+__device__ void radix_hist_block(const T* logits, int V, int K, int cvec, float* ms, int ms_stride,
                                  unsigned* ghist, unsigned short* gmax, int g_stride, unsigned* hist,
-                                 float* red_f) {
+                                 float* red_f, unsigned* scan) {
   using W = Vec16<T>;
   constexpr int VEC = W::N;
   const int tid = threadIdx.x, lane = tid & 31;
@@ -1299,8 +1330,12 @@ __device__ void radix_hist_block(const T* logits, int V, int C, int cvec, float*
   for (int i = tid; i < RBINS; i += RT) hist[i] = 0u;
   __syncthreads();
   float m = neg_inf(), s = 0.f, s2 = 0.f;
+  // Vectors in bins below floor need no count: this chunk alone has K vectors at or above it, so
+  // the row's K-th vector key is too (the select block only looks at the counts from its bin up).
+  // Raised after steps 1, 2, 4, ... of a chunk of several.
+  unsigned floor = 0u;
 #pragma unroll 1
-  for (int base = 0; base < n; base += RT * RU) {
+  for (int base = 0, step = 1; base < n; base += RT * RU, ++step) {
     uint4 raw[RU];
 #pragma unroll
     for (int u = 0; u < RU; ++u) {
@@ -1317,7 +1352,7 @@ __device__ void radix_hist_block(const T* logits, int V, int C, int cvec, float*
         vm = vec_max_nan<T>(raw[u]);
       }
       const unsigned bin = ord32(canon(vm)) >> (32 - RB);
-      if (v < n) atomicAdd(&hist[bin], 1u);
+      if (v < n && bin >= floor) atomicAdd(&hist[bin], 1u);
       unsigned gbin = v < n ? bin : 0u;  // the largest bin of lanes 8j..8j+7: one group of 8 vectors
 #pragma unroll
       for (int o = 1; o < 8; o <<= 1) gbin = max(gbin, __shfl_xor_sync(FULL, gbin, o));
@@ -1336,6 +1371,20 @@ __device__ void radix_hist_block(const T* logits, int V, int C, int cvec, float*
         if (e & 1) s2 += y;
         else s += y;
       }
+    }
+    if ((step & (step - 1)) == 0 && base + RT * RU < n) {  // uniform
+      __syncthreads();  // this step's counts are in
+      unsigned h[16];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // 16-byte reads: 4-byte ones 64 bytes apart would hit 2 banks
+        const uint4 q = reinterpret_cast<const uint4*>(hist)[4 * tid + i];
+        h[4 * i] = q.x;
+        h[4 * i + 1] = q.y;
+        h[4 * i + 2] = q.z;
+        h[4 * i + 3] = q.w;
+      }
+      pick_kth_bin(h, (unsigned)K, scan, scan + RT / 32);
+      floor = max(floor, scan[RT / 32]);
     }
   }
   s += s2;
@@ -1436,14 +1485,13 @@ __device__ void radix_select_block(const T* logits, int V, int K, int C, const f
                                    unsigned* ghist, const unsigned short* gmax, int g_stride, float* logq_out,
                                    int* ids_out, const Shared& sh, int* list) {
   constexpr int PER = RBINS / RT;  // bins per thread
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const int row = blockIdx.x;
   const T* src = logits + (long long)row * V;
   // The row's histogram: thread t holds bins [PER t, PER t + PER) in registers and zeroes them in
   // global memory (16-byte pieces: rows of the histogram are 16 KB apart).
   uint4* rh = reinterpret_cast<uint4*>(ghist + (long long)row * RBINS + PER * tid);
   unsigned h[PER];
-  unsigned local = 0u;
 #pragma unroll
   for (int i = 0; i < PER / 4; ++i) {
     const uint4 q = __ldcg(rh + i);
@@ -1458,29 +1506,12 @@ __device__ void radix_select_block(const T* logits, int V, int K, int C, const f
   float m = neg_inf(), s = 0.f;
   for (int j = tid; j < C; j += RT)
     lse_combine(m, s, ms[2 * ((long long)row * ms_stride + j)], ms[2 * ((long long)row * ms_stride + j) + 1]);
-#pragma unroll
-  for (int i = 0; i < PER; ++i) local += h[i];
-  // above = the count in the bins of higher threads (a suffix sum over the block)
-  unsigned incl = local;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const unsigned t = __shfl_down_sync(FULL, incl, d);
-    if (lane + d < 32) incl += t;
-  }
-  __shared__ unsigned warp_sum[RT / 32];
-  __shared__ unsigned tbin;
-  if (lane == 0) warp_sum[warp] = incl;
-  if (tid == 0) tbin = 0u;  // fewer than K vectors in the row: every element is a candidate
-  __syncthreads();
-  unsigned above = incl - local;
-  for (int w = warp + 1; w < RT / 32; ++w) above += warp_sum[w];
-#pragma unroll
-  for (int i = PER - 1; i >= 0; --i) {
-    if (above < (unsigned)K && (unsigned)K <= above + h[i]) tbin = (unsigned)(PER * tid + i);  // one thread
-    above += h[i];
-  }
-  block_lse<RT>(m, s, sh);  // its barriers also publish tbin
-  const unsigned tb = tbin;
+  // The bin of the K-th vector key (0 when the row has fewer vectors: every element is a
+  // candidate). Only the counts from that bin up are complete (see radix_hist_block's floor).
+  __shared__ unsigned scan[RT / 32 + 1];
+  pick_kth_bin(h, (unsigned)K, scan, scan + RT / 32);
+  block_lse<RT>(m, s, sh);
+  const unsigned tb = scan[RT / 32];
   const unsigned short* gm = gmax + (long long)row * g_stride;
   unsigned long long thr = (unsigned long long)(tb << (32 - RB)) << 32;
   int n;
@@ -1587,23 +1618,26 @@ extern "C" __global__ void __launch_bounds__(ST, TOPK_STREAM_BLOCKS) topk_stream
 // (16-byte vectors per chunk) a multiple of 256, C = ceil(ceil(V / VEC) / cvec), VEC = 16 / element
 // size. vec = 1: rows are 16-byte aligned and V % VEC == 0. ms [rows, >= C, 2] (row stride
 // ms_stride chunks), ghist [rows, 4096] uint32 zero before (the select launch zeroes it again),
-// gmax [rows, g_stride] uint16, g_stride >= ceil(ceil(V / VEC) / 8) and a multiple of 8.
+// gmax [rows, g_stride] uint16, g_stride >= ceil(ceil(V / VEC) / 8) and a multiple of 8. K: the
+// select launch's (bins below a chunk's own K-th vector key are not counted in full).
 extern "C" __global__ void __launch_bounds__(RT, 4) topk_radix_hist_bf16_kernel(
-    const unsigned short* __restrict__ logits, int V, int C, int cvec, int vec, float* __restrict__ ms, int ms_stride,
+    const unsigned short* __restrict__ logits, int V, int K, int cvec, int vec, float* __restrict__ ms, int ms_stride,
     unsigned* __restrict__ ghist, unsigned short* __restrict__ gmax, int g_stride) {
-  __shared__ unsigned hist[RBINS];
+  __shared__ __align__(16) unsigned hist[RBINS];
   __shared__ float red_f[2 * (RT / 32)];
-  if (vec) radix_hist_block<unsigned short, true>(logits, V, C, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f);
-  else radix_hist_block<unsigned short, false>(logits, V, C, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f);
+  __shared__ unsigned scan[RT / 32 + 1];
+  if (vec) radix_hist_block<unsigned short, true>(logits, V, K, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f, scan);
+  else radix_hist_block<unsigned short, false>(logits, V, K, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f, scan);
 }
 
 extern "C" __global__ void __launch_bounds__(RT, 4) topk_radix_hist_f32_kernel(
-    const float* __restrict__ logits, int V, int C, int cvec, int vec, float* __restrict__ ms, int ms_stride,
+    const float* __restrict__ logits, int V, int K, int cvec, int vec, float* __restrict__ ms, int ms_stride,
     unsigned* __restrict__ ghist, unsigned short* __restrict__ gmax, int g_stride) {
-  __shared__ unsigned hist[RBINS];
+  __shared__ __align__(16) unsigned hist[RBINS];
   __shared__ float red_f[2 * (RT / 32)];
-  if (vec) radix_hist_block<float, true>(logits, V, C, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f);
-  else radix_hist_block<float, false>(logits, V, C, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f);
+  __shared__ unsigned scan[RT / 32 + 1];
+  if (vec) radix_hist_block<float, true>(logits, V, K, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f, scan);
+  else radix_hist_block<float, false>(logits, V, K, cvec, ms, ms_stride, ghist, gmax, g_stride, hist, red_f, scan);
 }
 
 // Radix variant, launch 2 of 2 (after the hist launch on the same stream). grid rows, block 256,

@@ -104,6 +104,65 @@ def test_reference_bad_k():
         topk_logprobs(x.astype(np.float16), 2)
 
 
+def _radix_model(row, k, vec, cvec, cap=8192):
+    """The radix kernels' selection argument in numpy (cuda_src/topk.cu, radix variant): order keys,
+    per-vector largest bins, per-chunk floors raised after steps 1, 2, 4, ... of 1024 vectors, the
+    K-th vector bin of the row histogram, the flagged 8-vector groups, the candidates reaching the
+    bin's lower edge and the overflow loop. Returns the ids, the bin found and that of the full
+    histogram (every vector counted)."""
+    x = np.asarray(row, np.float32)
+    x = np.where(x <= FLT_MAX, x, np.float32(-np.inf)).astype(np.float32) + np.float32(0.0)
+    nvec = -(-x.size // vec)
+    pad = np.full(nvec * vec, -np.inf, np.float32)
+    pad[:x.size] = x
+    b = pad.view(np.uint32).astype(np.uint64)
+    o = np.where(b & 0x80000000, ~b & 0xFFFFFFFF, b | 0x80000000)
+    vbin = (o.reshape(nvec, vec).max(1) >> 20).astype(np.int64)
+
+    def kth_bin(h):
+        hit = np.flatnonzero(np.cumsum(h[::-1])[::-1] >= k)
+        return int(hit.max()) if hit.size else 0
+
+    hist = np.zeros(4096, np.int64)
+    for v0 in range(0, nvec, cvec):
+        n, h, floor = min(cvec, nvec - v0), np.zeros(4096, np.int64), 0
+        for step, base in enumerate(range(0, n, 1024), start=1):
+            part = vbin[v0 + base:v0 + min(n, base + 1024)]
+            h += np.bincount(part[part >= floor], minlength=4096)
+            if step & (step - 1) == 0 and base + 1024 < n:
+                floor = max(floor, kth_bin(h))
+        hist += h
+    tb = kth_bin(hist)
+    groups = np.zeros(-(-nvec // 8) * 8, np.int64)
+    groups[:nvec] = vbin
+    flagged = np.repeat(groups.reshape(-1, 8).max(1) >= tb, 8 * vec)[:x.size]
+    keys = (o[:x.size] << np.uint64(32)) | (~np.arange(x.size, dtype=np.uint64) & np.uint64(0xFFFFFFFF))
+    thr = np.uint64(tb << 20) << np.uint64(32)
+    assert not (keys[~flagged] >= thr).any(), "an element reaching the threshold in an unflagged group"
+    cand = keys[flagged & (keys >= thr)]
+    while cand.size > cap:  # the kernel keeps the first cap appended; any cap of them will do
+        thr = np.sort(cand[:cap])[::-1][k - 1]
+        cand = keys[flagged & (keys >= thr)]
+    assert cand.size >= k
+    top = np.sort(cand)[::-1][:k]
+    return (~top & np.uint64(0xFFFFFFFF)).astype(np.int32), tb, kth_bin(np.bincount(vbin, minlength=4096))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_radix_selection_model(rng, kind, dtype):
+    """The radix variant's argument holds on every kind of row (CPU): the floors never change the
+    K-th vector bin, no candidate lies outside the flagged groups, and the ids are the reference's."""
+    x = make_logits(rng, 2, 30_011, kind).astype(dtype)
+    vec = 8 if dtype == bfloat16 else 4
+    for k in (1, 64, 512):
+        _, want = topk_logprobs(x, k)
+        for cvec in (256, 1280, 4096):
+            for r in range(2):
+                ids, tb, full_bin = _radix_model(x[r].astype(np.float32), k, vec, cvec, cap=2048)
+                assert tb == full_bin and np.array_equal(ids, want[r]), (k, cvec, r)
+
+
 # ---------------------------------------------------------------- GPU
 
 

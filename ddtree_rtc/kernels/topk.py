@@ -284,7 +284,7 @@ def launch(logits, k: int, out_logq=None, out_ids=None, workspace=None, cap: int
         allow_dynamic_smem(select_fn, smem)
         ms_stride, g_stride = np.int32(ws.ms.shape[1]), np.int32(ws.gmax.shape[1])
         hist_fn((chunks, rows), (_RADIX_THREADS,),
-                (logits, np.int32(vocab), np.int32(chunks), np.int32(ws.vectors), np.int32(vec), ws.ms, ms_stride,
+                (logits, np.int32(vocab), np.int32(k), np.int32(ws.vectors), np.int32(vec), ws.ms, ms_stride,
                  ws.hist, ws.gmax, g_stride))
         select_fn((rows,), (_RADIX_THREADS,),
                   (logits, np.int32(vocab), np.int32(k), np.int32(chunks), np.int32(vec), ws.ms, ms_stride, ws.hist,
