@@ -482,9 +482,10 @@ def test_kernel_masks_tree_rows(rng):
 
 
 @pytest.mark.gpu
-def test_device_mask_and_graph_replay(rng):
+@pytest.mark.parametrize("merge", [None, "fused"])
+def test_device_mask_and_graph_replay(rng, merge):
     """A device mask used in place, the run captured in a CUDA graph, and a later plan written
-    into the same buffers replayed by that graph."""
+    into the same buffers replayed by that graph (tree verify; the merge as a second launch or fused)."""
     import cupy
 
     from ddtree_rtc.kernels import mla_attention as k
@@ -497,8 +498,9 @@ def test_device_mask_and_graph_replay(rng):
                                constant_values=SENTINEL)
     second.num_pages = first.num_pages = max(first.num_pages, second.num_pages)
     mask_dev = cupy.asarray(first.mask)
-    plan = k.mla_attention_plan(first.ctx, first.n, first.page_table, 8, 16, first.num_pages, mask_dev, num_sms=40)
-    assert plan.mask is mask_dev and not plan.owns_mask
+    plan = k.mla_attention_plan(first.ctx, first.n, first.page_table, 8, 16, first.num_pages, mask_dev, num_sms=40,
+                                merge=merge)
+    assert plan.mask is mask_dev and not plan.owns_mask and plan.fused == (merge == "fused")
 
     def pad_cache(bt):
         c = np.full((bt.num_pages, 16, ref.ROW), np.nan, np.float32)
