@@ -982,13 +982,16 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
   WARP_STAMP(7, lo_rounds);
   WARP_STAMP(8, code_rounds);
 
+  // mask words: W = ceil(n_slots / 64) <= MW, as n_slots = max_budget + 1 <= 32 * J + 1
+  constexpr int MW = (32 * J + 64) / 64;
+  static_assert(MW <= MAX_WORDS, "mask words");
   const int n_nodes = n + 1;
   const long long row0 = (long long)b * n_slots;
   for (int i = lane; i < n_slots; i += 32) {
     const long long o = row0 + i;
-    unsigned long long words[MAX_WORDS];
+    unsigned long long words[MW];
 #pragma unroll
-    for (int w = 0; w < MAX_WORDS; ++w) words[w] = 0ull;
+    for (int w = 0; w < MW; ++w) words[w] = 0ull;
     if (i < n_nodes) {
       const int info = s.info[i], d = info >> 16;
       tokens[o] = i == 0 ? root : s.ids[(d - 1) * ks + (info & 0xffff)];
@@ -1002,7 +1005,7 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
         const unsigned long long bit = 1ull << (a & 63);
         const int aw = a >> 6;
 #pragma unroll
-        for (int w = 0; w < MAX_WORDS; ++w) words[w] |= aw == w ? bit : 0ull;
+        for (int w = 0; w < MW; ++w) words[w] |= aw == w ? bit : 0ull;
       }
     } else {
       tokens[o] = -1;
@@ -1015,7 +1018,7 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
     }
     unsigned long long* m = mask + o * W;
 #pragma unroll
-    for (int w = 0; w < MAX_WORDS; ++w)
+    for (int w = 0; w < MW; ++w)
       if (w < W) m[w] = words[w];
   }
   if (lane == 0) num_nodes[b] = n_nodes;
