@@ -949,35 +949,31 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
     const double child_score = __shfl_sync(FULL, chd, win);
     const unsigned long long child_code = __shfl_sync(FULL, bc, win);
     const int wd = __shfl_sync(FULL, d, win);
-    if (lane == win) {
+    const bool is_win = lane == win;
+    if (is_win) {  // the node's record and its parent's link: stores only
       const int p = lane + 32 * bj;
       s.score[node] = bs;
       s.parent[node] = p;
       s.info[node] = d << 16 | r;
       if (r == 0) s.first_child[p] = node;
       else s.next_sibling[(binf >> 15) - 1] = node;
-      const unsigned long long unit = fb ? 1ull << (64 - d * fb) : 0ull;
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        if (bj == j) {  // slot p offers its next child, or nothing
-          sc[j] = sib;
-          ky[j] = has_sib ? ord64(sib) : 0ull;
-          cd[j] = bc + unit;
-          inf[j] = pack_info(r + 1, d, node);
-        }
-      }
     }
-    if (wd < depth_limit && node < budget && lane == (node & 31)) {  // slot `node`: the new node's first child
-      const int jn = node >> 5;
+    // The slots, without branches: the winner's slot p = lane + 32 * bj offers p's next child (or
+    // nothing), slot `node` (its owner lane, register node / 32) the new node's first child; p < node,
+    // so the two are never the same register of the same lane.
+    const unsigned long long sib_key = has_sib ? ord64(sib) : 0ull;
+    const unsigned long long sib_code = bc + (fb ? 1ull << (64 - d * fb) : 0ull);
+    const int sib_inf = pack_info(r + 1, d, node);
+    const bool take_child = wd < depth_limit && node < budget && lane == (node & 31);
+    const unsigned long long child_key = ord64(child_score);
+    const int child_inf = pack_info(0, wd + 1, -1), jn = node >> 5;
 #pragma unroll
-      for (int j = 0; j < J; ++j) {
-        if (jn == j) {
-          sc[j] = child_score;
-          ky[j] = ord64(child_score);
-          cd[j] = child_code;
-          inf[j] = pack_info(0, wd + 1, -1);
-        }
-      }
+    for (int j = 0; j < J; ++j) {
+      const bool ws = is_win && bj == j, cs = take_child && jn == j;
+      sc[j] = ws ? sib : cs ? child_score : sc[j];
+      ky[j] = ws ? sib_key : cs ? child_key : ky[j];
+      cd[j] = ws ? sib_code : cs ? child_code : cd[j];
+      inf[j] = ws ? sib_inf : cs ? child_inf : inf[j];
     }
   }
   __syncwarp();  // node records are visible to every lane
@@ -986,13 +982,16 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
   WARP_STAMP(7, lo_rounds);
   WARP_STAMP(8, code_rounds);
 
+  // mask words: W = ceil(n_slots / 64) <= MW, as n_slots = max_budget + 1 <= 32 * J + 1
+  constexpr int MW = (32 * J + 64) / 64;
+  static_assert(MW <= MAX_WORDS, "mask words");
   const int n_nodes = n + 1;
   const long long row0 = (long long)b * n_slots;
   for (int i = lane; i < n_slots; i += 32) {
     const long long o = row0 + i;
-    unsigned long long words[MAX_WORDS];
+    unsigned long long words[MW];
 #pragma unroll
-    for (int w = 0; w < MAX_WORDS; ++w) words[w] = 0ull;
+    for (int w = 0; w < MW; ++w) words[w] = 0ull;
     if (i < n_nodes) {
       const int info = s.info[i], d = info >> 16;
       tokens[o] = i == 0 ? root : s.ids[(d - 1) * ks + (info & 0xffff)];
@@ -1006,7 +1005,7 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
         const unsigned long long bit = 1ull << (a & 63);
         const int aw = a >> 6;
 #pragma unroll
-        for (int w = 0; w < MAX_WORDS; ++w) words[w] |= aw == w ? bit : 0ull;
+        for (int w = 0; w < MW; ++w) words[w] |= aw == w ? bit : 0ull;
       }
     } else {
       tokens[o] = -1;
@@ -1019,7 +1018,7 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
     }
     unsigned long long* m = mask + o * W;
 #pragma unroll
-    for (int w = 0; w < MAX_WORDS; ++w)
+    for (int w = 0; w < MW; ++w)
       if (w < W) m[w] = words[w];
   }
   if (lane == 0) num_nodes[b] = n_nodes;

@@ -350,9 +350,10 @@ def warp_build_model(lq, budget: int, depth: int, max_budget: int, ks: int):
     unpopped child) lives in lane i % 32, register i // 32; each lane's best by a tournament over
     (key desc, code asc); the warp's best by the high key words, then the low words, then the codes
     (high, low) among the lanes still tied; the winner's slot becomes its next sibling, slot `node`
-    its first child (except slot `budget`: never popped, never filled). Codes hold ranks (not rank + 1) in fields of bit_length(ks - 1) bits, depth 1
-    most significant; the model checks that the heap's codes stay distinct (the kernel relies on it)
-    and that a lane's J registers cover every slot. Returns the nodes (parent, depth, rank, score)
+    its first child (except slot `budget`: never popped, never filled). Codes hold ranks (not
+    rank + 1) in fields of bit_length(ks - 1) bits, depth 1 most significant; the model checks that
+    the heap's codes stay distinct (the kernel relies on it) and that a lane's J registers cover
+    every slot. Returns the nodes (parent, depth, rank, score)
     and the first_child / next_sibling links the winner writes."""
     kc = len(lq[0])
     fb = (max(1, ks) - 1).bit_length()

@@ -1,0 +1,64 @@
+"""TREE_PROFILE stamps of the tree_build kernels (cuda_src/tree_build.cu): SM cycles per phase of
+each request (staged, built, written) for one variant at one batch and budget, on bench tree's Zipf
+drafter log-probs (depth 7). A diagnostics build (TREE_PROFILE=1), GPU only:
+
+    PYTHONPATH=. python tools/tree_profile.py --variant warp --batch 32 --budget 64
+
+Stamps sit at tree_prof[32 * request + i]: 0 start, 1 staged, 2 built, 3 written (the block kernels
+stamp per block, one block per request; the warp kernel per request, lane 0). The warp kernel also
+leaves the nodes popped in 6 and the pops whose warp max needed the low key words / the codes in 7 / 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variant", default="warp", help="a tree_build variant (kernels/tree_build.VARIANTS)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--budget", type=int, default=64)
+    args = ap.parse_args(argv)
+    if not 1 <= args.batch <= 1024:
+        raise SystemExit("--batch: 1..1024 (the stamps hold 1024 requests)")
+
+    import cupy
+
+    from ddtree_rtc.backend import Backend
+    from ddtree_rtc.bench.tree import DEPTH, VOCAB, zipf_logits
+    from ddtree_rtc.kernels import registry
+    from ddtree_rtc.kernels import tree_build as tb
+    from ddtree_rtc.speculative.tree import TreeBuffers, TreeShape
+
+    tb.module = lambda name, **p: registry.module(name, TREE_PROFILE=1, **p)  # the diagnostics build
+    be = Backend("cuda")
+    bufs = TreeBuffers(be, TreeShape(batch=args.batch, budget=args.budget, depth=DEPTH, vocab=VOCAB))
+    logits = zipf_logits(args.batch, DEPTH, VOCAB, seed=args.batch * 1000 + args.budget)
+    rng = np.random.default_rng(0)
+    roots = cupy.asarray(rng.integers(0, VOCAB, args.batch).astype(np.int32))
+    prefix = cupy.asarray(rng.integers(100, 4000, args.batch).astype(np.int32))
+    bufs.build(logits, roots, prefix)  # top-k into bufs.logq / bufs.ids (and a default build)
+    inputs = (bufs.logq, bufs.ids, roots, bufs.budgets, bufs.depths, prefix, args.budget)
+    prof_ptr = tb.module("tree_build")._module.get_global_var("tree_prof")
+    prof_dev = cupy.ndarray((1024, 32), dtype=cupy.int64, memptr=prof_ptr)
+    for _ in range(3):  # the last run's stamps
+        prof_dev.fill(0)
+        tb.tree_build_variant(args.variant, *inputs, out=bufs.tree)
+    cupy.cuda.runtime.deviceSynchronize()
+    p = prof_dev.get()[: args.batch]
+    staged, built, written = p[:, 1] - p[:, 0], p[:, 2] - p[:, 1], p[:, 3] - p[:, 2]
+    print(f"{args.variant} batch {args.batch} budget {args.budget}: SM cycles per request, "
+          f"mean (max) over the batch")
+    for name, v in (("staged", staged), ("built", built), ("written", written), ("total", p[:, 3] - p[:, 0])):
+        print(f"  {name:8s} {v.mean():9.0f} ({v.max()})")
+    if args.variant == "warp":
+        nodes = p[:, 6]
+        print(f"  nodes popped {nodes.mean():.1f}; cycles per pop {(built / np.maximum(nodes, 1)).mean():.0f}; "
+              f"pops needing the low words {p[:, 7].sum()}, the codes {p[:, 8].sum()}")
+
+
+if __name__ == "__main__":
+    main()
