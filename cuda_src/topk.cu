@@ -1221,9 +1221,10 @@ __device__ __forceinline__ Shared carve(int cand_keys, unsigned long long* top) 
 //     ~12 lanes of a warp on one bin on Zipf rows) are saved.
 //   select (grid rows, RT threads): the row's histogram gives the bin T holding the K-th largest
 //     vector key: K distinct vectors, hence K elements, have a key >= T's lower edge t, and every
-//     element >= t lies in a group whose gmax >= T. Only those groups are re-read (mostly from L2;
-//     on the bench's Zipf rows ~90 of 2560 bf16 groups at k = 64, ~520 at k = 512, by an
-//     emulation in numpy); their elements >= t go to a shared buffer.
+//     element >= t lies in a group whose gmax >= T. Only those groups are re-read (from L2 where
+//     the logits fit it; on the bench's Zipf rows ~90 of 2560 bf16 groups at k = 64, ~520 at
+//     k = 512, counted with tests/test_topk.py's numpy model of this argument); their elements
+//     >= t go to a shared buffer.
 //     On overflow (heavy ties at t) the K-th best buffered key raises the threshold and the flagged
 //     groups are read again, as in the slices kernel. Then: rank directly (<= RADIX_RANK
 //     candidates), or a value-only select and rank, or the exact radix select + bitonic sort.

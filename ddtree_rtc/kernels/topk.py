@@ -16,7 +16,7 @@ Four variants, same results:
     bin holding the k-th vector key and re-reads only the groups that reach it.
 
 Plan/run: ``topk_workspace`` (host, once per shape) picks the split and allocates its scratch;
-``topk_logprobs`` with a workspace and outputs given is one graph-capturable launch.
+``topk_logprobs`` with a workspace and outputs given is one graph-capturable launch (radix: two).
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ def default_cap() -> int:
 @dataclass
 class TopkWorkspace:
     """Per-shape scratch: each row is split over several blocks (``slices`` of them, or chunks of
-    ``vectors`` 16-byte vectors); the last one to finish merges."""
+    ``vectors`` 16-byte vectors); the last one to finish merges (radix: a second launch selects)."""
 
     rows: int
     vocab: int
     k: int
-    slices: int  # slices variant: blocks per row; chunked: chunks per row of fp32 logits (the most)
+    slices: int  # slices variant: blocks per row; chunked and radix: chunks per row of fp32 logits (the most)
     keys: object  # [rows, slices, k] uint64 per-block candidates (None for one block)
     ms: object  # [rows, slices, 2] fp32 per-block (max, sum of exp)
     count: object  # [rows] uint32 arrival counters, zero between launches
@@ -80,7 +80,7 @@ class TopkWorkspace:
     gmax: object = None  # radix: [rows, groups of 8 fp32 vectors, rounded up to 8] uint16 largest bin per group
 
     def chunk(self, itemsize: int) -> int:
-        """Chunk length in tokens for logits of this element size (chunked and stream variants)."""
+        """Chunk length in tokens for logits of this element size (chunked, stream and radix variants)."""
         return self.tokens if self.variant == "stream" else self.vectors * (16 // itemsize)
 
 
@@ -160,9 +160,8 @@ def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = N
     ``vectors`` 16-byte vectors per chunk (256..2048, default: full chunks, smaller while the grid is
     under two blocks per SM). Radix (only when named): ``vectors`` 16-byte vectors per chunk, a
     multiple of 256 (default: about 8 blocks per SM, chunks of at least 1024 vectors). Slices:
-    ``slices`` blocks per row (default: enough rows x slices to
-    give every SM one block, at most 8, at least 16 K tokens per slice), ``cap`` the candidate
-    buffer."""
+    ``slices`` blocks per row (default: enough rows x slices to give every SM one block, at most 8,
+    at least 16 K tokens per slice), ``cap`` the candidate buffer."""
     import cupy
 
     vocab = int(shape[-1])
