@@ -142,6 +142,18 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __device__ __forceinline__ uint4 lds128(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
 
+// A warp's weight blocks of one stage (kTilesPerWarp blocks from ws) into registers: each lane's
+// 16 bytes of each 512-byte half of the packed nibbles, and the 16 bytes of scales of its group g.
+__device__ __forceinline__ void load_weight_blocks(uint4 (&buf)[kTilesPerWarp][3], const unsigned char* ws, int lane,
+                                                   int g) {
+#pragma unroll
+  for (int r = 0; r < kTilesPerWarp; ++r) {
+    buf[r][0] = lds128(ws + r * kBlockBytes + 16 * lane);
+    buf[r][1] = lds128(ws + r * kBlockBytes + 512 + 16 * lane);
+    buf[r][2] = lds128(ws + r * kBlockBytes + 1024 + 16 * g);
+  }
+}
+
 __device__ __forceinline__ unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {
   unsigned d;
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -393,12 +405,7 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
     if (active) {
       const unsigned char* ws = smem + stage * stage_bytes<NT>() + warp * kWarpStageBytes;
       uint4 buf[kTilesPerWarp][3];
-#pragma unroll
-      for (int r = 0; r < kTilesPerWarp; ++r) {
-        buf[r][0] = lds128(ws + r * kBlockBytes + 16 * lane);
-        buf[r][1] = lds128(ws + r * kBlockBytes + 512 + 16 * lane);
-        buf[r][2] = lds128(ws + r * kBlockBytes + 1024 + 16 * g);
-      }
+      load_weight_blocks(buf, ws, lane, g);
       const unsigned char* xs = smem + stage * stage_bytes<NT>() + kWeightStageBytes;
       stage_chunk<NT, 0>(acc, buf, xs, ntl, g, t);
       stage_chunk<NT, 1>(acc, buf, xs, ntl, g, t);
@@ -762,12 +769,7 @@ extern "C" __global__ void __launch_bounds__(kFusedThreads, 2) moe_fused_small(
       const int tile_d = (step - s1) * kFusedTiles + warp * kTilesPerWarp;
       if (step < s1 || tile_d < h_tiles) {
         uint4 buf[kTilesPerWarp][3];
-#pragma unroll
-        for (int r = 0; r < kTilesPerWarp; ++r) {
-          buf[r][0] = lds128(sw + r * kBlockBytes + 16 * lane);
-          buf[r][1] = lds128(sw + r * kBlockBytes + 512 + 16 * lane);
-          buf[r][2] = lds128(sw + r * kBlockBytes + 1024 + 16 * g);
-        }
+        load_weight_blocks(buf, sw, lane, g);
         if (step < s1) {
           const unsigned char* xs = smem + stage * kFusedStageBytes + kFusedWeightBytes;
           stage_chunk<1, 0>(acc, buf, xs, 1, g, t);

@@ -608,6 +608,20 @@ __device__ int prune_build(const Smem& s, const PrunePool& q, PruneShared& sh, i
   return n;
 }
 
+// Output slot o: a node's fields, or with node = false the empty slot's (-1 everywhere, score NaN).
+__device__ __forceinline__ void write_slot(long long o, bool node, int token, int parent, int depth, int position,
+                                           double score, int fc, int ns, int* tokens, int* parents,
+                                           int* node_depth, int* positions, double* scores, int* first_child,
+                                           int* next_sibling) {
+  tokens[o] = node ? token : -1;
+  parents[o] = node ? parent : -1;
+  node_depth[o] = node ? depth : -1;
+  positions[o] = node ? position : -1;
+  scores[o] = node ? score : __longlong_as_double(0x7ff8000000000000ll);
+  first_child[o] = node ? fc : -1;
+  next_sibling[o] = node ? ns : -1;
+}
+
 template <int J, bool PRUNE>  // PRUNE: the prune build first (heap loop on fallback); else the heap loop
 __device__ __forceinline__ void build(const float* __restrict__ logq, const int* __restrict__ ids,
                                       int L, int K, const int* __restrict__ root_tokens,
@@ -674,26 +688,17 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
     for (int w = 0; w < MAX_WORDS; ++w) words[w] = 0ull;
     if (i < n_nodes) {
       const int d = s.depth[i];
-      tokens[o] = i == 0 ? root : s.ids[(d - 1) * ks + s.rank[i]];
-      parents[o] = s.parent[i];
-      node_depth[o] = d;
-      positions[o] = prefix + d;
-      scores[o] = s.score[i];
-      first_child[o] = s.first_child[i];
-      next_sibling[o] = s.next_sibling[i];
+      write_slot(o, true, i == 0 ? root : s.ids[(d - 1) * ks + s.rank[i]], s.parent[i], d, prefix + d, s.score[i],
+                 s.first_child[i], s.next_sibling[i], tokens, parents, node_depth, positions, scores, first_child,
+                 next_sibling);
       for (int a = i; a >= 0; a = s.parent[a]) {  // ancestors, self included (<= 17 steps)
 #pragma unroll
         for (int w = 0; w < MAX_WORDS; ++w)
           if (w == (a >> 6)) words[w] |= 1ull << (a & 63);
       }
     } else {
-      tokens[o] = -1;
-      parents[o] = -1;
-      node_depth[o] = -1;
-      positions[o] = -1;
-      scores[o] = __longlong_as_double(0x7ff8000000000000ll);
-      first_child[o] = -1;
-      next_sibling[o] = -1;
+      write_slot(o, false, 0, 0, 0, 0, 0.0, 0, 0, tokens, parents, node_depth, positions, scores, first_child,
+                 next_sibling);
     }
     unsigned long long* m = mask + o * W;
 #pragma unroll
@@ -994,13 +999,9 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
     for (int w = 0; w < MW; ++w) words[w] = 0ull;
     if (i < n_nodes) {
       const int info = s.info[i], d = info >> 16;
-      tokens[o] = i == 0 ? root : s.ids[(d - 1) * ks + (info & 0xffff)];
-      parents[o] = s.parent[i];
-      node_depth[o] = d;
-      positions[o] = prefix + d;
-      scores[o] = s.score[i];
-      first_child[o] = s.first_child[i];
-      next_sibling[o] = s.next_sibling[i];
+      write_slot(o, true, i == 0 ? root : s.ids[(d - 1) * ks + (info & 0xffff)], s.parent[i], d, prefix + d,
+                 s.score[i], s.first_child[i], s.next_sibling[i], tokens, parents, node_depth, positions, scores,
+                 first_child, next_sibling);
       for (int a = i; a >= 0; a = s.parent[a]) {  // ancestors, self included (<= 17 steps)
         const unsigned long long bit = 1ull << (a & 63);
         const int aw = a >> 6;
@@ -1008,13 +1009,8 @@ __device__ __forceinline__ void warp_build(const float* __restrict__ logq, const
         for (int w = 0; w < MW; ++w) words[w] |= aw == w ? bit : 0ull;
       }
     } else {
-      tokens[o] = -1;
-      parents[o] = -1;
-      node_depth[o] = -1;
-      positions[o] = -1;
-      scores[o] = __longlong_as_double(0x7ff8000000000000ll);
-      first_child[o] = -1;
-      next_sibling[o] = -1;
+      write_slot(o, false, 0, 0, 0, 0, 0.0, 0, 0, tokens, parents, node_depth, positions, scores, first_child,
+                 next_sibling);
     }
     unsigned long long* m = mask + o * W;
 #pragma unroll

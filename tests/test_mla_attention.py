@@ -541,6 +541,40 @@ def test_device_mask_and_graph_replay(rng, merge):
         k.mla_attention_plan(big.ctx, big.n, big.page_table, 8, 16, big.num_pages, num_sms=40, into=plan)
 
 
+def _replay_batches(rng, lens, heads):
+    """Two decode batches of three requests (lengths ``lens[0]``, ``lens[1]``) on one page-table width
+    and one cache size, unused pages NaN, so the second's plan can be written into the first's
+    buffers; with each batch's cache on the device."""
+    from ddtree_rtc.testing import to_device_bf16
+
+    first = Batch(rng, lens[0], [1, 1, 1], heads, 64)
+    second = Batch(rng, lens[1], [1, 1, 1], heads, 64)
+    width = max(first.page_table.shape[1], second.page_table.shape[1])
+    pages = max(first.num_pages, second.num_pages)
+    caches = []
+    for bt in (first, second):
+        bt.page_table = np.pad(bt.page_table, ((0, 0), (0, width - bt.page_table.shape[1])),
+                               constant_values=SENTINEL)
+        c = np.full((pages, 64, ref.ROW), np.nan, np.float32)
+        c[:bt.num_pages] = bt.cache.astype(np.float32)
+        bt.num_pages, bt.cache = pages, c.astype(bfloat16)
+        caches.append(to_device_bf16(bt.cache))
+    return first, second, caches
+
+
+def _captured(k, plan, q, cache, out, lse):
+    """One eager call, then the same call captured on a non-blocking stream: (stream, graph)."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        k.mla_attention(plan, q, cache, K26_SCALE, out=out, lse=lse)
+        stream.begin_capture()
+        k.mla_attention(plan, q, cache, K26_SCALE, out=out, lse=lse)
+        graph = stream.end_capture()
+    return stream, graph
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [([3000, 100, 4100], [40, 5000, 1]), ([1, 2, 3], [40, 5000, 1])],
                          ids=["split-then-split", "unsplit-template"])
@@ -557,28 +591,12 @@ def test_decode_graph_replay(rng, variant, lens):
     from ddtree_rtc.kernels import mla_attention as k
     from ddtree_rtc.testing import to_device_bf16
 
-    first = Batch(rng, lens[0], [1, 1, 1], 8, 64)
-    second = Batch(rng, lens[1], [1, 1, 1], 8, 64)
-    width = max(first.page_table.shape[1], second.page_table.shape[1])
-    pages = max(first.num_pages, second.num_pages)
-    caches = []
-    for bt in (first, second):
-        bt.page_table = np.pad(bt.page_table, ((0, 0), (0, width - bt.page_table.shape[1])),
-                               constant_values=SENTINEL)
-        c = np.full((pages, 64, ref.ROW), np.nan, np.float32)
-        c[:bt.num_pages] = bt.cache.astype(np.float32)
-        bt.num_pages, bt.cache = pages, c.astype(bfloat16)
-        caches.append(to_device_bf16(bt.cache))
+    first, second, caches = _replay_batches(rng, lens, 8)
     plan = k.build_plan(ref.validate_batch(*first.plan_args()), num_sms=50, variant=variant, replay=True)
     q, cache = to_device_bf16(first.q), caches[0].copy()
     out = cupy.empty((3, 8, ref.DV), cupy.uint16)
     lse = cupy.empty((3, 8), cupy.float32)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        k.mla_attention(plan, q, cache, K26_SCALE, out=out, lse=lse)
-        stream.begin_capture()
-        k.mla_attention(plan, q, cache, K26_SCALE, out=out, lse=lse)
-        graph = stream.end_capture()
+    stream, graph = _captured(k, plan, q, cache, out, lse)
     for bt, dev_cache in ((first, caches[0]), (second, caches[1])):
         if bt is second:
             k.build_plan(ref.validate_batch(*second.plan_args()), into=plan)
@@ -662,29 +680,13 @@ def test_fused_graph_replay(rng, variant, lens):
     from ddtree_rtc.kernels import mla_attention as k
     from ddtree_rtc.testing import to_device_bf16
 
-    first = Batch(rng, lens[0], [1, 1, 1], 64, 64)
-    second = Batch(rng, lens[1], [1, 1, 1], 64, 64)
-    width = max(first.page_table.shape[1], second.page_table.shape[1])
-    pages = max(first.num_pages, second.num_pages)
-    caches = []
-    for bt in (first, second):
-        bt.page_table = np.pad(bt.page_table, ((0, 0), (0, width - bt.page_table.shape[1])),
-                               constant_values=SENTINEL)
-        c = np.full((pages, 64, ref.ROW), np.nan, np.float32)
-        c[:bt.num_pages] = bt.cache.astype(np.float32)
-        bt.num_pages, bt.cache = pages, c.astype(bfloat16)
-        caches.append(to_device_bf16(bt.cache))
+    first, second, caches = _replay_batches(rng, lens, 64)
     plan = k.build_plan(ref.validate_batch(*first.plan_args()), num_sms=50, variant=variant, replay=True,
                         merge="fused")
     q, cache = to_device_bf16(first.q), caches[0].copy()
     out = cupy.empty((3, 64, ref.DV), cupy.uint16)
     lse = cupy.empty((3, 64), cupy.float32)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        k.mla_attention(plan, q, cache, K26_SCALE, out=out, lse=lse)
-        stream.begin_capture()
-        k.mla_attention(plan, q, cache, K26_SCALE, out=out, lse=lse)
-        graph = stream.end_capture()
+    stream, graph = _captured(k, plan, q, cache, out, lse)
     for bt, dev_cache in ((first, caches[0]), (second, caches[1])):
         if bt is second:
             with pytest.raises(ValueError, match="differs from the plan given as into"):
