@@ -239,3 +239,48 @@ def test_chat_template_sources_and_errors(tmp_path):
     assert Text(tmp_path, preset=True).chat([{"role": "user", "content": "x"}]) == list(b"x!")
     (tmp_path / "chat_template.jinja").write_text("[{{ messages[0].content }}]")
     assert Text(tmp_path, preset=True).chat([{"role": "user", "content": "x"}]) == list(b"[x]")
+
+
+def test_huge_seed_is_served_and_an_out_of_range_seed_is_a_400(server):
+    """Hardening item 1: a seed >= 2**62 used to overflow int64 inside the engine thread and take the
+    whole server down (every later request 503)."""
+    url, engine = server
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.7}
+    for seed in (2**62, 2**63 - 1, -(2**63)):
+        r = httpx.post(url + "/v1/completions", json=body | {"seed": seed}, timeout=30)
+        assert r.status_code == 200, (seed, r.text)
+        again = httpx.post(url + "/v1/completions", json=body | {"seed": seed}, timeout=30)
+        assert again.json()["choices"][0]["token_ids"] == r.json()["choices"][0]["token_ids"]
+    code, e = _err(url, body | {"seed": 2**63})
+    assert code == 400 and e["param"] == "seed" and "64-bit" in e["message"]
+    assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+    assert _all_free(engine)
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_server_serves_on(server, monkeypatch):
+    """No exception in one request's step may stop the engine loop: that step's requests get a 500
+    (streamed: an SSE error), pages are freed, /health stays ok and later requests succeed."""
+    url, engine = server
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            engine.scheduler.schedule()  # admit, as a real step would, then fail mid-step
+            raise RuntimeError("boom in a kernel")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=30)
+    assert r.status_code == 500 and "boom in a kernel" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "server_error"
+    assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+    out = _client(url).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4)
+    assert out.choices[0].token_ids == _direct(model_of(engine), [5, 6, 7], 4)
+    assert _all_free(engine)
+    assert "ddtree_step_failures_total 1.0" in httpx.get(url + "/metrics", timeout=10).text
+
+
+def model_of(engine):
+    return None, engine.model

@@ -106,7 +106,9 @@ class Engine:
         tokens whatever else is in the batch and however many tokens a round emits (a speculative
         round's tree node and the autoregressive step it stands for use one key). The stream is the
         request's own seed, or its id when it has none."""
-        streams = np.array([2 * r.seed + 1 if r.seed is not None else 2 * int(r.rid) for r in reqs], np.int64)
+        # Python ints taken modulo 2**64: any 64-bit seed gives a stream, and no seed overflows.
+        streams = np.array([(2 * r.seed + 1 if r.seed is not None else 2 * int(r.rid)) % 2**64 for r in reqs],
+                           np.uint64)
         if not hasattr(positions, "__cuda_array_interface__"):
             positions = np.asarray(positions, np.int64)
         return position_keys(self.seed, streams, positions)

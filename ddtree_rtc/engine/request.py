@@ -10,6 +10,11 @@ class RequestError(ValueError):
     pass
 
 
+# A request's sampling seed is a signed 64-bit integer, as in other OpenAI-compatible servers; its
+# sampling stream is 2 * seed + 1 taken modulo 2**64 (engine.Engine.sample_keys).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 class FinishReason(str, enum.Enum):
     EOS = "eos"
     STOP = "stop"
@@ -47,6 +52,9 @@ class Request:
                                f"({self.max_new_tokens}) = {need} exceeds the cache's max context {max_context}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise RequestError(f"request {self.rid}: temperature must be >= 0 and top_p in (0, 1]")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise RequestError(f"request {self.rid}: seed must be an integer in [{SEED_MIN}, {SEED_MAX}] "
+                               f"(a signed 64-bit integer), got {self.seed!r}")
 
     @property
     def length(self) -> int:

@@ -72,7 +72,8 @@ def position_keys(seed: int, streams, positions) -> np.ndarray:
     """Row keys per (stream, position): ``row_keys(seed, stream, p + 1)[p]`` for each pair, i.e.
     mix64(mix64(mix64(seed) ^ stream) + (position + 1) * GAMMA), uint64 [N]. ``positions`` may be
     a device (cupy) array: the keys are then computed on the device, with no host sync."""
-    streams = np.asarray(streams, np.int64).astype(np.uint64)
+    streams = np.asarray(streams)
+    streams = streams if streams.dtype == np.uint64 else streams.astype(np.int64).astype(np.uint64)
     if hasattr(positions, "__cuda_array_interface__"):
         import cupy
 

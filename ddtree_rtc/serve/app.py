@@ -138,7 +138,8 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
             req.validate(cfg.vocab_size, engine.max_context)
         except RequestError as e:
             msg = str(e).split(": ", 1)[1]
-            param = "prompt" if "vocabulary" in msg or msg == "empty prompt" else "max_tokens"
+            param = ("prompt" if "vocabulary" in msg or msg == "empty prompt" else
+                     "seed" if msg.startswith("seed") else "max_tokens")
             raise APIError(400, msg, param=param) from None
         pages = engine.scheduler.pages
         if pages.pages_for(len(prompt) + req.max_new_tokens) > pages.num_pages:
@@ -178,7 +179,8 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
                 while finish is None:
                     kind, val = await events.get()
                     if kind == "error":
-                        raise APIError(400 if loop.error is None else 500, val)
+                        status, msg = val
+                        raise APIError(status, msg, "invalid_request_error" if status < 500 else "server_error")
                     if kind == "tokens":
                         out += val
                     else:
@@ -195,7 +197,10 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
                 while finish is None:
                     kind, val = await events.get()
                     if kind == "error":
-                        yield f"data: {json.dumps({'error': {'message': val, 'type': 'server_error'}})}\n\n"
+                        status, msg = val
+                        err = {"message": msg, "type": "invalid_request_error" if status < 500 else "server_error",
+                               "param": None, "code": status}
+                        yield f"data: {json.dumps({'error': err})}\n\n"
                         finish = "error"
                         break
                     if kind == "tokens":

@@ -8,6 +8,7 @@ After each round every live request's new tokens go to its client's asyncio queu
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..engine.request import Request
 
+log = logging.getLogger("ddtree_rtc.serve")
 
 class Overloaded(Exception):
     pass
@@ -28,6 +30,8 @@ class Metrics:
         self.prompt_tokens = Counter("ddtree_prompt_tokens", "prompt tokens admitted", registry=r)
         self.generated_tokens = Counter("ddtree_generated_tokens", "tokens generated", registry=r)
         self.rounds = Counter("ddtree_rounds", "engine rounds run", registry=r)
+        self.step_failures = Counter("ddtree_step_failures", "engine steps that raised (their requests "
+                                     "failed, the server served on)", registry=r)
         self.tau = Gauge("ddtree_tau", "mean tokens emitted per running request per round (last round)",
                          registry=r)
         self.queue_depth = Gauge("ddtree_queue_depth", "requests waiting or running in the engine", registry=r)
@@ -94,13 +98,27 @@ class EngineLoop:
             try:
                 eng.submit(req)
             except ValueError as e:  # RequestError or a request larger than the whole cache
-                self._send(req.rid, ("error", str(e)))
+                self._send(req.rid, ("error", (400, str(e))))
                 self._release(req.rid)
                 return
             self.metrics.prompt_tokens.inc(len(req.prompt))
         elif kind == "cancel" and arg in self._clients:
             eng.cancel(arg)
             self._release(arg)
+
+    def _fail_step(self, err: Exception) -> None:
+        """A step raised: the requests it held (running or just admitted) are failed with the error
+        and dropped from the engine (pages freed); requests still waiting are untouched, and the loop
+        keeps serving. Which request of the step caused it cannot be known, so all of them end."""
+        eng = self.engine
+        log.exception("engine step failed; failing the requests it held and serving on")
+        self.metrics.step_failures.inc()
+        for req in list(eng.scheduler.running):
+            eng.cancel(req.rid)
+            if req.rid in self._clients:
+                self._send(req.rid, ("error", (500, f"request failed inside the engine: {err!r}")))
+                self.metrics.requests.labels("error").inc()
+                self._release(req.rid)
 
     def _run(self) -> None:
         eng, m = self.engine, self.metrics
@@ -120,7 +138,11 @@ class EngineLoop:
                     continue
                 running_before = len(sched.running)
                 t0 = time.perf_counter()
-                done = {r.rid for r in eng.step()}
+                try:
+                    done = {r.rid for r in eng.step()}
+                except Exception as e:  # noqa: BLE001 - one step's failure must not stop the server
+                    self._fail_step(e)
+                    continue
                 m.round_time.observe(time.perf_counter() - t0)
                 m.rounds.inc()
                 emitted = 0
@@ -145,5 +167,5 @@ class EngineLoop:
         except BaseException as e:  # the loop is dead: every client hears why, new ones get 503
             self.error = e
             for rid in list(self._clients):
-                self._send(rid, ("error", f"engine loop failed: {e!r}"))
+                self._send(rid, ("error", (500, f"engine loop failed: {e!r}")))
             raise
