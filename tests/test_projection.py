@@ -22,7 +22,7 @@ from ddtree_rtc.projection.answer import (
 )
 from ddtree_rtc.projection.inputs import SMALL_R, moe_table, rows
 from ddtree_rtc.projection.model import Device, Options, device_for, moe_terms
-from ddtree_rtc.projection.selfcheck import TOLERANCE, selfcheck
+from ddtree_rtc.projection.selfcheck import TOLERANCE, end_to_end, selfcheck
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,15 @@ def test_selfcheck_reproduces_every_measured_step_and_round():
     bad = [f"{r['file']} {r['case']}: {r['ratio']:.2f}" for r in res if abs(r["ratio"] - 1) > TOLERANCE]
     assert not bad, bad
     assert len(res) >= 24
+
+
+def test_end_to_end_runs_are_read():
+    res = end_to_end()
+    assert {r["run"].split()[0] for r in res} == {p.name for p in data.benchmark_dir().glob("k2_6_slice_*.json")}
+    for r in res:
+        assert r["host_ms"] == pytest.approx(r["measured_ms"] - r["model_gpu_ms"]) and r["model_gpu_ms"] > 0
+    ar1 = next(r for r in res if r["run"].endswith("c1_ar"))
+    assert ar1["batch"] == 1 and ar1["layers"] == 2 and ar1["budget"] == 0
 
 
 @pytest.mark.parametrize("make", [lambda: taus.published(), lambda: taus.published("mt-bench"), taus.oracle])

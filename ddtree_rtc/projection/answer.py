@@ -10,7 +10,6 @@ from .data import ProjectionError, load_benchmark, node_files
 from .inputs import reference
 from .model import (
     R1_DIMS,
-    TERMS,
     Linear,
     Options,
     collective_us,
@@ -253,5 +252,3 @@ def calibration(tau=None, ctx=4096):
         plat_unsure(b200, r1) + [R1_DIMS.source, MTP3["source"]])
     return out
 
-
-TERMS_ORDER = TERMS

@@ -38,8 +38,8 @@ def _load(path: str) -> dict:
         raise ProjectionError(f"{p}: cannot read benchmark file: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ProjectionError(f"{p}: not JSON: {e}") from None
-    if not isinstance(d, dict) or not isinstance(d.get("rows", d.get("runs")), (list, dict)):
-        raise ProjectionError(f"{p}: expected a benchmark JSON with 'rows'")
+    if not isinstance(d, dict) or not any(isinstance(d.get(k), (list, dict)) for k in ("rows", "runs", "metrics")):
+        raise ProjectionError(f"{p}: expected a benchmark JSON with 'rows' (bench), 'runs' or 'metrics' (run)")
     return d
 
 

@@ -10,7 +10,7 @@ keep their time and add their bytes' read-time difference.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
@@ -232,9 +232,6 @@ def moe_terms(dims: Dims, dev: Device, m: int, opt: Options, experts=None):
     return fixed, stream, compute
 
 
-REF_PLATFORM = "h200"
-
-
 def device_for(pf, ref_pf) -> Device:
     """A platform's effective read bandwidth and tensor rates: its datasheet figures times the fraction of
     them the reference H200 reached in this repository's ceiling measurements."""
@@ -399,7 +396,3 @@ def round_terms(dims: Dims, pf, dev: Device, batch: int, budget: int, ctx: int, 
     t["drafter"] = dflash_us(dims, pf, dev, batch, opt)
     t["tree step"] = tree_step_us(batch, budget, dev)
     return t
-
-
-def with_options(opt: Options, **kw) -> Options:
-    return replace(opt, **kw)

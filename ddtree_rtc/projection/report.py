@@ -6,7 +6,7 @@ from .answer import BUDGETS, ENGINE, calibration, levers, node_rows, project
 from .inputs import moe_table, reference
 from .model import TERMS, drafter_fits, stage_fits
 from .platforms import ANSWER_PLATFORMS, load_platforms
-from .selfcheck import TOLERANCE, selfcheck
+from .selfcheck import TOLERANCE, end_to_end, selfcheck
 
 PUBLISHED_POINTS = {  # (platform, concurrency, mode) -> (label, tok/s per user) marked on the plot
     ("rtx_pro_6000", 1, "ddtree"): ("SGLang DDTree 138.7", 138.7),
@@ -36,7 +36,7 @@ def sources() -> dict:
 def build(platform_keys=None, tau=None, ctx=4096) -> dict:
     tau = tau or taus.published()
     return {"tau_source": tau.source, "context": ctx, "engine": vars(ENGINE), "budgets_tried": list(BUDGETS),
-            "inputs": sources(), "selfcheck": selfcheck(),
+            "inputs": sources(), "selfcheck": selfcheck(), "end_to_end": end_to_end(),
             "platforms": project(platform_keys, tau, ctx), "levers": levers(platform_keys, tau, ctx),
             "calibration": calibration(tau, ctx)}
 
@@ -134,6 +134,13 @@ def markdown(d: dict) -> str:
             "| file | case | measured us | predicted us | ratio |", "|---|---|---|---|---|"]
     out += [f"| {r['file']} | {r['case']} | {r['measured_us']:.0f} | {r['predicted_us']:.0f} | {r['ratio']:.2f}"
             f"{'' if r['within'] else ' (outside)'} |" for r in d["selfcheck"]]
+    out += ["", "## End to end: the engine's host share, which the projection leaves out", "",
+            "The engine's measured step or round (k2_6_slice_*.json: wall time of the decode stages per step, host "
+            "work included; DDTree runs use the oracle drafter, which drafts on the host) beside the modelled GPU "
+            "time of the same forward. The projection below is GPU time, as replayed from CUDA graphs.", "",
+            "| run | layers | batch | budget | measured ms | model GPU ms | host ms |", "|---|---|---|---|---|---|---|"]
+    out += [f"| {r['run']} | {r['layers']} | {r['batch']} | {r['budget'] or 'AR'} | {r['measured_ms']:.2f} | "
+            f"{r['model_gpu_ms']:.2f} | {r['host_ms']:.2f} |" for r in d["end_to_end"]]
     p = d["platforms"]
     for c in (1, 10):
         out += ["", f"## Per-token time split, concurrency {c} (us per token per user)", ""]
