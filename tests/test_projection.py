@@ -158,6 +158,15 @@ def test_levers_are_reruns_with_one_input_changed(built):
     assert levers(["h200"])["ranked_by"] == "h200 c1"
 
 
+def test_large_m_compute_follows_the_mma_rate(built):
+    lm = built["large_m"]["platforms"]
+    assert built["large_m"]["rows"] == 650 and lm["h200"]["fp4"] is None
+    b2, b3 = lm["b200"], lm["b300"]
+    assert b3["int8"]["moe_compute_us"] == pytest.approx(30 * b2["int8"]["moe_compute_us"], rel=1e-6)
+    assert b3["fp4"]["moe_compute_us"] == pytest.approx(b2["fp4"]["moe_compute_us"] * 9000 / 15000, rel=1e-6)
+    assert b3["bf16"]["moe_stream_us"] == b3["fp4"]["moe_stream_us"] > 0   # NVFP4 bytes = INT4 g32 bytes
+
+
 def test_node_file_is_preferred(tmp_path, monkeypatch):
     for f in data.benchmark_dir().glob("*.json"):
         shutil.copy(f, tmp_path / f.name)

@@ -169,6 +169,30 @@ def levers(platform_keys=None, tau=None, ctx=4096):
     return {"ranked_by": key, "rows": rows}
 
 
+def large_m(platform_keys=None, tau=None, ctx=4096, batch=10, budget=64):
+    """The compute-bound corner: a DDTree round at concurrency 10, budget 64 (650 verify rows), with the
+    expert GEMM on bf16 MMA (W4A16, today), NVFP4 MMA and int8 MMA (W4A8)."""
+    pfs = load_platforms()
+    ref_pf = pfs["h200"]
+    tau = tau or taus.published()
+    lo, hi = tau.band(budget) if tau.budget in (None, budget) else (None, None)
+    out = {}
+    for pf in pick(pfs, platform_keys or ANSWER_PLATFORMS):
+        dev = device_for(pf, ref_pf)
+        rec = {}
+        for prec in ("bf16", "fp4", "int8"):
+            try:
+                t = round_terms(k26_dims(), pf, dev, batch, budget, ctx, replace(ENGINE, expert_precision=prec))
+            except ProjectionError:
+                rec[prec] = None
+                continue
+            us = sum(t.values())
+            rec[prec] = {"round_us": us, "moe_compute_us": t["MoE compute"], "moe_stream_us": t["MoE weight stream"],
+                         "tok_s_user": None if lo is None else (lo + hi) / 2 * 1e6 / us}
+        out[pf.key] = rec
+    return {"batch": batch, "budget": budget, "rows": batch * (budget + 1), "platforms": out}
+
+
 # -- calibration --------------------------------------------------------------------------------------
 
 EAGLE3 = dict(params=1.8e9, steps=3, tau=2.62,

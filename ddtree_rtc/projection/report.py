@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import tau as taus
-from .answer import BUDGETS, ENGINE, calibration, levers, node_rows, project
+from .answer import BUDGETS, ENGINE, calibration, large_m, levers, node_rows, project
 from .inputs import moe_table, reference
 from .model import TERMS, drafter_fits, stage_fits
 from .platforms import ANSWER_PLATFORMS, load_platforms
@@ -38,6 +38,7 @@ def build(platform_keys=None, tau=None, ctx=4096) -> dict:
     return {"tau_source": tau.source, "context": ctx, "engine": vars(ENGINE), "budgets_tried": list(BUDGETS),
             "inputs": sources(), "selfcheck": selfcheck(), "end_to_end": end_to_end(),
             "platforms": project(platform_keys, tau, ctx), "levers": levers(platform_keys, tau, ctx),
+            "large_m": large_m(platform_keys, tau, ctx),
             "calibration": calibration(tau, ctx)}
 
 
@@ -162,6 +163,18 @@ def markdown(d: dict) -> str:
         out.append("| DDTree tok/s band | " + " | ".join(
             "" if m == "ar" else "{:.0f}-{:.0f}".format(*p[k][f"c{c}"]["ddtree"]["tok_s_user_band"])
             for k, m in cols) + " |")
+    lm = d["large_m"]
+    out += ["", f"## Large M: one DDTree round at concurrency {lm['batch']}, budget {lm['budget']} "
+                f"({lm['rows']} verify rows)", "",
+            "MoE stream and compute per round (us) and the round, with the expert GEMM on bf16 MMA (W4A16, "
+            "today), NVFP4 MMA and int8 MMA (W4A8).", "",
+            "| platform | MoE stream | MoE compute bf16 / fp4 / int8 | round ms bf16 / fp4 / int8 |",
+            "|---|---|---|---|"]
+    for k, rec in lm["platforms"].items():
+        cells = [rec[x] for x in ("bf16", "fp4", "int8")]
+        out.append(f"| {k} | {rec['bf16']['moe_stream_us']:.0f} | "
+                   + " / ".join("n/a" if c is None else f"{c['moe_compute_us']:.0f}" for c in cells) + " | "
+                   + " / ".join("n/a" if c is None else f"{c['round_us'] / 1e3:.1f}" for c in cells) + " |")
     lv = d["levers"]
     keys = list(lv["rows"][0]["gain"])
     out += ["", f"## Levers (DDTree tok/s per user with one input changed / without; ranked by {lv['ranked_by']})",
