@@ -105,7 +105,9 @@ the H200 reached here.
 
 The self-check below applies the same code to the measured 3-layer slice on its own device: one dense layer, two
 MoE layers, the unsharded head and 64 heads on one GPU. `tests/test_projection.py` fails if any AR step or round
-is off by more than 15%.
+is off by more than 15%. The stage rows of `decode_h200.json` are themselves inputs, so its step rows only check
+how the stages compose. From `round_h100.json`, a different GPU, the model takes only each round's own expert
+counts and the commit stage's time; its steps and rounds are predictions.
 """
 
 
