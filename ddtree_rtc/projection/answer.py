@@ -241,8 +241,10 @@ def calibration(tau=None, ctx=4096):
                     "ratio": ratio, "within_35pct": within, "inputs_unsure": unsure})
 
     def plat_unsure(pf, opt):
-        u = [f"{pf.key}.{k}" for k in pf.unsure if not k.startswith("collectives") or k.endswith(opt.collective)]
-        return u
+        """The platform's unsure figures this point uses: bandwidth, the bf16 and expert-MMA rates, its collective."""
+        used = {"mem_tbs", "bf16_tflops", {"bf16": "bf16_tflops", "fp4": "fp4_tflops", "fp8": "fp8_tflops",
+                                           "int8": "int8_tops"}[opt.expert_precision], f"collectives.{opt.collective}"}
+        return [f"{pf.key}.{k}" for k in pf.unsure if k in used]
 
     dd1 = ddtree_point(pro, dpro, 1, ctx, pcie, tau)
     dd10 = ddtree_point(pro, dpro, 10, ctx, pcie, tau)
