@@ -3,12 +3,13 @@ table, the calibration, the levers and the page. CPU only, reads the committed b
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from ddtree_rtc.cli import main
-from ddtree_rtc.projection import ProjectionError, data, load_platforms, report
+from ddtree_rtc.projection import ProjectionError, data, load_platforms, platforms, report
 from ddtree_rtc.projection import tau as taus
 from ddtree_rtc.projection.answer import (
     BUDGETS,
@@ -170,7 +171,7 @@ def test_large_m_compute_follows_the_mma_rate(built):
 def test_node_file_is_preferred(tmp_path, monkeypatch):
     for f in data.benchmark_dir().glob("*.json"):
         shutil.copy(f, tmp_path / f.name)
-    monkeypatch.setattr(data, "BENCH_DIR", tmp_path)
+    monkeypatch.setattr(data, "benchmark_dir", lambda: tmp_path)
     node_rows.cache_clear()
     assert node_scale("tp8", "ar", 1, 0) == (1.0, None)
     pfs = load_platforms()
@@ -206,7 +207,7 @@ def test_platform_file_errors(tmp_path):
     bad.write_text("h200: [1, 2\n")
     with pytest.raises(ProjectionError, match="cannot read"):
         load_platforms(bad)
-    base = (data.BENCH_DIR.parent / "ddtree_rtc/projection/platforms.yaml").read_text()
+    base = (platforms.HERE / "platforms.yaml").read_text()
     bad.write_text(base.replace('mem_tbs: {value: 4.8, source: "NVIDIA H200 datasheet',
                                 'mem_tbs: {value: 4.8, sauce: "x", source: "NVIDIA H200 datasheet'))
     with pytest.raises(ProjectionError, match="mem_tbs must be"):
@@ -227,7 +228,7 @@ def test_cli_json_and_page(tmp_path):
 
 
 def test_docs_page_is_current(built):
-    page = (data.BENCH_DIR.parent / "docs" / "hardware.md").read_text()
+    page = (Path(__file__).resolve().parents[1] / "docs" / "hardware.md").read_text()
     assert page == report.page(built), "regenerate: ddtree-rtc projection --markdown docs/hardware.md"
 
 
