@@ -48,7 +48,7 @@ def random_slice(moe_layers: int, seed: int = 0, head: str = "random"):
     """TargetModel with K2.6 dims: layer 0 dense, then ``moe_layers`` MoE layers; weights random
     with 1/sqrt(fan-in) scales (activations stay O(1)), norms 1, correction bias small. ``head``
     "decisive": the embedding at 8x scale, so the residual stream stays near its token's embedding
-    past every branch, and the lm_head its permuted rows (model.make_model.decisive_head): every greedy
+    past every branch, and the lm_head its permuted rows (model.random_weights.decisive_rows): every greedy
     choice far from a tie, as an oracle drafter needs to hold tau on the GPU."""
     import cupy
 

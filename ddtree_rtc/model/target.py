@@ -150,12 +150,31 @@ class TargetModel:
             cfg = cfg.with_layers(layers)
         shard = shard or Shard()
         shard.check(cfg, TILE_K if backend.is_cuda else GROUP)
-        reader = reader or CheckpointReader(directory)
+        return cls.from_source(cfg, reader or CheckpointReader(directory), backend, progress, shard, comm)
+
+    @classmethod
+    def dummy(cls, cfg: ModelConfig, backend, seed: int = 0, head: str = "random", progress=None,
+              shard: Shard | None = None, comm: Communicator | None = None) -> TargetModel:
+        """``model.load: dummy``: ``make_model(cfg, seed=seed, head=head)``'s weights made directly in
+        the backend's memory, only ``shard``'s part, no file written (model/dummy.py); bit for bit
+        what ``load`` reads from that checkpoint."""
+        from .dummy import DummySource
+
+        shard = shard or Shard()
+        shard.check(cfg, TILE_K if backend.is_cuda else GROUP)
+        return cls.from_source(cfg, DummySource(cfg, seed, head, backend.xp), backend, progress, shard, comm)
+
+    @classmethod
+    def from_source(cls, cfg: ModelConfig, reader, backend, progress=None, shard: Shard | None = None,
+                    comm: Communicator | None = None) -> TargetModel:
+        """The model of ``cfg`` from ``reader`` (a CheckpointReader, or a DummySource making the
+        tensors), ``shard``'s slices only."""
+        shard = shard or Shard()
         reader.check(expected_tensors(cfg))
         dev = backend.asarray
 
         def get(name):
-            return np.asarray(reader.get(name))
+            return reader.get(name)
 
         def part(name, axis, lo, hi):
             """This rank's [lo, hi) of ``name`` along ``axis`` (the whole tensor on one rank)."""
@@ -187,8 +206,8 @@ class TargetModel:
                                      shard=shard)
             else:
                 i0, i1 = shard.part(cfg.intermediate_size, "intermediate_size (dense MLP)")
-                w13 = np.concatenate([part(p + "mlp.gate_proj.weight", 0, i0, i1),
-                                      part(p + "mlp.up_proj.weight", 0, i0, i1)])
+                w13 = backend.xp.concatenate([dev(part(p + "mlp.gate_proj.weight", 0, i0, i1)),
+                                              dev(part(p + "mlp.up_proj.weight", 0, i0, i1))])
                 mlp = DenseMLP(dev(w13), dev(part(p + "mlp.down_proj.weight", 1, i0, i1)))
             out.append(Layer(dev(get(p + "input_layernorm.weight")), dev(get(p + "post_attention_layernorm.weight")),
                              attn, mlp))

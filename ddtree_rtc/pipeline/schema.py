@@ -17,7 +17,7 @@ from .yamlio import LinedDict, PipelineError, load_yaml
 class ModelSpec:
     """What to load: a preset (built-in random weights) or a checkpoint directory. ``head``: a
     preset's lm_head, ``random`` or ``decisive`` (greedy choices far from ties; see
-    ddtree_rtc.model.make_model.decisive_head)."""
+    ddtree_rtc.model.random_weights.decisive_rows)."""
 
     preset: str | None = None
     path: str | None = None
