@@ -59,7 +59,8 @@ def _fake_round_case(model, batch, budget, args, gate, weight_bytes, tau_stats, 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    from ddtree_rtc.bench import decode, round as round_bench
+    from ddtree_rtc.bench import decode
+    from ddtree_rtc.bench import round as round_bench
 
     monkeypatch.setattr(decode, "bench_case", _fake_decode_case)
     monkeypatch.setattr(round_bench, "bench_case", _fake_round_case)
@@ -109,8 +110,8 @@ def test_drafter_shard_floor(monkeypatch):
     monkeypatch.setattr(node, "read_ceiling_gbs", lambda: 1000.0)
     c = k26_config()
     whole = forward_bytes(c, 1, 1024)
-    row = node.drafter_shard_row(Row("forward", 100.0, bytes=whole, extra={}), SimpleNamespace(cfg=c, q_heads=8,
-                                                                                                 kv_heads=1), 1, 1024, 8)
+    shard = SimpleNamespace(cfg=c, q_heads=8, kv_heads=1)
+    row = node.drafter_shard_row(Row("forward", 100.0, bytes=whole, extra={}), shard, 1, 1024, 8)
     # the shard's weights are an eighth; the embedding rows and the gathered logits are whole
     assert whole / 8 < row.bytes < whole / 4
     assert row.extra["floor_us"] == pytest.approx(row.bytes / 1000.0 / 1e3)

@@ -651,7 +651,7 @@ def main(argv=None) -> dict:
 
     read_ceiling_gbs()
     copy_ceiling_gbs()  # both before the weights: their buffers go back to the pool
-    free_blocks(be)
+    cupy.get_default_memory_pool().free_all_blocks()
     gate = Gate()
     rows, layouts = [], []
     for layout in args.layouts:

@@ -124,7 +124,7 @@ class DummySource:
         for (proj, leaf), (shape, rows, cols) in plan.items():
             n_rows = (rows or (0, shape[0]))[1] - (rows or (0, shape[0]))[0]
             n_cols = (cols or (0, shape[1]))[1] - (cols or (0, shape[1]))[0]
-            per = max(1, rw.CHUNK // (n_rows * n_cols))  # experts per generation group
+            per = max(1, rw.chunk_for(xp) // (n_rows * n_cols))  # experts per generation group
             parts = []
             for e0 in range(0, len(experts), per):
                 ids = experts[e0:e0 + per]

@@ -118,6 +118,12 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
                                plan=plan, check_ids=False)
 
 
+def to_backend(backend, a):
+    """A host array onto the backend (backend.asarray); an array already on the device (a dummy
+    load makes its tensors there) as it is."""
+    return backend.asarray(a) if isinstance(a, np.ndarray) else a
+
+
 def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, hidden: int,
                    intermediate: int, backend, scheme: Int4Scheme = INT4_GROUP32,
                    shard: Shard | None = None) -> MoELayerWeights:
@@ -138,7 +144,10 @@ def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, h
         return ckpt.get(name)
 
     e = routing.num_experts
-    dev = backend.asarray
+
+    def dev(a):
+        return to_backend(backend, a)
+
     # the router may be stored bf16 or fp32 (kept as stored: its logits are fp32 either way); the bias
     # fp32 or bf16 (widened to fp32, exactly, for the routing kernel)
     gate = dev(dense(stem + "gate.weight", (e, hidden), ROUTER_DTYPES))

@@ -30,7 +30,14 @@ import numpy as np
 HEADS = ("random", "decisive")
 QUANT_GROUP = 32
 FIRST_WORD = 0x0F0F0F0F  # nibbles 15, 0, 15, 0, ...: q = 7, -8, 7, -8, ...
-CHUNK = 1 << 24  # elements per generation step: bounds the uint64 temporaries (128 MB each)
+# elements per generation step: bounds the uint64 temporaries (device: 128 MB each, few launches;
+# host: 2 MB each, which stay in cache and run several times faster than large steps)
+CHUNK = 1 << 24
+HOST_CHUNK = 1 << 18
+
+
+def chunk_for(xp) -> int:
+    return HOST_CHUNK if xp is np else CHUNK
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -130,7 +137,7 @@ def values(seed: int, name: str, shape: tuple, n_layers: int, xp, rows=None, col
         raise ValueError(f"{name}: weight_shape is not random (int4_shape gives it)")
     k = xp.uint64(tensor_key(seed, name)) if keys is None else keys
     width = 1 if len(shape) == 1 else cols[1] - cols[0]
-    step = max(1, CHUNK // max(1, width) // (1 if keys is None else int(keys.shape[0])))
+    step = max(1, chunk_for(xp) // max(1, width) // (1 if keys is None else int(keys.shape[0])))
     ranged = isinstance(rows, tuple)
     n = rows[1] - rows[0] if ranged else int(rows.shape[0])
     parts = []

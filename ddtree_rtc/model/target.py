@@ -26,7 +26,7 @@ from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig, load_config
 from .int4_repack import GROUP, TILE_K
 from .mla import MLADims, MLAWeights, mla_forward, rope_scale
-from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe
+from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe, to_backend
 from .shard import Shard
 
 # HF DeepseekV3 (and DeepSeek's own code) build the q_a / kv_a norms with the default eps, not the config's.
@@ -136,6 +136,30 @@ class TargetModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def weight_nbytes(self) -> int:
+        """Bytes of the weights this rank holds, each array counted once (a tied lm_head is the
+        embedding): what a shard's load puts on the device."""
+        import dataclasses
+
+        arrays = {}
+
+        def add(*xs):
+            for a in xs:
+                if a is not None:
+                    arrays[id(a)] = int(a.nbytes)
+
+        add(self.embed, self.lm_head, self.final_norm)
+        for layer in self.layers:
+            add(layer.input_norm, layer.post_norm)
+            add(*(getattr(layer.attn, f.name) for f in dataclasses.fields(layer.attn)))
+            m = layer.mlp
+            if isinstance(m, DenseMLP):
+                add(m.w13, m.w2)
+            else:
+                add(m.gate_weight, m.e_score_correction_bias, m.shared_w13, m.shared_w2, m.experts.w13,
+                    m.experts.w13_scale, m.experts.w2, m.experts.w2_scale)
+        return sum(arrays.values())
+
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, directory: str | Path, backend, layers: int | None = None, progress=None,
@@ -171,7 +195,9 @@ class TargetModel:
         tensors), ``shard``'s slices only."""
         shard = shard or Shard()
         reader.check(expected_tensors(cfg))
-        dev = backend.asarray
+
+        def dev(a):
+            return to_backend(backend, a)
 
         def get(name):
             return reader.get(name)
