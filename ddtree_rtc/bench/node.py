@@ -184,7 +184,7 @@ def plan_memory(cfg, shard, args, free: int) -> tuple[int, dict]:
     most_nodes = 1 + max((*args.budgets, 7 if args.chain else 0))
     rows = max(args.contexts) + most_nodes
     row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    drafter = (800 << 20) if args.drafter else 0
+    drafter = (1400 << 20) if args.drafter else 0  # its TP8 shard: 6 layers + fc
 
     w1 = shard_nbytes(cfg.with_layers(1), shard)
     per_layer = shard_nbytes(cfg.with_layers(2), shard) - w1  # every layer after the dense first one is MoE
