@@ -50,6 +50,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import time
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,22 @@ def count_collectives(model, batch: int, nodes: int, last_only: bool) -> dict:
     return {"calls": calls, "bytes": nbytes, "by_kind": stats.snapshot()}
 
 
+def count_drafter_collectives(drafter, batch: int) -> dict:
+    """Collective calls and bytes of one DFlash block forward of ``batch`` requests (its o / down
+    all-reduces per layer and the head's all-gather), counted on a one-page context."""
+    from ..dist.comm import CommStats
+    from .drafter import Context
+
+    comm = drafter.target.comm
+    cx = Context(drafter, batch, PAGE, seed=batch)
+    saved, comm.stats = comm.stats, CommStats()
+    cx.forward(drafter)
+    drafter.backend.synchronize()
+    stats, comm.stats = comm.stats, saved
+    calls, nbytes = stats.total()
+    return {"calls": calls, "bytes": nbytes, "by_kind": stats.snapshot()}
+
+
 def moe_layer_input(model, inputs, cache, moe_plan, layer: int):
     """The MLP input rows of decoder layer ``layer`` in this step (copied from a forward's mark)."""
     got = {}
@@ -429,6 +446,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                                            f"to {FULL_LAYERS} layers" if scaled else ""))
     comm = SimulatedRank(args.rank, args.world, be.xp, args.hold_us)
     log(comm.note())
+    t0 = time.perf_counter()
     with click.progressbar(length=n_layers, label=f"making the dummy weights ({layout})", file=None) as bar:
         last = [0]
 
@@ -437,6 +455,9 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
             last[0] = n
 
         model = TargetModel.dummy(cfg, be, seed=args.seed, head="random", progress=progress, shard=shard, comm=comm)
+    be.synchronize()
+    make_s = time.perf_counter() - t0
+    log(f"[{layout}] made {model.weight_nbytes() / 1e9:.1f} GB of weights in {make_s:.0f} s")
     weight_bytes = decode.layer_weight_bytes(model)
     drafter = random_drafter(seed=args.seed, target=model) if args.drafter else None
     oracle = OracleDrafter(be, cfg.vocab_size, DEPTH, lambda rid, prompt: [0] * (DEPTH + 1), accept_p=args.accept_p)
@@ -482,6 +503,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                                                       extra={**r.extra, "layout": layout}) for r in d]
                     case["drafter_us"] = d[0].us
                     case["drafter_floor_us"] = d[0].extra["floor_us"]
+                    case["drafter_collectives"] = count_drafter_collectives(drafter, b)
                     free_blocks(be)
                 for budget, chain in shapes:
                     tau = oracle.expected_tau(budget, chain=chain)
@@ -503,12 +525,13 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                 cases.append(project_case(case, args, n_layers))
                 rows += case_rows
                 log(f"  {tag}: AR step {case['ar']['step_us']:.0f} µs ({case['ar']['collectives']['calls']} "
-                    f"collectives)")
+                    f"collectives); {time.perf_counter() - t0:.0f} s into this layout")
     del drafter, model
     free_blocks(be)
     return rows, {"layout": layout, "expert_parallel": LAYOUTS[layout], "rank": args.rank, "world": args.world,
                   "layers": n_layers, "scaled_to_full_depth": scaled, "memory": memory, "cases": cases,
-                  "numerics": comm.note(), "collective_stand_in_hold_us": args.hold_us}
+                  "numerics": comm.note(), "collective_stand_in_hold_us": args.hold_us, "make_weights_s": make_s,
+                  "layout_s": time.perf_counter() - t0}
 
 
 def ar_summary(rows: list[Row], model, batch: int, n_layers: int) -> dict:
@@ -544,13 +567,15 @@ def project_case(case: dict, args, n_layers: int) -> dict:
     per-rank time, scaled to 61 layers when fewer were made (AR: + the mean MoE layer per missing
     layer; round: + the verify's mean per-layer time, head included, per missing layer), under EP
     plus the slowest rank's extra routed-expert time per MoE layer (measured on one layer), plus
-    collective latency x calls (2 all-reduces per missing layer added), for each --collective-us."""
+    collective latency x calls (2 all-reduces per missing layer added; a round's calls include the
+    drafter forward's), for each --collective-us. A round's time includes the drafter's forward."""
     missing = FULL_LAYERS - n_layers
     moe_layers = FULL_LAYERS - 1
     ar = case["ar"]
     ar_rank = ar["step_us_61"] + moe_layers * ar.get("ep_ranks", {}).get("slowest_minus_this_us", 0.0)
     ar_calls = ar["collectives"]["calls"] + 2 * missing
     drafter = case.get("drafter_us", 0.0)
+    drafter_calls = case.get("drafter_collectives", {}).get("calls", 0)
     for rd in case["rounds"]:
         ep = (rd.get("ep_ranks") or {}).get("slowest_minus_this_us", 0.0)
         rd["round_us_61"] = rd["round_us"] + missing * rd["stage_us"]["verify"] / n_layers
@@ -562,7 +587,7 @@ def project_case(case: dict, args, n_layers: int) -> dict:
                                               "collective_total_us": lat * ar_calls, "per_token_us": ar_us,
                                               "tok_s_per_user": 1e6 / ar_us}, "rounds": []}
         for rd in case["rounds"]:
-            calls = rd["collectives"]["calls"] + 2 * missing
+            calls = rd["collectives"]["calls"] + 2 * missing + drafter_calls
             total = rd["rank_us"] + drafter + lat * calls
             r = {"budget": rd["budget"], "chain": rd["chain"], "rank_us": rd["rank_us"], "drafter_us": drafter,
                  "collective_calls": calls, "collective_total_us": lat * calls, "round_total_us": total,
@@ -620,19 +645,34 @@ def print_summary(layouts: list[dict], log) -> None:
 
 
 def summary_doc(layouts: list[dict], args) -> dict:
-    """The JSON's ``summary``: {"layouts": [per layout: layout, expert_parallel, rank, world, layers
-    (made), scaled_to_full_depth, memory {free_bytes, weights_bytes, ...}, numerics (the simulated-rank
-    note), cases: [per (small_m, ctx, batch): ar {step_us (CUDA graph, this rank, L layers), step_us_61,
-    queued_us, eager_us, mean_stage_us / mean_stage_floor_us {attention, dense, moe, head, embed},
-    mean_moe_layer_us, per_layer {layer: {stage: {us, floor_us, experts_touched}}},
-    experts_touched_per_layer, components {router, routed experts, shared expert, all-reduce stand-in:
-    {us, floor_us}}, ep_ranks {us_per_rank, pairs_per_rank, experts_per_rank, slowest_us, ...} (ep),
-    collectives {calls, bytes, by_kind {calls, bytes} per kind}}, drafter_us, rounds [{budget, chain, round_us,
-    queued_us, eager_us, stage_us, verify_floor_us, ar_step_us, tau_oracle, experts_touched,
-    collectives}], projection [per collective_us: {ar {rank_us, collective_calls, collective_total_us,
-    per_token_us, tok_s_per_user}, rounds [{budget, chain, rank_us, drafter_us, collective_calls,
-    collective_total_us, round_total_us, tau_oracle, per_token_us_oracle, tok_s_per_user_oracle,
-    published (chain) {benchmark: {tau, per_token_us, tok_s_per_user}}}]}]]}], plus the sources."""
+    """The JSON's ``summary`` (what ``projection`` reads):
+      layouts: one per --layouts entry:
+        layout, expert_parallel, rank, world, layers (made), scaled_to_full_depth, numerics (the
+        simulated-rank note), collective_stand_in_hold_us,
+        memory {free_bytes, weights_bytes, kv_bytes_largest_case, margin_bytes, needed_bytes,
+                full_depth_weights_bytes},
+        cases: one per (small_m, ctx, batch):
+          layout, small_m, batch, ctx, layers,
+          ar: step_us (CUDA graph, this rank, ``layers`` layers), step_us_61, queued_us, eager_us,
+              mean_stage_us / mean_stage_floor_us {attention, dense, moe, head, embed}, head_us,
+              mean_moe_layer_us, per_layer {layer: {stage: {us, floor_us, experts_touched}}},
+              experts_touched_per_layer {layer: distinct experts of all ranks},
+              components {router | routed experts | shared expert | all-reduce stand-in: {us, floor_us}},
+              ep_ranks (ep) {us_per_rank, pairs_per_rank, experts_per_rank, slowest_us, this_rank_us,
+                             slowest_minus_this_us},
+              collectives {calls, bytes, by_kind {calls, bytes}},
+          drafter_us, drafter_floor_us, drafter_collectives {calls, bytes, by_kind},
+          rounds: [{budget, chain, round_us (CUDA graph), round_us_61, rank_us, queued_us, eager_us,
+                    stage_us {top-k, build, verify, choose, accept, commit}, verify_floor_us, ar_step_us,
+                    tau_oracle, experts_touched, ep_ranks (ep, at 1 + budget tokens per request),
+                    collectives}],
+          projection: one per collective_us:
+            {collective_us, ar {rank_us, collective_calls, collective_total_us, per_token_us,
+             tok_s_per_user}, rounds [{budget, chain, rank_us, drafter_us, collective_calls,
+             collective_total_us, round_total_us, tau_oracle, per_token_us_oracle,
+             tok_s_per_user_oracle, published (chain only) {benchmark: {tau, per_token_us,
+             tok_s_per_user}}}]}
+      published_acceptance, published_source, collective_us, collective_source, accept_p, full_layers."""
     return {"layouts": layouts, "published_acceptance": PUBLISHED_TAU, "published_source": PUBLISHED_SOURCE,
             "collective_us": list(args.collective_us), "collective_source": COLLECTIVE_SOURCE,
             "accept_p": args.accept_p, "full_layers": FULL_LAYERS}
