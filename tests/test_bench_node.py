@@ -14,6 +14,15 @@ from ddtree_rtc.model.config import preset_config
 from ddtree_rtc.model.shard import Shard
 
 
+def test_help_explains_every_flag():
+    ap = node.make_parser()
+    for action in ap._actions:  # noqa: SLF001 - argparse keeps no public list
+        assert action.help and len(action.help) > 10, action.option_strings
+    text = ap.format_help()
+    for flag in ("--layouts", "--layers", "--quick", "--small-m", "--collective-us", "--hold-us", "--json"):
+        assert flag in text
+
+
 def test_flags_quick_and_refusals(capsys):
     a = node.parse_args(["--quick"])
     assert a.batches == (1, 10) and a.contexts == (1024,) and a.budgets == (8, 32) and a.iters == 5

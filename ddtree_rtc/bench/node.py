@@ -94,9 +94,7 @@ def small_m_choices() -> tuple[str, ...]:
     return tuple(v for v in SMALL_M_APPLY if v in allowed)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    from .round import int_list
-
+def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="ddtree-rtc bench node", description=__doc__.split("\n\n")[0],
         epilog="The JSON's 'summary' is documented in ddtree_rtc/bench/node.py (summary_doc).")
@@ -134,6 +132,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
     ap.add_argument("--json", metavar="FILE", help="write the rows and the summary as JSON here "
                                                    "(e.g. benchmarks/node_h100.json)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from .round import int_list
+
+    ap = make_parser()
     args = ap.parse_args(argv)
     given = {a.split("=")[0] for a in (argv or []) if a.startswith("--")}
     if args.quick:
