@@ -81,7 +81,7 @@ LAYOUTS = {"tp": False, "ep": True}  # layout -> expert_parallel
 # A value is offered only where the pipeline schema accepts it too (small_m_choices).
 SMALL_M_APPLY: dict[str, typing.Callable | None] = {"off": None}
 PAGE = 64
-MARGIN_BYTES = 3 << 30  # workspace, MoE plans, logits, graph pools, allocator slack
+MARGIN_BYTES = 4 << 30  # load transients (a layer made + repacked), logits, graph pools, slack
 
 
 def small_m_choices() -> tuple[str, ...]:
@@ -190,7 +190,7 @@ def plan_memory(cfg, shard, args, free: int) -> tuple[int, dict]:
     most_nodes = 1 + max((*args.budgets, 7 if args.chain else 0))
     rows = max(args.contexts) + most_nodes
     row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    drafter = (1400 << 20) if args.drafter else 0  # its TP8 shard: 6 layers + fc
+    drafter = (1536 << 20) if args.drafter else 0  # its TP8 shard: 6 layers + fc, 1.41 GB
 
     w1 = shard_nbytes(cfg.with_layers(1), shard)
     per_layer = shard_nbytes(cfg.with_layers(2), shard) - w1  # every layer after the dense first one is MoE
