@@ -130,7 +130,7 @@ def test_token_tile_choice():
 # ---- the CUDA launch logic transliterated (grid, blocks, warps, epilogues, reduce, combine) ----
 
 def emulate_cuda_path(x, ids, w, rex, nt4_above, s13, s2, shared=None):
-    """moe_experts as cuda_src/moe_gemm.cu computes it, index by index, for both block lists (nt 1
+    """moe_experts as ddtree_rtc/cuda_src/moe_gemm.cu computes it, index by index, for both block lists (nt 1
     over the small, nt 4 over the large); the mma fragments come from the lane emulation in
     test_moe_repack (so this checks the launch and epilogue logic)."""
     from test_moe_repack import emulate_weights
@@ -569,7 +569,7 @@ def test_kernel_fp32_out(rng, m):
 # ---- the small-M fused kernel (moe_plan(small="fused"), moe_fused_small) ----
 
 def emulate_fused_small(x, ids, w, rex, shared=None):
-    """moe_fused_small as cuda_src/moe_gemm.cu computes it, index by index: the distinct-expert
+    """moe_fused_small as ddtree_rtc/cuda_src/moe_gemm.cu computes it, index by index: the distinct-expert
     slot of each CTA, the tokens as mma columns, each warp's gate_up tiles and the slice's h in the
     down GEMM's B layout, the down tiles of each ring step, the weighted atomic adds, the last CTA's
     output. The mma fragments come from the lane emulation in test_moe_repack (nt 1 numerics)."""

@@ -105,7 +105,7 @@ def test_reference_bad_k():
 
 
 def _radix_model(row, k, vec, cvec, cap=8192):
-    """The radix kernels' selection argument in numpy (cuda_src/topk.cu, radix variant): order keys,
+    """The radix kernels' selection argument in numpy (ddtree_rtc/cuda_src/topk.cu, radix variant): order keys,
     per-vector largest bins, per-chunk floors raised after steps 1, 2, 4, ... of 1024 vectors, the
     K-th vector bin of the row histogram, the flagged 8-vector groups, the candidates reaching the
     bin's lower edge and the overflow loop. Returns the ids, the bin found and that of the full

@@ -241,7 +241,7 @@ def span_shift(lo: int, hi: int) -> int:
 
 
 def prune_build_model(lq, budget, depth, cap, slack=16):
-    """The procedure of cuda_src/tree_build.cu's prune variant, step for step: grow a pool depth by
+    """The procedure of ddtree_rtc/cuda_src/tree_build.cu's prune variant, step for step: grow a pool depth by
     depth (each depth-(d-1) entry walks its child chain, stored contiguously, while the score stays
     >= tau, a histogram lower bound that >= `budget` entries reach), stop on a non-monotone step or a
     full pool (None: the kernel falls back to the heap loop); then rounds narrowing the bound to
@@ -346,7 +346,7 @@ WARP_J = (1, 2, 3, 4, 8, 16)
 
 
 def warp_build_model(lq, budget: int, depth: int, max_budget: int, ks: int):
-    """The procedure of cuda_src/tree_build.cu's warp variant, step for step: slot i (node i's next
+    """The procedure of ddtree_rtc/cuda_src/tree_build.cu's warp variant, step for step: slot i (node i's next
     unpopped child) lives in lane i % 32, register i // 32; each lane's best by a tournament over
     (key desc, code asc); the warp's best by the high key words, then the low words, then the codes
     (high, low) among the lanes still tied; the winner's slot becomes its next sibling, slot `node`

@@ -1,4 +1,4 @@
-"""TREE_PROFILE stamps of the tree_build kernels (cuda_src/tree_build.cu): SM cycles per phase of
+"""TREE_PROFILE stamps of the tree_build kernels (ddtree_rtc/cuda_src/tree_build.cu): SM cycles per phase of
 each request (staged, built, written) for one variant at one batch and budget, on bench tree's Zipf
 drafter log-probs (depth 7). A diagnostics build (TREE_PROFILE=1), GPU only:
 

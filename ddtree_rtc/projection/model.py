@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -17,7 +18,8 @@ from ..model.config import preset_config
 from ..reference.tree_build import MAX_BUDGET
 
 HERE = Path(__file__).parent
-BENCH = HERE.parent.parent / "benchmarks"
+# The repository's benchmarks/ seen from the package (a link in the checkout, package data in the wheel).
+BENCH = Path(str(resources.files(__package__) / "benchmarks"))
 PLATFORM_KEYS = ("name", "mem_tbs", "bf16_tflops", "fp8_tflops", "fp4_tflops", "mem_gb", "sms", "l2_mb",
                  "link_gbs", "all_reduce")
 TP = 8
