@@ -68,11 +68,12 @@ def test_runs_that_work(tmp_path, model_dir):
     outside a terminal, progress lines (requests done, tok/s) are printed."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "hello"}\n\n{"ids": [5, 6, 7]}\n')
-    work = ("--set", "workload.synthetic=null", "--set", f"workload.prompts={prompts}",
+    # a relative prompts path given with --set is read from the current directory
+    work = ("--set", "workload.synthetic=null", "--set", "workload.prompts=prompts.jsonl",
             "--set", "workload.max_new_tokens=3")
     by_path, by_text = ddtree(
-        ["run", TINY, *NUMPY, "--set", f"model.path={model_dir}", "--set", f"output.json={tmp_path / 'a.json'}"],
-        ["run", TINY, *NUMPY, *work, "--set", f"output.json={tmp_path / 'b.json'}"])
+        ["run", TINY, *NUMPY, "--set", f"model.path={model_dir}", "--set", "output.json=a.json"],
+        ["run", TINY, *NUMPY, *work, "--set", "output.json=b.json"], cwd=tmp_path)
     for res in (by_path, by_text):
         assert res.returncode == 0, res.stderr
         assert "progress: " in res.stderr and " tok/s" in res.stderr, res.stderr
@@ -180,3 +181,48 @@ def test_bench_without_a_gpu_says_so_in_one_line():
     """Item 13: bench ceiling / round used to print raw tracebacks without a GPU."""
     for res in ddtree(["bench", "ceiling"], ["bench", "round", "--batches", "1"]):
         _refused(res, "GPU", "--help")
+
+
+def test_serve_with_the_oracle_warns_and_answers(tmp_path):
+    """Item 10: `ddtree-rtc serve` with the oracle drafter says at start that it is a measuring tool;
+    the server it starts answers on loopback and stops on SIGTERM."""
+    import re
+    import signal
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = _cli() + ["serve", TINY, *NUMPY, "--port", "0", "--set", "decode.mode=ddtree",
+                    "--set", "decode.drafter.kind=oracle", "--set", "decode.budget=8"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    seen, url = [], None
+    try:
+        deadline = time.monotonic() + 120
+        while url is None:
+            line = p.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(seen)
+            seen.append(line)
+            m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+            url = m and m.group(1)
+        log = "".join(seen)
+        assert "oracle is a measuring tool" in log and "256 most recent" in log, log
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4, r.text
+    finally:
+        p.send_signal(signal.SIGTERM)
+        rest = p.communicate(timeout=60)[0]
+    # uvicorn shuts down, then raises the signal it caught again (its exit status says SIGTERM)
+    assert p.returncode in (0, -signal.SIGTERM) and "Finished server process" in rest, rest
+
+
+def test_the_oracle_keeps_only_its_most_recent_continuations(tiny_dir):
+    from ddtree_rtc.backend import Backend
+    from ddtree_rtc.model.target import TargetModel
+    from ddtree_rtc.speculative.drafters import greedy_continuation
+
+    cont = greedy_continuation(TargetModel.load(tiny_dir, Backend("numpy")), 3, 16, max_cached=2)
+    first = cont(0, [5, 6])
+    cont(1, [7]), cont(2, [5, 6]), cont(3, [8])  # [5, 6] used again: [7] is the oldest, and goes
+    assert list(cont.cached) == [(5, 6), (8,)]
+    assert cont(4, [5, 6]) == first

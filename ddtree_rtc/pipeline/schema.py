@@ -271,9 +271,16 @@ def _key_named(msg: str, d: LinedDict):
     return min(hits)[1] if hits else None
 
 
+# keys whose relative paths are read from the pipeline file's directory; given with --set, from the
+# current directory instead (where the user typed them), as every other path is
+_PATHS_FROM_YAML_DIR = ("workload.prompts",)
+
+
 def parse_pipeline(text: str, file: str = "<pipeline>", overrides: dict | None = None) -> Pipeline:
     data = load_yaml(text, file)
     for dotted, value in (overrides or {}).items():
+        if dotted in _PATHS_FROM_YAML_DIR and isinstance(value, str) and not Path(value).is_absolute():
+            value = str(Path(value).absolute())
         _apply_override(data, dotted, value)
     if "model" not in data:
         raise PipelineError(f"{file}: missing required key 'model'")

@@ -10,15 +10,14 @@ with limits a hostile or broken client cannot outlast:
 
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 
-from ..pipeline.runner import build_engine
+import click
+
+from ..pipeline.runner import ORACLE_SERVE_CACHE, build_engine
 from ..pipeline.schema import PipelineError
 from .app import create_app
 from .text import Text
-
-log = logging.getLogger("ddtree_rtc.serve")
 
 READ_TIMEOUT_S = 10.0  # headers + body of one request
 KEEP_ALIVE_S = 5
@@ -33,11 +32,12 @@ def app_from_pipeline(pipe, max_queue: int = 256):
                             f"serving is not in this build (ddtree-rtc run --nproc N runs multi-rank pipelines)")
     d = pipe.decode
     if d.mode != "autoregressive" and d.drafter is not None and d.drafter.kind == "oracle":
-        log.warning("decode.drafter.kind oracle is a measuring tool, not a drafter to serve with: each new "
-                    "distinct prompt is first decoded greedily by the target inside the engine thread "
-                    "(every client waits meanwhile), only that many tokens are known ahead (tau falls to ~1 "
-                    "past them), and the most recent prompts' continuations are kept "
-                    "(docs: README 'Serving')")
+        new = pipe.workload.synthetic.output_len if pipe.workload.synthetic else pipe.workload.max_new_tokens
+        click.echo(f"warning: decode.drafter.kind oracle is a measuring tool, not a drafter to serve with: each "
+                   f"new distinct prompt is first decoded greedily by the target inside the engine thread (every "
+                   f"client waits meanwhile), only {new + d.drafter.depth} tokens are known ahead (past them tau "
+                   f"falls to about 1), and only the {ORACLE_SERVE_CACHE} most recent prompts' continuations are "
+                   f"kept (README, 'Serving')", err=True)
     engine, info = build_engine(pipe, max_batch=pipe.runtime.max_batch)
     name = pipe.model.preset if pipe.model.path is None else str(info["dir"].name)
     return create_app(engine, Text(info["dir"], preset=pipe.model.path is None), name, pipe.decode,
