@@ -226,3 +226,18 @@ def test_the_oracle_keeps_only_its_most_recent_continuations(tiny_dir):
     cont(1, [7]), cont(2, [5, 6]), cont(3, [8])  # [5, 6] used again: [7] is the oldest, and goes
     assert list(cont.cached) == [(5, 6), (8,)]
     assert cont(4, [5, 6]) == first
+
+
+def test_an_interrupted_make_model_leaves_nothing(tmp_path):
+    """Item 12: make-model writes into a temporary directory renamed into place at the end; an
+    interrupt (Ctrl-C) on the way removes it and leaves --out as it was."""
+    from ddtree_rtc.cli import _made_whole
+
+    with pytest.raises(KeyboardInterrupt), _made_whole(tmp_path / "new") as tmp:
+        (tmp / "model-00001-of-00004.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text("{}")
+    with pytest.raises(KeyboardInterrupt), _made_whole(tmp_path / "old") as tmp:
+        raise KeyboardInterrupt
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.json", "old"]
