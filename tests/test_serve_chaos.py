@@ -54,7 +54,7 @@ def served(tiny_dir):
         e = Engine(model, max_batch=1, page_size=16, max_context=MAX_CONTEXT)
         want[tuple(p)] = e.run([Request(0, list(p), 4)])[0].output
     app = create_app(engine, Text(tiny_dir, preset=True), "tiny", DecodeSpec(), max_queue=256)
-    with running(app, 256, read_timeout_s=2.0) as url:
+    with running(app, 256) as url:
         yield url, engine, want
 
 

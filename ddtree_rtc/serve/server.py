@@ -1,10 +1,11 @@
 """Build the app from a pipeline (the engine exactly as ``ddtree-rtc run`` builds it) and run uvicorn
 with limits a hostile or broken client cannot outlast:
 
-- a request's headers and body must arrive within ``read_timeout_s`` of its first byte (or of the
-  connection opening, or of the previous response): a slow-loris client that trickles a request in
-  is dropped, its connection closed (uvicorn has no such timeout of its own, hence ``BoundedH11``);
-- an idle keep-alive connection is closed after ``timeout_keep_alive`` s;
+- a request's headers and body must arrive within ``read_timeout_s`` of the connection opening (the
+  first request) or of the request's first byte (later ones): a slow-loris client that trickles a
+  request in, or opens connections and sends nothing, is dropped, its connection closed (uvicorn
+  has no such timeout of its own, hence ``BoundedH11``);
+- an idle keep-alive connection is closed after ``KEEP_ALIVE_S`` s (uvicorn's own timer);
 - past ``limit_concurrency`` connections new requests get 503 at once.
 """
 
@@ -70,20 +71,18 @@ def bounded_h11():
             self._read_deadline = None
             if self.conn.their_state is h11.DONE or self.transport.is_closing():
                 return
-            if self.conn.their_state is not h11.IDLE or self.conn.trailing_data[0]:  # idle ones go quietly
-                self.logger.warning("dropping %s: request not read within %.1f s", self.client,
-                                    self.read_timeout_s)
+            self.logger.warning("dropping %s: request not read within %.1f s", self.client, self.read_timeout_s)
             self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._read_deadline is None and self.conn.their_state is h11.IDLE:
+                self._arm_read_deadline()  # the first bytes of the next request on this connection
+            super().data_received(data)
 
         def handle_events(self) -> None:
             super().handle_events()
             if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):
                 self._disarm_read_deadline()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm_read_deadline()  # the next request on this connection
 
         def connection_lost(self, exc) -> None:
             self._disarm_read_deadline()
