@@ -165,7 +165,10 @@ def test_malformed_inputs_get_400_naming_the_problem(server):
     code, e = _err(url, {"prompt": [1, 5000]})
     assert code == 400 and "5000" in e["message"] and "vocabulary" in e["message"] and e["param"] == "prompt"
     code, e = _err(url, {"prompt": [1, 2], "max_tokens": MAX_CONTEXT})
-    assert code == 400 and "max context" in e["message"] and e["param"] == "max_tokens"
+    assert code == 400 and f"context is {MAX_CONTEXT} tokens" in e["message"] and e["param"] == "max_tokens"
+    assert "at most 126 tokens" in e["message"]
+    code, e = _err(url, {"prompt": list(range(1, MAX_CONTEXT + 2))})
+    assert code == 400 and "shorten the prompt" in e["message"] and e["param"] == "prompt"
     code, e = _err(url, {"prompt": [1, 2], "n": 2})
     assert code == 400 and "n" == e["param"]
     code, e = _err(url, {"messages": [{"role": "user", "content": "x"}], "temperature": -1},

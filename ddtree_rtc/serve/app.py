@@ -210,6 +210,12 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
                       temperature=defaults.temperature if body.temperature is None else body.temperature,
                       top_p=defaults.top_p if body.top_p is None else body.top_p,
                       stop_ids=_stop_ids(body), seed=body.seed)
+        if prompt and len(prompt) + req.max_new_tokens > context_limit:  # said in the API's words
+            room = context_limit - len(prompt)
+            raise APIError(400, f"this model's context is {context_limit} tokens, but the prompt ({len(prompt)} "
+                           f"tokens) + max_tokens ({req.max_new_tokens}) = {len(prompt) + req.max_new_tokens}: "
+                           + (f"ask for at most {room} tokens" if room > 0 else "shorten the prompt"),
+                           param="max_tokens" if room > 0 else "prompt")
         try:
             req.validate(cfg.vocab_size, engine.max_context)
         except RequestError as e:
@@ -217,12 +223,6 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
             param = ("prompt" if "vocabulary" in msg or msg == "empty prompt" else
                      "seed" if msg.startswith("seed") else "max_tokens")
             raise APIError(400, msg, param=param) from None
-        if len(prompt) + req.max_new_tokens > context_limit:
-            room = context_limit - len(prompt)
-            raise APIError(400, f"this model's context is {context_limit} tokens, but the prompt ({len(prompt)} "
-                           f"tokens) + max_tokens ({req.max_new_tokens}) = {len(prompt) + req.max_new_tokens}: "
-                           + (f"ask for at most {room} tokens" if room > 0 else "shorten the prompt"),
-                           param="max_tokens")
         pages = engine.scheduler.pages
         if pages.pages_for(len(prompt) + req.max_new_tokens) > pages.num_pages:
             raise APIError(400, f"prompt + max_tokens needs more KV pages than the whole cache holds "
