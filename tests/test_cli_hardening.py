@@ -150,12 +150,14 @@ def test_config_and_yaml_errors_point_at_the_key(tmp_path, model_dir):
     shutil.copytree(model_dir, bad_cfg)
     cfg = json.loads((bad_cfg / "config.json").read_text())
     (bad_cfg / "config.json").write_text(json.dumps(cfg | {"hidden_size": "abc"}))
-    line, override, config = ddtree(["run", yaml], ["run", TINY, *NUMPY, "--set", "decode.budget=-1"],
-                                    ["run", TINY, *NUMPY, "--set", f"model.path={bad_cfg}"])
+    line, override, config, serve = ddtree(["run", yaml], ["run", TINY, *NUMPY, "--set", "decode.budget=-1"],
+                                           ["run", TINY, *NUMPY, "--set", f"model.path={bad_cfg}"],
+                                           ["serve", TINY, *NUMPY, "--set", f"model.path={bad_cfg}", "--port", "0"])
     _refused(line, f"{yaml}:8: decode: budget 9999")
     err = _refused(override, "--set decode.budget: decode: budget -1")
     assert ":0:" not in err
-    _refused(config, "config.json: hidden_size must be an integer, got 'abc'")
+    for res in (config, serve):
+        _refused(res, "config.json: hidden_size must be an integer, got 'abc'")
 
 
 def test_make_model_out_refuses_a_non_empty_directory(tmp_path, model_dir):
