@@ -350,7 +350,7 @@ def make_model_cmd(preset, layers, seed, out_dir, weight_shape_dtype, router_dty
                 cfg = cfg.with_layers(layers)
         except ConfigError as e:
             raise click.BadParameter(str(e), param_hint="--layers") from None
-    out = Path(out_dir)
+    out = Path(out_dir).absolute()  # "--out ." has a name to rename to
     if out.exists() and any(out.iterdir()) and not force:
         raise click.ClickException(f"--out {out} is not empty ({sum(1 for _ in out.iterdir())} entries); "
                                    f"give an empty or new directory, or --force to replace it")
