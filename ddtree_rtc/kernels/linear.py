@@ -25,8 +25,12 @@ from .registry import module
 _ALPHA = np.ones(1, dtype=np.float32)
 _BETA = np.zeros(1, dtype=np.float32)
 
-IMPLS = ("auto", "skinny", "cublas")
+IMPLS = ("auto", "skinny", "cublas", "invariant")
 SKINNY_MAX_M = 16
+# impl="invariant" (the small-M path): the skinny kernel for M <= 64 with the K split planned from
+# (N, K) alone, so a row's sums do not depend on M or on the other rows
+INVARIANT_MAX_M = 64
+_INVARIANT_PLAN_M = 8
 # auto, from the H200 (`ddtree-rtc bench linear`): skinny for M <= 8 on weights of 1M..64M elements —
 # 1.05-1.3x over cuBLAS on q_a, q_b, kv_a, o_proj, the shared expert and the router; the dense MLP
 # (264M) and lm_head read at 78-100% through cuBLAS and lose 1-10% here; at M = 16 it is even or
@@ -81,11 +85,22 @@ def skinny_plan(m: int, n: int, k: int, sms: int) -> SkinnyPlan:
     return SkinnyPlan(f"linear_m{8 if m <= 8 else 16}_s{s}", -(-n // (8 * wn)) * s, wn, s, est)
 
 
-def skinny_fits(x, weight) -> bool:
-    """Whether the skinny kernel can run at all: M <= 16, K % 8 == 0, 16-byte aligned x and weight."""
+def invariant_plan(m: int, n: int, k: int, sms: int, f32: bool = False) -> SkinnyPlan:
+    """The row-invariant plan: (warps_n, split) from (N, K) and the GPU alone, the entry's token
+    tiles (8, 16, 32, 64 rows) from M; bf16 or fp32 (``f32``) output."""
+    if not 1 <= m <= INVARIANT_MAX_M:
+        raise ValueError(f"invariant linear: M = {m} outside 1..{INVARIANT_MAX_M}")
+    base = skinny_plan(_INVARIANT_PLAN_M, n, k, sms)
+    mt = next(v for v in (8, 16, 32, 64) if m <= v)
+    return SkinnyPlan(f"linear_m{mt}{'_f32' if f32 else ''}_s{base.split}", base.grid, base.warps_n, base.split,
+                      base.est_us)
+
+
+def skinny_fits(x, weight, max_m: int = SKINNY_MAX_M) -> bool:
+    """Whether the skinny kernel can run at all: M <= max_m, K % 8 == 0, 16-byte aligned x and weight."""
     m, k = x.shape
     n = weight.shape[0]
-    return (1 <= m <= SKINNY_MAX_M and k % 8 == 0 and n < 2**31 and k < 2**31
+    return (1 <= m <= max_m and k % 8 == 0 and n < 2**31 and k < 2**31
             and x.data.ptr % 16 == 0 and weight.data.ptr % 16 == 0)
 
 
@@ -94,6 +109,11 @@ def route(x, weight, impl: str = "auto") -> str:
     all (odd K or unaligned pointers still go to cuBLAS); 'auto' only on the shapes where it should win."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+    if impl == "invariant":
+        if not skinny_fits(x, weight, INVARIANT_MAX_M):
+            raise ValueError(f"linear impl='invariant': needs 1 <= M <= {INVARIANT_MAX_M}, K % 8 == 0 and 16-byte "
+                             f"aligned x and weight; got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        return "invariant"
     if impl == "cublas" or not skinny_fits(x, weight):
         return "cublas"
     if impl == "skinny":
@@ -116,8 +136,9 @@ def _cublas_linear(x, weight, y, m: int, n: int, k: int) -> None:
                     _BETA.ctypes.data, y.data.ptr, y_type, n, _cublas.COMPUTE_32F, _cublas.GEMM_DEFAULT)
 
 
-def _skinny_linear(x, weight, y, m: int, n: int, k: int) -> None:
-    plan = skinny_plan(m, n, k, sm_count(x.device.id))
+def _skinny_linear(x, weight, y, m: int, n: int, k: int, invariant: bool = False) -> None:
+    sms = sm_count(x.device.id)
+    plan = invariant_plan(m, n, k, sms, y.dtype == np.float32) if invariant else skinny_plan(m, n, k, sms)
     module("linear").fn(plan.entry)((plan.grid,), (_THREADS,),
                                     (x, weight, y, np.int32(m), np.int32(n), np.int32(k), np.int32(plan.warps_n)))
 
@@ -125,8 +146,9 @@ def _skinny_linear(x, weight, y, m: int, n: int, k: int) -> None:
 def linear(x, weight, out=None, impl: str = "auto"):
     """x [M, K] bf16, weight [N, K] bf16 -> [M, N] bf16 (fp32 accumulate, one rounding), or fp32
     unrounded when ``out`` is an fp32 array (a tensor-parallel partial sum; always cuBLAS).
-    ``impl``: 'auto' | 'skinny' | 'cublas' (see ``route``); all give the same values up to fp32
-    summation order."""
+    ``impl``: 'auto' | 'skinny' | 'cublas' | 'invariant' (see ``route``); all give the same values up
+    to fp32 summation order. 'invariant' (M <= 64, bf16 or fp32 out) sums every row the same way
+    whatever M is: the small-M path's linear."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     check("x", x, BF16, ndim=2)
@@ -142,7 +164,10 @@ def linear(x, weight, out=None, impl: str = "auto"):
     if k == 0:
         y.fill(0)
         return y
-    if not f32_out and route(x, weight, impl) == "skinny":
+    path = route(x, weight, impl)
+    if path == "invariant":
+        _skinny_linear(x, weight, y, m, n, k, invariant=True)
+    elif not f32_out and path == "skinny":
         _skinny_linear(x, weight, y, m, n, k)
     else:
         _cublas_linear(x, weight, y, m, n, k)

@@ -86,11 +86,13 @@ def rope_scale(rope_scaling: dict | None = None) -> float:
         factor, float(rope_scaling.get("mscale_all_dim", 0) or 0))
 
 
-def mla_query(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, rope_scale: float = 1.0):
-    """x [T, hidden] bf16 -> absorbed query [T, H, kv_lora + qk_rope] bf16."""
+def mla_query(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, rope_scale: float = 1.0,
+              impl: str = "auto"):
+    """x [T, hidden] bf16 -> absorbed query [T, H, kv_lora + qk_rope] bf16. ``impl``: the linears'
+    kernel choice (``backend.linear``; 'invariant' on the small-M path)."""
     t, h = x.shape[0], dims.num_heads
-    cq = x if w.q_a is None else backend.rmsnorm(backend.linear(x, w.q_a), w.q_a_norm, eps)
-    q = backend.linear(cq, w.q_b).reshape(t, h, dims.qk_head)
+    cq = x if w.q_a is None else backend.rmsnorm(backend.linear(x, w.q_a, impl=impl), w.q_a_norm, eps)
+    q = backend.linear(cq, w.q_b, impl=impl).reshape(t, h, dims.qk_head)
     q_att = backend.empty((t, h, dims.row), "bf16")
     backend.mla_head_gemm(q[:, :, :dims.qk_nope], w.w_uk(dims), False, out=q_att[:, :, :dims.kv_lora])
     q_att[:, :, dims.kv_lora:] = q[:, :, dims.qk_nope:]
@@ -98,27 +100,29 @@ def mla_query(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps
 
 
 def mla_kv_rows(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float,
-                rope_scale: float = 1.0):
+                rope_scale: float = 1.0, impl: str = "auto"):
     """x [T, hidden] bf16 -> cache rows [T, kv_lora + qk_rope] = [RMSNorm(c) | RoPE(k_pe)] bf16."""
-    kv = backend.linear(x, w.kv_a)
+    kv = backend.linear(x, w.kv_a, impl=impl)
     c = backend.xp.ascontiguousarray(kv[:, :dims.kv_lora])
     kv[:, :dims.kv_lora] = backend.rmsnorm(c, w.kv_a_norm, eps)
     return backend.rope(kv, positions, inv_freq, dims.kv_lora, dims.qk_rope, "interleaved", rope_scale)
 
 
-def mla_output(backend, o_lat, w: MLAWeights, dims: MLADims, out=None):
+def mla_output(backend, o_lat, w: MLAWeights, dims: MLADims, out=None, impl: str = "auto"):
     """o_lat [T, H, kv_lora] bf16 -> attention output [T, hidden] bf16 (W_UV expansion, then o_proj);
     into ``out`` when given (fp32: a tensor-parallel rank's unrounded partial)."""
     t = o_lat.shape[0]
     o = backend.mla_head_gemm(o_lat, w.w_uv(dims), True)
-    return backend.linear(o.reshape(t, dims.num_heads * dims.v_head), w.o, out=out)
+    return backend.linear(o.reshape(t, dims.num_heads * dims.v_head), w.o, out=out, impl=impl)
 
 
 def mla_forward(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, cache, slots, plan,
-                scale: float, rope_scale: float = 1.0, out=None):
+                scale: float, rope_scale: float = 1.0, out=None, impl: str = "auto"):
     """One MLA attention block for the new tokens ``x`` of a planned batch: their cache rows are
-    written at ``slots`` of ``cache`` (one layer) first, then every token attends as ``plan`` says."""
-    q_att = mla_query(backend, x, w, dims, positions, inv_freq, eps, rope_scale)
-    backend.kv_cache_write(cache, mla_kv_rows(backend, x, w, dims, positions, inv_freq, eps, rope_scale), slots)
+    written at ``slots`` of ``cache`` (one layer) first, then every token attends as ``plan`` says.
+    ``impl``: the linears' kernel choice ('invariant' on the small-M path)."""
+    q_att = mla_query(backend, x, w, dims, positions, inv_freq, eps, rope_scale, impl)
+    backend.kv_cache_write(cache, mla_kv_rows(backend, x, w, dims, positions, inv_freq, eps, rope_scale, impl),
+                           slots)
     o_lat, _ = backend.mla_attention(plan, q_att, cache, scale)
-    return mla_output(backend, o_lat, w, dims, out)
+    return mla_output(backend, o_lat, w, dims, out, impl)

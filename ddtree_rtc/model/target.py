@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..dist.comm import Communicator, SingleRank
+from ..reference.moe_small import check_small_shape
 from ..reference.rope import rope_inv_freq
 from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig, load_config
@@ -28,6 +29,8 @@ from .int4_repack import GROUP, TILE_K
 from .mla import MLADims, MLAWeights, mla_forward, rope_scale
 from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe
 from .shard import Shard
+
+SMALL_M_MAX_TOKENS = 64  # the small-M path's rows (an AR batch or a whole tree verify)
 
 # HF DeepseekV3 (and DeepSeek's own code) build the q_a / kv_a norms with the default eps, not the config's.
 LATENT_NORM_EPS = 1e-6
@@ -118,10 +121,13 @@ class StepInputs:
 
 class TargetModel:
     def __init__(self, cfg: ModelConfig, backend, embed, layers: list[Layer], final_norm, lm_head,
-                 shard: Shard | None = None, comm: Communicator | None = None):
+                 shard: Shard | None = None, comm: Communicator | None = None, small_m_path: bool = True,
+                 batch_invariant: bool = True):
         """``shard``: the part of the model these weights are (whole by default); ``comm``: the
-        communicator of its ranks (``shard.world`` of them)."""
+        communicator of its ranks (``shard.world`` of them). ``small_m_path`` / ``batch_invariant``:
+        see ``small_m`` (the pipeline keys runtime.small_m_path / runtime.batch_invariant)."""
         self.cfg, self.backend = cfg, backend
+        self.small_m_path, self.batch_invariant = bool(small_m_path), bool(batch_invariant)
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.shard, self.comm = shard or Shard(), comm or SingleRank()
         if self.comm.world_size != self.shard.world or self.comm.rank != self.shard.rank:
@@ -136,11 +142,32 @@ class TargetModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def small_m(self, num_tokens: int) -> bool:
+        """Whether a forward of ``num_tokens`` rows takes the small-M path (docs/architecture.md, "The
+        small-M path"): ``small_m_path`` on and M <= 64 (and the MoE shape within the small kernels'
+        limits). Its MoE experts run ``moe_small_experts``; with ``batch_invariant`` every linear runs
+        the row-invariant plan too, so a row's logits do not depend on the batch it is in."""
+        if not self.small_m_path or not 1 <= num_tokens <= SMALL_M_MAX_TOKENS:
+            return False
+        moe = [ly.mlp for ly in self.layers if isinstance(ly.mlp, MoELayerWeights)]
+        if not moe:
+            return True
+        ex = moe[0].experts
+        try:
+            check_small_shape(num_tokens, ex.num_experts, self.cfg.num_experts_per_tok, ex.hidden, ex.intermediate)
+        except ValueError:
+            return False
+        return True
+
+    def linear_impl(self, num_tokens: int) -> str:
+        """``backend.linear``'s kernel choice for a forward of ``num_tokens`` rows."""
+        return "invariant" if self.batch_invariant and self.small_m(num_tokens) else "auto"
+
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, directory: str | Path, backend, layers: int | None = None, progress=None,
-             shard: Shard | None = None, comm: Communicator | None = None, reader: CheckpointReader | None = None
-             ) -> TargetModel:
+             shard: Shard | None = None, comm: Communicator | None = None, reader: CheckpointReader | None = None,
+             small_m_path: bool = True, batch_invariant: bool = True) -> TargetModel:
         """Load a checkpoint directory (optionally only its first ``layers`` decoder layers);
         ``progress(n)`` is called after each layer. Every missing or mis-shaped tensor is named.
         ``shard``: load only that rank's slices (see model/shard.py); ``reader``: an open reader
@@ -194,20 +221,24 @@ class TargetModel:
                              attn, mlp))
             if progress is not None:
                 progress(i + 1)
-        return cls(cfg, backend, embed, out, dev(get("model.norm.weight")), lm, shard, comm)
+        return cls(cfg, backend, embed, out, dev(get("model.norm.weight")), lm, shard, comm, small_m_path,
+                   batch_invariant)
 
     # -- forward ---------------------------------------------------------------------------------
     def _mlp(self, layer: Layer, x, moe_plan=None):
-        be = self.backend
+        be, t = self.backend, int(x.shape[0])
+        impl, small = self.linear_impl(t), self.small_m(t)
         if isinstance(layer.mlp, DenseMLP):
-            m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13)), layer.mlp.w2, out=self._partial(x))
+            m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, out=self._partial(x),
+                          impl=impl)
             return self._reduce(m)
         if self.shard.world == 1:
-            return moe(x, layer.mlp, self.routing, be, plan=moe_plan)
+            return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant)
         # routed and shared partials side by side, one all-reduce; then, as one rank's combine does,
         # routed sum + bf16(shared sum), rounded once
         parts = be.empty((2,) + tuple(x.shape), "fp32")
-        moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1])
+        moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1], small=small,
+            invariant=self.batch_invariant)
         self.comm.all_reduce(parts)
         return be.to_bf16(parts[0], plus_rounded=parts[1])
 
@@ -227,12 +258,15 @@ class TargetModel:
         """bf16 [R, V] logits of final-normed rows [R, H]: this rank's vocabulary slice, all-gathered
         in rank order (exact: each logit is one rank's dot product)."""
         be, n = self.backend, self.shard.world
-        local = be.linear(rows, self.lm_head)
+        local = be.linear(rows, self.lm_head, impl=self._head_impl(rows))
         if n == 1:
             return local
         r = rows.shape[0]
         full = self.comm.all_gather(local).reshape(n, r, -1)
         return be.xp.ascontiguousarray(full.transpose(1, 0, 2)).reshape(r, -1)
+
+    def _head_impl(self, rows) -> str:
+        return self.linear_impl(int(rows.shape[0]))
 
     def head_argmax(self, rows):
         """int32 [R]: the argmax of the full logits (``backend.argmax``'s rule: ties to the smallest
@@ -240,7 +274,7 @@ class TargetModel:
         (value, global id) of its vocabulary slice, all-gathered ([N, R, 2] fp32, ids exact below
         2^24) and merged; the first rank wins a tie, and its slice holds the smaller ids."""
         be, n = self.backend, self.shard.world
-        local = be.linear(rows, self.lm_head)
+        local = be.linear(rows, self.lm_head, impl=self._head_impl(rows))
         if n == 1:
             return be.argmax(local)
         xp, r = be.xp, rows.shape[0]
@@ -299,6 +333,9 @@ class TargetModel:
         if not moe_layers:
             return None
         ex = moe_layers[0].experts  # this rank's experts (an EP / TP shard's count and intermediate)
+        if self.small_m(num_tokens):
+            return self.backend.moe_small_plan(num_tokens, ex.num_experts, c.num_experts_per_tok, c.hidden_size,
+                                               ex.intermediate)
         return self.backend.moe_plan(num_tokens, ex.num_experts, c.num_experts_per_tok, c.hidden_size,
                                      ex.intermediate)
 
@@ -347,4 +384,4 @@ class TargetModel:
         # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both
         return self._reduce(mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq,
                                         LATENT_NORM_EPS, cache.layer(i), slots, plan, self.cfg.softmax_scale,
-                                        self.rope_scale, out=self._partial(x)))
+                                        self.rope_scale, out=self._partial(x), impl=self.linear_impl(int(x.shape[0]))))

@@ -240,7 +240,8 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
 
         try:
             model = TargetModel.load(directory, backend, layers=pipe.model.layers, progress=progress,
-                                     shard=shard, comm=ranks.comm)
+                                     shard=shard, comm=ranks.comm, small_m_path=pipe.runtime.small_m_path,
+                                     batch_invariant=pipe.runtime.batch_invariant)
         except ShardError as e:
             raise PipelineError(f"{pipe.source}: runtime.tensor_parallel {shard.world}"
                                 f"{' with expert_parallel' if shard.expert_parallel else ''}: {e}") from None
