@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The small-M path (issue 45) on one GPU, from the repository root, in one device call (< 8 minutes):
+#   1. its kernels' GPU tests (moe_small, the row-invariant linear) and the row-invariance tests
+#      (linears, MoE layer, whole-model decode eager + CUDA graph, chain verify vs AR);
+#   2. `bench decode` at one rank's TP8 share (8 heads, expert intermediate 256, vocab / 8) and EP8
+#      share (48 whole experts), b1 and b33, ctx 4k, with the small-M path off and on;
+#   3. a short table last. JSON and logs under $OUT (or /tmp/out).
+# Knobs: TTMO=<pytest seconds, 0: no tests> BENCH=0 (no benches) ITERS=<bench iters>
+set -u
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 DDTREE_RTC_CACHE_DIR=${DDTREE_RTC_CACHE_DIR:-/tmp/ddc}
+export DDTREE_RTC_COMMIT=${DDTREE_RTC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+T0=$(date +%s); el() { echo $(( $(date +%s)-T0 ))s; }
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+echo "commit $DDTREE_RTC_COMMIT"
+timeout 200 python -m ddtree_rtc.cli kernels build --arch auto --only moe_small --only linear > "$O/build.txt" 2>&1
+echo "== build rc=$? $(el)"; grep -E "moe_small|linear_m64_s1 |linear_m8_s1 " "$O/build.txt" | head -8
+if [ "${TTMO:-240}" != 0 ]; then
+  timeout ${TTMO:-240} python -m pytest -v -rf -m gpu -p no:cacheprovider \
+    tests/test_moe_small.py tests/test_small_m_gpu.py > "$O/pytest_small_m.txt" 2>&1
+  echo "== pytest rc=$? $(el) passed=$(grep -c ' PASSED' "$O/pytest_small_m.txt") failed=$(grep -c ' FAILED' "$O/pytest_small_m.txt")"
+  grep -E " FAILED|^E  .*(Error|assert|differ)|seed=|passed|failed" "$O/pytest_small_m.txt" | cut -c1-220 | head -40
+fi
+if [ "${BENCH:-1}" != 0 ]; then
+  for shard in tp8 ep8; do
+    timeout 150 python -m ddtree_rtc.cli bench decode --shard $shard --moe-layers 2 --batches 1,33 --contexts 4096 \
+      --small-m both --iters ${ITERS:-15} --json "$O/small_m_decode_$shard.json" > "$O/bench_$shard.txt" 2>&1
+    echo "== bench decode $shard rc=$? $(el)"; tail -8 "$O/bench_$shard.txt" | cut -c1-200
+  done
+fi
+python - "$O" <<'PY'
+import json, sys, pathlib
+o = pathlib.Path(sys.argv[1])
+print("\nshard | path | batch | ctx | attention µs (x floor) | MoE µs (x floor) | dense µs | head µs | step graph µs")
+for shard in ("tp8", "ep8"):
+    f = o / f"small_m_decode_{shard}.json"
+    if not f.exists():
+        print(f"{shard}: no bench JSON"); continue
+    for r in json.loads(f.read_text()).get("rows", []):
+        e = r.get("extra", {})
+        if "graph_us" not in e:
+            continue
+        us, fl = e["mean_stage_us"], e["mean_stage_over_floor"]
+        c = lambda k: f"{us[k]:.1f} ({fl[k]:.2f}x)" if k in us else "-"
+        print(f"{shard} | {e.get('path')} | {e['batch']} | {e['ctx']} | {c('attention')} | {c('moe')} | "
+              f"{us.get('dense', 0):.1f} | {us.get('head', 0):.1f} | {e['graph_us']:.0f}")
+PY
+echo "== done $(el)"
