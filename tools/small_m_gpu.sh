@@ -13,11 +13,11 @@ export DDTREE_RTC_COMMIT=${DDTREE_RTC_COMMIT:-$(git rev-parse --short HEAD 2>/de
 T0=$(date +%s); el() { echo $(( $(date +%s)-T0 ))s; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 echo "commit $DDTREE_RTC_COMMIT"
-timeout 200 python -m ddtree_rtc.cli kernels build --arch auto --only moe_small --only linear > "$O/build.txt" 2>&1
+timeout 200 python -m ddtree_rtc.cli kernels build --arch auto --only moe_small --only linear --only mla_small --only mla_attention > "$O/build.txt" 2>&1
 echo "== build rc=$? $(el)"; grep -E "moe_small|linear_m64_s1 |linear_m8_s1 " "$O/build.txt" | head -8
 if [ "${TTMO:-240}" != 0 ]; then
   timeout ${TTMO:-240} python -m pytest -v -rf -m gpu -p no:cacheprovider \
-    tests/test_moe_small.py tests/test_small_m_gpu.py > "$O/pytest_small_m.txt" 2>&1
+    tests/test_moe_small.py tests/test_mla_small.py tests/test_small_m_gpu.py > "$O/pytest_small_m.txt" 2>&1
   echo "== pytest rc=$? $(el) passed=$(grep -c ' PASSED' "$O/pytest_small_m.txt") failed=$(grep -c ' FAILED' "$O/pytest_small_m.txt")"
   grep -E " FAILED|^E  .*(Error|assert|differ)|seed=|passed|failed" "$O/pytest_small_m.txt" | cut -c1-220 | head -40
 fi

@@ -72,6 +72,9 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge; *_fused: the "
                "same tiles with the split merge in the same launch",
                arch_specific=True),
+    KernelSpec("mla_small", ("mla_head_gemm_small",),
+               "the small-M path's row-invariant MLA head GEMMs (W_UK absorption, W_UV expansion): one "
+               "thread per output, k summed in a fixed order, for T <= 64 tokens"),
     # -- the DFlash drafter's attention --
     KernelSpec("gqa_attention", ("gqa_attention_d64_kernel", "gqa_attention_d128_kernel",
                                  "gqa_attention_merge_kernel"),

@@ -94,7 +94,7 @@ def mla_query(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps
     cq = x if w.q_a is None else backend.rmsnorm(backend.linear(x, w.q_a, impl=impl), w.q_a_norm, eps)
     q = backend.linear(cq, w.q_b, impl=impl).reshape(t, h, dims.qk_head)
     q_att = backend.empty((t, h, dims.row), "bf16")
-    backend.mla_head_gemm(q[:, :, :dims.qk_nope], w.w_uk(dims), False, out=q_att[:, :, :dims.kv_lora])
+    backend.mla_head_gemm(q[:, :, :dims.qk_nope], w.w_uk(dims), False, out=q_att[:, :, :dims.kv_lora], impl=impl)
     q_att[:, :, dims.kv_lora:] = q[:, :, dims.qk_nope:]
     return backend.rope(q_att, positions, inv_freq, dims.kv_lora, dims.qk_rope, "interleaved", rope_scale)
 
@@ -112,7 +112,7 @@ def mla_output(backend, o_lat, w: MLAWeights, dims: MLADims, out=None, impl: str
     """o_lat [T, H, kv_lora] bf16 -> attention output [T, hidden] bf16 (W_UV expansion, then o_proj);
     into ``out`` when given (fp32: a tensor-parallel rank's unrounded partial)."""
     t = o_lat.shape[0]
-    o = backend.mla_head_gemm(o_lat, w.w_uv(dims), True)
+    o = backend.mla_head_gemm(o_lat, w.w_uv(dims), True, impl=impl)
     return backend.linear(o.reshape(t, dims.num_heads * dims.v_head), w.o, out=out, impl=impl)
 
 

@@ -160,8 +160,13 @@ class TargetModel:
         return True
 
     def linear_impl(self, num_tokens: int) -> str:
-        """``backend.linear``'s kernel choice for a forward of ``num_tokens`` rows."""
+        """``backend.linear``'s (and the MLA head GEMMs') kernel choice for a forward of ``num_tokens`` rows."""
         return "invariant" if self.batch_invariant and self.small_m(num_tokens) else "auto"
+
+    def attention_split(self, num_tokens: int) -> str | None:
+        """The attention plan's schedule for a forward of ``num_tokens`` rows: "shape" (each row's
+        context pieces fixed by its own length) where the forward is row-invariant, else the default."""
+        return "shape" if self.linear_impl(num_tokens) == "invariant" else None
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -307,7 +312,8 @@ class TargetModel:
         rows = None if batch.logit_rows is None else np.asarray(batch.logit_rows, dtype=np.int64)
         plan = be.mla_attention_plan(batch.ctx_lens, batch.num_new, cache.page_table(batch.seq_ids, page_width),
                                      self.dims.num_heads, cache.page_size, cache.num_pages, batch.tree_mask,
-                                     into=None if into is None else into.plan)
+                                     into=None if into is None else into.plan,
+                                     split=None if into is not None else self.attention_split(len(slots)))
         if into is None:
             return StepInputs(batch, be.asarray(batch.tokens), be.asarray(batch.positions), be.asarray(slots),
                               plan, None if rows is None else be.asarray(rows))
