@@ -15,8 +15,10 @@
 //
 // Each CTA rebuilds the routing it needs from the ids in shared memory (a token bitmask per expert,
 // the touched experts in ascending order): M * top_k <= 1024 pairs, cheap, and no align launch.
-// Work: moe_small_gate_up, one CTA per (fused w13 16-row tile, touched-expert rank); moe_small_down,
-// one CTA per 16-row tile of H, its warps taking the touched experts round-robin by rank.
+// Work: moe_small_gate_up, items (touched-expert rank, fused w13 16-row tile); moe_small_down, 16-row
+// tiles of H, a CTA's warps taking the touched experts round-robin by rank. Both grids are one wave
+// of CTAs looping over their items, so each CTA builds the routing once; which CTA computes an item
+// never changes its numbers.
 // moe_small_down reads the ids before its PDL wait (they come from two launches back) and puts its
 // first weight stages in flight while moe_small_gate_up drains.
 #include "common.cuh"
@@ -164,31 +166,18 @@ __device__ __forceinline__ void load_act(uint4 (&xb)[4], const bf16* __restrict_
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
-}  // namespace
-
-// h [P, I] bf16: h[p] = bf16(silu(x[m] W_gate[e]^T) * (x[m] W_up[e]^T)) for every pair p = (m, slot)
-// whose id e is in [0, E); other rows of h are not written. Grid (2I / 16 fused tiles, min(E, P)
-// touched-expert ranks); CTAs past the touched count exit. Dynamic shared memory: 8 warp rings
-// (at least 32 KB: the warps' partial sums go through it at the end).
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_gate_up(
-    const unsigned char* __restrict__ w13, long long w13_expert_bytes, const bf16* __restrict__ x,
-    const int* __restrict__ topk_ids, int M, int top_k, int E, int H, int I, bf16* __restrict__ h) {
-  extern __shared__ __align__(16) unsigned char ring[];
-  __shared__ Routing r;
-  __shared__ int cols[kMaxTokens];
-  pdl_wait();  // the ids come from the previous kernel (the routing)
-  pdl_trigger();
-  const int P = M * top_k;
-  build_routing(topk_ids, P, top_k, E, r);
-  const int rank = blockIdx.y;
-  if (rank >= r.num_touched) return;
-  const int e = r.touched[rank];
+// The gate_up of one (touched expert e, fused 16-row tile) into h; every thread of the CTA. The rings
+// are free on entry and on return.
+__device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w13, long long w13_expert_bytes,
+                                             const bf16* __restrict__ x, int top_k, int H, int I, int e, int tile,
+                                             const Routing& r, int* cols, unsigned char* ring,
+                                             bf16* __restrict__ h) {
   const unsigned long long mask = r.tokens[e];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   if (tid < kMaxTokens) fill_cols(mask, tid, cols);
   __syncthreads();
   const int cnt = __popcll(mask), ntl = (cnt + 7) >> 3;
-  const int tile = blockIdx.x, kb_total = H / kStepK;
+  const int kb_total = H / kStepK;
   const unsigned char* wsrc = w13 + (long long)e * w13_expert_bytes + (long long)tile * kb_total * kBlockBytes;
   const unsigned wring = smem_addr(ring) + warp * kWarpRingBytes;
   const int steps = warp < kb_total ? (kb_total - 1 - warp) / kWarps + 1 : 0;  // blocks warp, warp + 8, ...
@@ -229,60 +218,55 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_gate_up(
   auto red = reinterpret_cast<float(*)[kMaxNt][32][4]>(ring);  // [warp][nt][lane][4]
 #pragma unroll
   for (int nt = 0; nt < kMaxNt; ++nt)
-    if (nt < ntl) *reinterpret_cast<float4*>(red[warp][nt][lane]) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+    if (nt < ntl)
+      *reinterpret_cast<float4*>(red[warp][nt][lane]) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
   __syncthreads();
-  if (tid >= ntl * 32) return;
-  const int nt = tid >> 5;
-  float v[4];
+  if (tid < ntl * 32) {
+    const int nt = tid >> 5;
+    float v[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = red[0][nt][lane][i];
+    for (int i = 0; i < 4; ++i) v[i] = red[0][nt][lane][i];
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w)
+    for (int w = 1; w < kWarps; ++w)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] += red[w][nt][lane][i];
-  // C fragment: {row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1}; fused
-  // tile rows g / g + 8 are gate / up of intermediate index 8 * tile + g
+      for (int i = 0; i < 4; ++i) v[i] += red[w][nt][lane][i];
+    // C fragment: {row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1}; fused
+    // tile rows g / g + 8 are gate / up of intermediate index 8 * tile + g
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int c = nt * 8 + 2 * t + j;
-    if (c >= cnt) continue;
-    const int m = cols[c];
-    const bf16 val = to_bf16(silu(v[j]) * v[2 + j]);
-    for (int s = 0; s < top_k; ++s)
-      if (r.ids[m * top_k + s] == e) h[(long long)(m * top_k + s) * I + tile * 8 + g] = val;
+    for (int j = 0; j < 2; ++j) {
+      const int c = nt * 8 + 2 * t + j;
+      if (c >= cnt) continue;
+      const int m = cols[c];
+      const bf16 val = to_bf16(silu(v[j]) * v[2 + j]);
+      for (int s = 0; s < top_k; ++s)
+        if (r.ids[m * top_k + s] == e) h[(long long)(m * top_k + s) * I + tile * 8 + g] = val;
+    }
   }
+  __syncthreads();  // red and cols are reused by the next item
 }
 
-// y [M, H] = sum_slot w[m, slot] * (h[m, slot] W_down[e]^T) (+ shared[m]), slots in order; bf16,
-// or fp32 unrounded when out_f32 (a tensor-parallel partial). Grid (H / 16); dynamic shared memory:
-// 8 warp rings + P x 16 fp32 down values.
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down(
-    const unsigned char* __restrict__ w2, long long w2_expert_bytes, const bf16* __restrict__ h,
-    const int* __restrict__ topk_ids, const float* __restrict__ topk_w, int M, int top_k, int E, int H, int I,
-    const bf16* __restrict__ shared, void* __restrict__ y, int out_f32) {
-  extern __shared__ __align__(16) unsigned char ring[];
-  __shared__ Routing r;
-  __shared__ int cols[kWarps][kMaxTokens];
-  const int P = M * top_k;
-  float* dsm = reinterpret_cast<float*>(ring + kWarps * kWarpRingBytes);  // [P][16]
-  // the ids were written two launches back (PDL rule, kernels/_launch.py): read before the wait
-  build_routing(topk_ids, P, top_k, E, r);
+// The down GEMM of a 16-row tile of H for every touched expert (warp w: ranks w, w + 8, ...), each
+// (token, expert) value into dsm [P][16] at every pair of that token with that id. The first
+// kStages - 1 ring stages were issued by the caller when `issued` (before the PDL wait).
+__device__ __forceinline__ void down_tile(const unsigned char* __restrict__ w2, long long w2_expert_bytes,
+                                          const bf16* __restrict__ h, int top_k, int I, int tile, const Routing& r,
+                                          int (*cols)[kMaxTokens], unsigned char* ring, float* dsm, bool issued) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int tile = blockIdx.x, kb_total = I / kStepK;
-  const int mine = r.num_touched > warp ? (r.num_touched - 1 - warp) / kWarps + 1 : 0;  // experts warp, warp + 8, ...
+  const int kb_total = I / kStepK;
+  const int mine = r.num_touched > warp ? (r.num_touched - 1 - warp) / kWarps + 1 : 0;  // ranks warp, warp + 8, ...
   const int steps = mine * kb_total;
   const unsigned wring = smem_addr(ring) + warp * kWarpRingBytes;
   auto src_of = [&](int step) {
-    const int e = r.touched[warp + (step / kb_total) * kWarps];
-    return w2 + (long long)e * w2_expert_bytes + ((long long)tile * kb_total + step % kb_total) * kBlockBytes;
+    const int ex = r.touched[warp + (step / kb_total) * kWarps];
+    return w2 + (long long)ex * w2_expert_bytes + ((long long)tile * kb_total + step % kb_total) * kBlockBytes;
   };
+  if (!issued) {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < steps) issue_block(wring + s * kBlockBytes, src_of(s), lane);
-    cp_async_commit();
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < steps) issue_block(wring + s * kBlockBytes, src_of(s), lane);
+      cp_async_commit();
+    }
   }
-  pdl_wait();  // h comes from the previous kernel
-  pdl_trigger();
   float acc[kMaxNt][4];
   int cnt = 0, ntl = 0, e = -1;
   for (int step = 0; step < steps; ++step) {
@@ -324,7 +308,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down(
       }
     }
     if (kb == kb_total - 1) {
-      // down values of (token, e) -> every pair of that token with id e
 #pragma unroll
       for (int nt = 0; nt < kMaxNt; ++nt) {
         if (nt >= ntl) continue;
@@ -343,19 +326,77 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down(
       }
     }
   }
-  __syncthreads();
-  const float* __restrict__ wts = topk_w;
-  for (int i = tid; i < M * 16; i += kThreads) {
-    const int m = i >> 4, row = i & 15, n = tile * 16 + row;
-    float a = 0.f;
-    for (int s = 0; s < top_k; ++s) {
-      const int p = m * top_k + s, ex = r.ids[p];
-      if (ex >= 0 && ex < E) a = __fadd_rn(a, __fmul_rn(wts[p], dsm[p * 16 + row]));
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+}  // namespace
+
+// h [P, I] bf16: h[p] = bf16(silu(x[m] W_gate[e]^T) * (x[m] W_up[e]^T)) for every pair p = (m, slot)
+// whose id e is in [0, E); other rows of h are not written. Items (touched-expert rank, fused 16-row
+// tile of 2I / 16), item i to CTA i % gridDim.x (any grid: the values do not depend on it). Dynamic
+// shared memory: 8 warp rings (at least 32 KB: the warps' partial sums go through it at the end).
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_gate_up(
+    const unsigned char* __restrict__ w13, long long w13_expert_bytes, const bf16* __restrict__ x,
+    const int* __restrict__ topk_ids, int M, int top_k, int E, int H, int I, bf16* __restrict__ h) {
+  extern __shared__ __align__(16) unsigned char ring[];
+  __shared__ Routing r;
+  __shared__ int cols[kMaxTokens];
+  pdl_wait();  // the ids come from a recent kernel (the routing)
+  pdl_trigger();
+  build_routing(topk_ids, M * top_k, top_k, E, r);
+  const int tiles = 2 * I / 16, items = r.num_touched * tiles;
+  for (int item = blockIdx.x; item < items; item += gridDim.x)
+    gate_up_item(w13, w13_expert_bytes, x, top_k, H, I, r.touched[item / tiles], item % tiles, r, cols, ring, h);
+}
+
+// y [M, H] = sum_slot w[m, slot] * (h[m, slot] W_down[e]^T) (+ shared[m]), slots in order; bf16,
+// or fp32 unrounded when out_f32 (a tensor-parallel partial). 16-row tiles of H, tile i to CTA
+// i % gridDim.x. Dynamic shared memory: 8 warp rings + P x 16 fp32 down values.
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down(
+    const unsigned char* __restrict__ w2, long long w2_expert_bytes, const bf16* __restrict__ h,
+    const int* __restrict__ topk_ids, const float* __restrict__ topk_w, int M, int top_k, int E, int H, int I,
+    const bf16* __restrict__ shared, void* __restrict__ y, int out_f32) {
+  extern __shared__ __align__(16) unsigned char ring[];
+  __shared__ Routing r;
+  __shared__ int cols[kWarps][kMaxTokens];
+  float* dsm = reinterpret_cast<float*>(ring + kWarps * kWarpRingBytes);  // [P][16]
+  // the ids were written two launches back or earlier (PDL rule, kernels/_launch.py): read them, and
+  // put the first tile's first weight stages in flight, before the wait
+  build_routing(topk_ids, M * top_k, top_k, E, r);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tiles = H / 16, kb_total = I / kStepK;
+  const int mine = r.num_touched > warp ? (r.num_touched - 1 - warp) / kWarps + 1 : 0;
+  if (blockIdx.x < tiles) {
+    const unsigned wring = smem_addr(ring) + warp * kWarpRingBytes;
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < mine * kb_total) {
+        const int ex = r.touched[warp + (s / kb_total) * kWarps];
+        issue_block(wring + s * kBlockBytes,
+                    w2 + (long long)ex * w2_expert_bytes + ((long long)blockIdx.x * kb_total + s % kb_total) * kBlockBytes,
+                    lane);
+      }
+      cp_async_commit();
     }
-    if (shared) a = __fadd_rn(a, to_f32(shared[(long long)m * H + n]));
-    if (out_f32)
-      static_cast<float*>(y)[(long long)m * H + n] = a;
-    else
-      static_cast<bf16*>(y)[(long long)m * H + n] = to_bf16(a);
+  }
+  pdl_wait();  // h comes from the previous kernel
+  pdl_trigger();
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    down_tile(w2, w2_expert_bytes, h, top_k, I, tile, r, cols, ring, dsm, tile == (int)blockIdx.x);
+    __syncthreads();
+    for (int i = tid; i < M * 16; i += kThreads) {
+      const int m = i >> 4, row = i & 15, n = tile * 16 + row;
+      float a = 0.f;
+      for (int s = 0; s < top_k; ++s) {
+        const int p = m * top_k + s, ex = r.ids[p];
+        if (ex >= 0 && ex < E) a = __fadd_rn(a, __fmul_rn(topk_w[p], dsm[p * 16 + row]));
+      }
+      if (shared) a = __fadd_rn(a, to_f32(shared[(long long)m * H + n]));
+      if (out_f32)
+        static_cast<float*>(y)[(long long)m * H + n] = a;
+      else
+        static_cast<bf16*>(y)[(long long)m * H + n] = to_bf16(a);
+    }
+    __syncthreads();  // dsm and the rings are reused by the next tile
   }
 }

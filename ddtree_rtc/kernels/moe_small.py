@@ -16,7 +16,7 @@ import numpy as np
 
 from ..reference.moe_small import check_small_shape
 from ._args import BF16, allow_dynamic_smem, check, out_array
-from ._launch import launch, pdl_supported
+from ._launch import launch, pdl_supported, sm_count
 from .moe_gemm import _check_experts
 from .moe_routing import check_ids_in_range
 from .registry import module, spec
@@ -24,6 +24,7 @@ from .registry import module, spec
 BLOCK_BYTES = 1152
 _THREADS = 256
 _WARPS = 8
+_CTAS_PER_SM = 2  # __launch_bounds__(256, 2): the grids are one wave of CTAs looping over their items
 _GATE_UP_RED_BYTES = _WARPS * 8 * 32 * 4 * 4  # the warps' partial sums at the end of moe_small_gate_up
 _STATIC_SMEM = 18576  # moe_small_down's static shared memory (the routing; `kernels build` lists it)
 
@@ -112,14 +113,15 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
         check_ids_in_range(topk_ids, e)
     mod = module("moe_small")
     p = m * top_k
+    wave = _CTAS_PER_SM * sm_count(x.device.id)
     up = mod.fn("moe_small_gate_up")
     allow_dynamic_smem(up, gate_up_smem())
-    launch(up, (2 * inter // 16, min(e, p)), (_THREADS,), (
+    launch(up, (min(wave, min(e, p) * (2 * inter // 16)),), (_THREADS,), (
         experts.w13, np.int64(experts.w13[0].nbytes), x, topk_ids, np.int32(m), np.int32(top_k), np.int32(e),
         np.int32(h), np.int32(inter), plan.h), shared_mem=gate_up_smem(), pdl=plan.pdl)
     down = mod.fn("moe_small_down")
     allow_dynamic_smem(down, down_smem(p))
-    launch(down, (h // 16,), (_THREADS,), (
+    launch(down, (min(wave, h // 16),), (_THREADS,), (
         experts.w2, np.int64(experts.w2[0].nbytes), plan.h, topk_ids, topk_weights, np.int32(m), np.int32(top_k),
         np.int32(e), np.int32(h), np.int32(inter), shared if shared is not None else np.uint64(0), y,
         np.int32(f32_out)), shared_mem=down_smem(p), pdl=plan.pdl)
