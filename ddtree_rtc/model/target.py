@@ -128,6 +128,7 @@ class TargetModel:
         see ``small_m`` (the pipeline keys runtime.small_m_path / runtime.batch_invariant)."""
         self.cfg, self.backend = cfg, backend
         self.small_m_path, self.batch_invariant = bool(small_m_path), bool(batch_invariant)
+        self._small_fits: dict[int, bool] = {}
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.shard, self.comm = shard or Shard(), comm or SingleRank()
         if self.comm.world_size != self.shard.world or self.comm.rank != self.shard.rank:
@@ -149,15 +150,19 @@ class TargetModel:
         the row-invariant plan too, so a row's logits do not depend on the batch it is in."""
         if not self.small_m_path or not 1 <= num_tokens <= SMALL_M_MAX_TOKENS:
             return False
-        moe = [ly.mlp for ly in self.layers if isinstance(ly.mlp, MoELayerWeights)]
-        if not moe:
-            return True
-        ex = moe[0].experts
-        try:
-            check_small_shape(num_tokens, ex.num_experts, self.cfg.num_experts_per_tok, ex.hidden, ex.intermediate)
-        except ValueError:
-            return False
-        return True
+        fits = self._small_fits.get(num_tokens)  # asked per linear: the layer scan once per size
+        if fits is None:
+            moe = next((ly.mlp for ly in self.layers if isinstance(ly.mlp, MoELayerWeights)), None)
+            fits = True
+            if moe is not None:
+                ex = moe.experts
+                try:
+                    check_small_shape(num_tokens, ex.num_experts, self.cfg.num_experts_per_tok, ex.hidden,
+                                      ex.intermediate)
+                except ValueError:
+                    fits = False
+            self._small_fits[num_tokens] = fits
+        return fits
 
     def linear_impl(self, num_tokens: int) -> str:
         """``backend.linear``'s (and the MLA head GEMMs') kernel choice for a forward of ``num_tokens`` rows."""
