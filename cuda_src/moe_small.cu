@@ -63,11 +63,12 @@ __device__ __forceinline__ void cp_async_wait_ring() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
 }
 
-// Every thread of the CTA: ids (P pairs) -> r. Ids outside [0, E) route nowhere.
-__device__ void build_routing(const int* __restrict__ ids, int P, int top_k, int E, Routing& r) {
+// Every thread of the CTA: ids (P pairs) - id_offset -> r. Ids outside [0, E) then route nowhere
+// (an expert shard's ids come from the whole router: id_offset is its first expert).
+__device__ void build_routing(const int* __restrict__ ids, int P, int top_k, int E, int id_offset, Routing& r) {
   const int tid = threadIdx.x;
   for (int e = tid; e < E; e += kThreads) r.tokens[e] = 0ull;
-  for (int p = tid; p < P; p += kThreads) r.ids[p] = ids[p];
+  for (int p = tid; p < P; p += kThreads) r.ids[p] = ids[p] - id_offset;
   __syncthreads();
   for (int p = tid; p < P; p += kThreads) {
     const int e = r.ids[p];
@@ -337,13 +338,14 @@ __device__ __forceinline__ void down_tile(const unsigned char* __restrict__ w2, 
 // shared memory: 8 warp rings (at least 32 KB: the warps' partial sums go through it at the end).
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_gate_up(
     const unsigned char* __restrict__ w13, long long w13_expert_bytes, const bf16* __restrict__ x,
-    const int* __restrict__ topk_ids, int M, int top_k, int E, int H, int I, bf16* __restrict__ h) {
+    const int* __restrict__ topk_ids, int id_offset, int M, int top_k, int E, int H, int I,
+    bf16* __restrict__ h) {
   extern __shared__ __align__(16) unsigned char ring[];
   __shared__ Routing r;
   __shared__ int cols[kMaxTokens];
   pdl_wait();  // the ids come from a recent kernel (the routing)
   pdl_trigger();
-  build_routing(topk_ids, M * top_k, top_k, E, r);
+  build_routing(topk_ids, M * top_k, top_k, E, id_offset, r);
   const int tiles = 2 * I / 16, items = r.num_touched * tiles;
   for (int item = blockIdx.x; item < items; item += gridDim.x)
     gate_up_item(w13, w13_expert_bytes, x, top_k, H, I, r.touched[item / tiles], item % tiles, r, cols, ring, h);
@@ -354,15 +356,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_gate_up(
 // i % gridDim.x. Dynamic shared memory: 8 warp rings + P x 16 fp32 down values.
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down(
     const unsigned char* __restrict__ w2, long long w2_expert_bytes, const bf16* __restrict__ h,
-    const int* __restrict__ topk_ids, const float* __restrict__ topk_w, int M, int top_k, int E, int H, int I,
-    const bf16* __restrict__ shared, void* __restrict__ y, int out_f32) {
+    const int* __restrict__ topk_ids, int id_offset, const float* __restrict__ topk_w, int M, int top_k, int E,
+    int H, int I, const bf16* __restrict__ shared, void* __restrict__ y, int out_f32) {
   extern __shared__ __align__(16) unsigned char ring[];
   __shared__ Routing r;
   __shared__ int cols[kWarps][kMaxTokens];
   float* dsm = reinterpret_cast<float*>(ring + kWarps * kWarpRingBytes);  // [P][16]
   // the ids were written two launches back or earlier (PDL rule, kernels/_launch.py): read them, and
   // put the first tile's first weight stages in flight, before the wait
-  build_routing(topk_ids, M * top_k, top_k, E, r);
+  build_routing(topk_ids, M * top_k, top_k, E, id_offset, r);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int tiles = H / 16, kb_total = I / kStepK;
   const int mine = r.num_touched > warp ? (r.num_touched - 1 - warp) / kWarps + 1 : 0;

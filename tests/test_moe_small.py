@@ -31,6 +31,11 @@ def test_twin_is_the_reference_composition(rng):
     assert moe_small_plan(5, 6, 3, 256, 128) is None
     got = moe_small_experts(x, ids, w, ex, shared=shared)
     assert np.array_equal(got.view(np.uint16), ref_moe(x, ids, w, ex, shared=shared).view(np.uint16))
+    # an expert shard: the router's ids and the shard's first expert; ids of other shards count nothing
+    shard = moe_small_experts(x, ids + 40, w, ex, shared=shared, id_offset=40, check_ids=False)
+    assert np.array_equal(shard.view(np.uint16), got.view(np.uint16))
+    away = moe_small_experts(x, ids + 7, w, ex, shared=shared, id_offset=40, check_ids=False)
+    assert np.array_equal(away.view(np.uint16), shared.view(np.uint16))
 
 
 def test_limits_name_the_value():
@@ -172,7 +177,8 @@ def routing_for(rng, name, m):
     return random_routing(rng, m, e, top_k, allowed=range(e - poison))
 
 
-def run_gpu(rng, name, m, with_shared=True, f32=False, pdl=None):
+def run_gpu(rng, name, m, with_shared=True, f32=False, pdl=None, kernel_offset=False):
+    """``kernel_offset``: the expert shard's ids go in unshifted, with ``id_offset`` (no subtraction)."""
     import cupy
 
     from ddtree_rtc.kernels.moe_small import moe_small_experts as gpu_moe
@@ -187,12 +193,14 @@ def run_gpu(rng, name, m, with_shared=True, f32=False, pdl=None):
     y_ref = ref_moe(x, ids, w, ex, shared=shared, out=np.empty((m, h), np.float32) if f32 else None,
                     check_ids=False)
     plan = gpu_plan(m, e, top_k, h, i, pdl=pdl)
+    offset = DIMS[name][5] if kernel_offset else 0
     outs = []
     for _ in range(2):
         plan.h.fill(0x7FC0)
         out = cupy.full((m, h), np.nan, cupy.float32) if f32 else nan_bf16_bits((m, h))
-        y = gpu_moe(to_device_bf16(x), cupy.asarray(ids), cupy.asarray(w), exg,
-                    shared=None if shared is None else to_device_bf16(shared), out=out, plan=plan, check_ids=False)
+        y = gpu_moe(to_device_bf16(x), cupy.asarray(ids + offset), cupy.asarray(w), exg,
+                    shared=None if shared is None else to_device_bf16(shared), out=out, plan=plan, check_ids=False,
+                    id_offset=offset)
         assert y is out
         outs.append(y.get())
     assert_close(outs[0] if f32 else outs[0].view(bfloat16), y_ref, "fp32_accum" if f32 else "bf16_accum")
@@ -208,13 +216,15 @@ def test_kernel_vs_reference(rng, name, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,m,with_shared,f32,pdl", [
-    ("tp8", 1, False, True, None), ("ep8", 33, True, True, None), ("deep", 17, True, False, None),
-    ("deep", 64, False, False, False), ("small", 64, True, False, False),
+@pytest.mark.parametrize("name,m,with_shared,f32,pdl,kernel_offset", [
+    ("tp8", 1, False, True, None, False), ("ep8", 33, True, True, None, True), ("ep8", 3, True, False, None, True),
+    ("deep", 17, True, False, None, False), ("deep", 64, False, False, False, False),
+    ("small", 64, True, False, False, False),
 ])
-def test_kernel_variants(rng, name, m, with_shared, f32, pdl):
-    """fp32 partial output (tensor-parallel), no shared expert, a deep ring, plain launches."""
-    run_gpu(rng, name, m, with_shared, f32, pdl)
+def test_kernel_variants(rng, name, m, with_shared, f32, pdl, kernel_offset):
+    """fp32 partial output (tensor-parallel), an expert shard's unshifted ids with id_offset, no
+    shared expert, a deep ring, plain launches."""
+    run_gpu(rng, name, m, with_shared, f32, pdl, kernel_offset)
 
 
 @pytest.mark.gpu

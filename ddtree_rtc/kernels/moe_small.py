@@ -85,11 +85,13 @@ def moe_small_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, i
 
 
 def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan: MoESmallPlan | None = None,
-                      check_ids: bool = True):
+                      check_ids: bool = True, id_offset: int = 0):
     """x [M, H] bf16 (M <= 64), topk_ids int32 [M, k], topk_weights fp32 [M, k], experts (layout
     'mma'), shared bf16 [M, H] or None -> y bf16 [M, H] (fp32 unrounded when ``out`` is fp32).
-    Pairs whose id is outside [0, E) contribute nothing (``check_ids`` raises on them instead,
-    with one host sync). Every row's value is independent of M and of the other rows."""
+    Expert e is ``experts``' e - ``id_offset`` (an expert shard's first expert: the router's ids
+    are taken as they come, no subtraction launch); pairs outside the shard contribute nothing
+    (``check_ids`` raises on them instead, with one host sync). Every row's value is independent
+    of M and of the other rows."""
     check("x", x, BF16, ndim=2)
     m, h = x.shape
     _check_experts(experts)
@@ -110,19 +112,21 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
     if made != (m, e, top_k, h, inter):
         raise ValueError(f"plan: made for (M, E, top_k, H, I) = {made}, called with {(m, e, top_k, h, inter)}")
     if check_ids:
-        check_ids_in_range(topk_ids, e)
+        check_ids_in_range(topk_ids - np.int32(id_offset) if id_offset else topk_ids, e)
     mod = module("moe_small")
     p = m * top_k
     wave = _CTAS_PER_SM * sm_count(x.device.id)
     up = mod.fn("moe_small_gate_up")
     allow_dynamic_smem(up, gate_up_smem())
     launch(up, (min(wave, min(e, p) * (2 * inter // 16)),), (_THREADS,), (
-        experts.w13, np.int64(experts.w13[0].nbytes), x, topk_ids, np.int32(m), np.int32(top_k), np.int32(e),
+        experts.w13, np.int64(experts.w13[0].nbytes), x, topk_ids, np.int32(id_offset), np.int32(m),
+        np.int32(top_k), np.int32(e),
         np.int32(h), np.int32(inter), plan.h), shared_mem=gate_up_smem(), pdl=plan.pdl)
     down = mod.fn("moe_small_down")
     allow_dynamic_smem(down, down_smem(p))
     launch(down, (min(wave, h // 16),), (_THREADS,), (
-        experts.w2, np.int64(experts.w2[0].nbytes), plan.h, topk_ids, topk_weights, np.int32(m), np.int32(top_k),
+        experts.w2, np.int64(experts.w2[0].nbytes), plan.h, topk_ids, np.int32(id_offset), topk_weights,
+        np.int32(m), np.int32(top_k),
         np.int32(e), np.int32(h), np.int32(inter), shared if shared is not None else np.uint64(0), y,
         np.int32(f32_out)), shared_mem=down_smem(p), pdl=plan.pdl)
     return y

@@ -116,7 +116,7 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
         logits = backend.router_logits(x, lw.gate_weight)
     ids, w = backend.moe_route(logits, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group,
                                rc.norm_topk_prob, rc.routed_scaling_factor)
-    if lw.is_expert_shard:  # ids of other ranks' experts fall outside [0, local E): they contribute nothing
+    if lw.is_expert_shard and not small:  # ids of other ranks' experts fall outside [0, local E): nothing
         ids = ids - backend.xp.int32(lw.expert_offset)
     shared = None
     if lw.shared_w13 is not None:
@@ -126,7 +126,7 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
         shared_out[...] = 0
     if small:
         return backend.moe_small_experts(x, ids, w, lw.experts, shared=None if shared_out is not None else shared,
-                                         out=out, plan=plan, check_ids=False)
+                                         out=out, plan=plan, check_ids=False, id_offset=lw.expert_offset)
     return backend.moe_experts(x, ids, w, lw.experts, shared=None if shared_out is not None else shared, out=out,
                                plan=plan, check_ids=False)
 

@@ -32,8 +32,11 @@ def moe_small_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, i
     return None
 
 
-def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=None, check_ids: bool = True):
-    """Same contract as the CUDA kernel pair: M <= 64 tokens, otherwise ``moe_gemm.moe_experts``."""
+def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=None, check_ids: bool = True,
+                      id_offset: int = 0):
+    """Same contract as the CUDA kernel pair: M <= 64 tokens, then ``moe_gemm.moe_experts`` of the
+    ids less ``id_offset`` (an expert shard's first expert)."""
     m, top_k = (x.shape[0], topk_ids.shape[1]) if topk_ids.ndim == 2 else (x.shape[0], 0)
     check_small_shape(m, experts.num_experts, top_k, experts.hidden, experts.intermediate)
-    return moe_experts(x, topk_ids, topk_weights, experts, shared=shared, out=out, check_ids=check_ids)
+    ids = topk_ids - topk_ids.dtype.type(id_offset) if id_offset else topk_ids
+    return moe_experts(x, ids, topk_weights, experts, shared=shared, out=out, check_ids=check_ids)
