@@ -402,3 +402,185 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down(
     __syncthreads();  // dsm and the rings are reused by the next tile
   }
 }
+
+// ---- The MoE layer's dense part in one launch: router logits (fp32) and the shared expert's
+// gate_up with SiLU * up (bf16), both over x. The skinny scheme of cuda_src/linear.cu: tokens on the
+// 16-row A side (4 m16 tiles cover M <= 64), 8 weight rows per warp on the n8 B side, k permuted
+// inside a k32 chunk so every operand is one 16-byte load; K split over warps_k warps and a cluster
+// of S CTAs, partials added in warp order then cluster-rank order (fixed by the plan, which the host
+// makes from the shapes alone). Row blocks: E / 8 of the router (8 router rows each), then Is / 4 of
+// the shared expert (gate rows i..i+3 and up rows i..i+3 of 4 intermediates).
+namespace {
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned dense_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void dense_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void dense_cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float4 ld_dsmem(const float4* p, unsigned rank) {
+  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void add4f(float4& s, const float4& v) {
+  s.x += v.x;
+  s.y += v.y;
+  s.z += v.z;
+  s.w += v.w;
+}
+__device__ __forceinline__ float bf16_round(float v) { return to_f32(to_bf16(v)); }
+
+constexpr int kDenseMT = 4;  // m16 token tiles: M <= 64
+constexpr int kDenseU = 4;   // k32 chunks in flight per thread
+
+template <int S>
+__device__ __forceinline__ void moe_dense(const bf16* __restrict__ x, const bf16* __restrict__ w_router,
+                                          const bf16* __restrict__ w13, float* __restrict__ logits,
+                                          bf16* __restrict__ hs, int m, int E, int Is, int k, int warps_n) {
+  __shared__ float4 red[kWarps][kDenseMT][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wn = warp % warps_n, wk = warp / warps_n, warps_k = kWarps / warps_n;
+  const int rank = S == 1 ? 0 : static_cast<int>(dense_cluster_rank());
+  const int rb = static_cast<int>(blockIdx.x) / S * warps_n + wn;  // this warp's row block
+  const int router_blocks = E / 8, blocks = router_blocks + Is / 4;
+  const bool rb_ok = rb < blocks, is_router = rb < router_blocks;
+  // the lane's B row: router row 8 rb + g, or gate / up row of intermediate i0 + (g & 3)
+  const int i0 = (rb - router_blocks) * 4;
+  const bf16* wr = !rb_ok ? w_router
+                   : is_router ? w_router + (long long)(8 * rb + g) * k
+                               : w13 + (long long)((g < 4 ? 0 : Is) + i0 + (g & 3)) * k;
+  const int pieces = k >> 3, chunks = (pieces + 3) >> 2;
+  const int workers = S * warps_k, worker = rank * warps_k + wk;
+  const int c_begin = static_cast<int>(static_cast<long long>(worker) * chunks / workers);
+  const int c_end = static_cast<int>(static_cast<long long>(worker + 1) * chunks / workers);
+  const uint4* wrow = reinterpret_cast<const uint4*>(wr);
+  bool xa_ok[kDenseMT], xb_ok[kDenseMT];
+  const uint4* xa_row[kDenseMT];
+  const uint4* xb_row[kDenseMT];
+#pragma unroll
+  for (int mt = 0; mt < kDenseMT; ++mt) {
+    const int ra = 16 * mt + g, rbw = ra + 8;
+    xa_ok[mt] = ra < m;
+    xb_ok[mt] = rbw < m;
+    xa_row[mt] = reinterpret_cast<const uint4*>(x) + static_cast<size_t>(xa_ok[mt] ? ra : 0) * pieces;
+    xb_row[mt] = reinterpret_cast<const uint4*>(x) + static_cast<size_t>(xb_ok[mt] ? rbw : 0) * pieces;
+  }
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  float acc[kDenseMT][4];
+#pragma unroll
+  for (int mt = 0; mt < kDenseMT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  for (int c = c_begin; c < c_end; c += kDenseU) {
+    uint4 wv[kDenseU], xa[kDenseU][kDenseMT], xb[kDenseU][kDenseMT];
+#pragma unroll
+    for (int u = 0; u < kDenseU; ++u) {
+      const int p = (c + u) * 4 + t;
+      const bool ok = c + u < c_end && p < pieces;  // pieces past the range add exactly +0
+      wv[u] = ok && rb_ok ? ld_stream(wrow + p) : zero;
+#pragma unroll
+      for (int mt = 0; mt < kDenseMT; ++mt) {
+        xa[u][mt] = ok && xa_ok[mt] ? __ldg(xa_row[mt] + p) : zero;
+        xb[u][mt] = ok && xb_ok[mt] ? __ldg(xb_row[mt] + p) : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kDenseU; ++u)
+#pragma unroll
+      for (int mt = 0; mt < kDenseMT; ++mt) {
+        mma_bf16(acc[mt], xa[u][mt].x, xb[u][mt].x, xa[u][mt].y, xb[u][mt].y, wv[u].x, wv[u].y);
+        mma_bf16(acc[mt], xa[u][mt].z, xb[u][mt].z, xa[u][mt].w, xb[u][mt].w, wv[u].z, wv[u].w);
+      }
+  }
+  // acc[mt]: D[token 16 mt + g][B rows 2t, 2t + 1], D[token 16 mt + g + 8][B rows 2t, 2t + 1]
+#pragma unroll
+  for (int mt = 0; mt < kDenseMT; ++mt) red[warp][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+  __syncthreads();
+  float4 s[kDenseMT];
+#pragma unroll
+  for (int mt = 0; mt < kDenseMT; ++mt) {
+    s[mt] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (wk == 0) {
+      s[mt] = red[wn][mt][lane];
+      for (int j = 1; j < warps_k; ++j) add4f(s[mt], red[j * warps_n + wn][mt][lane]);
+      if (S > 1) red[wn][mt][lane] = s[mt];
+    }
+  }
+  if (S > 1) {
+    dense_cluster_sync();
+    if (rank == 0 && wk == 0) {
+      for (int r = 1; r < S; ++r)
+#pragma unroll
+        for (int mt = 0; mt < kDenseMT; ++mt) add4f(s[mt], ld_dsmem(&red[wn][mt][lane], r));
+    }
+    dense_cluster_sync_relaxed();
+    if (rank != 0) return;
+  }
+  if (wk != 0 || !rb_ok) return;  // (warp-uniform: the shuffle below needs the whole warp)
+#pragma unroll
+  for (int mt = 0; mt < kDenseMT; ++mt) {
+    const int ta = 16 * mt + g, tb = ta + 8;
+    if (is_router) {
+      const int col = 8 * rb + 2 * t;
+      if (ta < m) {
+        logits[(long long)ta * E + col] = s[mt].x;
+        logits[(long long)ta * E + col + 1] = s[mt].y;
+      }
+      if (tb < m) {
+        logits[(long long)tb * E + col] = s[mt].z;
+        logits[(long long)tb * E + col + 1] = s[mt].w;
+      }
+    } else {
+      // lanes t = 0, 1 hold gate of intermediates i0 + 2t, +1; lanes t ^ 2 the matching up. As the
+      // general path: gate and up rounded to bf16 (a linear's output), then bf16(silu(g) * u).
+      const float4 up = make_float4(__shfl_xor_sync(0xffffffffu, s[mt].x, 2), __shfl_xor_sync(0xffffffffu, s[mt].y, 2),
+                                    __shfl_xor_sync(0xffffffffu, s[mt].z, 2), __shfl_xor_sync(0xffffffffu, s[mt].w, 2));
+      if (t < 2) {
+        const int i = i0 + 2 * t;
+        if (ta < m) {
+          hs[(long long)ta * Is + i] = to_bf16(silu(bf16_round(s[mt].x)) * bf16_round(up.x));
+          hs[(long long)ta * Is + i + 1] = to_bf16(silu(bf16_round(s[mt].y)) * bf16_round(up.y));
+        }
+        if (tb < m) {
+          hs[(long long)tb * Is + i] = to_bf16(silu(bf16_round(s[mt].z)) * bf16_round(up.z));
+          hs[(long long)tb * Is + i + 1] = to_bf16(silu(bf16_round(s[mt].w)) * bf16_round(up.w));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// x [m, k] bf16 (m <= 64); w_router [E, k] bf16 (E % 8 == 0); w13 [2 Is, k] bf16 = [gate; up]
+// (Is % 4 == 0) -> logits fp32 [m, E], hs bf16 [m, Is]. Grid ceil((E / 8 + Is / 4) / warps_n) * S,
+// block 256; the plan (warps_n, S) from (E / 8 + Is / 4, k) only.
+#define MOE_DENSE_ENTRY(NAME, S, CLUSTER)                                                                   \
+  extern "C" __global__ void CLUSTER __launch_bounds__(kThreads, 1) NAME(                                  \
+      const bf16* __restrict__ x, const bf16* __restrict__ w_router, const bf16* __restrict__ w13,         \
+      float* __restrict__ logits, bf16* __restrict__ hs, int m, int E, int Is, int k, int warps_n) {       \
+    moe_dense<S>(x, w_router, w13, logits, hs, m, E, Is, k, warps_n);                                      \
+  }
+MOE_DENSE_ENTRY(moe_small_dense_s1, 1, )
+MOE_DENSE_ENTRY(moe_small_dense_s2, 2, __cluster_dims__(2, 1, 1))
+MOE_DENSE_ENTRY(moe_small_dense_s4, 4, __cluster_dims__(4, 1, 1))
+MOE_DENSE_ENTRY(moe_small_dense_s8, 8, __cluster_dims__(8, 1, 1))

@@ -34,6 +34,7 @@ OPS: dict[str, str] = {
     # -- the small-M path (issue: small-M decoder layer) --
     "moe_small_plan": "moe_small",
     "moe_small_experts": "moe_small",
+    "moe_small_dense": "moe_small",
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     "kv_cache_write": "kv_cache",
     "kv_cache_commit": "kv_cache",

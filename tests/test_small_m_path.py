@@ -92,6 +92,9 @@ def test_path_selection_per_forward_size(recorded, rng, small_m_path, batch_inva
     assert small.get(("linear", "invariant"), 0) > 0 if invariant else ("linear", "invariant") not in small
     if invariant:
         assert ("linear", "auto") not in small, "every linear of a small forward is the invariant one"
+    shared = sum(1 for ly in model.layers if getattr(ly.mlp, "shared_w13", None) is not None)
+    assert small.get("moe_small_dense", 0) == (shared if invariant else 0)
+    assert "moe_small_dense" not in large
     # above 64 rows: today's kernels whatever the keys
     assert large.get("moe_experts") == moe_layers and "moe_small_experts" not in large
     assert ("linear", "invariant") not in large

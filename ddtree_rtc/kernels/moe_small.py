@@ -17,6 +17,7 @@ import numpy as np
 from ..reference.moe_small import check_small_shape
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported, sm_count
+from .linear import skinny_plan
 from .moe_gemm import _check_experts
 from .moe_routing import check_ids_in_range
 from .registry import module, spec
@@ -26,6 +27,7 @@ _THREADS = 256
 _WARPS = 8
 _CTAS_PER_SM = 2  # __launch_bounds__(256, 2): the grids are one wave of CTAs looping over their items
 _GATE_UP_RED_BYTES = _WARPS * 8 * 32 * 4 * 4  # the warps' partial sums at the end of moe_small_gate_up
+MAX_DENSE_TOKENS = 64
 _STATIC_SMEM = 18576  # moe_small_down's static shared memory (the routing; `kernels build` lists it)
 
 
@@ -130,3 +132,33 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
         np.int32(e), np.int32(h), np.int32(inter), shared if shared is not None else np.uint64(0), y,
         np.int32(f32_out)), shared_mem=down_smem(p), pdl=plan.pdl)
     return y
+
+
+def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
+    """The MoE layer's dense part in one launch (cuda_src/moe_small.cu, moe_small_dense_s*): x [M, H]
+    bf16 (M <= 64), gate_weight bf16 [E, H] (E % 8 == 0), shared_w13 bf16 [2 Is, H] = [gate; up]
+    (Is % 4 == 0) -> (router logits fp32 [M, E], bf16(silu(bf16(x gate^T)) * bf16(x up^T)) [M, Is]).
+    K split planned from the shapes alone: every row's values independent of M."""
+    check("x", x, BF16, ndim=2)
+    m, h = x.shape
+    check("gate_weight", gate_weight, BF16, ndim=2)
+    e = gate_weight.shape[0]
+    check("gate_weight", gate_weight, BF16, shape=(e, h))
+    check("shared_w13", shared_w13, BF16, ndim=2)
+    i2 = shared_w13.shape[0]
+    check("shared_w13", shared_w13, BF16, shape=(i2, h))
+    if not 1 <= m <= MAX_DENSE_TOKENS:
+        raise ValueError(f"moe_small_dense: M = {m} tokens outside 1..{MAX_DENSE_TOKENS}")
+    if e % 8 or i2 % 8 or h % 8:
+        raise ValueError(f"moe_small_dense: E = {e} and 2 Is = {i2} must be multiples of 8, H = {h} of 8")
+    for name, a in (("x", x), ("gate_weight", gate_weight), ("shared_w13", shared_w13)):
+        if a.data.ptr % 16:
+            raise ValueError(f"{name}: the kernel reads 16-byte vectors; base address {a.data.ptr:#x} is not "
+                             f"16-byte aligned")
+    logits = out_array("out_logits", out_logits, (m, e), np.float32)
+    hs = out_array("out_hs", out_hs, (m, i2 // 2), BF16)
+    plan = skinny_plan(8, e + i2, h, sm_count(x.device.id))
+    module("moe_small").fn(f"moe_small_dense_s{plan.split}")((plan.grid,), (_THREADS,), (
+        x, gate_weight, shared_w13, logits, hs, np.int32(m), np.int32(e), np.int32(i2 // 2), np.int32(h),
+        np.int32(plan.warps_n)))
+    return logits, hs

@@ -53,11 +53,13 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "(gate_up slice -> down K-split -> atomic fp32 combine, the last CTA writes y)",
                params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4,
                        "MOE_NT4_WEIGHTS_NORMAL": 1, "MOE_STAGES_FUSED": 5}),
-    KernelSpec("moe_small", ("moe_small_gate_up", "moe_small_down"),
+    KernelSpec("moe_small", ("moe_small_gate_up", "moe_small_down", "moe_small_dense_s1", "moe_small_dense_s2",
+                             "moe_small_dense_s4", "moe_small_dense_s8"),
                "row-invariant INT4 MoE experts for M <= 64 tokens (the small-M path): routed gate_up with "
                "SiLU*up (K over the CTA's warps, summed in warp order), then down + weighted combine + shared "
                "(whole K per warp, slots in order) under PDL; each CTA rebuilds the routing from the ids, "
-               "no align step, no atomics in sums",
+               "no align step, no atomics in sums; moe_small_dense: the router logits and the shared expert's gate_up "
+               "with SiLU*up in one skinny launch",
                params={"MOE_SMALL_STAGES": 4}),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),

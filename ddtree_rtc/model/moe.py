@@ -109,7 +109,11 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
     if rc.num_experts != lw.num_experts:
         raise ValueError(f"routing config has {rc.num_experts} experts, the layer weights {lw.num_experts}")
     impl = "invariant" if small and invariant else "auto"
-    if impl == "invariant" and lw.gate_weight.dtype != np.float32:
+    hs = None  # the shared expert's SiLU(gate) * up, when the dense launch made it
+    if impl == "invariant" and lw.gate_weight.dtype != np.float32 and lw.shared_w13 is not None and \
+            lw.num_experts % 8 == 0 and lw.shared_w13.shape[0] % 8 == 0:
+        logits, hs = backend.moe_small_dense(x, lw.gate_weight, lw.shared_w13)
+    elif impl == "invariant" and lw.gate_weight.dtype != np.float32:
         logits = backend.linear(x, lw.gate_weight, out=backend.empty((x.shape[0], lw.num_experts), "fp32"),
                                 impl=impl)
     else:
@@ -120,8 +124,9 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
         ids = ids - backend.xp.int32(lw.expert_offset)
     shared = None
     if lw.shared_w13 is not None:
-        shared = backend.linear(backend.silu_mul(backend.linear(x, lw.shared_w13, impl=impl)), lw.shared_w2,
-                                out=shared_out, impl=impl)
+        if hs is None:
+            hs = backend.silu_mul(backend.linear(x, lw.shared_w13, impl=impl))
+        shared = backend.linear(hs, lw.shared_w2, out=shared_out, impl=impl)
     elif shared_out is not None:
         shared_out[...] = 0
     if small:

@@ -4,7 +4,10 @@ so the numpy backend's output is unchanged by the small-M path, plus the limits 
 
 from __future__ import annotations
 
+from .linear import linear
 from .moe_gemm import moe_experts
+from .moe_routing import router_logits
+from .silu_mul import silu_mul
 
 MAX_TOKENS = 64
 MAX_EXPERTS = 1024
@@ -40,3 +43,11 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
     check_small_shape(m, experts.num_experts, top_k, experts.hidden, experts.intermediate)
     ids = topk_ids - topk_ids.dtype.type(id_offset) if id_offset else topk_ids
     return moe_experts(x, ids, topk_weights, experts, shared=shared, out=out, check_ids=check_ids)
+
+
+def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
+    """The router logits and the shared expert's SiLU(gate) * up: ``router_logits`` and
+    ``silu_mul(linear(x, shared_w13))``, the general path's ops."""
+    logits = router_logits(x, gate_weight, out=out_logits)
+    hs = silu_mul(linear(x, shared_w13), out=out_hs)
+    return logits, hs
