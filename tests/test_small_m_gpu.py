@@ -50,8 +50,9 @@ def test_invariant_linear(name, f32):
     for m in (1, 3, 17, 33):
         idx = rng.permutation(64)[:m]
         got = run(idx)
-        expect = ref_linear(x[idx], w, out=np.empty((m, n), np.float32) if f32 else None)
-        assert_close(got, expect, "fp32_accum" if f32 else "bf16_accum")
+        if m <= 3 or n * k <= 64 << 20:  # (the float64 reference of the lm_head at M = 33 takes long)
+            expect = ref_linear(x[idx], w, out=np.empty((m, n), np.float32) if f32 else None)
+            assert_close(got, expect, "fp32_accum" if f32 else "bf16_accum")
         assert np.array_equal(got, full[idx]), f"M={m}: rows differ from the same rows at M=64"
 
 
