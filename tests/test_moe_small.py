@@ -130,6 +130,43 @@ def test_emulated_kernels_match_reference(rng, m, e, top_k, bad):
     assert_close(got, ref_moe(x, ids, w, ex, shared=shared, check_ids=False), "bf16_accum")
 
 
+def emulate_dense(x, gate, w13):
+    """moe_small_dense's index logic transliterated: row block rb of a warp, its lanes' B rows (the
+    router's 8 rows, or gate rows i0..i0+3 then up rows i0..i0+3), the C fragment's columns 2t, 2t+1,
+    and the shared epilogue's pairing of lane t with lane t ^ 2."""
+    e, inter = gate.shape[0], w13.shape[0] // 2
+    xf = x.astype(np.float64)
+    logits = np.full((x.shape[0], e), np.nan)
+    hs = np.full((x.shape[0], inter), np.nan)
+    router_blocks = e // 8
+    for rb in range(router_blocks + inter // 4):
+        i0 = (rb - router_blocks) * 4
+        rows = [gate[8 * rb + g] if rb < router_blocks else w13[(0 if g < 4 else inter) + i0 + (g & 3)]
+                for g in range(8)]  # B row (mma column) g
+        d = xf @ np.stack(rows).astype(np.float64).T  # D[token][column]
+        for t in range(4):
+            for j in range(2):
+                n = 2 * t + j
+                if rb < router_blocks:
+                    logits[:, 8 * rb + n] = d[:, n]
+                elif t < 2:
+                    up = d[:, 2 * (t ^ 2) + j]  # the value lane t ^ 2 holds in the same register
+                    g_, u_ = (v.astype(np.float32).astype(bfloat16).astype(np.float32) for v in (d[:, n], up))
+                    hs[:, i0 + n] = (g_ / (1 + np.exp(-g_)) * u_).astype(bfloat16).astype(np.float64)
+    return logits, hs
+
+
+def test_emulated_dense_matches_reference(rng):
+    from ddtree_rtc.reference.moe_small import moe_small_dense as ref_dense
+
+    x = random_bf16(rng, (5, 64))
+    gate, w13 = random_bf16(rng, (16, 64), 0.125), random_bf16(rng, (24, 64), 0.125)
+    logits, hs = emulate_dense(x, gate, w13)
+    want_l, want_h = ref_dense(x, gate, w13)
+    assert_close(logits, want_l, "fp32")
+    assert_close(hs, want_h, "bf16")
+
+
 # ---- GPU ----
 
 def _seeded(name):

@@ -23,6 +23,7 @@ from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from . import _cublas
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import sm_count
+from .mla_small import mla_head_gemm_small
 from .registry import module
 
 MIN_SPLIT = 256  # fewest cache rows per CTA: below that the partial write and merge dominate
@@ -489,8 +490,6 @@ def mla_head_gemm(x, w, trans_w: bool, out=None, impl: str = "auto"):
     if impl not in ("auto", "invariant"):
         raise ValueError(f"impl={impl!r}: expected 'auto' or 'invariant'")
     if impl == "invariant":
-        from .mla_small import mla_head_gemm_small
-
         return mla_head_gemm_small(x, w, trans_w, out)
     xs, ws, ys = _strides_elems("x", x), _strides_elems("w", w), _strides_elems("out", out)
     if not ((ys[1] >= n and ys[0] >= h * ys[1]) or (ys[0] >= n and ys[1] >= t * ys[0])):
