@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+from ml_dtypes import bfloat16
 
 from ddtree_rtc.kernels.mla_attention import _VARIANTS, shape_pieces, split_work_by_shape
 from ddtree_rtc.reference import mla_attention as ref
@@ -138,3 +139,52 @@ def test_shape_split_attention_is_bitwise_invariant(heads):
         idx = np.sort(rng.permutation(64)[:m])
         o, lse = run(idx)
         assert np.array_equal(o, full_o[idx]) and np.array_equal(lse, full_l[idx]), f"M={m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,nope", [(8, 128), (64, 128), (4, 32)])
+@pytest.mark.parametrize("t", [1, 3, 17, 33, 64])
+def test_query_and_cache_rows_vs_twins_and_invariant(heads, nope, t):
+    """mla_query_small (W_UK + RoPE(q_pe)) and mla_kv_rows_small (norm + RoPE + cache write) against
+    their numpy twins (the general path's references): q_att NaN-prefilled, the cache poisoned with
+    NaN where no slot points (it must stay so), a slot of -1 skipped; and each token's results the
+    same bits as in a batch of 64."""
+    import cupy
+
+    from ddtree_rtc.kernels.mla_small import mla_kv_rows_small, mla_query_small
+    from ddtree_rtc.reference.mla_small import mla_kv_rows_small as ref_rows
+    from ddtree_rtc.reference.mla_small import mla_query_small as ref_query
+    from ddtree_rtc.reference.rope import rope_inv_freq
+    from ddtree_rtc.testing import to_device_bf16
+
+    rng = _seeded(f"query rows {heads} {nope} {t}")
+    kv_b = random_bf16(rng, (heads, nope + 128, 512), 512 ** -0.5)
+    q = random_bf16(rng, (64, heads, nope + 64))
+    kv = random_bf16(rng, (64, 576))
+    norm_w = random_bf16(rng, (512,), 1.0)
+    pos = rng.integers(0, 100000, 64).astype(np.int32)
+    inv_freq = np.asarray(rope_inv_freq(64, 50000.0, None), dtype=np.float32)
+    kd = to_device_bf16(kv_b)
+
+    def query(idx):
+        out = cupy.full((len(idx), heads, 576), 0x7FC0, cupy.uint16)
+        return mla_query_small(to_device_bf16(q[idx]), kd[:, :nope], cupy.asarray(pos[idx]), cupy.asarray(inv_freq),
+                               1.0, out=out).get()
+
+    def rows(idx, slots):
+        cache = cupy.full((8, 16, 576), 0x7FC0, cupy.uint16)
+        mla_kv_rows_small(to_device_bf16(kv[idx]), to_device_bf16(norm_w), 1e-6, cupy.asarray(pos[idx]),
+                          cupy.asarray(inv_freq), 1.0, cache, cupy.asarray(slots))
+        return cache.get()
+
+    idx = rng.permutation(64)[:t]
+    got_q = query(idx)
+    want_q = ref_query(q[idx], kv_b[:, :nope], pos[idx], inv_freq, 1.0)
+    assert_close(got_q, want_q, "bf16_accum", "q_att")
+    slots = rng.permutation(128)[:t].astype(np.int32)
+    slots[0] = -1  # a padding token: skipped
+    got_c = rows(idx, slots)
+    want_c = ref_rows(kv[idx], norm_w, 1e-6, pos[idx], inv_freq, 1.0, np.full((8, 16, 576), np.nan, bfloat16), slots)
+    assert_close(got_c, want_c, "bf16", "cache")
+    full_q = query(np.arange(64))
+    assert np.array_equal(got_q, full_q[idx])

@@ -36,3 +36,58 @@ def mla_head_gemm_small(x, w, trans_w: bool, out):
         (x, np.int64(xs[0]), np.int64(xs[1]), w, np.int64(ws[0]), np.int64(w_k), np.int64(w_n), out,
          np.int64(os_[0]), np.int64(os_[1]), np.int32(t), np.int32(k), np.int32(n)))
     return out
+
+
+LAT, ROPE = 512, 64  # the latent row [c 512 | k_pe 64] the MLA attention kernels take
+
+
+def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=None):
+    """The absorbed query in one launch: q [T, H, nope + 64] bf16 (T <= 64; a view with a contiguous
+    last dim), w_uk [H, nope, 512] (a view of kv_b), positions int32 [T], inv_freq fp32 [32] ->
+    q_att [T, H, 576] = [q_nope · W_UK[h] | RoPE(q_pe)] bf16 (into ``out`` when given)."""
+    import cupy
+
+    t, h, d = q.shape
+    nope = d - ROPE
+    if t > MAX_TOKENS or nope < 4 or nope % 4:
+        raise ValueError(f"mla_query_small: q {tuple(q.shape)}: needs T <= {MAX_TOKENS} and q_nope a multiple of 4")
+    check("w_uk", w_uk, BF16, shape=(h, nope, LAT), contiguous=False)
+    check("positions", positions, np.int32, shape=(t,))
+    check("inv_freq", inv_freq, np.float32, shape=(ROPE // 2,))
+    qs, ws = _strides("q", q), _strides("w_uk", w_uk)
+    if qs[2] != 1 or ws[2] != 1:
+        raise ValueError(f"q / w_uk: the last dim must be contiguous (strides {q.strides}, {w_uk.strides})")
+    out = cupy.empty((t, h, LAT + ROPE), dtype=cupy.uint16) if out is None else out
+    check("out", out, BF16, shape=(t, h, LAT + ROPE))
+    if t == 0:
+        return out
+    module("mla_small").fn("mla_query_small")(
+        (LAT // 32 + 1, h, -(-t // 8)), (32, 8),
+        (q, np.int64(qs[0]), np.int64(qs[1]), np.int32(nope), w_uk, np.int64(ws[0]), np.int64(ws[1]), out, positions,
+         inv_freq, np.float32(rope_scale), np.int32(t), np.int32(h)))
+    return out
+
+
+def mla_kv_rows_small(kv, norm_w, eps: float, positions, inv_freq, rope_scale: float, cache, slots):
+    """The new tokens' cache rows in one launch: kv [T, 576] bf16 (x W_kva^T; rows contiguous, row
+    stride a multiple of 8) -> cache (one layer) row slots[t] = [RMSNorm(c) * norm_w | RoPE(k_pe)];
+    slots outside the cache are skipped. Returns ``cache``."""
+    t = kv.shape[0]
+    check("kv", kv, BF16, shape=(t, LAT + ROPE), contiguous=False)
+    ks = _strides("kv", kv)
+    if ks[1] != 1 or ks[0] % 8 or kv.data.ptr % 16:
+        raise ValueError(f"kv: rows must be contiguous and 16-byte aligned (strides {kv.strides})")
+    check("norm_w", norm_w, BF16, shape=(LAT,))
+    check("positions", positions, np.int32, shape=(t,))
+    check("inv_freq", inv_freq, np.float32, shape=(ROPE // 2,))
+    check("cache", cache, BF16)
+    if cache.shape[-1] != LAT + ROPE:
+        raise ValueError(f"cache: rows of {cache.shape[-1]}, expected {LAT + ROPE}")
+    check("slots", slots, np.int32, shape=(t,))
+    if t == 0:
+        return cache
+    module("mla_small").fn("mla_kv_rows_small")(
+        (-(-t // 8),), (256,),
+        (kv, np.int64(ks[0]), norm_w, np.float32(eps), positions, inv_freq, np.float32(rope_scale), cache,
+         np.int64(cache.size // (LAT + ROPE)), slots, np.int32(t)))
+    return cache

@@ -67,6 +67,12 @@ class MLAWeights:
         return self.kv_b.reshape(dims.num_heads, dims.qk_nope + dims.v_head, dims.kv_lora)[:, dims.qk_nope:]
 
 
+def fused_rows(dims: MLADims) -> bool:
+    """Whether the small-M path's one-launch query and cache-row kernels (kernels/mla_small.py) take
+    these dims: the 512 + 64 latent row, q_nope a multiple of 4."""
+    return dims.kv_lora == 512 and dims.qk_rope == 64 and dims.qk_nope % 4 == 0
+
+
 def softmax_scale(qk_head_dim: int, rope_scaling: dict | None = None) -> float:
     """qk_head_dim^-0.5 · mscale², mscale = yarn_mscale(factor, mscale_all_dim) when YaRN gives one."""
     scale = qk_head_dim ** -0.5
@@ -93,6 +99,8 @@ def mla_query(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps
     t, h = x.shape[0], dims.num_heads
     cq = x if w.q_a is None else backend.rmsnorm(backend.linear(x, w.q_a, impl=impl), w.q_a_norm, eps)
     q = backend.linear(cq, w.q_b, impl=impl).reshape(t, h, dims.qk_head)
+    if impl == "invariant" and fused_rows(dims):  # W_UK, the q_pe copy and RoPE in one launch
+        return backend.mla_query_small(q, w.w_uk(dims), positions, inv_freq, rope_scale)
     q_att = backend.empty((t, h, dims.row), "bf16")
     backend.mla_head_gemm(q[:, :, :dims.qk_nope], w.w_uk(dims), False, out=q_att[:, :, :dims.kv_lora], impl=impl)
     q_att[:, :, dims.kv_lora:] = q[:, :, dims.qk_nope:]
@@ -122,7 +130,11 @@ def mla_forward(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, e
     written at ``slots`` of ``cache`` (one layer) first, then every token attends as ``plan`` says.
     ``impl``: the linears' kernel choice ('invariant' on the small-M path)."""
     q_att = mla_query(backend, x, w, dims, positions, inv_freq, eps, rope_scale, impl)
-    backend.kv_cache_write(cache, mla_kv_rows(backend, x, w, dims, positions, inv_freq, eps, rope_scale, impl),
-                           slots)
+    if impl == "invariant" and fused_rows(dims):  # the norm, RoPE and cache write in one launch
+        backend.mla_kv_rows_small(backend.linear(x, w.kv_a, impl=impl), w.kv_a_norm, eps, positions, inv_freq,
+                                  rope_scale, cache, slots)
+    else:
+        backend.kv_cache_write(cache, mla_kv_rows(backend, x, w, dims, positions, inv_freq, eps, rope_scale, impl),
+                               slots)
     o_lat, _ = backend.mla_attention(plan, q_att, cache, scale)
     return mla_output(backend, o_lat, w, dims, out, impl)
