@@ -1,5 +1,6 @@
 """Dense bf16 linear y = x @ weight^T (fp32 accumulate): our skinny-M kernel for decode shapes
-(cuda_src/linear.cu, M <= 16), cuBLAS gemmEx for everything else.
+(cuda_src/linear.cu, M <= 16; M <= 64 and fp32 out too for impl="invariant", the small-M path's
+row-invariant plan), cuBLAS gemmEx for everything else.
 
 cuBLAS: row-major y [M, N] is column-major y^T [N, M] = weight (col-major [K, N], transposed) x x^T
 (col-major [K, M]), so one gemmEx with op(A) = T on the weight covers any M, N, K.
@@ -105,8 +106,9 @@ def skinny_fits(x, weight, max_m: int = SKINNY_MAX_M) -> bool:
 
 
 def route(x, weight, impl: str = "auto") -> str:
-    """'skinny' or 'cublas' for these operands. impl='skinny' takes the kernel wherever it fits at
-    all (odd K or unaligned pointers still go to cuBLAS); 'auto' only on the shapes where it should win."""
+    """'skinny', 'cublas' or 'invariant' for these operands. impl='skinny' takes the kernel wherever
+    it fits at all (odd K or unaligned pointers still go to cuBLAS); 'auto' only on the shapes where it
+    should win; 'invariant' always (an error where it cannot run: no silent non-invariant fallback)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     if impl == "invariant":
@@ -145,7 +147,7 @@ def _skinny_linear(x, weight, y, m: int, n: int, k: int, invariant: bool = False
 
 def linear(x, weight, out=None, impl: str = "auto"):
     """x [M, K] bf16, weight [N, K] bf16 -> [M, N] bf16 (fp32 accumulate, one rounding), or fp32
-    unrounded when ``out`` is an fp32 array (a tensor-parallel partial sum; always cuBLAS).
+    unrounded when ``out`` is an fp32 array (a tensor-parallel partial sum; cuBLAS unless 'invariant').
     ``impl``: 'auto' | 'skinny' | 'cublas' | 'invariant' (see ``route``); all give the same values up
     to fp32 summation order. 'invariant' (M <= 64, bf16 or fp32 out) sums every row the same way
     whatever M is: the small-M path's linear."""
