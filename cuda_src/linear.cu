@@ -94,9 +94,11 @@ __device__ __forceinline__ void add4(float4& s, const float4& v) {
 // per cluster. A token row's sums depend only on (warps_n, S, K), never on MH or on the other rows:
 // the small-M path plans them from the shape alone (kernels/linear.py, impl="invariant").
 // Grid: ceil(N / (8 warps_n)) row blocks x S, cluster rank = split index along K.
+// early (a launch under PDL, kernels/_launch.py): each weight row's K range goes to L2 before the
+// wait on the previous kernel, whose output x is read only after it (weights do not depend on it).
 template <int MH, int S, typename OutT>
 __device__ __forceinline__ void linear_skinny(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                              OutT* __restrict__ y, int m, int n, int k, int warps_n) {
+                                              OutT* __restrict__ y, int m, int n, int k, int warps_n, int early) {
   constexpr int MT = MH == 1 ? 1 : MH / 2;  // m16 token tiles
   constexpr int kU = MT == 1 ? kUnroll : kUnroll / 2;  // M <= 64: one CTA per SM (launch bounds) to hold them
   __shared__ float4 red[kWarps][MT][32];
@@ -115,6 +117,12 @@ __device__ __forceinline__ void linear_skinny(const bf16* __restrict__ x, const 
   const int row = n0 + g;
   const bool row_ok = row < n;
   const uint4* wrow = reinterpret_cast<const uint4*>(w) + static_cast<size_t>(row_ok ? row : 0) * pieces;
+  if (early) {
+    const int p0 = c_begin * 4, p1 = min(c_end * 4, pieces);
+    if (t == 0 && row_ok && p1 > p0) prefetch_l2(wrow + p0, static_cast<unsigned>(p1 - p0) * 16u);
+    pdl_wait();
+    pdl_trigger();
+  }
   bool xa_ok[MT], xb_ok[MT];
   const uint4* xa_row[MT];
   const uint4* xb_row[MT];
@@ -198,12 +206,12 @@ __device__ __forceinline__ void linear_skinny(const bf16* __restrict__ x, const 
 }  // namespace
 
 // x [m, k], w [n, k], y [m, n] (bf16, or fp32 for the *_f32 entries), all contiguous; grid
-// ceil(n / (8 warps_n)) * S, block 256.
+// ceil(n / (8 warps_n)) * S, block 256; early: launched under PDL (see linear_skinny).
 #define LINEAR_ENTRY(NAME, MH, S, CLUSTER, OUT)                                                             \
   extern "C" __global__ void CLUSTER __launch_bounds__(kThreads, MH == 8 ? 1 : 2)                                    \
       NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, OUT* __restrict__ y, int m, int n, int k,  \
-           int warps_n) {                                                                                 \
-    linear_skinny<MH, S, OUT>(x, w, y, m, n, k, warps_n);                                                 \
+           int warps_n, int early) {                                                                      \
+    linear_skinny<MH, S, OUT>(x, w, y, m, n, k, warps_n, early);                                          \
   }
 #define LINEAR_SPLITS(STEM, MH, OUT)                                  \
   LINEAR_ENTRY(STEM##_s1, MH, 1, , OUT)                               \

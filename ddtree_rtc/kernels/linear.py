@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _cublas
 from ._args import BF16, check, out_array
-from ._launch import sm_count
+from ._launch import launch, pdl_supported, sm_count
 from .registry import module
 
 # Host scalars for alpha/beta (host pointer mode); module-level so the pointers stay valid.
@@ -138,11 +138,19 @@ def _cublas_linear(x, weight, y, m: int, n: int, k: int) -> None:
                     _BETA.ctypes.data, y.data.ptr, y_type, n, _cublas.COMPUTE_32F, _cublas.GEMM_DEFAULT)
 
 
+@functools.cache
+def _pdl(device_id: int) -> bool:
+    return pdl_supported()
+
+
 def _skinny_linear(x, weight, y, m: int, n: int, k: int, invariant: bool = False) -> None:
+    """The skinny kernel; on the small-M path (``invariant``) launched under PDL where the GPU has
+    it, its weights moving to L2 while the previous kernel finishes (linear.cu, early)."""
     sms = sm_count(x.device.id)
     plan = invariant_plan(m, n, k, sms, y.dtype == np.float32) if invariant else skinny_plan(m, n, k, sms)
-    module("linear").fn(plan.entry)((plan.grid,), (_THREADS,),
-                                    (x, weight, y, np.int32(m), np.int32(n), np.int32(k), np.int32(plan.warps_n)))
+    early = invariant and _pdl(x.device.id)
+    launch(module("linear").fn(plan.entry), (plan.grid,), (_THREADS,),
+           (x, weight, y, np.int32(m), np.int32(n), np.int32(k), np.int32(plan.warps_n), np.int32(early)), pdl=early)
 
 
 def linear(x, weight, out=None, impl: str = "auto"):
