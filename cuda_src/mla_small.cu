@@ -14,6 +14,8 @@ using namespace ddt;
 extern "C" __global__ void __launch_bounds__(256) mla_head_gemm_small(
     const bf16* __restrict__ x, long long x_t, long long x_h, const bf16* __restrict__ w, long long w_h,
     long long w_k, long long w_n, bf16* __restrict__ out, long long o_t, long long o_h, int T, int K, int N) {
+  pdl_wait();  // x comes from the previous kernel (launched under PDL where the GPU has it)
+  pdl_trigger();
   const int n = blockIdx.x * 32 + threadIdx.x, h = blockIdx.y, t = blockIdx.z * 8 + threadIdx.y;
   if (n >= N || t >= T) return;
   const bf16* __restrict__ xr = x + t * x_t + h * x_h;
@@ -50,6 +52,8 @@ extern "C" __global__ void __launch_bounds__(256) mla_query_small(
     long long w_k, bf16* __restrict__ q_att, const int* __restrict__ positions, const float* __restrict__ inv_freq,
     float rope_scale, int T, int H) {
   constexpr int kLat = 512, kRope = 64, kRow = kLat + kRope;
+  pdl_wait();  // q comes from the previous kernel
+  pdl_trigger();
   const int h = blockIdx.y, t = blockIdx.z * 8 + threadIdx.y;
   if (t >= T) return;
   const bf16* __restrict__ qr = q + t * q_t + h * q_h;
@@ -78,6 +82,8 @@ extern "C" __global__ void __launch_bounds__(256) mla_kv_rows_small(
     const int* __restrict__ positions, const float* __restrict__ inv_freq, float rope_scale,
     bf16* __restrict__ cache, long long capacity, const int* __restrict__ slots, int T) {
   constexpr int kLat = 512, kRow = 576;
+  pdl_wait();  // kv comes from the previous kernel; the cache rows written here are read after
+  pdl_trigger();
   const int t = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (t >= T) return;
   const long long slot = slots[t];

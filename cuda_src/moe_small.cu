@@ -475,6 +475,12 @@ __device__ __forceinline__ void moe_dense(const bf16* __restrict__ x, const bf16
   const int c_begin = static_cast<int>(static_cast<long long>(worker) * chunks / workers);
   const int c_end = static_cast<int>(static_cast<long long>(worker + 1) * chunks / workers);
   const uint4* wrow = reinterpret_cast<const uint4*>(wr);
+  {  // the weights do not depend on the previous kernel: to L2 before the PDL wait (x after it)
+    const int p0 = c_begin * 4, p1 = min(c_end * 4, pieces);
+    if (t == 0 && rb_ok && p1 > p0) prefetch_l2(wrow + p0, static_cast<unsigned>(p1 - p0) * 16u);
+  }
+  pdl_wait();
+  pdl_trigger();
   bool xa_ok[kDenseMT], xb_ok[kDenseMT];
   const uint4* xa_row[kDenseMT];
   const uint4* xb_row[kDenseMT];

@@ -5,12 +5,22 @@ order follow the token count. Same contract and numbers (up to fp32 summation or
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ._args import BF16, check
+from ._launch import launch, pdl_supported
 from .registry import module
 
 MAX_TOKENS = 64
+
+
+@functools.cache
+def _pdl(device_id: int) -> bool:
+    """PDL launches (kernels/_launch.py): each kernel here waits on the previous one before it
+    reads, so the next launch's weight prefetch may start as soon as it has."""
+    return pdl_supported()
 
 
 def _strides(name: str, a) -> tuple[int, ...]:
@@ -31,10 +41,9 @@ def mla_head_gemm_small(x, w, trans_w: bool, out):
         raise ValueError(f"x / out: the last dim must be contiguous (strides {x.strides}, {out.strides})")
     check("out", out, BF16, shape=(t, h, n), contiguous=False)
     w_k, w_n = (ws[2], ws[1]) if trans_w else (ws[1], ws[2])
-    module("mla_small").fn("mla_head_gemm_small")(
-        (-(-n // 32), h, -(-t // 8)), (32, 8),
-        (x, np.int64(xs[0]), np.int64(xs[1]), w, np.int64(ws[0]), np.int64(w_k), np.int64(w_n), out,
-         np.int64(os_[0]), np.int64(os_[1]), np.int32(t), np.int32(k), np.int32(n)))
+    launch(module("mla_small").fn("mla_head_gemm_small"), (-(-n // 32), h, -(-t // 8)), (32, 8),
+           (x, np.int64(xs[0]), np.int64(xs[1]), w, np.int64(ws[0]), np.int64(w_k), np.int64(w_n), out,
+            np.int64(os_[0]), np.int64(os_[1]), np.int32(t), np.int32(k), np.int32(n)), pdl=_pdl(x.device.id))
     return out
 
 
@@ -61,10 +70,9 @@ def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=N
     check("out", out, BF16, shape=(t, h, LAT + ROPE))
     if t == 0:
         return out
-    module("mla_small").fn("mla_query_small")(
-        (LAT // 32 + 1, h, -(-t // 8)), (32, 8),
-        (q, np.int64(qs[0]), np.int64(qs[1]), np.int32(nope), w_uk, np.int64(ws[0]), np.int64(ws[1]), out, positions,
-         inv_freq, np.float32(rope_scale), np.int32(t), np.int32(h)))
+    launch(module("mla_small").fn("mla_query_small"), (LAT // 32 + 1, h, -(-t // 8)), (32, 8),
+           (q, np.int64(qs[0]), np.int64(qs[1]), np.int32(nope), w_uk, np.int64(ws[0]), np.int64(ws[1]), out,
+            positions, inv_freq, np.float32(rope_scale), np.int32(t), np.int32(h)), pdl=_pdl(q.device.id))
     return out
 
 
@@ -86,8 +94,7 @@ def mla_kv_rows_small(kv, norm_w, eps: float, positions, inv_freq, rope_scale: f
     check("slots", slots, np.int32, shape=(t,))
     if t == 0:
         return cache
-    module("mla_small").fn("mla_kv_rows_small")(
-        (-(-t // 8),), (256,),
-        (kv, np.int64(ks[0]), norm_w, np.float32(eps), positions, inv_freq, np.float32(rope_scale), cache,
-         np.int64(cache.size // (LAT + ROPE)), slots, np.int32(t)))
+    launch(module("mla_small").fn("mla_kv_rows_small"), (-(-t // 8),), (256,),
+           (kv, np.int64(ks[0]), norm_w, np.float32(eps), positions, inv_freq, np.float32(rope_scale), cache,
+            np.int64(cache.size // (LAT + ROPE)), slots, np.int32(t)), pdl=_pdl(kv.device.id))
     return cache

@@ -158,7 +158,7 @@ def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
     logits = out_array("out_logits", out_logits, (m, e), np.float32)
     hs = out_array("out_hs", out_hs, (m, i2 // 2), BF16)
     plan = skinny_plan(8, e + i2, h, sm_count(x.device.id))
-    module("moe_small").fn(f"moe_small_dense_s{plan.split}")((plan.grid,), (_THREADS,), (
+    launch(module("moe_small").fn(f"moe_small_dense_s{plan.split}"), (plan.grid,), (_THREADS,), (
         x, gate_weight, shared_w13, logits, hs, np.int32(m), np.int32(e), np.int32(i2 // 2), np.int32(h),
-        np.int32(plan.warps_n)))
+        np.int32(plan.warps_n)), pdl=pdl_supported())
     return logits, hs
