@@ -13,6 +13,7 @@ CTAs along K) so that enough 16-byte loads are in flight on every SM without a l
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,6 +139,9 @@ def _cublas_linear(x, weight, y, m: int, n: int, k: int) -> None:
                     _BETA.ctypes.data, y.data.ptr, y_type, n, _cublas.COMPUTE_32F, _cublas.GEMM_DEFAULT)
 
 
+_PDL_REFUSED: list = []  # the driver's error, once a PDL launch of the skinny kernel was refused
+
+
 @functools.cache
 def _pdl(device_id: int) -> bool:
     return pdl_supported()
@@ -148,9 +152,17 @@ def _skinny_linear(x, weight, y, m: int, n: int, k: int, invariant: bool = False
     it, its weights moving to L2 while the previous kernel finishes (linear.cu, early)."""
     sms = sm_count(x.device.id)
     plan = invariant_plan(m, n, k, sms, y.dtype == np.float32) if invariant else skinny_plan(m, n, k, sms)
-    early = invariant and _pdl(x.device.id)
-    launch(module("linear").fn(plan.entry), (plan.grid,), (_THREADS,),
-           (x, weight, y, np.int32(m), np.int32(n), np.int32(k), np.int32(plan.warps_n), np.int32(early)), pdl=early)
+    early = invariant and _pdl(x.device.id) and not _PDL_REFUSED
+    fn = module("linear").fn(plan.entry)
+    args = (x, weight, y, np.int32(m), np.int32(n), np.int32(k), np.int32(plan.warps_n))
+    if early:
+        try:
+            launch(fn, (plan.grid,), (_THREADS,), args + (np.int32(1),), pdl=True)
+            return
+        except RuntimeError as e:  # a driver that refuses PDL with a cluster kernel: plain launches from now on
+            _PDL_REFUSED.append(str(e))
+            warnings.warn(f"linear: PDL launch refused ({e}); the small-M linears launch plainly", stacklevel=2)
+    launch(fn, (plan.grid,), (_THREADS,), args + (np.int32(0),))
 
 
 def linear(x, weight, out=None, impl: str = "auto"):
