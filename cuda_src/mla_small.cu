@@ -6,8 +6,13 @@
 // Weights are tiny (1 MB per layer at 8 heads) and L2-resident after their first use; x is broadcast
 // across a warp (its 32 lanes are 32 output columns of one token and head).
 #include "common.cuh"
+#include "skinny_pair.cuh"
 
 using namespace ddt;
+
+// q_a and kv_a over the same x in one launch (include/skinny_pair.cuh, MODE 1): [m, q_lora] and
+// [m, 576] bf16.
+SKINNY_PAIR_ENTRIES(mla_qkv_a_small, 1)
 
 // x [T, H, K] (element strides x_t, x_h; k contiguous); W[h](k, n) at w + h * w_h + k * w_k + n * w_n;
 // out [T, H, N] (strides o_t, o_h; n contiguous). Grid (ceil(N / 32), H, ceil(T / 8)), block (32, 8).

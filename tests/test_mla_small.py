@@ -188,3 +188,35 @@ def test_query_and_cache_rows_vs_twins_and_invariant(heads, nope, t):
     assert_close(got_c, want_c, "bf16", "cache")
     full_q = query(np.arange(64))
     assert np.array_equal(got_q, full_q[idx])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lora,h", [(1536, 7168), (96, 256)])  # K2.6; tiny
+@pytest.mark.parametrize("t", [1, 3, 17, 33, 64])
+def test_qkv_a_vs_twin_and_invariant(q_lora, h, t):
+    """q_a and kv_a in one launch against the two reference linears (NaN-prefilled outputs), and
+    each token's rows the same bits as in a batch of 64."""
+    import cupy
+
+    from ddtree_rtc.kernels.mla_small import mla_qkv_a_small
+    from ddtree_rtc.reference.mla_small import mla_qkv_a_small as ref_qkv
+    from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
+
+    rng = _seeded(f"qkv_a {q_lora} {t}")
+    x = random_bf16(rng, (64, h))
+    wq, wkv = random_bf16(rng, (q_lora, h), h ** -0.5), random_bf16(rng, (576, h), h ** -0.5)
+    xd, wqd, wkvd = to_device_bf16(x), to_device_bf16(wq), to_device_bf16(wkv)
+
+    def run(idx):
+        oq, okv = nan_bf16_bits((len(idx), q_lora)), nan_bf16_bits((len(idx), 576))
+        got = mla_qkv_a_small(cupy.ascontiguousarray(xd[idx]), wqd, wkvd, out_q=oq, out_kv=okv)
+        assert got[0] is oq and got[1] is okv
+        return oq.get(), okv.get()
+
+    idx = rng.permutation(64)[:t]
+    q, kv = run(idx)
+    want_q, want_kv = ref_qkv(x[idx], wq, wkv)
+    assert_close(q, want_q, "bf16_accum", "q_a")
+    assert_close(kv, want_kv, "bf16_accum", "kv_a")
+    full_q, full_kv = run(np.arange(64))
+    assert np.array_equal(q, full_q[idx]) and np.array_equal(kv, full_kv[idx])

@@ -131,7 +131,8 @@ def test_emulated_kernels_match_reference(rng, m, e, top_k, bad):
 
 
 def emulate_dense(x, gate, w13):
-    """moe_small_dense's index logic transliterated: row block rb of a warp, its lanes' B rows (the
+    """moe_small_dense's index logic (include/skinny_pair.cuh, MODE 0) transliterated: row block rb of
+    a warp, its lanes' B rows (the
     router's 8 rows, or gate rows i0..i0+3 then up rows i0..i0+3), the C fragment's columns 2t, 2t+1,
     and the shared epilogue's pairing of lane t with lane t ^ 2."""
     e, inter = gate.shape[0], w13.shape[0] // 2

@@ -93,7 +93,7 @@ def test_path_selection_per_forward_size(recorded, rng, small_m_path, batch_inva
     if invariant:
         assert ("linear", "auto") not in small, "every linear of a small forward is the invariant one"
     n_layers = len(model.layers)
-    for op in ("mla_query_small", "mla_kv_rows_small"):  # one launch each instead of 3 / 5
+    for op in ("mla_qkv_a_small", "mla_query_small", "mla_kv_rows_small"):  # one launch each instead of 2 / 3 / 5
         assert small.get(op, 0) == (n_layers if invariant else 0) and op not in large
     if invariant:
         assert "rope" not in small and "kv_cache_write" not in small and small["mla_head_gemm"] == n_layers

@@ -9,8 +9,9 @@ import functools
 
 import numpy as np
 
-from ._args import BF16, check
-from ._launch import launch, pdl_supported
+from ._args import BF16, check, out_array
+from ._launch import launch, pdl_supported, sm_count
+from .linear import skinny_plan
 from .registry import module
 
 MAX_TOKENS = 64
@@ -98,3 +99,28 @@ def mla_kv_rows_small(kv, norm_w, eps: float, positions, inv_freq, rope_scale: f
            (kv, np.int64(ks[0]), norm_w, np.float32(eps), positions, inv_freq, np.float32(rope_scale), cache,
             np.int64(cache.size // (LAT + ROPE)), slots, np.int32(t)), pdl=_pdl(kv.device.id))
     return cache
+
+
+def mla_qkv_a_small(x, w_qa, w_kva, out_q=None, out_kv=None):
+    """q_a and kv_a over the same x in one skinny launch (mla_qkv_a_small_s*: cuda_src/include/
+    skinny_pair.cuh, MODE 1): x [M, H] bf16 (M <= 64), w_qa [q_lora, H], w_kva [576, H] bf16 ->
+    (x w_qa^T, x w_kva^T) bf16; K split planned from the shapes alone: rows independent of M."""
+    check("x", x, BF16, ndim=2)
+    m, h = x.shape
+    check("w_qa", w_qa, BF16, ndim=2)
+    n1 = w_qa.shape[0]
+    check("w_qa", w_qa, BF16, shape=(n1, h))
+    check("w_kva", w_kva, BF16, shape=(LAT + ROPE, h))
+    if not 1 <= m <= MAX_TOKENS or n1 % 8 or h % 8:
+        raise ValueError(f"mla_qkv_a_small: needs 1 <= M <= {MAX_TOKENS}, q_lora and H multiples of 8; got x "
+                         f"{tuple(x.shape)}, w_qa {tuple(w_qa.shape)}")
+    for name, a in (("x", x), ("w_qa", w_qa), ("w_kva", w_kva)):
+        if a.data.ptr % 16:
+            raise ValueError(f"{name}: base address {a.data.ptr:#x} is not 16-byte aligned")
+    oq = out_array("out_q", out_q, (m, n1), BF16)
+    okv = out_array("out_kv", out_kv, (m, LAT + ROPE), BF16)
+    plan = skinny_plan(8, n1 + LAT + ROPE, h, sm_count(x.device.id))
+    launch(module("mla_small").fn(f"mla_qkv_a_small_s{plan.split}"), (plan.grid,), (256,), (
+        x, w_qa, w_kva, oq, okv, np.int32(m), np.int32(n1), np.int32(LAT + ROPE), np.int32(h),
+        np.int32(plan.warps_n)), pdl=_pdl(x.device.id))
+    return oq, okv

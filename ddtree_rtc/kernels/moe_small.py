@@ -135,7 +135,8 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
 
 
 def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
-    """The MoE layer's dense part in one launch (cuda_src/moe_small.cu, moe_small_dense_s*): x [M, H]
+    """The MoE layer's dense part in one launch (moe_small_dense_s*: cuda_src/include/skinny_pair.cuh,
+    MODE 0): x [M, H]
     bf16 (M <= 64), gate_weight bf16 [E, H] (E % 8 == 0), shared_w13 bf16 [2 Is, H] = [gate; up]
     (Is % 4 == 0) -> (router logits fp32 [M, E], bf16(silu(bf16(x gate^T)) * bf16(x up^T)) [M, Is]).
     K split planned from the shapes alone: every row's values independent of M."""
@@ -159,6 +160,6 @@ def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
     hs = out_array("out_hs", out_hs, (m, i2 // 2), BF16)
     plan = skinny_plan(8, e + i2, h, sm_count(x.device.id))
     launch(module("moe_small").fn(f"moe_small_dense_s{plan.split}"), (plan.grid,), (_THREADS,), (
-        x, gate_weight, shared_w13, logits, hs, np.int32(m), np.int32(e), np.int32(i2 // 2), np.int32(h),
+        x, gate_weight, shared_w13, logits, hs, np.int32(m), np.int32(e), np.int32(i2), np.int32(h),
         np.int32(plan.warps_n)), pdl=pdl_supported())
     return logits, hs

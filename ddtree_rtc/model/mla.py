@@ -99,8 +99,6 @@ def mla_query(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps
     t, h = x.shape[0], dims.num_heads
     cq = x if w.q_a is None else backend.rmsnorm(backend.linear(x, w.q_a, impl=impl), w.q_a_norm, eps)
     q = backend.linear(cq, w.q_b, impl=impl).reshape(t, h, dims.qk_head)
-    if impl == "invariant" and fused_rows(dims):  # W_UK, the q_pe copy and RoPE in one launch
-        return backend.mla_query_small(q, w.w_uk(dims), positions, inv_freq, rope_scale)
     q_att = backend.empty((t, h, dims.row), "bf16")
     backend.mla_head_gemm(q[:, :, :dims.qk_nope], w.w_uk(dims), False, out=q_att[:, :, :dims.kv_lora], impl=impl)
     q_att[:, :, dims.kv_lora:] = q[:, :, dims.qk_nope:]
@@ -116,6 +114,19 @@ def mla_kv_rows(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, e
     return backend.rope(kv, positions, inv_freq, dims.kv_lora, dims.qk_rope, "interleaved", rope_scale)
 
 
+def _small_query_and_rows(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, cache, slots,
+                          rope_scale: float):
+    """The small-M path's query and cache rows in five launches instead of ten: q_a and kv_a in one,
+    the q_a norm, q_b, the absorbed query with its RoPE in one, the cache rows (norm, RoPE, write) in
+    one. Same numbers as ``mla_query`` + ``mla_kv_rows`` on numpy (the twins compose them)."""
+    t, h = x.shape[0], dims.num_heads
+    qa, kv = backend.mla_qkv_a_small(x, w.q_a, w.kv_a)
+    q = backend.linear(backend.rmsnorm(qa, w.q_a_norm, eps), w.q_b, impl="invariant").reshape(t, h, dims.qk_head)
+    q_att = backend.mla_query_small(q, w.w_uk(dims), positions, inv_freq, rope_scale)
+    backend.mla_kv_rows_small(kv, w.kv_a_norm, eps, positions, inv_freq, rope_scale, cache, slots)
+    return q_att
+
+
 def mla_output(backend, o_lat, w: MLAWeights, dims: MLADims, out=None, impl: str = "auto"):
     """o_lat [T, H, kv_lora] bf16 -> attention output [T, hidden] bf16 (W_UV expansion, then o_proj);
     into ``out`` when given (fp32: a tensor-parallel rank's unrounded partial)."""
@@ -129,11 +140,10 @@ def mla_forward(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, e
     """One MLA attention block for the new tokens ``x`` of a planned batch: their cache rows are
     written at ``slots`` of ``cache`` (one layer) first, then every token attends as ``plan`` says.
     ``impl``: the linears' kernel choice ('invariant' on the small-M path)."""
-    q_att = mla_query(backend, x, w, dims, positions, inv_freq, eps, rope_scale, impl)
-    if impl == "invariant" and fused_rows(dims):  # the norm, RoPE and cache write in one launch
-        backend.mla_kv_rows_small(backend.linear(x, w.kv_a, impl=impl), w.kv_a_norm, eps, positions, inv_freq,
-                                  rope_scale, cache, slots)
+    if impl == "invariant" and fused_rows(dims) and w.q_a is not None:
+        q_att = _small_query_and_rows(backend, x, w, dims, positions, inv_freq, eps, cache, slots, rope_scale)
     else:
+        q_att = mla_query(backend, x, w, dims, positions, inv_freq, eps, rope_scale, impl)
         backend.kv_cache_write(cache, mla_kv_rows(backend, x, w, dims, positions, inv_freq, eps, rope_scale, impl),
                                slots)
     o_lat, _ = backend.mla_attention(plan, q_att, cache, scale)

@@ -8,6 +8,7 @@ import numpy as np
 from ml_dtypes import bfloat16
 
 from .kv_cache import kv_cache_write
+from .linear import linear
 from .mla_attention import mla_head_gemm
 from .rmsnorm import rmsnorm
 from .rope import rope
@@ -31,3 +32,8 @@ def mla_kv_rows_small(kv, norm_w, eps: float, positions, inv_freq, rope_scale: f
     rows[:, :LAT] = rmsnorm(np.ascontiguousarray(rows[:, :LAT]), norm_w, eps)
     rope(rows, positions, inv_freq, LAT, ROPE, "interleaved", rope_scale)
     return kv_cache_write(cache, rows, slots)
+
+
+def mla_qkv_a_small(x, w_qa, w_kva, out_q=None, out_kv=None):
+    """(x w_qa^T, x w_kva^T) bf16: the two linears of the general path."""
+    return linear(x, w_qa, out=out_q), linear(x, w_kva, out=out_kv)
