@@ -166,3 +166,40 @@ def test_chain_verify_rows_equal_their_autoregressive_twins(model):
             got = model.backend.to_host(model.forward(ar, cache, output="logits").logits, bf16=False)
             for r in range(b):
                 assert np.array_equal(got[r], rows[r * n + j]), f"b={b} n={n}: request {r} token {j} differs"
+
+
+@pytest.mark.gpu
+def test_engine_chain_verify_equals_ar_through_graphs(model):
+    """Through the engine's model runner with CUDA graphs: a tree verify of a chain (plan_tree,
+    fill_tree, verify; the tree mask on the device) gives slot j exactly the logits of the AR decode
+    step (runner.decode) that feeds the same token at the same position."""
+    import types
+
+    import cupy
+
+    from ddtree_rtc.engine.runner import ModelRunner
+    from ddtree_rtc.model.target import ForwardBatch
+    from ddtree_rtc.reference.tree_build import mask_words
+
+    rng = _seeded("engine chain verify")
+    cache, ctx = _decode_cache(model, 4, rng)
+    runner = ModelRunner(model, cache, 4200, graphs=True)
+    for b, n in ((1, 7), (3, 11), (4, 16)):
+        ids = list(range(b))
+        toks = rng.integers(0, 20480, (b, n)).astype(np.int32)
+        words = mask_words(n - 1)
+        bits = np.zeros((n, words), np.uint64)
+        for i in range(n):
+            for j in range(i + 1):  # a chain: every earlier slot is an ancestor
+                bits[i, j // 64] |= np.uint64(1) << np.uint64(j % 64)
+        tree = types.SimpleNamespace(
+            tokens=cupy.asarray(toks), positions=cupy.asarray((ctx[:b, None] + np.arange(n)).astype(np.int32)),
+            num_nodes=cupy.full(b, n, cupy.int32), mask=cupy.asarray(np.tile(bits[None], (b, 1, 1))))
+        step = runner.plan_tree(ids, ctx[:b], n)
+        runner.fill_tree(step, tree)
+        rows = model.backend.to_host(runner.verify(step).logits, bf16=False).copy()
+        for j in range(n):
+            ar = ForwardBatch.causal(ids, ctx[:b] + j, [[int(toks[r, j])] for r in ids])
+            got = model.backend.to_host(runner.decode(ar), bf16=False)
+            for r in ids:
+                assert np.array_equal(got[r], rows[r * n + j]), f"b={b} n={n}: request {r} slot {j} differs"
