@@ -6,6 +6,8 @@ whatever the other tokens are.
 
 ``moe_small_plan`` (host, once per shape) allocates the one buffer (h) and checks the limits;
 ``moe_small_experts`` with a plan and an ``out`` only launches, so it can be captured in a CUDA graph.
+``moe_small_dense`` is the layer's dense part (router logits and the shared expert's SiLU(gate) * up)
+in one row-invariant launch.
 """
 
 from __future__ import annotations
