@@ -1,6 +1,8 @@
-// The MLA per-head GEMMs of the small-M path (M <= 64 tokens), row-invariant: W_UK absorption
-// (q_nope [T, H, 128] x W_UK[h] [128, 512]) and W_UV expansion (o_lat [T, H, 512] x W_UV[h]^T).
-// One thread per output element, its sum over k in a fixed order (four fp32 accumulators k mod 4,
+// The small-M path's MLA pieces (M <= 64 tokens), each row-invariant: q_a and kv_a in one skinny
+// launch (mla_qkv_a_small_s*), the absorbed query with its RoPE (mla_query_small), the cache rows with
+// their norm and RoPE (mla_kv_rows_small), and the per-head GEMMs (mla_head_gemm_small: W_UK
+// absorption q_nope [T, H, 128] x W_UK[h] [128, 512], W_UV expansion o_lat [T, H, 512] x W_UV[h]^T).
+// The GEMMs: one thread per output element, its sum over k in a fixed order (four fp32 accumulators k mod 4,
 // added (a0 + a1) + (a2 + a3)), so a token's values do not depend on T or on the other tokens, unlike
 // the strided-batched cuBLAS GEMM of the general path, whose kernel choice follows T.
 // Weights are tiny (1 MB per layer at 8 heads) and L2-resident after their first use; x is broadcast
