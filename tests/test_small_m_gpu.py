@@ -203,3 +203,30 @@ def test_engine_chain_verify_equals_ar_through_graphs(model):
             got = model.backend.to_host(runner.decode(ar), bf16=False)
             for r in ids:
                 assert np.array_equal(got[r], rows[r * n + j]), f"b={b} n={n}: request {r} slot {j} differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 64])
+def test_small_path_logits_match_the_general_path(model, m):
+    """The same decode batch through the small-M path and through the general kernels
+    (small_m_path off): logits within the bf16 tolerance of each other (different sum orders, the
+    same math), so the small path's composition (router, shared expert, id offsets, query, cache
+    rows) is right and not only invariant."""
+    from ddtree_rtc.model.target import ForwardBatch
+    from ddtree_rtc.testing import as_f64
+
+    rng = _seeded(f"small vs general {m}")
+    outs = []
+    for small in (True, False):
+        cache, ctx = _decode_cache(model, m, np.random.default_rng(7))
+        tokens = np.random.default_rng(8).integers(0, 20480, m)
+        b = ForwardBatch.causal(list(range(m)), ctx, [[int(t)] for t in tokens])
+        model.small_m_path = small
+        try:
+            outs.append(as_f64(model.forward(b, cache, output="logits").logits))
+        finally:
+            model.small_m_path = True
+        del cache
+    assert rng is not None
+    rel = np.linalg.norm(outs[0] - outs[1]) / np.linalg.norm(outs[1])
+    assert rel < 2e-2, f"small-M path logits differ from the general path's by {rel:.3e} (relative)"
