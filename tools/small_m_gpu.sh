@@ -18,7 +18,8 @@ echo "commit $DDTREE_RTC_COMMIT"
 fams=""; for f in moe_small linear mla_small mla_attention moe_routing moe_gemm rmsnorm rope embedding kv_cache \
   sampling silu_mul bench_ceiling; do fams="$fams --only $f"; done
 timeout 200 python -m ddtree_rtc.cli kernels build --arch auto $fams > "$O/build.txt" 2>&1
-echo "== build rc=$? $(el)"; grep -E "moe_small|linear_m64_s1 |linear_m8_s1 " "$O/build.txt" | head -8
+rc=$?; echo "== build rc=$rc $(el)"; grep -E "moe_small|mla_small|linear_m64_s1 |linear_m8_s1 " "$O/build.txt" | cut -c1-120 | head -16
+[ $rc != 0 ] && tail -5 "$O/build.txt"
 if [ "${TTMO:-270}" != 0 ]; then
   # the invariance tests first: if the time runs out, the slow reference comparisons are what is cut
   timeout ${TTMO:-270} python -m pytest -v -rf -m gpu -p no:cacheprovider --durations=12 \
@@ -35,8 +36,20 @@ if [ "${BENCH:-1}" != 0 ]; then
   done
 fi
 python - "$O" <<'PY'
-import json, sys, pathlib
+import json, re, sys, pathlib
 o = pathlib.Path(sys.argv[1])
+log = o / "pytest_small_m.txt"
+if log.exists():
+    text = log.read_text()
+    print("\nrow invariance / small vs general (bitwise unless said):")
+    for name in ("test_invariant_linear", "test_rows_are_bitwise_invariant_to_the_batch", "test_dense_vs_reference",
+                 "test_moe_layer_rows_invariant", "test_shape_split_attention_is_bitwise_invariant",
+                 "test_decode_rows_invariant_eager_and_graph", "test_chain_verify_rows_equal_their_autoregressive_twins",
+                 "test_engine_chain_verify_equals_ar_through_graphs", "test_small_path_logits_match_the_general_path",
+                 "test_kernel_vs_reference", "test_query_and_cache_rows_vs_twins", "test_qkv_a_vs_twin"):
+        res = re.findall(rf"::{name}\S* (PASSED|FAILED|ERROR|SKIPPED)", text)
+        print(f"  {name}: {res.count('PASSED')} passed, {res.count('FAILED') + res.count('ERROR')} failed"
+              + (f", {res.count('SKIPPED')} skipped" if 'SKIPPED' in res else "") if res else f"  {name}: not run")
 print("\nshard | path | batch | ctx | attention µs (x floor) | MoE µs (x floor) | dense µs | head µs | step graph µs")
 for shard in ("tp8", "ep8"):
     f = o / f"small_m_decode_{shard}.json"
