@@ -35,6 +35,13 @@ OPS: dict[str, str] = {
     "moe_align": "moe_routing",
     "moe_plan": "moe_gemm",
     "moe_experts": "moe_gemm",
+    # -- the small-M path (issue: small-M decoder layer) --
+    "moe_small_plan": "moe_small",
+    "moe_small_experts": "moe_small",
+    "moe_small_dense": "moe_small",
+    "mla_query_small": "mla_small",
+    "mla_qkv_a_small": "mla_small",
+    "mla_kv_rows_small": "mla_small",
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     "kv_cache_write": "kv_cache",
     "kv_cache_commit": "kv_cache",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck + racecheck on one small case of each kernel of a round
-# (top-k, tree build, tree accept, KV commit, MLA tree verify, GQA attention). Logs go to $OUT.
+# (top-k, tree build, tree accept, KV commit, MLA tree verify, GQA attention) and of the small-M
+# path's new kernels (moe_small, mla_small, the split="shape" attention). Logs go to $OUT.
 #   tools/sanitize.sh [tool...]      (default: memcheck racecheck)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -11,6 +12,10 @@ cases=(
   "tests/test_kv_cache.py::test_commit_kernel[False]"
   "tests/test_mla_attention.py::test_kernel_masks_tree_rows"
   "tests/test_gqa_attention.py -k lens5"
+  "tests/test_moe_small.py::test_kernel_vs_reference[3-small]"  # the small-M path's kernels
+  "tests/test_mla_small.py::test_head_gemm_small_vs_reference_and_invariant[3-8]"
+  "tests/test_mla_small.py::test_shape_split_attention_is_bitwise_invariant[8]"
+  "tests/test_small_m_gpu.py::test_invariant_linear[True-kv_a]"
 )
 tools=("$@"); [ ${#tools[@]} -eq 0 ] && tools=(memcheck racecheck)
 printf '%-10s %-70s %s\n' tool case result

@@ -45,12 +45,19 @@ CONTEXTS = (1024, 8192)
 STAGE_KINDS = ("attention", "dense", "moe", "head", "embed")
 
 
-def random_slice(moe_layers: int, seed: int = 0, head: str = "random"):
+SHARDS = ("none", "tp8", "ep8")
+
+
+def random_slice(moe_layers: int, seed: int = 0, head: str = "random", shard: str = "none"):
     """TargetModel with K2.6 dims: layer 0 dense, then ``moe_layers`` MoE layers; weights random
     with 1/sqrt(fan-in) scales (activations stay O(1)), norms 1, correction bias small. ``head``
     "decisive": the embedding at 8x scale, so the residual stream stays near its token's embedding
     past every branch, and the lm_head its permuted rows (model.random_weights.decisive_rows): every greedy
-    choice far from a tie, as an oracle drafter needs to hold tau on the GPU."""
+    choice far from a tie, as an oracle drafter needs to hold tau on the GPU. ``shard``: one rank's
+    share, collectives left out: "tp8" (8 heads, expert / shared / dense intermediate / 8, vocab / 8
+    of the lm_head) or "ep8" (the same, but 48 whole experts of the router's 384: rank 0's)."""
+    import dataclasses
+
     import cupy
 
     from ..backend import Backend
@@ -60,7 +67,15 @@ def random_slice(moe_layers: int, seed: int = 0, head: str = "random"):
     from ..model.target import DenseMLP, Layer, TargetModel
     from .moe import int4_experts_device
 
+    if shard not in SHARDS:
+        raise ValueError(f"shard {shard!r}: expected one of {SHARDS}")
     cfg = preset_config("k2.6").with_layers(1 + moe_layers)
+    ranks = 1 if shard == "none" else 8
+    local_experts = cfg.n_routed_experts // ranks if shard == "ep8" else cfg.n_routed_experts
+    expert_inter = cfg.moe_intermediate_size // (ranks if shard == "tp8" else 1)
+    shared_inter = cfg.n_shared_experts * cfg.moe_intermediate_size // ranks
+    cfg = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // ranks,
+                              intermediate_size=cfg.intermediate_size // ranks)
     be = Backend("cuda")
     hid, heads = cfg.hidden_size, cfg.num_attention_heads
     qk, vh, lat, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, \
@@ -79,12 +94,11 @@ def random_slice(moe_layers: int, seed: int = 0, head: str = "random"):
                           kv_b=w(heads * (cfg.qk_nope_head_dim + vh), lat), o=w(hid, heads * vh),
                           q_a=w(cfg.q_lora_rank, hid), q_a_norm=ones(cfg.q_lora_rank))
         if cfg.is_moe_layer(i):
-            e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+            e = cfg.n_routed_experts
             bias = (cupy.random.default_rng(next(counter)).standard_normal(e, dtype=cupy.float32) * 0.01)
-            shared = cfg.n_shared_experts * inter
             mlp = MoELayerWeights(w(e, hid), bias.astype(cupy.float32),
-                                  int4_experts_device(e, hid, inter, next(counter)),
-                                  w(2 * shared, hid), w(hid, shared))
+                                  int4_experts_device(local_experts, hid, expert_inter, next(counter)),
+                                  w(2 * shared_inter, hid), w(hid, shared_inter))
         else:
             mlp = DenseMLP(w(2 * cfg.intermediate_size, hid), w(hid, cfg.intermediate_size))
         layers.append(Layer(ones(hid), ones(hid), attn, mlp))
@@ -96,7 +110,7 @@ def random_slice(moe_layers: int, seed: int = 0, head: str = "random"):
         perm = cupy.asarray(np.random.default_rng(next(counter)).permutation(cfg.vocab_size))
         lm_head = f32_to_bf16_bits(bf16_to_f32(embed[perm]) * np.float32(hid ** -0.5 / embed_scale))
     else:
-        lm_head = w(cfg.vocab_size, hid)
+        lm_head = w(cfg.vocab_size // ranks, hid)
     return TargetModel(cfg, be, embed, layers, ones(hid), lm_head)
 
 
@@ -181,7 +195,8 @@ def touched_experts(model, inputs, cache, moe_plan) -> dict[int, int]:
         if stage == "mlp" and isinstance(mlp, MoELayerWeights):
             ids, _ = be.moe_route(be.router_logits(x, mlp.gate_weight), mlp.e_score_correction_bias, rc.top_k,
                                   rc.n_group, rc.topk_group, rc.norm_topk_prob, rc.routed_scaling_factor)
-            seen[layer] = len(np.unique(be.to_host(ids)))
+            mine = be.to_host(ids) - mlp.expert_offset  # an expert shard's own experts only
+            seen[layer] = len(np.unique(mine[(mine >= 0) & (mine < mlp.experts.num_experts)]))
 
     model.run(inputs, cache, output="none", moe_plan=moe_plan, mark=mark)
     return seen
@@ -217,7 +232,8 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     expert_bytes = model.layers[-1].mlp.experts.expert_nbytes() if touched else 0
     kv_bytes = batch * (ctx + 1) * row_bytes
     head_bytes = int(model.lm_head.nbytes + model.final_norm.nbytes)
-    case = f"b{batch} ctx{ctx // 1024}k"
+    path = "small-m" if model.small_m(batch) else "general"
+    case = f"{path} b{batch} ctx{ctx // 1024}k"
     rows, sums = [], {}
     for (stage, layer), us in stages:
         if stage == "attention":
@@ -231,7 +247,7 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
         else:
             kind, nbytes = "embed", batch * model.cfg.hidden_size * 2
         sums.setdefault(kind, []).append((us, nbytes))
-        extra = {"batch": batch, "ctx": ctx, "stage": kind, "layer": layer,
+        extra = {"batch": batch, "ctx": ctx, "path": path, "stage": kind, "layer": layer,
                  "floor_us": nbytes / read_ceiling_gbs() / 1e3}
         if stage == "mlp" and layer in touched:
             extra["experts_touched"] = touched[layer]
@@ -240,15 +256,16 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     layer_floor = {k: sum(b for _, b in v) / len(v) / read_ceiling_gbs() / 1e3 for k, v in sums.items()}
     layer_us = {k: sum(u for u, _ in v) / len(v) for k, v in sums.items()}
     step_bytes = sum(r.bytes for r in rows)
-    common = {"batch": batch, "ctx": ctx, "eager_us": t_eager, "queued_us": t_queued, "graph_us": t_graph,
+    common = {"batch": batch, "ctx": ctx, "path": path, "eager_us": t_eager, "queued_us": t_queued, "graph_us": t_graph,
               "launch_gap_eager": 1 - t_queued / t_eager, "launch_gap_graph": 1 - t_queued / t_graph,
               "graph_over_queued": t_graph / t_queued, "eager_over_queued": t_eager / t_queued,
               "mean_stage_us": layer_us, "mean_stage_floor_us": layer_floor,
               "mean_stage_over_floor": {k: layer_us[k] / layer_floor[k] for k in layer_us}}
     rows.append(Row(f"{case} step (CUDA graph)", t_graph, bytes=step_bytes, extra=common))
-    rows.append(Row(f"{case} step (eager)", t_eager, bytes=step_bytes, extra={"batch": batch, "ctx": ctx}))
+    rows.append(Row(f"{case} step (eager)", t_eager, bytes=step_bytes, extra={"batch": batch, "ctx": ctx,
+                                                                              "path": path}))
     rows.append(Row(f"{case} step (queued: sum of kernels)", t_queued, bytes=step_bytes,
-                    extra={"batch": batch, "ctx": ctx}))
+                    extra={"batch": batch, "ctx": ctx, "path": path}))
     return rows
 
 
@@ -271,7 +288,7 @@ def allreduce_rows(comm, iters: int) -> list[Row]:
 
 
 def print_summary(rows: list[Row]) -> None:
-    print("\nbatch | ctx | attention µs (x floor) | dense µs (x floor) | MoE µs (x floor) | head µs | "
+    print("\npath | batch | ctx | attention µs (x floor) | dense µs (x floor) | MoE µs (x floor) | head µs | "
           "step eager / queued / graph µs | gap eager / graph")
     for r in rows:
         e = r.extra
@@ -282,7 +299,8 @@ def print_summary(rows: list[Row]) -> None:
         def cell(k, us=us, fl=fl):
             return f"{us[k]:.1f} ({fl[k]:.2f}x)" if k in us else "-"
 
-        print(f"{e['batch']} | {e['ctx']} | {cell('attention')} | {cell('dense')} | {cell('moe')} | "
+        print(f"{e.get('path', '-')} | {e['batch']} | {e['ctx']} | {cell('attention')} | {cell('dense')} | "
+              f"{cell('moe')} | "
               f"{us.get('head', 0):.1f} | {e['eager_us']:.0f} / {e['queued_us']:.0f} / {e['graph_us']:.0f} | "
               f"{100 * e['launch_gap_eager']:.0f}% / {100 * e['launch_gap_graph']:.0f}%")
 
@@ -294,6 +312,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    ap.add_argument("--shard", choices=SHARDS, default="none",
+                    help="one rank's share of K2.6 (tp8: 8 heads, intermediates and vocab / 8; ep8: 48 whole "
+                         "experts), collectives left out")
+    ap.add_argument("--small-m", choices=("on", "off", "both"), default="on",
+                    help="the small-M path (runtime.small_m_path) for batches <= 64: on, off, or both (rows of each)")
     args = ap.parse_args(argv)
 
     if args.moe_layers < 0:
@@ -314,19 +337,23 @@ def main(argv=None) -> dict:
 def _run(args, comm, json_path) -> dict:
     import cupy
 
-    model = random_slice(args.moe_layers)
+    model = random_slice(args.moe_layers, shard=args.shard)
     weight_bytes = layer_weight_bytes(model)
     gate = Gate()
     rows = []
+    paths = {"on": (True,), "off": (False,), "both": (False, True)}[args.small_m]
     for b in (int(v) for v in args.batches.split(",")):
         for c in (int(v) for v in args.contexts.split(",")):
-            rows += bench_case(model, b, c, args.iters, gate, weight_bytes)
-            cupy.get_default_memory_pool().free_all_blocks()  # the case's cache and graphs
-            print(f"  b{b} ctx{c}: graph {rows[-3].us:.0f} µs", flush=True)
+            for small in paths:
+                model.small_m_path = small
+                rows += bench_case(model, b, c, args.iters, gate, weight_bytes)
+                cupy.get_default_memory_pool().free_all_blocks()  # the case's cache and graphs
+                print(f"  {rows[-3].extra['path']} b{b} ctx{c}: graph {rows[-3].us:.0f} µs", flush=True)
     if comm is not None:
         rows += allreduce_rows(comm, args.iters)
         comm.close()
-    notes = {"model": f"K2.6 dims, layer 0 dense + {args.moe_layers} MoE layers, random weights",
+    notes = {"model": f"K2.6 dims, layer 0 dense + {args.moe_layers} MoE layers, random weights"
+                      + ("" if args.shard == "none" else f", one rank's {args.shard} share (collectives left out)"),
              "floor": "weights read (routed experts: only those the step's tokens touch) + KV rows read, "
                       "over the read ceiling", "page_size": PAGE,
              "queued": "the step enqueued behind a host-released gate kernel: kernels back to back, no host "

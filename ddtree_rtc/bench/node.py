@@ -77,20 +77,30 @@ COLLECTIVE_SOURCE = ("cited, not measured here: NCCL all-reduce of a few-KB mess
                      "custom all-reduce (TensorRT-LLM / vLLM style) ~7-9 µs (8 used); pass --collective-us with a "
                      "measured figure (e.g. bench decode's all-reduce rows under torchrun) to replace them")
 LAYOUTS = {"tp": False, "ep": True}  # layout -> expert_parallel
-# runtime.small_m_path value -> how the bench applies it to a loaded model (None: the default path).
-# A value is offered only where the pipeline schema accepts it too (small_m_choices).
-SMALL_M_APPLY: dict[str, typing.Callable | None] = {"off": None}
+# --small-m value -> how the bench applies it to a loaded model. Both are explicit: a model is made
+# with small_m_path on (the engine default), so "off" must turn it off. A value is offered only where
+# the pipeline schema accepts it too (small_m_choices).
+SMALL_M_APPLY: dict[str, typing.Callable] = {
+    "on": lambda model: setattr(model, "small_m_path", True),
+    "off": lambda model: setattr(model, "small_m_path", False),
+}
 PAGE = 64
 MARGIN_BYTES = 4 << 30  # load transients (a layer made + repacked), logits, graph pools, slack
 
 
 def small_m_choices() -> tuple[str, ...]:
-    """The ``--small-m`` values: those ``runtime.small_m_path`` accepts (only 'off' while the schema
-    has no such key) that this bench knows how to apply (SMALL_M_APPLY)."""
+    """The ``--small-m`` values: those ``runtime.small_m_path`` accepts (a bool key: on / off; only
+    'off' without the key) that this bench knows how to apply (SMALL_M_APPLY)."""
     from ..pipeline.schema import RuntimeSpec
 
     hints = typing.get_type_hints(RuntimeSpec)
-    allowed = typing.get_args(hints["small_m_path"]) if "small_m_path" in hints else ("off",)
+    hint = hints.get("small_m_path")
+    if hint is None:
+        allowed = ("off",)
+    elif hint is bool:
+        allowed = ("on", "off")
+    else:
+        allowed = typing.get_args(hint)
     return tuple(v for v in SMALL_M_APPLY if v in allowed)
 
 
@@ -120,9 +130,10 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hold-us", type=float, default=0.0,
                     help="runtime.simulate_collective_us: each stand-in also holds the stream this long "
                          "(then the measured step already includes the latency: use --collective-us 0)")
-    ap.add_argument("--small-m", default="off",
-                    help="comma-separated runtime.small_m_path values to run (each case once per value); "
-                         "accepted now: " + ", ".join(small_m_choices()))
+    ap.add_argument("--small-m", default="on",
+                    help="comma-separated runtime.small_m_path values to run (each case once per value; "
+                         "default on, the engine's; 'on,off' compares the small-M path with the general "
+                         "kernels); accepted: " + ", ".join(small_m_choices()))
     ap.add_argument("--no-drafter", dest="drafter", action="store_false", help="skip the DFlash drafter forward")
     ap.add_argument("--no-components", dest="components", action="store_false",
                     help="skip the MoE layer's component timings (router / experts / shared / all-reduce)")
@@ -470,9 +481,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
     rep_layer = 1 if n_layers > 1 else 0  # the first MoE layer stands for every MoE layer's pieces
     rows, cases = [], []
     for small_m in args.small_m:
-        apply = SMALL_M_APPLY[small_m]
-        if apply is not None:
-            apply(model)
+        SMALL_M_APPLY[small_m](model)
         for ctx in args.contexts:
             ns.context = ctx
             for b in args.batches:

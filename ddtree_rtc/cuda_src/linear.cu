@@ -1,5 +1,5 @@
-// Skinny-M dense bf16 linear for decode: y[M, N] = x[M, K] . W[N, K]^T with M <= 16, fp32 accumulate,
-// rounded once to bf16. Weight-bandwidth bound, so W is streamed once with 16-byte loads, 8 in flight
+// Skinny-M dense bf16 linear for decode: y[M, N] = x[M, K] . W[N, K]^T with M <= 64, fp32 accumulate,
+// rounded once to bf16 (or written fp32: the *_f32 entries). Weight-bandwidth bound, so W is streamed once with 16-byte loads, 8 in flight
 // per thread, and everything else is arranged around keeping those loads busy.
 //
 // mma.m16n8k16 with the tokens on the 16-row A side (rows >= M are zeros) and 8 weight rows on the
@@ -70,6 +70,18 @@ __device__ __forceinline__ float4 ld_cluster(const float4* p, unsigned rank) {
   return v;
 }
 
+// bf16: rounded once; fp32: a tensor-parallel partial, unrounded
+template <typename OutT>
+__device__ __forceinline__ OutT out_value(float v);
+template <>
+__device__ __forceinline__ bf16 out_value<bf16>(float v) {
+  return to_bf16(v);
+}
+template <>
+__device__ __forceinline__ float out_value<float>(float v) {
+  return v;
+}
+
 __device__ __forceinline__ void add4(float4& s, const float4& v) {
   s.x += v.x;
   s.y += v.y;
@@ -77,12 +89,19 @@ __device__ __forceinline__ void add4(float4& s, const float4& v) {
   s.w += v.w;
 }
 
-// MH = 1: M <= 8 (A rows 8..15 are zeros, never loaded); MH = 2: M <= 16. S: CTAs per cluster.
+// MH = 1: M <= 8 (A rows 8..15 are zeros, never loaded); MH = 2: M <= 16; MH = 4 / 8: M <= 32 / 64
+// (2 / 4 m16 tiles of tokens, fewer k32 chunks in flight so the operands stay in registers). S: CTAs
+// per cluster. A token row's sums depend only on (warps_n, S, K), never on MH or on the other rows:
+// the small-M path plans them from the shape alone (kernels/linear.py, impl="invariant").
 // Grid: ceil(N / (8 warps_n)) row blocks x S, cluster rank = split index along K.
-template <int MH, int S>
+// early (a launch under PDL, kernels/_launch.py): each weight row's K range goes to L2 before the
+// wait on the previous kernel, whose output x is read only after it (weights do not depend on it).
+template <int MH, int S, typename OutT>
 __device__ __forceinline__ void linear_skinny(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                              bf16* __restrict__ y, int m, int n, int k, int warps_n) {
-  __shared__ float4 red[kWarps][32];
+                                              OutT* __restrict__ y, int m, int n, int k, int warps_n, int early) {
+  constexpr int MT = MH == 1 ? 1 : MH / 2;  // m16 token tiles
+  constexpr int kU = MT == 1 ? kUnroll : kUnroll / 2;  // M <= 64: one CTA per SM (launch bounds) to hold them
+  __shared__ float4 red[kWarps][MT][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wn = warp % warps_n, wk = warp / warps_n, warps_k = kWarps / warps_n;
@@ -96,77 +115,115 @@ __device__ __forceinline__ void linear_skinny(const bf16* __restrict__ x, const 
   const int c_end = static_cast<int>(static_cast<long long>(worker + 1) * chunks / workers);
 
   const int row = n0 + g;
-  const bool row_ok = row < n, xa_ok = g < m, xb_ok = MH == 2 && g + 8 < m;
+  const bool row_ok = row < n;
   const uint4* wrow = reinterpret_cast<const uint4*>(w) + static_cast<size_t>(row_ok ? row : 0) * pieces;
-  const uint4* xa_row = reinterpret_cast<const uint4*>(x) + static_cast<size_t>(xa_ok ? g : 0) * pieces;
-  const uint4* xb_row = reinterpret_cast<const uint4*>(x) + static_cast<size_t>(xb_ok ? g + 8 : 0) * pieces;
+  if (early) {
+    const int p0 = c_begin * 4, p1 = min(c_end * 4, pieces);
+    if (t == 0 && row_ok && p1 > p0) prefetch_l2(wrow + p0, static_cast<unsigned>(p1 - p0) * 16u);
+    pdl_wait();
+    pdl_trigger();
+  }
+  bool xa_ok[MT], xb_ok[MT];
+  const uint4* xa_row[MT];
+  const uint4* xb_row[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int ra = 16 * mt + g, rb = ra + 8;
+    xa_ok[mt] = ra < m;
+    xb_ok[mt] = MH >= 2 && rb < m;
+    xa_row[mt] = reinterpret_cast<const uint4*>(x) + static_cast<size_t>(xa_ok[mt] ? ra : 0) * pieces;
+    xb_row[mt] = reinterpret_cast<const uint4*>(x) + static_cast<size_t>(xb_ok[mt] ? rb : 0) * pieces;
+  }
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int c = c_begin; c < c_end; c += kUnroll) {
-    uint4 wv[kUnroll], xa[kUnroll], xb[kUnroll];
+  float acc[MT][4];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  for (int c = c_begin; c < c_end; c += kU) {
+    uint4 wv[kU], xa[kU][MT], xb[kU][MT];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
       const int p = (c + u) * 4 + t;
       // Pieces past the range or past K are zero in both operands, so they add exactly +0.
       const bool ok = c + u < c_end && p < pieces;
       wv[u] = ok && row_ok ? ld_weight(wrow + p) : zero;
-      xa[u] = ok && xa_ok ? __ldg(xa_row + p) : zero;
-      xb[u] = ok && xb_ok ? __ldg(xb_row + p) : zero;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        xa[u][mt] = ok && xa_ok[mt] ? __ldg(xa_row[mt] + p) : zero;
+        xb[u][mt] = ok && xb_ok[mt] ? __ldg(xb_row[mt] + p) : zero;
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      mma_bf16(acc, xa[u].x, xb[u].x, xa[u].y, xb[u].y, wv[u].x, wv[u].y);
-      mma_bf16(acc, xa[u].z, xb[u].z, xa[u].w, xb[u].w, wv[u].z, wv[u].w);
-    }
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_bf16(acc[mt], xa[u][mt].x, xb[u][mt].x, xa[u][mt].y, xb[u][mt].y, wv[u].x, wv[u].y);
+        mma_bf16(acc[mt], xa[u][mt].z, xb[u][mt].z, xa[u][mt].w, xb[u][mt].w, wv[u].z, wv[u].w);
+      }
   }
 
-  // acc: C[token g][col 2t, 2t+1], C[token g+8][col 2t, 2t+1] of this warp's 8 weight rows.
-  red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  // acc[mt]: C[token 16mt + g][col 2t, 2t+1], C[token 16mt + g + 8][col 2t, 2t+1] of this warp's 8 weight rows.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) red[warp][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
   __syncthreads();
-  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (wk == 0) {
-    s = red[wn][lane];
-    for (int j = 1; j < warps_k; ++j) add4(s, red[j * warps_n + wn][lane]);
-    if (S > 1) red[wn][lane] = s;  // read back only by this thread (j = 0) and by rank 0 below
+  float4 s[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    s[mt] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (wk == 0) {
+      s[mt] = red[wn][mt][lane];
+      for (int j = 1; j < warps_k; ++j) add4(s[mt], red[j * warps_n + wn][mt][lane]);
+      if (S > 1) red[wn][mt][lane] = s[mt];  // read back only by this thread (j = 0) and by rank 0 below
+    }
   }
   if (S > 1) {
     cluster_sync();
     if (rank == 0 && wk == 0) {
-      for (int r = 1; r < S; ++r) add4(s, ld_cluster(&red[wn][lane], r));
+      for (int r = 1; r < S; ++r)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) add4(s[mt], ld_cluster(&red[wn][mt][lane], r));
     }
     cluster_sync_relaxed();  // the other CTAs' shared memory must outlive rank 0's reads
     if (rank != 0) return;
   }
   if (wk != 0) return;
   const int col = n0 + 2 * t;
-  bf16* y0 = y + static_cast<size_t>(g) * n;
-  if (xa_ok) {
-    if (col < n) y0[col] = to_bf16(s.x);
-    if (col + 1 < n) y0[col + 1] = to_bf16(s.y);
-  }
-  if (xb_ok) {
-    bf16* y8 = y0 + static_cast<size_t>(8) * n;
-    if (col < n) y8[col] = to_bf16(s.z);
-    if (col + 1 < n) y8[col + 1] = to_bf16(s.w);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    OutT* y0 = y + static_cast<size_t>(16 * mt + g) * n;
+    if (xa_ok[mt]) {
+      if (col < n) y0[col] = out_value<OutT>(s[mt].x);
+      if (col + 1 < n) y0[col + 1] = out_value<OutT>(s[mt].y);
+    }
+    if (xb_ok[mt]) {
+      OutT* y8 = y0 + static_cast<size_t>(8) * n;
+      if (col < n) y8[col] = out_value<OutT>(s[mt].z);
+      if (col + 1 < n) y8[col + 1] = out_value<OutT>(s[mt].w);
+    }
   }
 }
 
 }  // namespace
 
-// x [m, k], w [n, k], y [m, n], all contiguous; grid ceil(n / (8 warps_n)) * S, block 256.
-#define LINEAR_ENTRY(NAME, MH, S, CLUSTER)                                                                  \
-  extern "C" __global__ void CLUSTER __launch_bounds__(kThreads, 2)                                       \
-      NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k, \
-           int warps_n) {                                                                                 \
-    linear_skinny<MH, S>(x, w, y, m, n, k, warps_n);                                                      \
+// x [m, k], w [n, k], y [m, n] (bf16, or fp32 for the *_f32 entries), all contiguous; grid
+// ceil(n / (8 warps_n)) * S, block 256; early: launched under PDL (see linear_skinny).
+#define LINEAR_ENTRY(NAME, MH, S, CLUSTER, OUT)                                                             \
+  extern "C" __global__ void CLUSTER __launch_bounds__(kThreads, MH == 8 ? 1 : 2)                                    \
+      NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, OUT* __restrict__ y, int m, int n, int k,  \
+           int warps_n, int early) {                                                                      \
+    linear_skinny<MH, S, OUT>(x, w, y, m, n, k, warps_n, early);                                          \
   }
+#define LINEAR_SPLITS(STEM, MH, OUT)                                  \
+  LINEAR_ENTRY(STEM##_s1, MH, 1, , OUT)                               \
+  LINEAR_ENTRY(STEM##_s2, MH, 2, __cluster_dims__(2, 1, 1), OUT)      \
+  LINEAR_ENTRY(STEM##_s4, MH, 4, __cluster_dims__(4, 1, 1), OUT)      \
+  LINEAR_ENTRY(STEM##_s8, MH, 8, __cluster_dims__(8, 1, 1), OUT)
 
-LINEAR_ENTRY(linear_m8_s1, 1, 1, )
-LINEAR_ENTRY(linear_m8_s2, 1, 2, __cluster_dims__(2, 1, 1))
-LINEAR_ENTRY(linear_m8_s4, 1, 4, __cluster_dims__(4, 1, 1))
-LINEAR_ENTRY(linear_m8_s8, 1, 8, __cluster_dims__(8, 1, 1))
-LINEAR_ENTRY(linear_m16_s1, 2, 1, )
-LINEAR_ENTRY(linear_m16_s2, 2, 2, __cluster_dims__(2, 1, 1))
-LINEAR_ENTRY(linear_m16_s4, 2, 4, __cluster_dims__(4, 1, 1))
-LINEAR_ENTRY(linear_m16_s8, 2, 8, __cluster_dims__(8, 1, 1))
+LINEAR_SPLITS(linear_m8, 1, bf16)
+LINEAR_SPLITS(linear_m16, 2, bf16)
+LINEAR_SPLITS(linear_m32, 4, bf16)
+LINEAR_SPLITS(linear_m64, 8, bf16)
+LINEAR_SPLITS(linear_m8_f32, 1, float)
+LINEAR_SPLITS(linear_m16_f32, 2, float)
+LINEAR_SPLITS(linear_m32_f32, 4, float)
+LINEAR_SPLITS(linear_m64_f32, 8, float)

@@ -122,7 +122,8 @@ class ModelRunner:
             rows = None if tree else np.arange(b)
             table = np.zeros((b, self.page_width), np.int32)  # page 0 stands in: only capacity matters
             plan = be.mla_attention_plan(worst, num_new, table, model.dims.num_heads, self.cache.page_size,
-                                         self.cache.num_pages, mask, check_mask=False, replay=True)
+                                         self.cache.num_pages, mask, check_mask=False, replay=True,
+                                         split=model.attention_split(b * n))
             inputs = StepInputs(ForwardBatch([None] * b, worst, num_new, np.zeros(b * n, np.int32), pos),
                                 be.asarray(np.zeros(b * n, np.int32)), be.asarray(pos),
                                 be.zeros((b * n,), "int32"), plan,

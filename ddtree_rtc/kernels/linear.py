@@ -1,5 +1,6 @@
 """Dense bf16 linear y = x @ weight^T (fp32 accumulate): our skinny-M kernel for decode shapes
-(cuda_src/linear.cu, M <= 16), cuBLAS gemmEx for everything else.
+(cuda_src/linear.cu, M <= 16; M <= 64 and fp32 out too for impl="invariant", the small-M path's
+row-invariant plan), cuBLAS gemmEx for everything else.
 
 cuBLAS: row-major y [M, N] is column-major y^T [N, M] = weight (col-major [K, N], transposed) x x^T
 (col-major [K, M]), so one gemmEx with op(A) = T on the weight covers any M, N, K.
@@ -12,21 +13,26 @@ CTAs along K) so that enough 16-byte loads are in flight on every SM without a l
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import _cublas
 from ._args import BF16, check, out_array
-from ._launch import sm_count
+from ._launch import launch, pdl_supported, sm_count
 from .registry import module
 
 # Host scalars for alpha/beta (host pointer mode); module-level so the pointers stay valid.
 _ALPHA = np.ones(1, dtype=np.float32)
 _BETA = np.zeros(1, dtype=np.float32)
 
-IMPLS = ("auto", "skinny", "cublas")
+IMPLS = ("auto", "skinny", "cublas", "invariant")
 SKINNY_MAX_M = 16
+# impl="invariant" (the small-M path): the skinny kernel for M <= 64 with the K split planned from
+# (N, K) alone, so a row's sums do not depend on M or on the other rows
+INVARIANT_MAX_M = 64
+_INVARIANT_PLAN_M = 8
 # auto: skinny for M <= 8 on mid-sized weights (1M..64M elements), where cuBLAS leaves read bandwidth
 # unused; the largest weights (dense MLP, lm_head) cuBLAS already reads near the ceiling, and at
 # M = 16 the skinny kernel stops winning (`bench linear`; figures: benchmarks/README.md, Linear).
@@ -80,19 +86,36 @@ def skinny_plan(m: int, n: int, k: int, sms: int) -> SkinnyPlan:
     return SkinnyPlan(f"linear_m{8 if m <= 8 else 16}_s{s}", -(-n // (8 * wn)) * s, wn, s, est)
 
 
-def skinny_fits(x, weight) -> bool:
-    """Whether the skinny kernel can run at all: M <= 16, K % 8 == 0, 16-byte aligned x and weight."""
+def invariant_plan(m: int, n: int, k: int, sms: int, f32: bool = False) -> SkinnyPlan:
+    """The row-invariant plan: (warps_n, split) from (N, K) and the GPU alone, the entry's token
+    tiles (8, 16, 32, 64 rows) from M; bf16 or fp32 (``f32``) output."""
+    if not 1 <= m <= INVARIANT_MAX_M:
+        raise ValueError(f"invariant linear: M = {m} outside 1..{INVARIANT_MAX_M}")
+    base = skinny_plan(_INVARIANT_PLAN_M, n, k, sms)
+    mt = next(v for v in (8, 16, 32, 64) if m <= v)
+    return SkinnyPlan(f"linear_m{mt}{'_f32' if f32 else ''}_s{base.split}", base.grid, base.warps_n, base.split,
+                      base.est_us)
+
+
+def skinny_fits(x, weight, max_m: int = SKINNY_MAX_M) -> bool:
+    """Whether the skinny kernel can run at all: M <= max_m, K % 8 == 0, 16-byte aligned x and weight."""
     m, k = x.shape
     n = weight.shape[0]
-    return (1 <= m <= SKINNY_MAX_M and k % 8 == 0 and n < 2**31 and k < 2**31
+    return (1 <= m <= max_m and k % 8 == 0 and n < 2**31 and k < 2**31
             and x.data.ptr % 16 == 0 and weight.data.ptr % 16 == 0)
 
 
 def route(x, weight, impl: str = "auto") -> str:
-    """'skinny' or 'cublas' for these operands. impl='skinny' takes the kernel wherever it fits at
-    all (odd K or unaligned pointers still go to cuBLAS); 'auto' only on the shapes where it should win."""
+    """'skinny', 'cublas' or 'invariant' for these operands. impl='skinny' takes the kernel wherever
+    it fits at all (odd K or unaligned pointers still go to cuBLAS); 'auto' only on the shapes where it
+    should win; 'invariant' always (an error where it cannot run: no silent non-invariant fallback)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+    if impl == "invariant":
+        if not skinny_fits(x, weight, INVARIANT_MAX_M):
+            raise ValueError(f"linear impl='invariant': needs 1 <= M <= {INVARIANT_MAX_M}, K % 8 == 0 and 16-byte "
+                             f"aligned x and weight; got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        return "invariant"
     if impl == "cublas" or not skinny_fits(x, weight):
         return "cublas"
     if impl == "skinny":
@@ -115,17 +138,38 @@ def _cublas_linear(x, weight, y, m: int, n: int, k: int) -> None:
                     _BETA.ctypes.data, y.data.ptr, y_type, n, _cublas.COMPUTE_32F, _cublas.GEMM_DEFAULT)
 
 
-def _skinny_linear(x, weight, y, m: int, n: int, k: int) -> None:
-    plan = skinny_plan(m, n, k, sm_count(x.device.id))
-    module("linear").fn(plan.entry)((plan.grid,), (_THREADS,),
-                                    (x, weight, y, np.int32(m), np.int32(n), np.int32(k), np.int32(plan.warps_n)))
+_PDL_REFUSED: list = []  # the driver's error, once a PDL launch of the skinny kernel was refused
+
+
+@functools.cache
+def _pdl(device_id: int) -> bool:
+    return pdl_supported()
+
+
+def _skinny_linear(x, weight, y, m: int, n: int, k: int, invariant: bool = False) -> None:
+    """The skinny kernel; on the small-M path (``invariant``) launched under PDL where the GPU has
+    it, its weights moving to L2 while the previous kernel finishes (linear.cu, early)."""
+    sms = sm_count(x.device.id)
+    plan = invariant_plan(m, n, k, sms, y.dtype == np.float32) if invariant else skinny_plan(m, n, k, sms)
+    early = invariant and _pdl(x.device.id) and not _PDL_REFUSED
+    fn = module("linear").fn(plan.entry)
+    args = (x, weight, y, np.int32(m), np.int32(n), np.int32(k), np.int32(plan.warps_n))
+    if early:
+        try:
+            launch(fn, (plan.grid,), (_THREADS,), args + (np.int32(1),), pdl=True)
+            return
+        except RuntimeError as e:  # a driver that refuses PDL with a cluster kernel: plain launches from now on
+            _PDL_REFUSED.append(str(e))
+            warnings.warn(f"linear: PDL launch refused ({e}); the small-M linears launch plainly", stacklevel=2)
+    launch(fn, (plan.grid,), (_THREADS,), args + (np.int32(0),))
 
 
 def linear(x, weight, out=None, impl: str = "auto"):
     """x [M, K] bf16, weight [N, K] bf16 -> [M, N] bf16 (fp32 accumulate, one rounding), or fp32
-    unrounded when ``out`` is an fp32 array (a tensor-parallel partial sum; always cuBLAS).
-    ``impl``: 'auto' | 'skinny' | 'cublas' (see ``route``); all give the same values up to fp32
-    summation order."""
+    unrounded when ``out`` is an fp32 array (a tensor-parallel partial sum; cuBLAS unless 'invariant').
+    ``impl``: 'auto' | 'skinny' | 'cublas' | 'invariant' (see ``route``); all give the same values up
+    to fp32 summation order. 'invariant' (M <= 64, bf16 or fp32 out) sums every row the same way
+    whatever M is: the small-M path's linear."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     check("x", x, BF16, ndim=2)
@@ -141,7 +185,10 @@ def linear(x, weight, out=None, impl: str = "auto"):
     if k == 0:
         y.fill(0)
         return y
-    if not f32_out and route(x, weight, impl) == "skinny":
+    path = route(x, weight, impl)
+    if path == "invariant":
+        _skinny_linear(x, weight, y, m, n, k, invariant=True)
+    elif not f32_out and path == "skinny":
         _skinny_linear(x, weight, y, m, n, k)
     else:
         _cublas_linear(x, weight, y, m, n, k)

@@ -21,6 +21,7 @@ from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from . import _cublas
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import sm_count
+from .mla_small import mla_head_gemm_small
 from .registry import module
 
 MIN_SPLIT = 256  # fewest cache rows per CTA: below that the partial write and merge dominate
@@ -133,6 +134,61 @@ def split_work(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_split: int 
     return work, cta_work, merge.astype(np.int32).reshape(-1, _MERGE_INTS), int(pieces[cut].sum())
 
 
+# split="shape" (the small-M path's row-invariant schedule): a token's context is cut into about this
+# many pieces over all its head tiles together, the piece size set by that token's own context
+SHAPE_SPLIT_PIECES = 32
+SPLITS = ("ctas", "shape")
+
+
+def shape_split_variant(smem_limit: int) -> str:
+    """The one tile variant of split="shape" on this GPU (never chosen by the batch): d16, or where
+    its shared memory does not fit (sm_120: 99 KB), small."""
+    for v in ("d16", "small"):
+        if _smem_bytes(v) <= smem_limit:
+            return v
+    raise RuntimeError(f"MLA attention needs {_smem_bytes('small')} bytes of shared memory per block; "
+                       f"this GPU allows {smem_limit}")
+
+
+def shape_pieces(num_heads: int, bm: int) -> int:
+    """The most pieces one tile's positions are cut into under split="shape"."""
+    return max(1, SHAPE_SPLIT_PIECES // _cdiv(num_heads, bm))
+
+
+def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_split: int = MIN_SPLIT):
+    """The row-invariant schedule, in split_work's format. A query tile holds one token's heads (up
+    to BM of them); its positions [0, ctx + j + 1) are cut into pieces of a size fixed by that length
+    alone (a multiple of BN, at least ``min_split`` rows, at most ``shape_pieces`` pieces), and the
+    pieces are dealt to the CTAs in order. So every row is computed from the same pieces in the same
+    order, merged the same way, whatever the batch around it and whatever the grid."""
+    h = batch.num_heads
+    tpt = _cdiv(h, bm)
+    tokens = batch.total_tokens
+    tok_req = np.repeat(np.arange(batch.batch), batch.num_new)
+    tok_idx = np.arange(tokens) - np.repeat(batch.q_start, batch.num_new)
+    req, j, i = np.repeat(tok_req, tpt), np.repeat(tok_idx, tpt), np.tile(np.arange(tpt), tokens)
+    m0 = j * h + i * bm
+    m_count = np.minimum(bm, h - i * bm)
+    kv_len = batch.ctx_lens[req] + j + 1
+    units = _cdiv(kv_len, bn)
+    per = np.maximum(_cdiv(min_split, bn), _cdiv(units, shape_pieces(h, bm)))
+    pieces = _cdiv(units, per)
+    tile = np.repeat(np.arange(len(req)), pieces)
+    k = np.arange(len(tile)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    kv_begin = k * per[tile] * bn
+    kv_end = np.minimum((k + 1) * per[tile] * bn, kv_len[tile])
+    cut = pieces > 1
+    p_first = np.cumsum(np.where(cut, pieces, 0)) - np.where(cut, pieces, 0)
+    work = np.zeros((len(tile), _WORK_INTS), dtype=np.int32)
+    work[:, 0], work[:, 1], work[:, 2] = req[tile], m0[tile], m_count[tile]
+    work[:, 3], work[:, 4], work[:, 5] = kv_begin, kv_end, np.where(cut[tile], p_first[tile] + k, -1)
+    work[:, 6] = np.where(cut[tile], (np.cumsum(cut) - 1)[tile], -1)
+    cta_work = (np.arange(num_ctas + 1, dtype=np.int64) * len(tile) // num_ctas).astype(np.int32)
+    t = np.flatnonzero(cut)
+    merge = np.stack([p_first[t], pieces[t], batch.q_start[req[t]] * h + m0[t], m_count[t]], axis=1)
+    return work, cta_work, merge.astype(np.int32).reshape(-1, _MERGE_INTS), int(pieces[cut].sum())
+
+
 @dataclass
 class MLAPlan:
     batch: MLABatch
@@ -154,6 +210,7 @@ class MLAPlan:
     owns_mask: bool  # False: the caller's device array, used in place
     o_part: object  # cupy f32 [2 * grid, BM, 512] (cut tiles have fewer than 2 * grid pieces)
     lse_part: object  # cupy f32 [2 * grid, BM]
+    split: str = "ctas"  # "shape": split_work_by_shape (row-invariant), else split_work
 
 
 def _host(name, a, dtype):
@@ -187,7 +244,7 @@ def _props_of(device_id: int, arch_override: str | None) -> tuple[int, int, bool
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
                        tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None,
-                       replay: bool = False):
+                       replay: bool = False, split: str | None = None):
     """Validate the batch and lay out the work (see the module doc of ddtree_rtc.reference.mla_attention).
     ``page_table``, ``ctx_lens``, ``num_new``: host or device integer arrays (copied). ``tree_mask``:
     None (causal), a host uint64 array (checked, copied) or a device one (used in place; its contents
@@ -195,7 +252,9 @@ def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size:
     CTAs to aim the split-K at (default: the GPU's SM count). ``into``: an earlier plan whose device
     buffers, grid and tile variant are reused (for CUDA-graph replay). ``replay``: this plan is a
     template that later plans are written ``into`` (it always launches the merge kernel, which reads
-    how many tiles were cut from device memory)."""
+    how many tiles were cut from device memory). ``split``: "ctas" (default: the positions of all
+    tiles spread evenly over the CTAs) or "shape" (split_work_by_shape: each row's pieces fixed by its
+    own context, so its bits do not depend on the batch)."""
     import cupy
 
     dev_mask = tree_mask if isinstance(tree_mask, cupy.ndarray) else None
@@ -210,20 +269,23 @@ def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size:
                            _host("page_table", page_table, np.int32), num_heads, page_size, num_pages,
                            host_mask, check_mask,
                            mask_shape=None if dev_mask is None else (dev_mask.shape, dev_mask.dtype))
-    return build_plan(batch, dev_mask, num_sms=num_sms, into=into, replay=replay)
+    return build_plan(batch, dev_mask, num_sms=num_sms, into=into, replay=replay, split=split)
 
 
 def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, variant: str | None = None,
-               into: MLAPlan | None = None, replay: bool = False) -> MLAPlan:
+               into: MLAPlan | None = None, replay: bool = False, split: str | None = None) -> MLAPlan:
     """Lay out a validated batch. ``dev_mask``: the caller's device mask, used in place (otherwise
     ``batch.tree_mask`` is uploaded). ``variant``: force a tile variant (every variant computes the
     same result; the default picks the fastest that fits the GPU). Split tiles are merged by a
     second launch (variants tried and dropped: benchmarks/README.md, mla_attention)."""
     import cupy
 
+    split = _split_mode(split, into)
     sms, smem_limit, wgmma = _device_props()
     if into is not None:
         variant = into.variant
+    elif variant is None and split == "shape":
+        variant = shape_split_variant(smem_limit)
     elif variant is None:
         variant = _pick_variant(int(batch.num_new.max()) * batch.num_heads, bool((batch.num_new == 1).all()),
                                 smem_limit, batch.batch, wgmma, int(batch.ctx_lens.max()))
@@ -238,10 +300,21 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
     bm, bn, nw = v.bm, v.bn, v.warps
     allow_dynamic_smem(module("mla_attention").fn(_kernel_name(variant)), _smem_bytes(variant))
     grid = into.grid if into is not None else (num_sms or sms)
-    work, cta_work, merge, partials = split_work(batch, bm, bn, grid, v.min_split)
+    if split == "shape":
+        work, cta_work, merge, partials = split_work_by_shape(batch, bm, bn, grid, v.min_split)
+        tiles = batch.total_tokens * _cdiv(batch.num_heads, bm)
+        merge_cap, part_cap = tiles, tiles * shape_pieces(batch.num_heads, bm)
+    else:
+        work, cta_work, merge, partials = split_work(batch, bm, bn, grid, v.min_split)
+        merge_cap, part_cap = grid, 2 * grid
     req_info = np.zeros((batch.batch, _REQ_INTS), dtype=np.int32)
     req_info[:, 0], req_info[:, 1], req_info[:, 2] = batch.ctx_lens, batch.num_new, batch.q_start
-    merges = np.zeros((grid, _MERGE_INTS), np.int32)
+    if into is not None:
+        merge_cap = into.merge.shape[0]
+        if partials > into.o_part.shape[0] or len(merge) > merge_cap:
+            raise ValueError(f"plan does not fit into the given plan: {partials} partials / {len(merge)} cut tiles > "
+                             f"its {into.o_part.shape[0]} / {merge_cap}")
+    merges = np.zeros((merge_cap, _MERGE_INTS), np.int32)
     merges[:len(merge)] = merge
     host_mask = batch.tree_mask
     if into is not None:
@@ -250,8 +323,9 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
     if owns_mask:
         dev_mask = cupy.asarray(host_mask)
     # Room for any plan of this batch shape: one item per query tile plus one per CTA boundary that
-    # cuts a tile (a shorter context can cut more tiles than this plan does).
-    capacity = int(_cdiv(batch.num_new * batch.num_heads, bm).sum()) + grid
+    # cuts a tile (a shorter context can cut more tiles than this plan does); split="shape": at most
+    # shape_pieces items per tile.
+    capacity = part_cap if split == "shape" else int(_cdiv(batch.num_new * batch.num_heads, bm).sum()) + grid
     work_buf = np.zeros((capacity, _WORK_INTS), np.int32)
     work_buf[:len(work)] = work
     return MLAPlan(
@@ -260,8 +334,19 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
         num_merge=len(merge), work=cupy.asarray(work_buf), cta_work=cupy.asarray(cta_work), merge=cupy.asarray(merges),
         merge_count=cupy.asarray(np.array([len(merge)], np.int32)), req_info=cupy.asarray(req_info),
         page_table=cupy.asarray(batch.page_table), mask=dev_mask, owns_mask=owns_mask,
-        o_part=cupy.empty((2 * grid, bm, DV), dtype=cupy.float32),
-        lse_part=cupy.empty((2 * grid, bm), dtype=cupy.float32))
+        o_part=cupy.empty((part_cap, bm, DV), dtype=cupy.float32),
+        lse_part=cupy.empty((part_cap, bm), dtype=cupy.float32), split=split)
+
+
+def _split_mode(split: str | None, into: MLAPlan | None) -> str:
+    """The plan's schedule: ``split`` (default "ctas"), or with ``into`` that plan's."""
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {SPLITS} (or None)")
+    if into is not None:
+        if split is not None and split != into.split:
+            raise ValueError(f"split={split!r} differs from the plan given as into= (split={into.split!r})")
+        return into.split
+    return split or "ctas"
 
 
 def _kernel_name(variant: str) -> str:
@@ -340,9 +425,10 @@ def _strides_elems(name: str, a) -> tuple[int, ...]:
     return st
 
 
-def mla_head_gemm(x, w, trans_w: bool, out=None):
+def mla_head_gemm(x, w, trans_w: bool, out=None, impl: str = "auto"):
     """Per head h: ``out[:, h] = x[:, h] @ (w[h].T if trans_w else w[h])`` through one strided-batched
-    cuBLAS GEMM (bf16 in/out, fp32 accumulate). x [T, H, K]; w [H, N, K] (trans_w) or [H, K, N];
+    cuBLAS GEMM (bf16 in/out, fp32 accumulate), or with ``impl="invariant"`` (T <= 64, the small-M
+    path) the row-invariant kernel of kernels/mla_small.py. x [T, H, K]; w [H, N, K] (trans_w) or [H, K, N];
     out [T, H, N]. Any of them may be a view with a contiguous last dim (e.g. q[:, :, :128],
     kv_b.reshape(H, 256, 512)[:, :128], q_att[:, :, :512])."""
     import cupy
@@ -360,6 +446,10 @@ def mla_head_gemm(x, w, trans_w: bool, out=None):
     check("out", out, BF16, shape=(t, h, n), contiguous=False)
     if t == 0 or h == 0 or n == 0:
         return out
+    if impl not in ("auto", "invariant"):
+        raise ValueError(f"impl={impl!r}: expected 'auto' or 'invariant'")
+    if impl == "invariant":
+        return mla_head_gemm_small(x, w, trans_w, out)
     xs, ws, ys = _strides_elems("x", x), _strides_elems("w", w), _strides_elems("out", out)
     if not ((ys[1] >= n and ys[0] >= h * ys[1]) or (ys[0] >= n and ys[1] >= t * ys[0])):
         raise ValueError(f"out: strides {out.strides} make heads or tokens overlap")

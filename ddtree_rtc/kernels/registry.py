@@ -12,9 +12,11 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "RoPE in place on a slice of each head: interleaved pairs (GPT-J/MLA) or rotate-half"),
     KernelSpec("embedding", ("embedding_kernel",), "embedding row gather by token id"),
     KernelSpec("silu_mul", ("silu_mul_kernel",), "SiLU(gate) * up over a fused [gate | up] input"),
-    KernelSpec("linear", tuple(f"linear_m{mt}_s{s}" for mt in (8, 16) for s in (1, 2, 4, 8)),
-               "skinny-M dense bf16 linear for decode (M <= 16): weights streamed once with 16-byte loads "
-               "through mma.sync, K split over warps and a cluster of 1/2/4/8 CTAs, fixed-order reduction"),
+    KernelSpec("linear", tuple(f"linear_m{mt}{o}_s{s}" for o in ("", "_f32") for mt in (8, 16, 32, 64)
+                               for s in (1, 2, 4, 8)),
+               "skinny-M dense bf16 linear for decode (M <= 64; bf16 or fp32 out): weights streamed once with "
+               "16-byte loads through mma.sync, K split over warps and a cluster of 1/2/4/8 CTAs, fixed-order "
+               "reduction (a row's sums depend only on the split: the small-M path's row-invariant linear)"),
     KernelSpec("sampling", ("argmax_kernel", "sample_kernel"),
                "argmax and seeded temperature / top-p sampling over the vocabulary"),
     # -- DDTree (issue: tree build) --
@@ -44,6 +46,14 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "with SiLU*up, down, split-K reduce, weighted top-k combine",
                params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4,
                        "MOE_NT4_WEIGHTS_NORMAL": 1}),
+    KernelSpec("moe_small", ("moe_small_gate_up", "moe_small_down", "moe_small_dense_s1", "moe_small_dense_s2",
+                             "moe_small_dense_s4", "moe_small_dense_s8"),
+               "row-invariant INT4 MoE experts for M <= 64 tokens (the small-M path): routed gate_up with "
+               "SiLU*up (K over the CTA's warps, summed in warp order), then down + weighted combine + shared "
+               "(whole K per warp, slots in order) under PDL; each CTA rebuilds the routing from the ids, "
+               "no align step, no atomics in sums; moe_small_dense: the router logits and the shared expert's gate_up "
+               "with SiLU*up in one skinny launch",
+               params={"MOE_SMALL_STAGES": 4}),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),
                "paged KV cache: write rows at slots; DDTree commit of accepted rows, in place, all layers"),
@@ -53,6 +63,12 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "absorbed MLA attention over the paged latent cache (decode / tree verify / causal "
                "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge",
                arch_specific=True),
+    KernelSpec("mla_small", ("mla_head_gemm_small", "mla_query_small", "mla_kv_rows_small",
+                             *(f"mla_qkv_a_small_s{s}" for s in (1, 2, 4, 8))),
+               "the small-M path's row-invariant MLA pieces for T <= 64 tokens: the head GEMMs (W_UK "
+               "absorption, W_UV expansion; one thread per output, k summed in a fixed order), q_a and kv_a in one "
+               "skinny launch, the absorbed query with its RoPE in one launch, and the cache rows (norm, "
+               "RoPE, write) in one launch"),
     # -- the DFlash drafter's attention --
     KernelSpec("gqa_attention", ("gqa_attention_d64_kernel", "gqa_attention_d128_kernel",
                                  "gqa_attention_merge_kernel"),

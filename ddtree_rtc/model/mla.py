@@ -67,6 +67,12 @@ class MLAWeights:
         return self.kv_b.reshape(dims.num_heads, dims.qk_nope + dims.v_head, dims.kv_lora)[:, dims.qk_nope:]
 
 
+def fused_rows(dims: MLADims) -> bool:
+    """Whether the small-M path's one-launch query and cache-row kernels (kernels/mla_small.py) take
+    these dims: the 512 + 64 latent row, q_nope a multiple of 4."""
+    return dims.kv_lora == 512 and dims.qk_rope == 64 and dims.qk_nope % 4 == 0
+
+
 def softmax_scale(qk_head_dim: int, rope_scaling: dict | None = None) -> float:
     """qk_head_dim^-0.5 · mscale², mscale = yarn_mscale(factor, mscale_all_dim) when YaRN gives one."""
     scale = qk_head_dim ** -0.5
@@ -86,39 +92,59 @@ def rope_scale(rope_scaling: dict | None = None) -> float:
         factor, float(rope_scaling.get("mscale_all_dim", 0) or 0))
 
 
-def mla_query(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, rope_scale: float = 1.0):
-    """x [T, hidden] bf16 -> absorbed query [T, H, kv_lora + qk_rope] bf16."""
+def mla_query(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, rope_scale: float = 1.0,
+              impl: str = "auto"):
+    """x [T, hidden] bf16 -> absorbed query [T, H, kv_lora + qk_rope] bf16. ``impl``: the linears'
+    kernel choice (``backend.linear``; 'invariant' on the small-M path)."""
     t, h = x.shape[0], dims.num_heads
-    cq = x if w.q_a is None else backend.rmsnorm(backend.linear(x, w.q_a), w.q_a_norm, eps)
-    q = backend.linear(cq, w.q_b).reshape(t, h, dims.qk_head)
+    cq = x if w.q_a is None else backend.rmsnorm(backend.linear(x, w.q_a, impl=impl), w.q_a_norm, eps)
+    q = backend.linear(cq, w.q_b, impl=impl).reshape(t, h, dims.qk_head)
     q_att = backend.empty((t, h, dims.row), "bf16")
-    backend.mla_head_gemm(q[:, :, :dims.qk_nope], w.w_uk(dims), False, out=q_att[:, :, :dims.kv_lora])
+    backend.mla_head_gemm(q[:, :, :dims.qk_nope], w.w_uk(dims), False, out=q_att[:, :, :dims.kv_lora], impl=impl)
     q_att[:, :, dims.kv_lora:] = q[:, :, dims.qk_nope:]
     return backend.rope(q_att, positions, inv_freq, dims.kv_lora, dims.qk_rope, "interleaved", rope_scale)
 
 
 def mla_kv_rows(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float,
-                rope_scale: float = 1.0):
+                rope_scale: float = 1.0, impl: str = "auto"):
     """x [T, hidden] bf16 -> cache rows [T, kv_lora + qk_rope] = [RMSNorm(c) | RoPE(k_pe)] bf16."""
-    kv = backend.linear(x, w.kv_a)
+    kv = backend.linear(x, w.kv_a, impl=impl)
     c = backend.xp.ascontiguousarray(kv[:, :dims.kv_lora])
     kv[:, :dims.kv_lora] = backend.rmsnorm(c, w.kv_a_norm, eps)
     return backend.rope(kv, positions, inv_freq, dims.kv_lora, dims.qk_rope, "interleaved", rope_scale)
 
 
-def mla_output(backend, o_lat, w: MLAWeights, dims: MLADims, out=None):
+def _small_query_and_rows(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, cache, slots,
+                          rope_scale: float):
+    """The small-M path's query and cache rows in five launches instead of ten: q_a and kv_a in one,
+    the q_a norm, q_b, the absorbed query with its RoPE in one, the cache rows (norm, RoPE, write) in
+    one. Same numbers as ``mla_query`` + ``mla_kv_rows`` on numpy (the twins compose them)."""
+    t, h = x.shape[0], dims.num_heads
+    qa, kv = backend.mla_qkv_a_small(x, w.q_a, w.kv_a)
+    q = backend.linear(backend.rmsnorm(qa, w.q_a_norm, eps), w.q_b, impl="invariant").reshape(t, h, dims.qk_head)
+    q_att = backend.mla_query_small(q, w.w_uk(dims), positions, inv_freq, rope_scale)
+    backend.mla_kv_rows_small(kv, w.kv_a_norm, eps, positions, inv_freq, rope_scale, cache, slots)
+    return q_att
+
+
+def mla_output(backend, o_lat, w: MLAWeights, dims: MLADims, out=None, impl: str = "auto"):
     """o_lat [T, H, kv_lora] bf16 -> attention output [T, hidden] bf16 (W_UV expansion, then o_proj);
     into ``out`` when given (fp32: a tensor-parallel rank's unrounded partial)."""
     t = o_lat.shape[0]
-    o = backend.mla_head_gemm(o_lat, w.w_uv(dims), True)
-    return backend.linear(o.reshape(t, dims.num_heads * dims.v_head), w.o, out=out)
+    o = backend.mla_head_gemm(o_lat, w.w_uv(dims), True, impl=impl)
+    return backend.linear(o.reshape(t, dims.num_heads * dims.v_head), w.o, out=out, impl=impl)
 
 
 def mla_forward(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, cache, slots, plan,
-                scale: float, rope_scale: float = 1.0, out=None):
+                scale: float, rope_scale: float = 1.0, out=None, impl: str = "auto"):
     """One MLA attention block for the new tokens ``x`` of a planned batch: their cache rows are
-    written at ``slots`` of ``cache`` (one layer) first, then every token attends as ``plan`` says."""
-    q_att = mla_query(backend, x, w, dims, positions, inv_freq, eps, rope_scale)
-    backend.kv_cache_write(cache, mla_kv_rows(backend, x, w, dims, positions, inv_freq, eps, rope_scale), slots)
+    written at ``slots`` of ``cache`` (one layer) first, then every token attends as ``plan`` says.
+    ``impl``: the linears' kernel choice ('invariant' on the small-M path)."""
+    if impl == "invariant" and fused_rows(dims) and w.q_a is not None:
+        q_att = _small_query_and_rows(backend, x, w, dims, positions, inv_freq, eps, cache, slots, rope_scale)
+    else:
+        q_att = mla_query(backend, x, w, dims, positions, inv_freq, eps, rope_scale, impl)
+        backend.kv_cache_write(cache, mla_kv_rows(backend, x, w, dims, positions, inv_freq, eps, rope_scale, impl),
+                               slots)
     o_lat, _ = backend.mla_attention(plan, q_att, cache, scale)
-    return mla_output(backend, o_lat, w, dims, out)
+    return mla_output(backend, o_lat, w, dims, out, impl)

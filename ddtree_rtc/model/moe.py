@@ -92,9 +92,12 @@ class MoELayerWeights:
 
 
 def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None,
-        shared_out=None):
+        shared_out=None, small: bool = False, invariant: bool = True):
     """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for
-    graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``. On a tensor- or expert-parallel
+    graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``. ``small`` (M <= 64, the small-M
+    path): the experts run ``moe_small_experts`` (``plan`` from ``moe_small_plan``), and with
+    ``invariant`` the router (when bf16) and the shared expert run the row-invariant linear, so each
+    token's output is the same bits whatever M is. On a tensor- or expert-parallel
     shard y is this rank's partial sum (its experts' or intermediate slice's share plus its share of
     the shared expert), unrounded fp32 when ``out`` is fp32; the caller all-reduces it. With
     ``shared_out`` (fp32 [M, H]) the shared expert's partial goes there instead of into y, so the
@@ -104,16 +107,30 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
         raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {tuple(x.shape)}")
     if rc.num_experts != lw.num_experts:
         raise ValueError(f"routing config has {rc.num_experts} experts, the layer weights {lw.num_experts}")
-    logits = backend.router_logits(x, lw.gate_weight)
+    impl = "invariant" if small and invariant else "auto"
+    hs = None  # the shared expert's SiLU(gate) * up, when the dense launch made it
+    if impl == "invariant" and lw.gate_weight.dtype != np.float32 and lw.shared_w13 is not None and \
+            lw.num_experts % 8 == 0 and lw.shared_w13.shape[0] % 8 == 0:
+        logits, hs = backend.moe_small_dense(x, lw.gate_weight, lw.shared_w13)
+    elif impl == "invariant" and lw.gate_weight.dtype != np.float32:
+        logits = backend.linear(x, lw.gate_weight, out=backend.empty((x.shape[0], lw.num_experts), "fp32"),
+                                impl=impl)
+    else:
+        logits = backend.router_logits(x, lw.gate_weight)
     ids, w = backend.moe_route(logits, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group,
                                rc.norm_topk_prob, rc.routed_scaling_factor)
-    if lw.is_expert_shard:  # ids of other ranks' experts fall outside [0, local E): they contribute nothing
+    if lw.is_expert_shard and not small:  # ids of other ranks' experts fall outside [0, local E): nothing
         ids = ids - backend.xp.int32(lw.expert_offset)
     shared = None
     if lw.shared_w13 is not None:
-        shared = backend.linear(backend.silu_mul(backend.linear(x, lw.shared_w13)), lw.shared_w2, out=shared_out)
+        if hs is None:
+            hs = backend.silu_mul(backend.linear(x, lw.shared_w13, impl=impl))
+        shared = backend.linear(hs, lw.shared_w2, out=shared_out, impl=impl)
     elif shared_out is not None:
         shared_out[...] = 0
+    if small:
+        return backend.moe_small_experts(x, ids, w, lw.experts, shared=None if shared_out is not None else shared,
+                                         out=out, plan=plan, check_ids=False, id_offset=lw.expert_offset)
     return backend.moe_experts(x, ids, w, lw.experts, shared=None if shared_out is not None else shared, out=out,
                                plan=plan, check_ids=False)
 

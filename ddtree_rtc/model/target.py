@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..dist.comm import Communicator, SingleRank
+from ..reference.moe_small import check_small_shape
 from ..reference.rope import rope_inv_freq
 from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig, load_config
@@ -28,6 +29,8 @@ from .int4_repack import GROUP, TILE_K
 from .mla import MLADims, MLAWeights, mla_forward, rope_scale
 from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe, to_backend
 from .shard import Shard
+
+SMALL_M_MAX_TOKENS = 64  # the small-M path's rows (an AR batch or a whole tree verify)
 
 # HF DeepseekV3 (and DeepSeek's own code) build the q_a / kv_a norms with the default eps, not the config's.
 LATENT_NORM_EPS = 1e-6
@@ -118,10 +121,14 @@ class StepInputs:
 
 class TargetModel:
     def __init__(self, cfg: ModelConfig, backend, embed, layers: list[Layer], final_norm, lm_head,
-                 shard: Shard | None = None, comm: Communicator | None = None):
+                 shard: Shard | None = None, comm: Communicator | None = None, small_m_path: bool = True,
+                 batch_invariant: bool = True):
         """``shard``: the part of the model these weights are (whole by default); ``comm``: the
-        communicator of its ranks (``shard.world`` of them)."""
+        communicator of its ranks (``shard.world`` of them). ``small_m_path`` / ``batch_invariant``:
+        see ``small_m`` (the pipeline keys runtime.small_m_path / runtime.batch_invariant)."""
         self.cfg, self.backend = cfg, backend
+        self.small_m_path, self.batch_invariant = bool(small_m_path), bool(batch_invariant)
+        self._small_fits: dict[int, bool] = {}
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.shard, self.comm = shard or Shard(), comm or SingleRank()
         if self.comm.world_size != self.shard.world or self.comm.rank != self.shard.rank:
@@ -160,11 +167,41 @@ class TargetModel:
                     m.experts.w13_scale, m.experts.w2, m.experts.w2_scale)
         return sum(arrays.values())
 
+    def small_m(self, num_tokens: int) -> bool:
+        """Whether a forward of ``num_tokens`` rows takes the small-M path (docs/architecture.md, "The
+        small-M path"): ``small_m_path`` on and M <= 64 (and the MoE shape within the small kernels'
+        limits). Its MoE experts run ``moe_small_experts``; with ``batch_invariant`` every linear runs
+        the row-invariant plan too, so a row's logits do not depend on the batch it is in."""
+        if not self.small_m_path or not 1 <= num_tokens <= SMALL_M_MAX_TOKENS:
+            return False
+        fits = self._small_fits.get(num_tokens)  # asked per linear: the layer scan once per size
+        if fits is None:
+            moe = next((ly.mlp for ly in self.layers if isinstance(ly.mlp, MoELayerWeights)), None)
+            fits = True
+            if moe is not None:
+                ex = moe.experts
+                try:
+                    check_small_shape(num_tokens, ex.num_experts, self.cfg.num_experts_per_tok, ex.hidden,
+                                      ex.intermediate)
+                except ValueError:
+                    fits = False
+            self._small_fits[num_tokens] = fits
+        return fits
+
+    def linear_impl(self, num_tokens: int) -> str:
+        """``backend.linear``'s (and the MLA head GEMMs') kernel choice for a forward of ``num_tokens`` rows."""
+        return "invariant" if self.batch_invariant and self.small_m(num_tokens) else "auto"
+
+    def attention_split(self, num_tokens: int) -> str | None:
+        """The attention plan's schedule for a forward of ``num_tokens`` rows: "shape" (each row's
+        context pieces fixed by its own length) where the forward is row-invariant, else the default."""
+        return "shape" if self.linear_impl(num_tokens) == "invariant" else None
+
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, directory: str | Path, backend, layers: int | None = None, progress=None,
-             shard: Shard | None = None, comm: Communicator | None = None, reader: CheckpointReader | None = None
-             ) -> TargetModel:
+             shard: Shard | None = None, comm: Communicator | None = None, reader: CheckpointReader | None = None,
+             small_m_path: bool = True, batch_invariant: bool = True) -> TargetModel:
         """Load a checkpoint directory (optionally only its first ``layers`` decoder layers);
         ``progress(n)`` is called after each layer. Every missing or mis-shaped tensor is named.
         ``shard``: load only that rank's slices (see model/shard.py); ``reader``: an open reader
@@ -174,11 +211,13 @@ class TargetModel:
             cfg = cfg.with_layers(layers)
         shard = shard or Shard()
         shard.check(cfg, TILE_K if backend.is_cuda else GROUP)
-        return cls.from_source(cfg, reader or CheckpointReader(directory), backend, progress, shard, comm)
+        return cls.from_source(cfg, reader or CheckpointReader(directory), backend, progress, shard, comm,
+                               small_m_path=small_m_path, batch_invariant=batch_invariant)
 
     @classmethod
     def dummy(cls, cfg: ModelConfig, backend, seed: int = 0, head: str = "random", progress=None,
-              shard: Shard | None = None, comm: Communicator | None = None) -> TargetModel:
+              shard: Shard | None = None, comm: Communicator | None = None, small_m_path: bool = True,
+              batch_invariant: bool = True) -> TargetModel:
         """``model.load: dummy``: ``make_model(cfg, seed=seed, head=head)``'s weights made directly in
         the backend's memory, only ``shard``'s part, no file written (model/dummy.py); bit for bit
         what ``load`` reads from that checkpoint."""
@@ -186,13 +225,15 @@ class TargetModel:
 
         shard = shard or Shard()
         shard.check(cfg, TILE_K if backend.is_cuda else GROUP)
-        return cls.from_source(cfg, DummySource(cfg, seed, head, backend.xp), backend, progress, shard, comm)
+        return cls.from_source(cfg, DummySource(cfg, seed, head, backend.xp), backend, progress, shard, comm,
+                               small_m_path=small_m_path, batch_invariant=batch_invariant)
 
     @classmethod
     def from_source(cls, cfg: ModelConfig, reader, backend, progress=None, shard: Shard | None = None,
-                    comm: Communicator | None = None) -> TargetModel:
+                    comm: Communicator | None = None, small_m_path: bool = True,
+                    batch_invariant: bool = True) -> TargetModel:
         """The model of ``cfg`` from ``reader`` (a CheckpointReader, or a DummySource making the
-        tensors), ``shard``'s slices only."""
+        tensors), ``shard``'s slices only; ``small_m_path`` / ``batch_invariant``: see ``small_m``."""
         shard = shard or Shard()
         reader.check(expected_tensors(cfg))
 
@@ -239,20 +280,24 @@ class TargetModel:
                              attn, mlp))
             if progress is not None:
                 progress(i + 1)
-        return cls(cfg, backend, embed, out, dev(get("model.norm.weight")), lm, shard, comm)
+        return cls(cfg, backend, embed, out, dev(get("model.norm.weight")), lm, shard, comm, small_m_path,
+                   batch_invariant)
 
     # -- forward ---------------------------------------------------------------------------------
     def _mlp(self, layer: Layer, x, moe_plan=None):
-        be = self.backend
+        be, t = self.backend, int(x.shape[0])
+        impl, small = self.linear_impl(t), self.small_m(t)
         if isinstance(layer.mlp, DenseMLP):
-            m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13)), layer.mlp.w2, out=self._partial(x))
+            m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, out=self._partial(x),
+                          impl=impl)
             return self._reduce(m)
         if self.shard.world == 1:
-            return moe(x, layer.mlp, self.routing, be, plan=moe_plan)
+            return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant)
         # routed and shared partials side by side, one all-reduce; then, as one rank's combine does,
         # routed sum + bf16(shared sum), rounded once
         parts = be.empty((2,) + tuple(x.shape), "fp32")
-        moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1])
+        moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1], small=small,
+            invariant=self.batch_invariant)
         self.comm.all_reduce(parts)
         return be.to_bf16(parts[0], plus_rounded=parts[1])
 
@@ -272,12 +317,15 @@ class TargetModel:
         """bf16 [R, V] logits of final-normed rows [R, H]: this rank's vocabulary slice, all-gathered
         in rank order (exact: each logit is one rank's dot product)."""
         be, n = self.backend, self.shard.world
-        local = be.linear(rows, self.lm_head)
+        local = be.linear(rows, self.lm_head, impl=self._head_impl(rows))
         if n == 1:
             return local
         r = rows.shape[0]
         full = self.comm.all_gather(local).reshape(n, r, -1)
         return be.xp.ascontiguousarray(full.transpose(1, 0, 2)).reshape(r, -1)
+
+    def _head_impl(self, rows) -> str:
+        return self.linear_impl(int(rows.shape[0]))
 
     def head_argmax(self, rows):
         """int32 [R]: the argmax of the full logits (``backend.argmax``'s rule: ties to the smallest
@@ -285,7 +333,7 @@ class TargetModel:
         (value, global id) of its vocabulary slice, all-gathered ([N, R, 2] fp32, ids exact below
         2^24) and merged; the first rank wins a tie, and its slice holds the smaller ids."""
         be, n = self.backend, self.shard.world
-        local = be.linear(rows, self.lm_head)
+        local = be.linear(rows, self.lm_head, impl=self._head_impl(rows))
         if n == 1:
             return be.argmax(local)
         xp, r = be.xp, rows.shape[0]
@@ -318,7 +366,8 @@ class TargetModel:
         rows = None if batch.logit_rows is None else np.asarray(batch.logit_rows, dtype=np.int64)
         plan = be.mla_attention_plan(batch.ctx_lens, batch.num_new, cache.page_table(batch.seq_ids, page_width),
                                      self.dims.num_heads, cache.page_size, cache.num_pages, batch.tree_mask,
-                                     into=None if into is None else into.plan)
+                                     into=None if into is None else into.plan,
+                                     split=None if into is not None else self.attention_split(len(slots)))
         if into is None:
             return StepInputs(batch, be.asarray(batch.tokens), be.asarray(batch.positions), be.asarray(slots),
                               plan, None if rows is None else be.asarray(rows))
@@ -344,6 +393,9 @@ class TargetModel:
         if not moe_layers:
             return None
         ex = moe_layers[0].experts  # this rank's experts (an EP / TP shard's count and intermediate)
+        if self.small_m(num_tokens):
+            return self.backend.moe_small_plan(num_tokens, ex.num_experts, c.num_experts_per_tok, c.hidden_size,
+                                               ex.intermediate)
         return self.backend.moe_plan(num_tokens, ex.num_experts, c.num_experts_per_tok, c.hidden_size,
                                      ex.intermediate)
 
@@ -392,4 +444,4 @@ class TargetModel:
         # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both
         return self._reduce(mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq,
                                         LATENT_NORM_EPS, cache.layer(i), slots, plan, self.cfg.softmax_scale,
-                                        self.rope_scale, out=self._partial(x)))
+                                        self.rope_scale, out=self._partial(x), impl=self.linear_impl(int(x.shape[0]))))

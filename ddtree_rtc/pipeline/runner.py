@@ -368,13 +368,14 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
             last[0] = n
 
         try:
+            sm = {"small_m_path": pipe.runtime.small_m_path, "batch_invariant": pipe.runtime.batch_invariant}
             if directory is None:
                 m = pipe.model
                 model = TargetModel.dummy(cfg, backend, seed=m.seed, head=m.head, progress=progress, shard=shard,
-                                          comm=ranks.comm)
+                                          comm=ranks.comm, **sm)
             else:
                 model = TargetModel.load(directory, backend, layers=pipe.model.layers, progress=progress,
-                                         shard=shard, comm=ranks.comm)
+                                         shard=shard, comm=ranks.comm, **sm)
         except ShardError as e:
             raise PipelineError(f"{pipe.source}: runtime.tensor_parallel {shard.world}"
                                 f"{' with expert_parallel' if shard.expert_parallel else ''}: {e}") from None

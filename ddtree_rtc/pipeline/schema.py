@@ -45,7 +45,12 @@ class ModelSpec:
 class RuntimeSpec:
     """``tensor_parallel``: ranks (one GPU each) the model is split over: attention heads, dense and
     shared-expert intermediate, lm_head vocabulary; the routed experts split their intermediate too,
-    or, with ``expert_parallel``, each rank holds 1/tensor_parallel of the experts whole."""
+    or, with ``expert_parallel``, each rank holds 1/tensor_parallel of the experts whole.
+    ``small_m_path``: forwards of at most 64 rows (an AR batch or a whole tree verify) run the small-M
+    kernels (docs/architecture.md, "The small-M path"); false keeps the general kernels for comparison.
+    ``batch_invariant``: on that path every linear also sums each row the same way whatever the batch,
+    so a verify row equals its autoregressive twin bit for bit; false lets them take the faster
+    non-invariant kernels (cuBLAS) where those win."""
 
     backend: Literal["auto", "cuda", "numpy"] = "auto"
     arch: str | None = None
@@ -59,6 +64,8 @@ class RuntimeSpec:
     # bytes (ddtree_rtc.dist.simulated): time and bytes of that rank, numerics not the model's
     simulate_rank: int | None = None
     simulate_collective_us: float = 0.0  # each stand-in also holds this long
+    small_m_path: bool = True
+    batch_invariant: bool = True
 
     def __post_init__(self):
         for name in ("tensor_parallel", "max_batch", "page_size", "max_context"):

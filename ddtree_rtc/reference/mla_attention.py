@@ -189,9 +189,12 @@ def validate_batch(ctx_lens, num_new, page_table, num_heads: int, page_size: int
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
                        tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None,
-                       replay: bool = False):
+                       replay: bool = False, split: str | None = None):
     """Validate the batch (see module doc); the numpy plan is the validated batch itself.
-    ``num_sms``, ``into`` and ``replay`` only shape the CUDA work split."""
+    ``num_sms``, ``into``, ``replay`` and ``split`` only shape the CUDA work split (``split`` is still
+    checked)."""
+    if split not in (None, "ctas", "shape"):
+        raise ValueError(f"split={split!r}: expected one of ('ctas', 'shape') (or None)")
     return validate_batch(ctx_lens, num_new, page_table, num_heads, page_size, num_pages, tree_mask, check_mask)
 
 
@@ -254,8 +257,9 @@ def mla_attention(plan: MLABatch, q, cache, softmax_scale: float, out=None, lse=
     return o, l
 
 
-def mla_head_gemm(x, w, trans_w: bool, out=None):
-    """Per head h: ``out[:, h] = x[:, h] @ (w[h].T if trans_w else w[h])``, bf16 in/out, float64 math.
+def mla_head_gemm(x, w, trans_w: bool, out=None, impl: str = "auto"):
+    """Per head h: ``out[:, h] = x[:, h] @ (w[h].T if trans_w else w[h])``, bf16 in/out, float64 math
+    (``impl`` picks the CUDA twin's kernel; one path here).
     x [T, H, K]; w [H, N, K] (trans_w) or [H, K, N]; out [T, H, N]. Used for the W_UK absorption
     (x = q_nope, w = W_UK [H, 128, 512]) and the W_UV expansion (x = o_lat, w = W_UV [H, 128, 512],
     trans_w=True). Strided views are fine (last dim contiguous)."""

@@ -62,4 +62,12 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// Start moving [p, p + bytes) into L2 (no register, no completion to wait for): the weights of a
+// kernel launched under PDL, issued before its pdl_wait. p 16-byte aligned, bytes a multiple of 16.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (bytes) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 }  // namespace ddt

@@ -1,0 +1,126 @@
+"""The small-M path's row-invariant MLA head GEMM (cuda_src/mla_small.cu): ``mla_head_gemm(...,
+impl="invariant")`` runs it instead of the strided-batched cuBLAS GEMM, whose kernel and summation
+order follow the token count. Same contract and numbers (up to fp32 summation order) as
+``ddtree_rtc.reference.mla_attention.mla_head_gemm``."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ._args import BF16, check, out_array
+from ._launch import launch, pdl_supported, sm_count
+from .linear import skinny_plan
+from .registry import module
+
+MAX_TOKENS = 64
+
+
+@functools.cache
+def _pdl(device_id: int) -> bool:
+    """PDL launches (kernels/_launch.py): each kernel here waits on the previous one before it
+    reads, so the next launch's weight prefetch may start as soon as it has."""
+    return pdl_supported()
+
+
+def _strides(name: str, a) -> tuple[int, ...]:
+    if any(s % a.itemsize or s < 0 for s in a.strides):
+        raise ValueError(f"{name}: strides {a.strides} are not whole non-negative elements")
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def mla_head_gemm_small(x, w, trans_w: bool, out):
+    """Per head h: out[:, h] = x[:, h] @ (w[h].T if trans_w else w[h]); x [T, H, K] (T <= 64), w
+    [H, N, K] (trans_w) or [H, K, N], out [T, H, N] bf16; views with a contiguous last dim (x, out)."""
+    t, h, k = x.shape
+    n = out.shape[2]
+    if t > MAX_TOKENS:
+        raise ValueError(f"mla_head_gemm impl='invariant': T = {t} tokens > {MAX_TOKENS} (the small-M path)")
+    xs, ws, os_ = _strides("x", x), _strides("w", w), _strides("out", out)
+    if (xs[2] != 1 and k > 1) or (os_[2] != 1 and n > 1):
+        raise ValueError(f"x / out: the last dim must be contiguous (strides {x.strides}, {out.strides})")
+    check("out", out, BF16, shape=(t, h, n), contiguous=False)
+    w_k, w_n = (ws[2], ws[1]) if trans_w else (ws[1], ws[2])
+    launch(module("mla_small").fn("mla_head_gemm_small"), (-(-n // 32), h, -(-t // 8)), (32, 8),
+           (x, np.int64(xs[0]), np.int64(xs[1]), w, np.int64(ws[0]), np.int64(w_k), np.int64(w_n), out,
+            np.int64(os_[0]), np.int64(os_[1]), np.int32(t), np.int32(k), np.int32(n)), pdl=_pdl(x.device.id))
+    return out
+
+
+LAT, ROPE = 512, 64  # the latent row [c 512 | k_pe 64] the MLA attention kernels take
+
+
+def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=None):
+    """The absorbed query in one launch: q [T, H, nope + 64] bf16 (T <= 64; a view with a contiguous
+    last dim), w_uk [H, nope, 512] (a view of kv_b), positions int32 [T], inv_freq fp32 [32] ->
+    q_att [T, H, 576] = [q_nope · W_UK[h] | RoPE(q_pe)] bf16 (into ``out`` when given)."""
+    import cupy
+
+    t, h, d = q.shape
+    nope = d - ROPE
+    if t > MAX_TOKENS or nope < 4 or nope % 4:
+        raise ValueError(f"mla_query_small: q {tuple(q.shape)}: needs T <= {MAX_TOKENS} and q_nope a multiple of 4")
+    check("w_uk", w_uk, BF16, shape=(h, nope, LAT), contiguous=False)
+    check("positions", positions, np.int32, shape=(t,))
+    check("inv_freq", inv_freq, np.float32, shape=(ROPE // 2,))
+    qs, ws = _strides("q", q), _strides("w_uk", w_uk)
+    if qs[2] != 1 or ws[2] != 1:
+        raise ValueError(f"q / w_uk: the last dim must be contiguous (strides {q.strides}, {w_uk.strides})")
+    out = cupy.empty((t, h, LAT + ROPE), dtype=cupy.uint16) if out is None else out
+    check("out", out, BF16, shape=(t, h, LAT + ROPE))
+    if t == 0:
+        return out
+    launch(module("mla_small").fn("mla_query_small"), (LAT // 32 + 1, h, -(-t // 8)), (32, 8),
+           (q, np.int64(qs[0]), np.int64(qs[1]), np.int32(nope), w_uk, np.int64(ws[0]), np.int64(ws[1]), out,
+            positions, inv_freq, np.float32(rope_scale), np.int32(t), np.int32(h)), pdl=_pdl(q.device.id))
+    return out
+
+
+def mla_kv_rows_small(kv, norm_w, eps: float, positions, inv_freq, rope_scale: float, cache, slots):
+    """The new tokens' cache rows in one launch: kv [T, 576] bf16 (x W_kva^T; rows contiguous, row
+    stride a multiple of 8) -> cache (one layer) row slots[t] = [RMSNorm(c) * norm_w | RoPE(k_pe)];
+    slots outside the cache are skipped. Returns ``cache``."""
+    t = kv.shape[0]
+    check("kv", kv, BF16, shape=(t, LAT + ROPE), contiguous=False)
+    ks = _strides("kv", kv)
+    if ks[1] != 1 or ks[0] % 8 or kv.data.ptr % 16:
+        raise ValueError(f"kv: rows must be contiguous and 16-byte aligned (strides {kv.strides})")
+    check("norm_w", norm_w, BF16, shape=(LAT,))
+    check("positions", positions, np.int32, shape=(t,))
+    check("inv_freq", inv_freq, np.float32, shape=(ROPE // 2,))
+    check("cache", cache, BF16)
+    if cache.shape[-1] != LAT + ROPE:
+        raise ValueError(f"cache: rows of {cache.shape[-1]}, expected {LAT + ROPE}")
+    check("slots", slots, np.int32, shape=(t,))
+    if t == 0:
+        return cache
+    launch(module("mla_small").fn("mla_kv_rows_small"), (-(-t // 8),), (256,),
+           (kv, np.int64(ks[0]), norm_w, np.float32(eps), positions, inv_freq, np.float32(rope_scale), cache,
+            np.int64(cache.size // (LAT + ROPE)), slots, np.int32(t)), pdl=_pdl(kv.device.id))
+    return cache
+
+
+def mla_qkv_a_small(x, w_qa, w_kva, out_q=None, out_kv=None):
+    """q_a and kv_a over the same x in one skinny launch (mla_qkv_a_small_s*: cuda_src/include/
+    skinny_pair.cuh, MODE 1): x [M, H] bf16 (M <= 64), w_qa [q_lora, H], w_kva [576, H] bf16 ->
+    (x w_qa^T, x w_kva^T) bf16; K split planned from the shapes alone: rows independent of M."""
+    check("x", x, BF16, ndim=2)
+    m, h = x.shape
+    check("w_qa", w_qa, BF16, ndim=2)
+    n1 = w_qa.shape[0]
+    check("w_qa", w_qa, BF16, shape=(n1, h))
+    check("w_kva", w_kva, BF16, shape=(LAT + ROPE, h))
+    if not 1 <= m <= MAX_TOKENS or n1 % 8 or h % 8:
+        raise ValueError(f"mla_qkv_a_small: needs 1 <= M <= {MAX_TOKENS}, q_lora and H multiples of 8; got x "
+                         f"{tuple(x.shape)}, w_qa {tuple(w_qa.shape)}")
+    for name, a in (("x", x), ("w_qa", w_qa), ("w_kva", w_kva)):
+        if a.data.ptr % 16:
+            raise ValueError(f"{name}: base address {a.data.ptr:#x} is not 16-byte aligned")
+    oq = out_array("out_q", out_q, (m, n1), BF16)
+    okv = out_array("out_kv", out_kv, (m, LAT + ROPE), BF16)
+    plan = skinny_plan(8, n1 + LAT + ROPE, h, sm_count(x.device.id))
+    launch(module("mla_small").fn(f"mla_qkv_a_small_s{plan.split}"), (plan.grid,), (256,), (
+        x, w_qa, w_kva, oq, okv, np.int32(m), np.int32(n1), np.int32(LAT + ROPE), np.int32(h),
+        np.int32(plan.warps_n)), pdl=_pdl(x.device.id))
+    return oq, okv

@@ -1,0 +1,167 @@
+"""Row-invariant INT4 MoE experts for M <= 64 tokens: the small-M path's expert step
+(cuda_src/moe_small.cu). Same signature and numbers as ``moe_gemm.moe_experts`` (the numpy twin is
+that reference), in two launches chained under PDL — gate_up, then down + combine — with no align
+step, no split-K reduce and no atomic sums, and a token's output the same bits whatever M and
+whatever the other tokens are.
+
+``moe_small_plan`` (host, once per shape) allocates the one buffer (h) and checks the limits;
+``moe_small_experts`` with a plan and an ``out`` only launches, so it can be captured in a CUDA graph.
+``moe_small_dense`` is the layer's dense part (router logits and the shared expert's SiLU(gate) * up)
+in one row-invariant launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..reference.moe_small import check_small_shape
+from ._args import BF16, allow_dynamic_smem, check, out_array
+from ._launch import launch, pdl_supported, sm_count
+from .linear import skinny_plan
+from .moe_gemm import _check_experts
+from .moe_routing import check_ids_in_range
+from .registry import module, spec
+
+BLOCK_BYTES = 1152
+_THREADS = 256
+_WARPS = 8
+_CTAS_PER_SM = 2  # __launch_bounds__(256, 2): the grids are one wave of CTAs looping over their items
+_GATE_UP_RED_BYTES = _WARPS * 8 * 32 * 4 * 4  # the warps' partial sums at the end of moe_small_gate_up
+MAX_DENSE_TOKENS = 64
+_STATIC_SMEM = 18576  # moe_small_down's static shared memory (the routing; `kernels build` lists it)
+
+
+def stages() -> int:
+    """The per-warp cp.async ring depth cuda_src/moe_small.cu is built with."""
+    return spec("moe_small").params["MOE_SMALL_STAGES"]
+
+
+def ring_bytes() -> int:
+    return _WARPS * stages() * BLOCK_BYTES
+
+
+def gate_up_smem() -> int:
+    return max(ring_bytes(), _GATE_UP_RED_BYTES)
+
+
+def down_smem(num_pairs: int) -> int:
+    """The rings plus the fp32 down values of every pair for the CTA's 16 rows."""
+    return ring_bytes() + num_pairs * 16 * 4
+
+
+@dataclass
+class MoESmallPlan:
+    """Shape and buffer of one small-M expert step."""
+
+    num_tokens: int
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    h: object  # bf16 [P, I]
+    pdl: bool = False
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_tokens * self.top_k
+
+
+def _check_smem(num_pairs: int, smem_per_block: int) -> None:
+    need = down_smem(num_pairs) + _STATIC_SMEM
+    if need > smem_per_block:
+        raise ValueError(f"moe_small: {num_pairs} pairs need {need} B of shared memory per block, "
+                         f"this GPU allows {smem_per_block}")
+
+
+def moe_small_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                   pdl: bool | None = None) -> MoESmallPlan:
+    """Plan one shape (M <= 64, M * top_k <= 1024). ``pdl`` (default: where the GPU has it):
+    programmatic dependent launches of both kernels."""
+    import cupy
+
+    check_small_shape(num_tokens, num_experts, top_k, hidden, intermediate)
+    _check_smem(num_tokens * top_k, cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    return MoESmallPlan(num_tokens, num_experts, top_k, hidden, intermediate,
+                        cupy.empty((num_tokens * top_k, intermediate), dtype=cupy.uint16),
+                        (True if pdl is None else pdl) and pdl_supported())
+
+
+def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan: MoESmallPlan | None = None,
+                      check_ids: bool = True, id_offset: int = 0):
+    """x [M, H] bf16 (M <= 64), topk_ids int32 [M, k], topk_weights fp32 [M, k], experts (layout
+    'mma'), shared bf16 [M, H] or None -> y bf16 [M, H] (fp32 unrounded when ``out`` is fp32).
+    Expert e is ``experts``' e - ``id_offset`` (an expert shard's first expert: the router's ids
+    are taken as they come, no subtraction launch); pairs outside the shard contribute nothing
+    (``check_ids`` raises on them instead, with one host sync). Every row's value is independent
+    of M and of the other rows."""
+    check("x", x, BF16, ndim=2)
+    m, h = x.shape
+    _check_experts(experts)
+    e, inter = experts.num_experts, experts.intermediate
+    if h != experts.hidden:
+        raise ValueError(f"x: expected [M, {experts.hidden}], got {tuple(x.shape)}")
+    check("topk_ids", topk_ids, np.int32, ndim=2)
+    top_k = topk_ids.shape[1]
+    check("topk_ids", topk_ids, np.int32, shape=(m, top_k))
+    check("topk_weights", topk_weights, np.float32, shape=(m, top_k))
+    if shared is not None:
+        check("shared", shared, BF16, shape=(m, h))
+    f32_out = out is not None and out.dtype == np.float32
+    y = out_array("out", out, (m, h), np.float32 if f32_out else BF16)
+    if plan is None:
+        plan = moe_small_plan(m, e, top_k, h, inter)
+    made = (plan.num_tokens, plan.num_experts, plan.top_k, plan.hidden, plan.intermediate)
+    if made != (m, e, top_k, h, inter):
+        raise ValueError(f"plan: made for (M, E, top_k, H, I) = {made}, called with {(m, e, top_k, h, inter)}")
+    if check_ids:
+        check_ids_in_range(topk_ids - np.int32(id_offset) if id_offset else topk_ids, e)
+    mod = module("moe_small")
+    p = m * top_k
+    wave = _CTAS_PER_SM * sm_count(x.device.id)
+    up = mod.fn("moe_small_gate_up")
+    allow_dynamic_smem(up, gate_up_smem())
+    launch(up, (min(wave, min(e, p) * (2 * inter // 16)),), (_THREADS,), (
+        experts.w13, np.int64(experts.w13[0].nbytes), x, topk_ids, np.int32(id_offset), np.int32(m),
+        np.int32(top_k), np.int32(e),
+        np.int32(h), np.int32(inter), plan.h), shared_mem=gate_up_smem(), pdl=plan.pdl)
+    down = mod.fn("moe_small_down")
+    allow_dynamic_smem(down, down_smem(p))
+    launch(down, (min(wave, h // 16),), (_THREADS,), (
+        experts.w2, np.int64(experts.w2[0].nbytes), plan.h, topk_ids, np.int32(id_offset), topk_weights,
+        np.int32(m), np.int32(top_k),
+        np.int32(e), np.int32(h), np.int32(inter), shared if shared is not None else np.uint64(0), y,
+        np.int32(f32_out)), shared_mem=down_smem(p), pdl=plan.pdl)
+    return y
+
+
+def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
+    """The MoE layer's dense part in one launch (moe_small_dense_s*: cuda_src/include/skinny_pair.cuh,
+    MODE 0): x [M, H]
+    bf16 (M <= 64), gate_weight bf16 [E, H] (E % 8 == 0), shared_w13 bf16 [2 Is, H] = [gate; up]
+    (Is % 4 == 0) -> (router logits fp32 [M, E], bf16(silu(bf16(x gate^T)) * bf16(x up^T)) [M, Is]).
+    K split planned from the shapes alone: every row's values independent of M."""
+    check("x", x, BF16, ndim=2)
+    m, h = x.shape
+    check("gate_weight", gate_weight, BF16, ndim=2)
+    e = gate_weight.shape[0]
+    check("gate_weight", gate_weight, BF16, shape=(e, h))
+    check("shared_w13", shared_w13, BF16, ndim=2)
+    i2 = shared_w13.shape[0]
+    check("shared_w13", shared_w13, BF16, shape=(i2, h))
+    if not 1 <= m <= MAX_DENSE_TOKENS:
+        raise ValueError(f"moe_small_dense: M = {m} tokens outside 1..{MAX_DENSE_TOKENS}")
+    if e % 8 or i2 % 8 or h % 8:
+        raise ValueError(f"moe_small_dense: E = {e} and 2 Is = {i2} must be multiples of 8, H = {h} of 8")
+    for name, a in (("x", x), ("gate_weight", gate_weight), ("shared_w13", shared_w13)):
+        if a.data.ptr % 16:
+            raise ValueError(f"{name}: the kernel reads 16-byte vectors; base address {a.data.ptr:#x} is not "
+                             f"16-byte aligned")
+    logits = out_array("out_logits", out_logits, (m, e), np.float32)
+    hs = out_array("out_hs", out_hs, (m, i2 // 2), BF16)
+    plan = skinny_plan(8, e + i2, h, sm_count(x.device.id))
+    launch(module("moe_small").fn(f"moe_small_dense_s{plan.split}"), (plan.grid,), (_THREADS,), (
+        x, gate_weight, shared_w13, logits, hs, np.int32(m), np.int32(e), np.int32(i2), np.int32(h),
+        np.int32(plan.warps_n)), pdl=pdl_supported())
+    return logits, hs

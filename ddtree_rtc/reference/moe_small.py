@@ -1,0 +1,53 @@
+"""The small-M expert step's numpy twin: the composition of today's reference (``moe_gemm.moe_experts``),
+so the numpy backend's output is unchanged by the small-M path, plus the limits its kernels have
+(cuda_src/moe_small.cu: one bit per token, 8 mma column tiles)."""
+
+from __future__ import annotations
+
+from .linear import linear
+from .moe_gemm import moe_experts
+from .moe_routing import router_logits
+from .silu_mul import silu_mul
+
+MAX_TOKENS = 64
+MAX_EXPERTS = 1024
+MAX_PAIRS = 1024
+TILE_K = 128
+
+
+def check_small_shape(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int) -> None:
+    """The small-M kernels' limits, each refusal naming the value."""
+    if not 1 <= num_tokens <= MAX_TOKENS:
+        raise ValueError(f"moe_small: M = {num_tokens} tokens outside 1..{MAX_TOKENS} (the small-M path)")
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"moe_small: {num_experts} experts outside 1..{MAX_EXPERTS}")
+    if top_k < 1 or num_tokens * top_k > MAX_PAIRS:
+        raise ValueError(f"moe_small: M * top_k = {num_tokens} * {top_k} pairs outside 1..{MAX_PAIRS}")
+    for name, v in (("hidden", hidden), ("intermediate", intermediate)):
+        if v <= 0 or v % TILE_K:
+            raise ValueError(f"moe_small: {name} size {v} must be a positive multiple of {TILE_K}")
+
+
+def moe_small_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                   pdl: bool | None = None):
+    """Checks the shape; the numpy path needs no buffers (None, which ``moe_small_experts`` takes)."""
+    check_small_shape(num_tokens, num_experts, top_k, hidden, intermediate)
+    return None
+
+
+def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=None, check_ids: bool = True,
+                      id_offset: int = 0):
+    """Same contract as the CUDA kernel pair: M <= 64 tokens, then ``moe_gemm.moe_experts`` of the
+    ids less ``id_offset`` (an expert shard's first expert)."""
+    m, top_k = (x.shape[0], topk_ids.shape[1]) if topk_ids.ndim == 2 else (x.shape[0], 0)
+    check_small_shape(m, experts.num_experts, top_k, experts.hidden, experts.intermediate)
+    ids = topk_ids - topk_ids.dtype.type(id_offset) if id_offset else topk_ids
+    return moe_experts(x, ids, topk_weights, experts, shared=shared, out=out, check_ids=check_ids)
+
+
+def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
+    """The router logits and the shared expert's SiLU(gate) * up: ``router_logits`` and
+    ``silu_mul(linear(x, shared_w13))``, the general path's ops."""
+    logits = router_logits(x, gate_weight, out=out_logits)
+    hs = silu_mul(linear(x, shared_w13), out=out_hs)
+    return logits, hs

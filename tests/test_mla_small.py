@@ -1,0 +1,222 @@
+"""The small-M path's attention pieces: the row-invariant attention schedule (split="shape",
+kernels/mla_attention.split_work_by_shape) emulated against the reference and checked to give a
+token the same pieces in any batch (CPU); the row-invariant MLA head GEMM (cuda_src/mla_small.cu)
+against the reference, on the model's strided views, bitwise over T; and the MLA attention with
+split="shape" bitwise over the batch (GPU)."""
+
+import os
+
+import numpy as np
+import pytest
+from ml_dtypes import bfloat16
+
+from ddtree_rtc.kernels.mla_attention import _VARIANTS, shape_pieces, split_work_by_shape
+from ddtree_rtc.reference import mla_attention as ref
+from ddtree_rtc.testing import assert_close, random_bf16
+
+K26_SCALE = 192 ** -0.5
+
+
+@pytest.mark.parametrize("variant", ["d16", "small"])
+@pytest.mark.parametrize("num_sms", [1, 132])
+@pytest.mark.parametrize("case", [([3000], [1], 8, 64, False), ([700, 10, 2500], [1, 1, 1], 64, 16, False),
+                                  ([900, 40], [20, 33], 8, 16, True), ([300], [40], 2, 8, False)])
+def test_shape_split_emulated(rng, monkeypatch, variant, num_sms, case):
+    """The CUDA dataflow (test_mla_attention.emulate_kernel) on split_work_by_shape's schedule gives
+    the reference's attention: every row written once, partials merged."""
+    import test_mla_attention as tma
+
+    monkeypatch.setattr(tma, "split_work", split_work_by_shape)
+    bt = tma.Batch(rng, *case, dtype=np.float32)
+    batch = bt.ref_plan()
+    v = _VARIANTS[variant]
+    o, lse = tma.emulate_kernel(batch, bt.q, bt.cache, K26_SCALE, v.bm, v.bn, num_sms, v.min_split)
+    o_ref, lse_ref = ref.attend_f32(batch, bt.q, bt.cache, K26_SCALE)
+    assert_close(o, o_ref, "fp32", "o_lat")
+    assert_close(lse, lse_ref, "fp32", "lse")
+
+
+def _pieces(batch, bm, bn, ctas, min_split, req, tok):
+    """A token's work items (rows, positions, cut or not) as split_work_by_shape lays them out."""
+    work, cta_work, merge, _ = split_work_by_shape(batch, bm, bn, ctas, min_split)
+    h = batch.num_heads
+    mine = work[(work[:, 0] == req) & (work[:, 1] // h == tok)]
+    return [(int(m0 % h), int(mc), int(kb), int(ke), bool(p >= 0)) for _, m0, mc, kb, ke, p, _, _ in mine]
+
+
+@pytest.mark.parametrize("heads,variant", [(8, "d16"), (64, "d16"), (8, "small"), (128, "small")])
+def test_shape_split_gives_a_token_the_same_pieces_in_any_batch(rng, heads, variant):
+    """Token j of a request with context c: the same query tiles and the same position pieces
+    whether it is decoded alone, among 63 other requests, as part of a multi-token (verify)
+    forward, or on another grid; at most shape_pieces per tile."""
+    v = _VARIANTS[variant]
+    for ctx in (1, 63, 64, 700, 4095, 4096, 33000):
+        alone = ref.validate_batch([ctx], [1], np.zeros((1, ctx // 16 + 3), np.int32), heads, 16, 1 << 20)
+        want = _pieces(alone, v.bm, v.bn, 132, v.min_split, 0, 0)
+        assert len(want) <= shape_pieces(heads, v.bm) * -(-heads // v.bm)
+        others = rng.integers(1, 9000, 63)
+        crowd = ref.validate_batch(np.r_[others[:20], ctx, others[20:]], np.ones(64, np.int64),
+                                   np.zeros((64, 34000 // 16 + 3), np.int32), heads, 16, 1 << 20)
+        assert _pieces(crowd, v.bm, v.bn, 7, v.min_split, 20, 0) == want
+        # token 5 of a 9-token forward at context ctx - 5 sees the same positions [0, ctx]
+        if ctx > 5:
+            multi = ref.validate_batch([17, ctx - 5], [3, 9], np.zeros((2, ctx // 16 + 3), np.int32), heads, 16,
+                                       1 << 20)
+            assert _pieces(multi, v.bm, v.bn, 1000, v.min_split, 1, 5) == want
+
+
+# ---- GPU ----
+
+def _seeded(name):
+    seed = int(os.environ.get("DDTREE_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"{name} seed={seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [8, 64])
+@pytest.mark.parametrize("t", [1, 3, 17, 33, 64])
+def test_head_gemm_small_vs_reference_and_invariant(heads, t):
+    """Both GEMMs on the model's views (q[:, :, :128] x W_UK, o_lat x W_UV^T out of kv_b [H, 256, 512]),
+    outputs NaN-prefilled (and the rest of q_att poisoned: it must stay untouched), against the
+    reference; and every token's rows the same bits as in a batch of 64."""
+    import cupy
+
+    from ddtree_rtc.kernels.mla_attention import mla_head_gemm
+    from ddtree_rtc.reference.mla_attention import mla_head_gemm as ref_gemm
+    from ddtree_rtc.testing import to_device_bf16
+
+    rng = _seeded(f"head gemm {heads} {t}")
+    kv_b = random_bf16(rng, (heads, 256, 512), 512 ** -0.5)
+    q = random_bf16(rng, (64, heads, 192))
+    o_lat = random_bf16(rng, (64, heads, 512))
+    kd, qd, od = to_device_bf16(kv_b), to_device_bf16(q), to_device_bf16(o_lat)
+
+    def absorb(idx):
+        q_att = cupy.full((len(idx), heads, 576), 0x7FC0, cupy.uint16)
+        mla_head_gemm(cupy.ascontiguousarray(qd[idx])[:, :, :128], kd[:, :128], False, out=q_att[:, :, :512],
+                      impl="invariant")
+        host = q_att.get()
+        assert (host[:, :, 512:] == 0x7FC0).all(), "wrote outside its output view"
+        return host[:, :, :512]
+
+    def expand(idx):
+        out = cupy.full((len(idx), heads, 128), 0x7FC0, cupy.uint16)
+        return mla_head_gemm(cupy.ascontiguousarray(od[idx]), kd[:, 128:], True, out=out, impl="invariant").get()
+
+    idx = rng.permutation(64)[:t]
+    assert_close(absorb(idx), ref_gemm(q[idx][:, :, :128], kv_b[:, :128], False), "bf16_accum", "q_lat")
+    assert_close(expand(idx), ref_gemm(o_lat[idx], kv_b[:, 128:], True), "bf16_accum", "o")
+    full_a, full_e = absorb(np.arange(64)), expand(np.arange(64))
+    assert np.array_equal(absorb(idx), full_a[idx]) and np.array_equal(expand(idx), full_e[idx])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [8, 64])
+def test_shape_split_attention_is_bitwise_invariant(heads):
+    """mla_attention with split="shape": a decode token's o_lat and lse the same bits alone or among
+    7, 33 or 64 requests (the multi-token case: test_small_m_gpu's chain verify)."""
+    import cupy
+    import test_mla_attention as tma
+
+    from ddtree_rtc.kernels.mla_attention import mla_attention, mla_attention_plan
+
+    rng = _seeded(f"shape split {heads}")
+    ctx = rng.integers(1, 5000, 64)
+    bt = tma.Batch(rng, ctx, np.ones(64, np.int64), heads, 64)
+    cache = cupy.asarray(bt.cache.view(np.uint16))
+    q = cupy.asarray(bt.q.view(np.uint16))
+
+    def run(idx):
+        plan = mla_attention_plan(bt.ctx[idx], bt.n[idx], bt.page_table[idx], heads, 64, bt.num_pages,
+                                  split="shape")
+        o, lse = mla_attention(plan, cupy.ascontiguousarray(q[idx]), cache, K26_SCALE)
+        return o.get(), lse.get()
+
+    full_o, full_l = run(np.arange(64))
+    assert np.isfinite(full_l).all()
+    for m in (1, 7, 33):
+        idx = np.sort(rng.permutation(64)[:m])
+        o, lse = run(idx)
+        assert np.array_equal(o, full_o[idx]) and np.array_equal(lse, full_l[idx]), f"M={m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,nope", [(8, 128), (64, 128), (4, 32)])
+@pytest.mark.parametrize("t", [1, 3, 17, 33, 64])
+def test_query_and_cache_rows_vs_twins_and_invariant(heads, nope, t):
+    """mla_query_small (W_UK + RoPE(q_pe)) and mla_kv_rows_small (norm + RoPE + cache write) against
+    their numpy twins (the general path's references): q_att NaN-prefilled, the cache poisoned with
+    NaN where no slot points (it must stay so), a slot of -1 skipped; and each token's results the
+    same bits as in a batch of 64."""
+    import cupy
+
+    from ddtree_rtc.kernels.mla_small import mla_kv_rows_small, mla_query_small
+    from ddtree_rtc.reference.mla_small import mla_kv_rows_small as ref_rows
+    from ddtree_rtc.reference.mla_small import mla_query_small as ref_query
+    from ddtree_rtc.reference.rope import rope_inv_freq
+    from ddtree_rtc.testing import to_device_bf16
+
+    rng = _seeded(f"query rows {heads} {nope} {t}")
+    kv_b = random_bf16(rng, (heads, nope + 128, 512), 512 ** -0.5)
+    q = random_bf16(rng, (64, heads, nope + 64))
+    kv = random_bf16(rng, (64, 576))
+    norm_w = random_bf16(rng, (512,), 1.0)
+    pos = rng.integers(0, 100000, 64).astype(np.int32)
+    inv_freq = np.asarray(rope_inv_freq(64, 50000.0, None), dtype=np.float32)
+    kd = to_device_bf16(kv_b)
+
+    def query(idx):
+        out = cupy.full((len(idx), heads, 576), 0x7FC0, cupy.uint16)
+        return mla_query_small(to_device_bf16(q[idx]), kd[:, :nope], cupy.asarray(pos[idx]), cupy.asarray(inv_freq),
+                               1.0, out=out).get()
+
+    def rows(idx, slots):
+        cache = cupy.full((8, 16, 576), 0x7FC0, cupy.uint16)
+        mla_kv_rows_small(to_device_bf16(kv[idx]), to_device_bf16(norm_w), 1e-6, cupy.asarray(pos[idx]),
+                          cupy.asarray(inv_freq), 1.0, cache, cupy.asarray(slots))
+        return cache.get()
+
+    idx = rng.permutation(64)[:t]
+    got_q = query(idx)
+    want_q = ref_query(q[idx], kv_b[:, :nope], pos[idx], inv_freq, 1.0)
+    assert_close(got_q, want_q, "bf16_accum", "q_att")
+    slots = rng.permutation(128)[:t].astype(np.int32)
+    slots[0] = -1  # a padding token: skipped
+    got_c = rows(idx, slots)
+    want_c = ref_rows(kv[idx], norm_w, 1e-6, pos[idx], inv_freq, 1.0, np.full((8, 16, 576), np.nan, bfloat16), slots)
+    assert_close(got_c, want_c, "bf16", "cache")
+    full_q = query(np.arange(64))
+    assert np.array_equal(got_q, full_q[idx])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lora,h", [(1536, 7168), (96, 256)])  # K2.6; tiny
+@pytest.mark.parametrize("t", [1, 3, 17, 33, 64])
+def test_qkv_a_vs_twin_and_invariant(q_lora, h, t):
+    """q_a and kv_a in one launch against the two reference linears (NaN-prefilled outputs), and
+    each token's rows the same bits as in a batch of 64."""
+    import cupy
+
+    from ddtree_rtc.kernels.mla_small import mla_qkv_a_small
+    from ddtree_rtc.reference.mla_small import mla_qkv_a_small as ref_qkv
+    from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
+
+    rng = _seeded(f"qkv_a {q_lora} {t}")
+    x = random_bf16(rng, (64, h))
+    wq, wkv = random_bf16(rng, (q_lora, h), h ** -0.5), random_bf16(rng, (576, h), h ** -0.5)
+    xd, wqd, wkvd = to_device_bf16(x), to_device_bf16(wq), to_device_bf16(wkv)
+
+    def run(idx):
+        oq, okv = nan_bf16_bits((len(idx), q_lora)), nan_bf16_bits((len(idx), 576))
+        got = mla_qkv_a_small(cupy.ascontiguousarray(xd[idx]), wqd, wkvd, out_q=oq, out_kv=okv)
+        assert got[0] is oq and got[1] is okv
+        return oq.get(), okv.get()
+
+    idx = rng.permutation(64)[:t]
+    q, kv = run(idx)
+    want_q, want_kv = ref_qkv(x[idx], wq, wkv)
+    assert_close(q, want_q, "bf16_accum", "q_a")
+    assert_close(kv, want_kv, "bf16_accum", "kv_a")
+    full_q, full_kv = run(np.arange(64))
+    assert np.array_equal(q, full_q[idx]) and np.array_equal(kv, full_kv[idx])

@@ -1,0 +1,358 @@
+"""The small-M path's row-invariant INT4 expert step (cuda_src/moe_small.cu): its numpy twin and
+limits (CPU), the kernels' work split transliterated against the reference (CPU), and on the GPU the
+kernels against the reference (poisoned experts, NaN-prefilled buffers, odd M, the TP8 / EP8 shard
+dims), bitwise row invariance over M, and PDL / graph replay."""
+
+import os
+
+import numpy as np
+import pytest
+from ml_dtypes import bfloat16
+
+from ddtree_rtc.model.int4_repack import random_compressed_experts, repack_experts
+from ddtree_rtc.reference.moe_gemm import moe_experts as ref_moe
+from ddtree_rtc.reference.moe_small import check_small_shape, moe_small_experts, moe_small_plan
+from ddtree_rtc.testing import assert_close, random_bf16
+
+MS = [1, 3, 17, 33, 64]
+
+
+def random_routing(rng, m, num_experts, top_k, allowed=None):
+    pool = np.arange(num_experts) if allowed is None else np.asarray(allowed)
+    ids = np.stack([rng.choice(pool, top_k, replace=False) for _ in range(m)]).astype(np.int32)
+    return ids, rng.uniform(0.05, 1.0, (m, top_k)).astype(np.float32)
+
+
+def test_twin_is_the_reference_composition(rng):
+    ex = random_compressed_experts(rng, 6, 256, 128)
+    x = random_bf16(rng, (5, 256))
+    ids, w = random_routing(rng, 5, 6, 3)
+    shared = random_bf16(rng, (5, 256), 0.5)
+    assert moe_small_plan(5, 6, 3, 256, 128) is None
+    got = moe_small_experts(x, ids, w, ex, shared=shared)
+    assert np.array_equal(got.view(np.uint16), ref_moe(x, ids, w, ex, shared=shared).view(np.uint16))
+    # an expert shard: the router's ids and the shard's first expert; ids of other shards count nothing
+    shard = moe_small_experts(x, ids + 40, w, ex, shared=shared, id_offset=40, check_ids=False)
+    assert np.array_equal(shard.view(np.uint16), got.view(np.uint16))
+    away = moe_small_experts(x, ids + 7, w, ex, shared=shared, id_offset=40, check_ids=False)
+    assert np.array_equal(away.view(np.uint16), shared.view(np.uint16))
+
+
+def test_limits_name_the_value():
+    with pytest.raises(ValueError, match="M = 65 tokens outside 1..64"):
+        check_small_shape(65, 8, 2, 128, 128)
+    with pytest.raises(ValueError, match="M = 0"):
+        check_small_shape(0, 8, 2, 128, 128)
+    with pytest.raises(ValueError, match="2000 experts"):
+        check_small_shape(1, 2000, 2, 128, 128)
+    with pytest.raises(ValueError, match="64 \\* 17 pairs"):
+        check_small_shape(64, 384, 17, 128, 128)
+    with pytest.raises(ValueError, match="intermediate size 100"):
+        check_small_shape(1, 8, 2, 128, 100)
+
+
+# ---- the kernels' work split, transliterated (which CTA / warp computes what, in what order) ----
+
+def emulate_small(x, ids, w, rex, shared=None, warps=8):
+    """moe_small_gate_up + moe_small_down as cuda_src/moe_small.cu splits them, with the mma
+    operands from the lane emulation of test_moe_repack (scale after the mma, as the kernels)."""
+    from test_moe_repack import emulate_weights
+
+    m, hid = x.shape
+    top_k, e_all, inter = ids.shape[1], rex.num_experts, rex.intermediate
+    flat = ids.reshape(-1)
+    tokens = {}  # build_routing: token bitmask per expert (ids outside [0, E) route nowhere)
+    for p, e in enumerate(flat):
+        if 0 <= e < e_all:
+            tokens.setdefault(int(e), set()).add(p // top_k)
+    touched = sorted(tokens)
+    h = np.full((m * top_k, inter), np.nan, np.float32)
+    xf = x.astype(np.float32).astype(np.float64)
+    for rank in range(min(e_all, m * top_k)):  # grid.y
+        if rank >= len(touched):
+            continue  # the CTA exits
+        e = touched[rank]
+        cols = sorted(tokens[e])
+        w13 = emulate_weights(np.asarray(rex.w13[e]), 2 * inter, hid, scale_after=True).astype(np.float64)
+        for tile in range(2 * inter // 16):  # grid.x
+            part = np.zeros((warps, 16, len(cols)))
+            for wp in range(warps):
+                for kb in range(wp, hid // 128, warps):
+                    ks = slice(128 * kb, 128 * kb + 128)
+                    part[wp] += w13[16 * tile:16 * tile + 16, ks] @ xf[cols, ks].T
+            v = part[0]
+            for wp in range(1, warps):
+                v = v + part[wp]
+            for c, tok in enumerate(cols):
+                for g in range(8):
+                    val = v[g, c] / (1 + np.exp(-v[g, c])) * v[g + 8, c]
+                    for s in range(top_k):
+                        if flat[tok * top_k + s] == e:
+                            h[tok * top_k + s, 8 * tile + g] = val
+    hb = h.astype(bfloat16).astype(np.float64)
+    y = np.zeros((m, hid))
+    w2 = {e: emulate_weights(np.asarray(rex.w2[e]), hid, inter, scale_after=True).astype(np.float64) for e in touched}
+    for tile in range(hid // 16):  # grid.x
+        d = np.full((m * top_k, 16), np.nan)
+        for wp in range(warps):
+            for e in touched[wp::warps]:
+                for tok in sorted(tokens[e]):
+                    first = next(tok * top_k + s for s in range(top_k) if flat[tok * top_k + s] == e)
+                    val = w2[e][16 * tile:16 * tile + 16] @ hb[first]
+                    for s in range(top_k):
+                        if flat[tok * top_k + s] == e:
+                            d[tok * top_k + s] = val
+        for tok in range(m):
+            a = np.zeros(16)
+            for s in range(top_k):
+                if 0 <= flat[tok * top_k + s] < e_all:
+                    a = a + w[tok, s] * d[tok * top_k + s]
+            y[tok, 16 * tile:16 * tile + 16] = a
+    if shared is not None:
+        y += shared.astype(np.float64)
+    return y
+
+
+@pytest.mark.parametrize("m,e,top_k,bad", [(1, 5, 3, False), (4, 3, 2, False), (9, 7, 4, True)])
+def test_emulated_kernels_match_reference(rng, m, e, top_k, bad):
+    """The work split (touched-expert ranks, warp K split, first-slot h rows, round-robin experts,
+    per-pair down values, slot-order combine) gives the reference's numbers; with ``bad`` some ids are
+    outside [0, E) (another expert shard's) and contribute nothing."""
+    hid, inter = 256, 128
+    ex = random_compressed_experts(rng, e, hid, inter)
+    x = random_bf16(rng, (m, hid))
+    ids, w = random_routing(rng, m, e, top_k)
+    if bad:
+        ids[::2, 0] = -3
+        ids[1::3, -1] = e + 1
+    shared = random_bf16(rng, (m, hid), 0.5)
+    got = emulate_small(x, ids, w, repack_experts(ex), shared)
+    assert_close(got, ref_moe(x, ids, w, ex, shared=shared, check_ids=False), "bf16_accum")
+
+
+def emulate_dense(x, gate, w13):
+    """moe_small_dense's index logic (include/skinny_pair.cuh, MODE 0) transliterated: row block rb of
+    a warp, its lanes' B rows (the
+    router's 8 rows, or gate rows i0..i0+3 then up rows i0..i0+3), the C fragment's columns 2t, 2t+1,
+    and the shared epilogue's pairing of lane t with lane t ^ 2."""
+    e, inter = gate.shape[0], w13.shape[0] // 2
+    xf = x.astype(np.float64)
+    logits = np.full((x.shape[0], e), np.nan)
+    hs = np.full((x.shape[0], inter), np.nan)
+    router_blocks = e // 8
+    for rb in range(router_blocks + inter // 4):
+        i0 = (rb - router_blocks) * 4
+        rows = [gate[8 * rb + g] if rb < router_blocks else w13[(0 if g < 4 else inter) + i0 + (g & 3)]
+                for g in range(8)]  # B row (mma column) g
+        d = xf @ np.stack(rows).astype(np.float64).T  # D[token][column]
+        for t in range(4):
+            for j in range(2):
+                n = 2 * t + j
+                if rb < router_blocks:
+                    logits[:, 8 * rb + n] = d[:, n]
+                elif t < 2:
+                    up = d[:, 2 * (t ^ 2) + j]  # the value lane t ^ 2 holds in the same register
+                    g_, u_ = (v.astype(np.float32).astype(bfloat16).astype(np.float32) for v in (d[:, n], up))
+                    hs[:, i0 + n] = (g_ / (1 + np.exp(-g_)) * u_).astype(bfloat16).astype(np.float64)
+    return logits, hs
+
+
+def test_emulated_dense_matches_reference(rng):
+    from ddtree_rtc.reference.moe_small import moe_small_dense as ref_dense
+
+    x = random_bf16(rng, (5, 64))
+    gate, w13 = random_bf16(rng, (16, 64), 0.125), random_bf16(rng, (24, 64), 0.125)
+    logits, hs = emulate_dense(x, gate, w13)
+    want_l, want_h = ref_dense(x, gate, w13)
+    assert_close(logits, want_l, "fp32")
+    assert_close(hs, want_h, "bf16")
+
+
+# ---- GPU ----
+
+def _seeded(name):
+    seed = int(os.environ.get("DDTREE_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"{name} seed={seed}")
+    return np.random.default_rng(seed)
+
+
+# name -> (E of this rank, H, I, top_k, experts never routed whose scales are NaN on the GPU,
+#          ids offset: an expert shard's ids come shifted, those of other ranks fall outside [0, E))
+DIMS = {
+    "small": (10, 256, 128, 4, 2, 0),
+    "tp8": (384, 7168, 256, 8, 8, 0),     # K2.6 rank of TP8: every expert, intermediate 2048 / 8
+    "ep8": (48, 7168, 2048, 8, 4, 48),    # K2.6 rank of EP8: 48 whole experts, ids of 384 shifted
+    "deep": (6, 2048, 1024, 4, 1, 0),     # 16 / 8 k steps per warp ring: it wraps
+}
+_cache: dict = {}
+
+
+def experts_for(name):
+    if name not in _cache:
+        import cupy
+
+        from ddtree_rtc.model.int4_repack import Int4Experts
+
+        e, h, i, _, poison, _ = DIMS[name]
+        ex = random_compressed_experts(_seeded(name), e, h, i)
+        r = repack_experts(ex)
+        w13, w2 = cupy.asarray(r.w13), cupy.asarray(r.w2)
+        nan = cupy.asarray(np.full(64, 0x7FC0, np.uint16).view(np.uint8))
+        w13[e - poison:, :, :, 1024:] = nan
+        w2[e - poison:, :, :, 1024:] = nan
+        _cache[name] = (ex, Int4Experts("mma", e, h, i, w13, None, w2, None))
+    return _cache[name]
+
+
+def routing_for(rng, name, m):
+    """ids of the rank's view: top_k distinct experts of the unpoisoned ones per token; on the EP8
+    shard drawn from the whole 384 and shifted by the rank's offset (other ranks' ids out of range)."""
+    e, _, _, top_k, poison, offset = DIMS[name]
+    if offset:
+        ids, w = random_routing(rng, m, 384, top_k, allowed=[v for v in range(384) if not
+                                                            offset + e - poison <= v < offset + e])
+        return (ids - offset).astype(np.int32), w
+    return random_routing(rng, m, e, top_k, allowed=range(e - poison))
+
+
+def run_gpu(rng, name, m, with_shared=True, f32=False, pdl=None, kernel_offset=False):
+    """``kernel_offset``: the expert shard's ids go in unshifted, with ``id_offset`` (no subtraction)."""
+    import cupy
+
+    from ddtree_rtc.kernels.moe_small import moe_small_experts as gpu_moe
+    from ddtree_rtc.kernels.moe_small import moe_small_plan as gpu_plan
+    from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
+
+    ex, exg = experts_for(name)
+    e, h, i, top_k, _, _ = DIMS[name]
+    x = random_bf16(rng, (m, h))
+    ids, w = routing_for(rng, name, m)
+    shared = random_bf16(rng, (m, h), 0.5) if with_shared else None
+    y_ref = ref_moe(x, ids, w, ex, shared=shared, out=np.empty((m, h), np.float32) if f32 else None,
+                    check_ids=False)
+    plan = gpu_plan(m, e, top_k, h, i, pdl=pdl)
+    offset = DIMS[name][5] if kernel_offset else 0
+    outs = []
+    for _ in range(2):
+        plan.h.fill(0x7FC0)
+        out = cupy.full((m, h), np.nan, cupy.float32) if f32 else nan_bf16_bits((m, h))
+        y = gpu_moe(to_device_bf16(x), cupy.asarray(ids + offset), cupy.asarray(w), exg,
+                    shared=None if shared is None else to_device_bf16(shared), out=out, plan=plan, check_ids=False,
+                    id_offset=offset)
+        assert y is out
+        outs.append(y.get())
+    assert_close(outs[0] if f32 else outs[0].view(bfloat16), y_ref, "fp32_accum" if f32 else "bf16_accum")
+    assert np.array_equal(outs[0], outs[1]), "two runs must give bitwise the same result"
+    return x, ids, w, shared, outs[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["small", "tp8", "ep8"])
+@pytest.mark.parametrize("m", MS)
+def test_kernel_vs_reference(rng, name, m):
+    run_gpu(rng, name, m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,m,with_shared,f32,pdl,kernel_offset", [
+    ("tp8", 1, False, True, None, False), ("ep8", 33, True, True, None, True), ("ep8", 3, True, False, None, True),
+    ("deep", 17, True, False, None, False), ("deep", 64, False, False, False, False),
+    ("small", 64, True, False, False, False),
+])
+def test_kernel_variants(rng, name, m, with_shared, f32, pdl, kernel_offset):
+    """fp32 partial output (tensor-parallel), an expert shard's unshifted ids with id_offset, no
+    shared expert, a deep ring, plain launches."""
+    run_gpu(rng, name, m, with_shared, f32, pdl, kernel_offset)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(384, 7168, 256), (16, 256, 12)])  # K2.6 TP8 (router, H, shared Is); small
+@pytest.mark.parametrize("m", MS)
+def test_dense_vs_reference_and_invariant(m, dims):
+    """moe_small_dense (router logits + the shared expert's SiLU * up): against the general path's
+    references with NaN-prefilled outputs, and each token's values the same bits as at M = 64."""
+    import cupy
+
+    from ddtree_rtc.kernels.moe_small import moe_small_dense as gpu_dense
+    from ddtree_rtc.reference.moe_small import moe_small_dense as ref_dense
+    from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
+
+    e, h, inter = dims
+    rng = _seeded(f"dense {m} {dims}")
+    x = random_bf16(rng, (64, h))
+    gate, w13 = random_bf16(rng, (e, h), h ** -0.5), random_bf16(rng, (2 * inter, h), h ** -0.5)
+    gd, wd, xd = to_device_bf16(gate), to_device_bf16(w13), to_device_bf16(x)
+
+    def run(idx):
+        logits = cupy.full((len(idx), e), np.nan, cupy.float32)
+        hs = nan_bf16_bits((len(idx), inter))
+        out = gpu_dense(cupy.ascontiguousarray(xd[idx]), gd, wd, out_logits=logits, out_hs=hs)
+        assert out[0] is logits and out[1] is hs
+        return logits.get(), hs.get()
+
+    idx = rng.permutation(64)[:m]
+    logits, hs = run(idx)
+    want_l, want_h = ref_dense(x[idx], gate, w13)
+    assert_close(logits, want_l, "fp32_accum", "logits")
+    assert_close(hs, want_h, "bf16_accum", "hs")
+    full_l, full_h = run(np.arange(64))
+    assert np.array_equal(logits, full_l[idx]) and np.array_equal(hs, full_h[idx])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tp8", "ep8"])
+def test_rows_are_bitwise_invariant_to_the_batch(name):
+    """A token's output: the same bits alone, in a batch of 7, 33 or 64, wherever it sits in it."""
+    import cupy
+
+    from ddtree_rtc.kernels.moe_small import moe_small_experts as gpu_moe
+    from ddtree_rtc.testing import to_device_bf16
+
+    rng = _seeded(f"invariance {name}")
+    _, exg = experts_for(name)
+    e, h, i, top_k, _, _ = DIMS[name]
+    x = random_bf16(rng, (64, h))
+    ids, w = routing_for(rng, name, 64)
+    shared = random_bf16(rng, (64, h), 0.5)
+
+    def rows(idx, f32):
+        out = cupy.empty((len(idx), h), cupy.float32 if f32 else cupy.uint16)
+        return gpu_moe(to_device_bf16(x[idx]), cupy.asarray(ids[idx]), cupy.asarray(w[idx]), exg,
+                       shared=to_device_bf16(shared[idx]), out=out, check_ids=False).get()
+
+    for f32 in (False, True):
+        full = rows(np.arange(64), f32)
+        for m in (1, 7, 33):
+            idx = rng.permutation(64)[:m]
+            got = rows(idx, f32)
+            bad = [int(r) for r, j in enumerate(idx) if not np.array_equal(got[r], full[j])]
+            assert not bad, f"M={m} fp32={f32}: rows {bad[:5]} differ from the same tokens at M=64"
+
+
+@pytest.mark.gpu
+def test_pdl_and_graph_replay_match_plain_launches():
+    import cupy
+
+    from ddtree_rtc.kernels.moe_small import moe_small_experts as gpu_moe
+    from ddtree_rtc.kernels.moe_small import moe_small_plan as gpu_plan
+    from ddtree_rtc.testing import to_device_bf16
+
+    rng = _seeded("pdl")
+    _, exg = experts_for("tp8")
+    e, h, i, top_k, _, _ = DIMS["tp8"]
+    m = 17
+    x, (ids, w) = random_bf16(rng, (m, h)), routing_for(rng, "tp8", m)
+    xd, idd, wd = to_device_bf16(x), cupy.asarray(ids), cupy.asarray(w)
+    plain = gpu_moe(xd, idd, wd, exg, plan=gpu_plan(m, e, top_k, h, i, pdl=False), check_ids=False).get()
+    plan = gpu_plan(m, e, top_k, h, i)
+    out = cupy.empty((m, h), cupy.uint16)
+    assert np.array_equal(gpu_moe(xd, idd, wd, exg, out=out, plan=plan, check_ids=False).get(), plain)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        gpu_moe(xd, idd, wd, exg, out=out, plan=plan, check_ids=False)
+        graph = stream.end_capture()
+        out.fill(0x7FC0)
+        graph.launch(stream)
+    stream.synchronize()
+    assert np.array_equal(out.get(), plain)

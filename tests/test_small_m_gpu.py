@@ -1,0 +1,230 @@
+"""The small-M path on the GPU, at one rank's TP8 share of K2.6 (8 heads, expert intermediate 256,
+vocab / 8; random weights made on the GPU): the row-invariant linear against its reference, and
+bitwise row invariance — a row's bits do not depend on the batch it is computed in (M = 1, 7, 33, 64)
+— through the linears, the MoE layer, the whole model's decode forward (eager and the engine's CUDA
+graph), and a causal multi-token verify row against its autoregressive twin."""
+
+import os
+
+import numpy as np
+import pytest
+
+from ddtree_rtc.reference.linear import linear as ref_linear
+from ddtree_rtc.testing import assert_close, random_bf16
+
+MS = (1, 7, 33, 64)
+# name -> (N, K) of one rank's TP8 decode linears (K2.6 dims)
+TP8_LINEARS = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (1536, 1536), "o_proj": (7168, 1024),
+               "router": (384, 7168), "shared_w13": (512, 7168), "shared_w2": (7168, 256),
+               "dense_w13": (4608, 7168), "dense_w2": (7168, 2304), "lm_head": (20480, 7168)}
+
+
+def _seeded(name):
+    seed = int(os.environ.get("DDTREE_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"{name} seed={seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(TP8_LINEARS))
+@pytest.mark.parametrize("f32", [False, True])
+def test_invariant_linear(name, f32):
+    """Against the reference on odd M (NaN-prefilled outputs), and every row the same bits at M = 64
+    as alone or in batches of 7 and 33."""
+    import cupy
+
+    from ddtree_rtc.kernels.linear import linear
+    from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
+
+    rng = _seeded(name)
+    n, k = TP8_LINEARS[name]
+    x = random_bf16(rng, (64, k))
+    w = random_bf16(rng, (n, k), k ** -0.5)
+    xd, wd = to_device_bf16(x), to_device_bf16(w)
+
+    def run(idx):
+        out = cupy.full((len(idx), n), np.nan, cupy.float32) if f32 else nan_bf16_bits((len(idx), n))
+        return linear(cupy.ascontiguousarray(xd[idx]), wd, out=out, impl="invariant").get()
+
+    full = run(np.arange(64))
+    for m in (1, 3, 17, 33):
+        idx = rng.permutation(64)[:m]
+        got = run(idx)
+        if m <= 3 or n * k <= 64 << 20:  # (the float64 reference of the lm_head at M = 33 takes long)
+            expect = ref_linear(x[idx], w, out=np.empty((m, n), np.float32) if f32 else None)
+            assert_close(got, expect, "fp32_accum" if f32 else "bf16_accum")
+        assert np.array_equal(got, full[idx]), f"M={m}: rows differ from the same rows at M=64"
+
+
+def tp8_model(moe_layers: int = 1):
+    from ddtree_rtc.bench.decode import random_slice
+
+    return random_slice(moe_layers, seed=3, shard="tp8")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tp8_model()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expert_shard", [False, True])
+def test_moe_layer_rows_invariant(model, expert_shard):
+    """The whole MoE layer (invariant router, routing, shared expert, moe_small experts; on an EP8
+    rank 48 whole experts, the other ranks' ids out of range): a token's output, bf16 and as the fp32
+    partials of a tensor-parallel rank, the same bits in any batch."""
+    import cupy
+
+    from ddtree_rtc.bench.moe import int4_experts_device
+    from ddtree_rtc.model.moe import MoELayerWeights, moe
+    from ddtree_rtc.testing import to_device_bf16
+
+    be, rc = model.backend, model.routing
+    lw = model.layers[1].mlp
+    if expert_shard:
+        lw = MoELayerWeights(lw.gate_weight, lw.e_score_correction_bias,
+                             int4_experts_device(48, lw.experts.hidden, 2048, 11), lw.shared_w13, lw.shared_w2, 0)
+    rng = _seeded(f"moe layer ep={expert_shard}")
+    x = to_device_bf16(random_bf16(rng, (64, lw.experts.hidden)))
+
+    def run(idx, parts):
+        xi = cupy.ascontiguousarray(x[idx])
+        m = len(idx)
+        plan = be.moe_small_plan(m, lw.experts.num_experts, rc.top_k, lw.experts.hidden, lw.experts.intermediate)
+        if not parts:
+            return moe(xi, lw, rc, be, plan=plan, small=True).get()
+        out = cupy.full((2, m, lw.experts.hidden), np.nan, cupy.float32)
+        moe(xi, lw, rc, be, plan=plan, out=out[0], shared_out=out[1], small=True)
+        return out.get()
+
+    for parts in (False, True):
+        full = run(np.arange(64), parts)
+        for m in (1, 7, 33):
+            idx = rng.permutation(64)[:m]
+            got = run(idx, parts)
+            ref = full[:, idx] if parts else full[idx]
+            assert np.array_equal(got, ref), f"M={m} parts={parts}: rows differ from the same tokens at M=64"
+
+
+def _decode_cache(model, n_seq, rng, max_ctx=4200):
+    from ddtree_rtc.bench.harness import random_bf16_device
+    from ddtree_rtc.engine.kv_cache import PagedKVCache
+
+    page = 64
+    ctx = rng.integers(100, 4096, n_seq)
+    per = -(-max_ctx // page)
+    cache = PagedKVCache(model.backend, model.num_layers, n_seq * per, page, model.dims.row)
+    cache.data[...] = random_bf16_device(cache.data.shape, scale=1.0, seed=int(rng.integers(1 << 30)))
+    for s in range(n_seq):
+        cache.reserve(s, int(ctx[s]) + 20)
+    return cache, ctx
+
+
+@pytest.mark.gpu
+def test_decode_rows_invariant_eager_and_graph(model):
+    """The whole model's decode forward (attention over each request's own context, MoE, lm_head):
+    request r's logits the same bits in a decode batch of 1, 7, 33 or 64 requests, eagerly and
+    through the engine's CUDA graphs (engine.runner)."""
+    from ddtree_rtc.engine.runner import ModelRunner
+    from ddtree_rtc.model.target import ForwardBatch
+
+    rng = _seeded("decode invariance")
+    cache, ctx = _decode_cache(model, 64, rng)
+    tokens = rng.integers(0, 20480, 64)
+
+    def step(idx, runner=None):
+        b = ForwardBatch.causal([int(i) for i in idx], ctx[idx], [[int(tokens[i])] for i in idx])
+        if runner is None:
+            return model.backend.to_host(model.forward(b, cache, output="logits").logits, bf16=False)
+        return model.backend.to_host(runner.decode(b), bf16=False).copy()
+
+    assert model.small_m(64)
+    full = step(np.arange(64))
+    runner = ModelRunner(model, cache, 4200, graphs=True)
+    for m in MS:
+        idx = np.sort(rng.permutation(64)[:m]) if m < 64 else np.arange(64)
+        for how, got in (("eager", step(idx)), ("graph", step(idx, runner))):
+            bad = [int(i) for r, i in enumerate(idx) if not np.array_equal(got[r], full[i])]
+            assert not bad, f"{how} M={m}: requests {bad[:6]} get other logits than at M=64"
+
+
+@pytest.mark.gpu
+def test_chain_verify_rows_equal_their_autoregressive_twins(model):
+    """A multi-token forward (a chain verify: n new tokens per request, causal) gives row j exactly
+    the logits of the autoregressive step that feeds the same token at the same position."""
+    from ddtree_rtc.model.target import ForwardBatch
+
+    rng = _seeded("chain verify")
+    cache, ctx = _decode_cache(model, 4, rng)
+    for b, n in ((1, 7), (3, 11), (4, 16)):
+        idx = list(range(b))
+        toks = [rng.integers(0, 20480, n).tolist() for _ in idx]
+        verify = ForwardBatch.causal(idx, ctx[:b], toks, last_only=False)
+        rows = model.backend.to_host(model.forward(verify, cache, output="logits").logits, bf16=False)
+        for j in range(n):
+            ar = ForwardBatch.causal(idx, ctx[:b] + j, [[t[j]] for t in toks])
+            got = model.backend.to_host(model.forward(ar, cache, output="logits").logits, bf16=False)
+            for r in range(b):
+                assert np.array_equal(got[r], rows[r * n + j]), f"b={b} n={n}: request {r} token {j} differs"
+
+
+@pytest.mark.gpu
+def test_engine_chain_verify_equals_ar_through_graphs(model):
+    """Through the engine's model runner with CUDA graphs: a tree verify of a chain (plan_tree,
+    fill_tree, verify; the tree mask on the device) gives slot j exactly the logits of the AR decode
+    step (runner.decode) that feeds the same token at the same position."""
+    import types
+
+    import cupy
+
+    from ddtree_rtc.engine.runner import ModelRunner
+    from ddtree_rtc.model.target import ForwardBatch
+    from ddtree_rtc.reference.tree_build import mask_words
+
+    rng = _seeded("engine chain verify")
+    cache, ctx = _decode_cache(model, 4, rng)
+    runner = ModelRunner(model, cache, 4200, graphs=True)
+    for b, n in ((1, 7), (3, 11), (4, 16)):
+        ids = list(range(b))
+        toks = rng.integers(0, 20480, (b, n)).astype(np.int32)
+        words = mask_words(n - 1)
+        bits = np.zeros((n, words), np.uint64)
+        for i in range(n):
+            for j in range(i + 1):  # a chain: every earlier slot is an ancestor
+                bits[i, j // 64] |= np.uint64(1) << np.uint64(j % 64)
+        tree = types.SimpleNamespace(
+            tokens=cupy.asarray(toks), positions=cupy.asarray((ctx[:b, None] + np.arange(n)).astype(np.int32)),
+            num_nodes=cupy.full(b, n, cupy.int32), mask=cupy.asarray(np.tile(bits[None], (b, 1, 1))))
+        step = runner.plan_tree(ids, ctx[:b], n)
+        runner.fill_tree(step, tree)
+        rows = model.backend.to_host(runner.verify(step).logits, bf16=False).copy()
+        for j in range(n):
+            ar = ForwardBatch.causal(ids, ctx[:b] + j, [[int(toks[r, j])] for r in ids])
+            got = model.backend.to_host(runner.decode(ar), bf16=False)
+            for r in ids:
+                assert np.array_equal(got[r], rows[r * n + j]), f"b={b} n={n}: request {r} slot {j} differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 64])
+def test_small_path_logits_match_the_general_path(model, m):
+    """The same decode batch through the small-M path and through the general kernels
+    (small_m_path off): logits within the bf16 tolerance of each other (different sum orders, the
+    same math), so the small path's composition (router, shared expert, id offsets, query, cache
+    rows) is right and not only invariant."""
+    from ddtree_rtc.model.target import ForwardBatch
+    from ddtree_rtc.testing import as_f64
+
+    outs = []
+    for small in (True, False):
+        cache, ctx = _decode_cache(model, m, np.random.default_rng(7))
+        tokens = np.random.default_rng(8).integers(0, 20480, m)
+        b = ForwardBatch.causal(list(range(m)), ctx, [[int(t)] for t in tokens])
+        model.small_m_path = small
+        try:
+            outs.append(as_f64(model.forward(b, cache, output="logits").logits))
+        finally:
+            model.small_m_path = True
+        del cache
+    rel = np.linalg.norm(outs[0] - outs[1]) / np.linalg.norm(outs[1])
+    assert rel < 2e-2, f"small-M path logits differ from the general path's by {rel:.3e} (relative)"
