@@ -14,7 +14,10 @@ using namespace ddt;
 
 // q_a and kv_a over the same x in one launch (include/skinny_pair.cuh, MODE 1): [m, q_lora] and
 // [m, 576] bf16.
-SKINNY_PAIR_ENTRIES(mla_qkv_a_small, 1)
+SKINNY_PAIR_ENTRY(mla_qkv_a_small_s1, 1, , 1)
+SKINNY_PAIR_ENTRY(mla_qkv_a_small_s2, 2, __cluster_dims__(2, 1, 1), 1)
+SKINNY_PAIR_ENTRY(mla_qkv_a_small_s4, 4, __cluster_dims__(4, 1, 1), 1)
+SKINNY_PAIR_ENTRY(mla_qkv_a_small_s8, 8, __cluster_dims__(8, 1, 1), 1)
 
 // x [T, H, K] (element strides x_t, x_h; k contiguous); W[h](k, n) at w + h * w_h + k * w_k + n * w_n;
 // out [T, H, N] (strides o_t, o_h; n contiguous). Grid (ceil(N / 32), H, ceil(T / 8)), block (32, 8).
