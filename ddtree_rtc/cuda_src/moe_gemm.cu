@@ -26,8 +26,12 @@
 // moe_gate_up_reduce_kernel (split-K gate_up -> h) and moe_combine_kernel (down partials ->
 // y = sum_slot w * down + shared; moe_combine_f32_kernel writes y unrounded, fp32).
 #include "common.cuh"
+#include "int4_mma.cuh"
 
 using namespace ddt;
+using int4_mma::kMinus136;
+using int4_mma::mma_bf16;
+using int4_mma::raw2;
 
 namespace {
 
@@ -168,14 +172,6 @@ __device__ __forceinline__ unsigned dequant2(unsigned v, __nv_bfloat162 scale) {
   return *reinterpret_cast<const unsigned*>(&w);
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
 // The bf16 A fragment (q * s) of one m16 tile for k16 step h of k32 chunk c (0..3) of a stage, from
@@ -221,13 +217,6 @@ __device__ __forceinline__ void mma_bf16_c(float (&d)[4], unsigned a0, unsigned 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
-// (v & 0x000F000F) | 0x43004300: the bf16x2 pair 128 + u (u = q + 8), exact, in one LOP3.
-__device__ __forceinline__ unsigned raw2(unsigned v) {
-  unsigned raw;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(raw) : "r"(v), "r"(0x000F000Fu), "r"(0x43004300u));
-  return raw;
-}
-
 // Single-token blocks (NT = 1): the scale goes on after the mma. Group = k32 chunk, so per group
 // and tile: tmp = sum_k (128 + u) x - 136 sum_k x = sum_k q x (two mma on the raw LOP3 output,
 // started from corr = the -136 sum_k x of the chunk, itself one mma pair with a constant -136 A
@@ -236,7 +225,6 @@ __device__ __forceinline__ unsigned raw2(unsigned v) {
 template <int C>
 __device__ __forceinline__ void mma_chunk_post(float (&acc)[kTilesPerWarp][1][4], const uint4 (&buf)[kTilesPerWarp][3],
                                                const uint4 xb) {
-  constexpr unsigned kMinus136 = 0xC308C308u;  // bf16x2 (-136, -136)
   const float zero[4] = {0.f, 0.f, 0.f, 0.f};
   float corr[4];
   mma_bf16_c(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb.x, xb.y, zero);

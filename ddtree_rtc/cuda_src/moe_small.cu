@@ -22,9 +22,13 @@
 // moe_small_down reads the ids before its PDL wait (they come from two launches back) and puts its
 // first weight stages in flight while moe_small_gate_up drains.
 #include "common.cuh"
+#include "int4_mma.cuh"
 #include "skinny_pair.cuh"
 
 using namespace ddt;
+using int4_mma::kMinus136;
+using int4_mma::mma_bf16;
+using int4_mma::raw2;
 
 namespace {
 
@@ -104,27 +108,11 @@ __device__ __forceinline__ void fill_cols(unsigned long long mask, int i, int* c
 
 __device__ __forceinline__ uint4 lds128(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// (v & 0x000F000F) | 0x43004300: the bf16x2 pair 128 + u (u = q + 8), exact.
-__device__ __forceinline__ unsigned raw2(unsigned v) {
-  unsigned raw;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(raw) : "r"(v), "r"(0x000F000Fu), "r"(0x43004300u));
-  return raw;
-}
-
 // One k128 block of one m16 tile against one n8 column tile: 4 chunks of k32 (one scale group
 // each). Per chunk: t = sum_k (128 + u) x - 136 sum_k x = sum_k q x in the mma, then acc += s * t
 // in fp32. buf: the lane's two 16-byte weight pieces and its 16 bytes of scales (row g, g + 8);
 // xb[c]: the lane's 8 k values of chunk c of its column.
 __device__ __forceinline__ void mma_block(float (&acc)[4], const uint4 (&buf)[3], const uint4 (&xb)[4]) {
-  constexpr unsigned kMinus136 = 0xC308C308u;
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     float t[4] = {0.f, 0.f, 0.f, 0.f};
