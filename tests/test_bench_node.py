@@ -12,6 +12,7 @@ from ddtree_rtc.bench import node
 from ddtree_rtc.bench.harness import Row, Timing
 from ddtree_rtc.model.config import preset_config
 from ddtree_rtc.model.shard import Shard
+from ddtree_rtc.model.target import TargetModel
 
 
 def test_help_explains_every_flag():
@@ -33,6 +34,20 @@ def test_flags_quick_and_refusals(capsys):
         with pytest.raises(SystemExit):
             node.parse_args(bad)
         assert bad[0] in capsys.readouterr().err
+
+
+def test_small_m_values_are_applied_both_ways():
+    """--small-m on,off: runtime.small_m_path is a bool, so both values are offered and each sets
+    the model's switch (a dummy model is made with it on, so 'off' must turn it off)."""
+    assert node.small_m_choices() == ("on", "off")
+    assert node.parse_args([]).small_m == ("on",)
+    assert node.parse_args(["--small-m", "on,off"]).small_m == ("on", "off")
+    model = TargetModel.dummy(preset_config("tiny"), Backend("numpy"))
+    assert model.small_m_path is True
+    node.SMALL_M_APPLY["off"](model)
+    assert model.small_m_path is False and not model.small_m(1)
+    node.SMALL_M_APPLY["on"](model)
+    assert model.small_m_path is True and model.small_m(1)
 
 
 def test_memory_plan_names_bytes_and_drops_layers():

@@ -42,6 +42,18 @@ def test_engine_takes_the_keys(tiny_dir, monkeypatch):
         assert (engine.model.small_m_path, engine.model.batch_invariant) == want, sets
 
 
+def test_dummy_engine_takes_the_keys():
+    """``model.load: dummy`` (no checkpoint) threads the keys the same way."""
+    from ddtree_rtc.pipeline import runner
+
+    for sets, want in ((("model.load=dummy",), (True, True)),
+                       (("model.load=dummy", "runtime.small_m_path=false", "runtime.batch_invariant=false"),
+                        (False, False))):
+        pipe = parse_pipeline(PIPE, "p.yaml", parse_set_options(sets))
+        engine, _ = runner.build_engine(pipe, max_batch=1)
+        assert (engine.model.small_m_path, engine.model.batch_invariant) == want, sets
+
+
 class RecordingBackend(Backend):
     """The numpy backend, counting each op's calls and the linears' ``impl``."""
 
