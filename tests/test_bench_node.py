@@ -92,10 +92,14 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(node, "read_ceiling_gbs", lambda: 1000.0)
 
 
-@pytest.mark.parametrize("layout", ["tp", "ep"])
-def test_layout_glue_on_numpy(fake_gpu, layout):
+# path: the MoE components' kernels. tiny at TP4 has expert intermediate 32, under moe_small's
+# multiple of 128, so the small-M path declines there; at EP4 the experts stay whole.
+@pytest.mark.parametrize("layout,small_m,path", [("tp", "on", "general"), ("ep", "on", "small-m"),
+                                                 ("ep", "off", "general")])
+def test_layout_glue_on_numpy(fake_gpu, layout, small_m, path):
     args = node.parse_args(["--world", "4", "--rank", "1", "--batches", "2", "--contexts", "8", "--budgets", "4",
-                            "--layers", "3", "--no-drafter", "--collective-us", "20,8", "--iters", "1"])
+                            "--layers", "3", "--no-drafter", "--collective-us", "20,8", "--iters", "1",
+                            "--small-m", small_m])
     rows, lay = node.run_layout(layout, args, None, lambda msg: None, be=Backend("numpy"), preset="tiny")
     assert lay["layers"] == 3 and "NOT the model's" in lay["numerics"]
     (case,) = lay["cases"]
@@ -108,6 +112,7 @@ def test_layout_glue_on_numpy(fake_gpu, layout):
     assert ar_bytes == 3 * 2 * h * 4 + 2 * h * 4 + 2 * 2 * 2 * h * 4 + 2 * (cfg.vocab_size // 4) * 2
     assert {c["component"] for c in (r.extra for r in rows) if "component" in c} == {
         "router", "routed experts", "shared expert", "all-reduce stand-in (device copy)"}
+    assert {r.extra["path"] for r in rows if "component" in r.extra} == {path}
     assert [r["chain"] for r in case["rounds"]] == [False, True]
     assert case["rounds"][0]["collectives"]["calls"] == 7
     if layout == "ep":

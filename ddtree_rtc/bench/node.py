@@ -308,7 +308,10 @@ def step_inputs(model, batch: int, ctx: int, nodes: int):
 
 def component_rows(model, batch: int, ctx: int, nodes: int, iters: int, layer: int, tag: str) -> list[Row]:
     """One MoE layer's pieces timed alone (L2 flushed) on the step's real layer input: router,
-    routed experts, shared expert, the all-reduce stand-in of its fp32 [2, T, H] message."""
+    routed experts, shared expert, the all-reduce stand-in of its fp32 [2, T, H] message. Each piece
+    runs the kernels of the model's path for T rows (model/moe.py ``moe``): on the small-M path with
+    batch_invariant, "router" is moe_small_dense (the router logits and the shared expert's gate_up
+    in one launch) and "shared expert" its down linear."""
     from ..model.moe import MoELayerWeights
 
     be, rc = model.backend, model.routing
@@ -332,17 +335,33 @@ def component_rows(model, batch: int, ctx: int, nodes: int, iters: int, layer: i
     out = be.empty((t, h), "fp32")
     shared_out = be.empty((t, h), "fp32")
     parts = be.empty((2, t, h), "fp32")
+    small, impl = model.small_m(t), model.linear_impl(t)
+    bf16_router = impl == "invariant" and lw.gate_weight.dtype != np.float32
+    dense_pair = bf16_router and lw.num_experts % 8 == 0 and lw.shared_w13.shape[0] % 8 == 0  # as model/moe.py
+    hs = be.moe_small_dense(x, lw.gate_weight, lw.shared_w13)[1] if dense_pair else None
 
     def router():
-        lg = be.router_logits(x, lw.gate_weight)
+        if dense_pair:
+            lg, _ = be.moe_small_dense(x, lw.gate_weight, lw.shared_w13)
+        elif bf16_router:
+            lg = be.linear(x, lw.gate_weight, out=be.empty((t, lw.num_experts), "fp32"), impl=impl)
+        else:
+            lg = be.router_logits(x, lw.gate_weight)
         be.moe_route(lg, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group, rc.norm_topk_prob,
                      rc.routed_scaling_factor)
 
     def experts():
-        be.moe_experts(x, local, w, lw.experts, out=out, plan=plan, check_ids=False)
+        if small:
+            be.moe_small_experts(x, ids, w, lw.experts, out=out, plan=plan, check_ids=False,
+                                 id_offset=lw.expert_offset)
+        else:
+            be.moe_experts(x, local, w, lw.experts, out=out, plan=plan, check_ids=False)
 
     def shared():
-        be.linear(be.silu_mul(be.linear(x, lw.shared_w13)), lw.shared_w2, out=shared_out)
+        if dense_pair:
+            be.linear(hs, lw.shared_w2, out=shared_out, impl=impl)
+        else:
+            be.linear(be.silu_mul(be.linear(x, lw.shared_w13, impl=impl)), lw.shared_w2, out=shared_out, impl=impl)
 
     def collective():
         model.comm.all_reduce(parts)
@@ -350,8 +369,11 @@ def component_rows(model, batch: int, ctx: int, nodes: int, iters: int, layer: i
     router_bytes = int(lw.gate_weight.nbytes + lw.e_score_correction_bias.nbytes + x.nbytes)
     expert_bytes = touched_mine * lw.experts.expert_nbytes() + int(x.nbytes)
     shared_bytes = int(lw.shared_w13.nbytes + lw.shared_w2.nbytes + x.nbytes)
+    if dense_pair:  # the shared gate_up's bytes move to the router's launch
+        router_bytes += int(lw.shared_w13.nbytes)
+        shared_bytes = int(lw.shared_w2.nbytes + hs.nbytes)
     case = f"{tag} L{layer}"
-    common = {"batch": batch, "ctx": ctx, "tokens": t, "layer": layer}
+    common = {"batch": batch, "ctx": ctx, "tokens": t, "layer": layer, "path": "small-m" if small else "general"}
     rows = []
     saved = model.comm.stats
     for name, fn, nbytes, ceiling, extra in (
