@@ -117,6 +117,7 @@ def test_layout_glue_on_numpy(fake_gpu, layout, small_m, path):
     assert case["rounds"][0]["collectives"]["calls"] == 7
     if layout == "ep":
         ep = case["ar"]["ep_ranks"]
+        assert {r.extra["path"] for r in rows if "ep_rank" in r.extra} == {path}
         assert len(ep["us_per_rank"]) == 4 and sum(ep["pairs_per_rank"]) == 2 * cfg.num_experts_per_tok
         assert sum(case["rounds"][0]["ep_ranks"]["pairs_per_rank"]) == 2 * 5 * cfg.num_experts_per_tok
     p20, p8 = case["projection"]

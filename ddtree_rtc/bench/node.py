@@ -420,17 +420,29 @@ def ep_rank_rows(model, batch: int, ctx: int, node_counts: list[int], iters: int
             src, layer, rc, cfg.hidden_size, cfg.moe_intermediate_size, be, shard=Shard(r, world, True))
         for nodes, (x, ids, w, host_ids, out) in routed.items():
             t = batch * nodes
-            local_ids = ids - be.xp.int32(lw.expert_offset)
-            plan = be.moe_plan(t, lw.experts.num_experts, rc.top_k, cfg.hidden_size, lw.experts.intermediate)
+            small = model.small_m(t)  # the model's path for T rows (model/moe.py)
+            shape = (t, lw.experts.num_experts, rc.top_k, cfg.hidden_size, lw.experts.intermediate)
+            if small:
+                plan = be.moe_small_plan(*shape)
+
+                def run(lw=lw, plan=plan, x=x, ids=ids, w=w, out=out):
+                    be.moe_small_experts(x, ids, w, lw.experts, out=out, plan=plan, check_ids=False,
+                                         id_offset=lw.expert_offset)
+            else:
+                plan = be.moe_plan(*shape)
+                local_ids = ids - be.xp.int32(lw.expert_offset)
+
+                def run(lw=lw, plan=plan, x=x, local_ids=local_ids, w=w, out=out):
+                    be.moe_experts(x, local_ids, w, lw.experts, out=out, plan=plan, check_ids=False)
             mine = host_ids - lw.expert_offset
             mine = mine[(mine >= 0) & (mine < lw.experts.num_experts)]
-            us = time_gpu(lambda lw=lw, local_ids=local_ids, plan=plan, x=x, w=w, out=out: be.moe_experts(
-                x, local_ids, w, lw.experts, out=out, plan=plan, check_ids=False), warmup=2, iters=iters).median_us
+            us = time_gpu(run, warmup=2, iters=iters).median_us
             touched = int(len(np.unique(mine)))
             nbytes = touched * lw.experts.expert_nbytes() + int(x.nbytes)
             rows.append(Row(f"{tag} L{layer} T{t} EP rank {r} routed experts", us, bytes=nbytes,
                             extra={"batch": batch, "ctx": ctx, "tokens": t, "nodes": nodes, "layer": layer,
                                    "ep_rank": r, "pairs": int(mine.size), "experts_touched": touched,
+                                   "path": "small-m" if small else "general",
                                    "floor_us": nbytes / read_ceiling_gbs() / 1e3}))
             del plan
         del lw
