@@ -41,10 +41,17 @@ def test_text_prompts_become_ids(tmp_path):
         assert b"".join(ranks[t] for t in p) == text.encode(), "the ids decode back to the text"
 
 
-def test_text_prompts_without_model_file_name_it(tmp_path):
+def test_text_prompts_without_model_file(tmp_path):
+    """A preset model takes text through the byte tokenizer ``serve`` uses; a checkpoint directory
+    without Kimi's tokenizer file gets an error naming the file it needs."""
     pipe = _pipeline(tmp_path, [{"text": "hi"}])
+    assert load_prompts(pipe, 1000, tmp_path) == [list(b"hi")]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    text = f"model: {{path: {ckpt}}}\nworkload: {{prompts: prompts.jsonl, concurrency: 1}}\n"
+    pipe = parse_pipeline(text, file=str(tmp_path / "p.yaml"))
     with pytest.raises(PipelineError, match="tiktoken.model"):
-        load_prompts(pipe, 1000, tmp_path)
+        load_prompts(pipe, 1000, ckpt)
 
 
 def test_text_prompts_without_tiktoken_name_the_package(tmp_path, monkeypatch):
