@@ -198,13 +198,14 @@ class ModelRunner:
 
     def fill_tree(self, step: TreeStep, tree) -> None:
         """Device copy of ``tree`` (TreeArrays with n slots per request) into the step's inputs.
-        Slots past a tree's nodes verify token 0 at the root's position seeing only themselves
-        (their rows are written past the prefix and never read)."""
+        Slots past a tree's nodes verify the root's token at the root's position seeing only
+        themselves (their rows are written past the prefix and never read): copies of the root, so
+        they route to the root's experts and add no MoE weight traffic (engine/decode/budget.py)."""
         s = self._shapes[step.key]
         xp = self.model.backend.xp
         b, n, _ = step.key
         used = xp.arange(n, dtype=xp.int32)[None, :] < tree.num_nodes[:, None]
-        s.inputs.tokens[...] = xp.where(used, tree.tokens, 0).reshape(-1)
+        s.inputs.tokens[...] = xp.where(used, tree.tokens, tree.tokens[:, :1]).reshape(-1)
         s.inputs.positions[...] = xp.where(used, tree.positions, step.prefix_dev[:, None]).reshape(-1)
         s.mask[...] = xp.where(used[:, :, None], tree.mask, s.self_bits[None]).reshape(b * n, -1)
 
