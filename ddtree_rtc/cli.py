@@ -26,6 +26,7 @@ BENCHMARKS = {
     "decode": "AR decode step on a K2.6-dims slice: stage times vs byte floors, eager / queued / CUDA graph",
     "round": "DDTree round on a K2.6-dims slice: stages, kernels vs CUDA graph, tok/s at the oracle's tau vs AR",
     "drafter": "DFlash drafter forward / context extend at K2.6 dims and its GQA attention vs byte floors",
+    "budget": "decode.budget auto vs fixed budgets, chain and AR on a pipeline per concurrency (tok/s per user)",
 }
 
 

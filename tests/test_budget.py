@@ -326,3 +326,27 @@ def test_calibration_learns_a_depth_bias():
     for i in range(2000):
         cal.observe([0], raw, depth, [2], [1 + i % 2])
     assert cal.depth_factors()[1] == pytest.approx(0.5, rel=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,budget", [(1, 1), (5, 64), (13, 37)])
+def test_device_expected_tokens_match_numpy(rng, batch, budget):
+    """The round's on-device pass over the CUDA build's output (scores NaN past each tree, cut
+    trees, odd sizes) against the same numpy code on the host copy."""
+    import cupy as cp
+
+    from ddtree_rtc.backend import Backend
+
+    be = Backend("cuda")
+    logits = rng.standard_normal((batch, DEPTH, 1001)).astype(np.float32) * 3
+    logq, ids = be.topk_logprobs(be.asarray(logits), max(1, min(budget, 1001)))
+    one = np.ones(batch, np.int32)
+    depths = rng.integers(1, DEPTH + 1, batch).astype(np.int32)
+    tree = be.tree_build(logq, ids, be.asarray(0 * one), be.asarray(budget * one), be.asarray(depths),
+                         be.asarray(0 * one), budget)
+    tree.num_nodes[...] = cp.minimum(tree.num_nodes, cp.asarray(rng.integers(1, budget + 2, batch), cp.int32))
+    w = rng.uniform(0.5, 2.0, (batch, DEPTH + 1))
+    got = expected_tokens(cp, tree.scores, tree.node_depth, tree.num_nodes, cp.asarray(w)).get()
+    want = expected_tokens(np, tree.scores.get(), tree.node_depth.get(), tree.num_nodes.get(), w)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)

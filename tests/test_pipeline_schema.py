@@ -76,6 +76,20 @@ def test_decode_section():
             parse_pipeline(text, "bad.yaml")
 
 
+def test_decode_budget_auto():
+    dd = GOOD.replace("  mode: autoregressive\n  temperature: 0\n", "  mode: ddtree\n  budget: auto\n  max_budget: 32\n"
+                      "  drafter: {kind: oracle}\n")
+    p = parse_pipeline(dd, "auto.yaml")
+    assert (p.decode.budget, p.decode.max_budget, p.decode.cost_table) == ("auto", 32, None)
+    for text, msg in ((dd.replace("max_budget: 32", "max_budget: 0"), "max_budget 0 is outside 1..512"),
+                      (dd.replace("max_budget: 32", "max_budget: 513"), "max_budget 513 is outside 1..512"),
+                      (dd.replace("mode: ddtree", "mode: chain"), "budget 'auto' needs mode 'ddtree'"),
+                      (dd.replace("budget: auto", "budget: autoo"), "key 'decode.budget'.*'autoo'"),
+                      (dd.replace("budget: auto", "budget: 8\n  cost_table: c.json"), "cost_table is read only")):
+        with pytest.raises(PipelineError, match=msg):
+            parse_pipeline(text, "bad.yaml")
+
+
 @pytest.mark.parametrize("path", sorted(str(p) for p in Path("pipelines").glob("*.yaml")))
 def test_shipped_pipelines_parse(path):
     p = load_pipeline(path)

@@ -42,10 +42,11 @@ class Engine:
     def __init__(self, model: TargetModel, max_batch: int, page_size: int, max_context: int,
                  num_pages: int | None = None, max_prefill_tokens: int = 4096, seed: int = 0,
                  profile: bool = False, cuda_graphs: bool = False, mode: str = "autoregressive",
-                 drafter=None, budget: int = 64):
+                 drafter=None, budget: int | str = 64, max_budget: int = 64, cost=None):
         """``mode``: 'autoregressive', 'ddtree' or 'chain' (the last two need a ``drafter`` from
         ddtree_rtc.speculative.drafters; ``budget``: tree nodes per round, the most any request
-        may ask for)."""
+        may ask for, or 'auto': chosen per round and request up to ``max_budget`` by the cost
+        model ``cost`` (engine.decode.budget.CostModel; None: measured at warm-up, CUDA only))."""
         if mode not in MODES:
             raise ValueError(f"decode mode must be one of {', '.join(MODES)}, got {mode!r}")
         if (mode == "autoregressive") != (drafter is None):
@@ -66,13 +67,32 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, max_context, graphs=graphs,
                                   hidden_layers=() if drafter is None else drafter.target_layer_ids)
         self.graphs = self.runner if graphs else None
+        auto = None
+        if budget == "auto":
+            auto = self._auto_budget(mode, drafter, max_budget, cost, graphs)
+            budget = max_budget
+        elif not isinstance(budget, (int, np.integer)):
+            raise ValueError(f"decode.budget must be a node count or 'auto', got {budget!r}")
         if drafter is not None:
             from ..speculative.round import SpeculativeRound
 
             drafter.attach(self.pages)
             self.round = SpeculativeRound(model, self.cache, self.runner, drafter, mode, budget, self._timed,
-                                          self.choose, self.output_for)
+                                          self.choose, self.output_for, auto=auto)
         self.scheduler = Scheduler(max_batch, self.pages, tail=self.round.tail if self.round else lambda r: 0)
+
+    def _auto_budget(self, mode: str, drafter, max_budget: int, cost, graphs: bool):
+        from .decode.budget import AutoBudget, BudgetError, slot_buckets
+
+        if mode != "ddtree":
+            raise BudgetError(f"decode.budget auto needs mode 'ddtree' (chain is one of the trees it chooses "
+                              f"from), got mode {mode!r}")
+        if cost is None and not self.backend.is_cuda:
+            raise BudgetError("decode.budget auto on the numpy backend needs decode.cost_table (a verify cost "
+                              "table, engine/decode/budget.py): only the CUDA backend measures one at warm-up")
+        # with CUDA graphs a verify shape is a captured graph: a few buckets; eagerly any count is one
+        return AutoBudget(max_budget, drafter.depth, cost,
+                          buckets=slot_buckets(max_budget) if graphs else range(max_budget + 1))
 
     def _timed(self, stage: str, fn, *args, **kw):
         if self.profile:
@@ -137,6 +157,7 @@ class Engine:
         req = self.scheduler.cancel(rid)
         if req is not None and self.drafter is not None:
             self.drafter.release(rid)
+            self.round.release(rid)
         return req is not None
 
     def _forward(self, stage: str, reqs: list[Request], ctx: list[int], new: list[list[int]]):
@@ -198,6 +219,7 @@ class Engine:
             r.t_done = now
             if self.drafter is not None:
                 self.drafter.release(r.rid)
+                self.round.release(r.rid)
         return done
 
     def run(self, requests: list[Request], progress=None) -> list[Request]:

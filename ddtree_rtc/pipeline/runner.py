@@ -253,12 +253,29 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
     new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
     drafter = make_drafter(pipe, model, new, prompts or [], log)
     try:
+        from ..engine.decode.budget import CostModel
+
+        cost = CostModel.load(d.cost_table) if d.cost_table is not None else None
         engine = Engine(model, max_batch=max_batch, page_size=pipe.runtime.page_size,
                         max_context=pipe.runtime.max_context, seed=d.seed, profile=profile,
-                        cuda_graphs=pipe.runtime.cuda_graphs, mode=d.mode, drafter=drafter, budget=d.budget)
+                        cuda_graphs=pipe.runtime.cuda_graphs, mode=d.mode, drafter=drafter, budget=d.budget,
+                        max_budget=d.max_budget, cost=cost)
     except ValueError as e:
         raise PipelineError(f"{pipe.source}: {e}") from None
     return engine, {"dir": directory, "compile_s": compile_s, "load_s": load_s}
+
+
+def budget_rows(auto) -> tuple:
+    """Summary rows of decode.budget auto: the nodes it chose, predicted vs measured tau, tokens
+    per modelled verify second."""
+    st = auto.stats.summary()
+    top = sorted(st["nodes_hist"].items(), key=lambda kv: -kv[1])[:6]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    return (("budget auto: nodes chosen", ", ".join(f"{k}: {v}" for k, v in top) + f" (of {auto.max_budget})"),
+            ("budget auto: tau predicted / measured", f"{fmt(st['tau_predicted'], '.2f')} / "
+                                                      f"{fmt(st['tau_measured'], '.2f')} over drafted rounds"),
+            ("budget auto: tokens per verify s", f"{fmt(st['tokens_per_verify_s'], '.1f')} (modelled, "
+                                                 f"{auto.cost.source}); {st['skipped_drafts']} rounds without a draft"))
 
 
 def parallel_metrics(engine: Engine) -> dict | None:
@@ -318,7 +335,11 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
         "speculative": None if engine.round is None else {
             "tau": engine.round.stats.tau, "rounds": engine.round.stats.rounds,
             "tokens_per_round_hist": {str(k): v for k, v in sorted(engine.round.stats.accept_hist.items())},
-            "acceptance_by_depth": engine.round.stats.acceptance_by_depth(), "budget": engine.round.budget},
+            "acceptance_by_depth": engine.round.stats.acceptance_by_depth(),
+            "budget": "auto" if engine.round.auto is not None else engine.round.budget,
+            "auto": None if engine.round.auto is None else {
+                **engine.round.auto.stats.summary(), "max_budget": engine.round.auto.max_budget,
+                "buckets": list(engine.round.auto.buckets), "cost_model": engine.round.auto.cost.to_json()}},
         "cuda_graphs": None if engine.graphs is None else {"captured": engine.graphs.captures,
                                                            "replays": engine.graphs.replays},
         "parallel": parallel_metrics(engine),
@@ -328,6 +349,7 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
         "model": {"dir": str(directory), "layers": model.num_layers, "hidden": model.cfg.hidden_size},
         "decode": {"mode": d.mode, "temperature": d.temperature, "top_p": d.top_p,
                    "budget": d.budget if d.mode == "ddtree" else None,
+                   "max_budget": d.max_budget if d.budget == "auto" else None,
                    "drafter": None if drafter is None else drafter.name},
         "metrics": metrics,
         "requests": [{"id": r.rid, "prompt": r.prompt, "output": r.output, "finish": r.finish.value}
@@ -342,11 +364,13 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
                  " / ".join(f"{metrics['latency_s'][k]:.3f}" for k in ("mean", "p50", "max")) + " s"),
                 ("time to first token mean", f"{metrics['ttft_s']['mean']:.3f} s"),
                 *(() if engine.round is None else (
-                    ("decode", f"{d.mode}, {drafter.name} drafter, budget {engine.round.budget}"),
+                    ("decode", f"{d.mode}, {drafter.name} drafter, budget "
+                               f"{'auto' if engine.round.auto is not None else engine.round.budget}"),
                     ("tau (tokens per round)", f"{engine.round.stats.tau:.2f} over {engine.round.stats.rounds} "
                                                f"request-rounds"),
                     ("acceptance by depth", " ".join(f"{a:.2f}" for a in engine.round.stats.acceptance_by_depth())),
                 )),
+                *(() if engine.round is None or engine.round.auto is None else budget_rows(engine.round.auto)),
                 *((f"stage {k}", f"{v:.3f} s ({100 * v / wall:.0f}%)") for k, v in st.stage_seconds.items()),
                 ("kernel compile / weight load", f"{compile_s:.1f} s / {load_s:.1f} s")]
         if engine.graphs is not None:

@@ -100,9 +100,11 @@ class DecodeSpec:
     mode: Literal["autoregressive", "ddtree", "chain"] = "autoregressive"
     temperature: float = 0.0
     top_p: float = 1.0
-    budget: int = 64  # tree nodes per round (ddtree), the root excluded
+    budget: int | Literal["auto"] = 64  # tree nodes per round (ddtree), the root excluded; auto: chosen per round
     drafter: DrafterSpec | None = None  # needed by ddtree and chain; autoregressive ignores it
     seed: int = 0
+    max_budget: int = 64  # budget auto: the most nodes a request's tree may have (the tree is built at this)
+    cost_table: str | None = None  # budget auto: a verify cost table (JSON); else measured at warm-up (CUDA)
 
     def __post_init__(self):
         from ..reference.tree_build import MAX_BUDGET
@@ -111,8 +113,15 @@ class DecodeSpec:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.budget <= MAX_BUDGET:
+        if self.budget != "auto" and not 0 <= self.budget <= MAX_BUDGET:
             raise ValueError(f"budget {self.budget} is outside 0..{MAX_BUDGET} (the tree buffers' maximum)")
+        if not 1 <= self.max_budget <= MAX_BUDGET:
+            raise ValueError(f"max_budget {self.max_budget} is outside 1..{MAX_BUDGET} (the tree buffers' maximum)")
+        if self.budget == "auto" and self.mode != "ddtree":
+            raise ValueError(f"budget 'auto' needs mode 'ddtree' (chain is one of the trees it chooses from), "
+                             f"got mode {self.mode!r}")
+        if self.cost_table is not None and self.budget != "auto":
+            raise ValueError("cost_table is read only with budget 'auto'")
         if self.mode != "autoregressive" and self.drafter is None:
             raise ValueError(f"mode {self.mode!r} needs a drafter (decode.drafter: {{kind: oracle | random | dflash}})")
 

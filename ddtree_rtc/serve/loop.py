@@ -39,6 +39,30 @@ class Metrics:
         self.ttft = Histogram("ddtree_time_to_first_token_seconds", "arrival to first token", registry=r)
         self.round_time = Histogram("ddtree_round_seconds", "one engine round", registry=r,
                                     buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
+        # decode.budget auto (engine/decode/budget.py)
+        self._budget_rounds = 0
+        self.budget_nodes = Histogram("ddtree_budget_nodes", "tree nodes verified per request-round (budget auto)",
+                                      registry=r, buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.tau_predicted = Gauge("ddtree_tau_predicted", "calibrated predicted tokens per drafted request-round, "
+                                   "mean so far (budget auto)", registry=r)
+        self.tau_measured = Gauge("ddtree_tau_measured", "measured tokens over the same request-rounds "
+                                  "(budget auto)", registry=r)
+        self.tokens_per_verify_second = Gauge("ddtree_tokens_per_verify_second", "tokens per second of "
+                                              "modelled verify (budget auto's cost model)", registry=r)
+
+    def observe_budget(self, stats) -> None:
+        """After a step: the auto budget's last round's nodes per request (once per round) and its
+        running figures."""
+        rounds = stats.drafted_rounds + stats.skipped_drafts
+        if rounds == self._budget_rounds:
+            return
+        self._budget_rounds = rounds
+        for n in stats.last_counts:
+            self.budget_nodes.observe(n)
+        for gauge, value in ((self.tau_predicted, stats.tau_predicted), (self.tau_measured, stats.tau_measured),
+                             (self.tokens_per_verify_second, stats.tokens_per_verify_s)):
+            if value is not None:
+                gauge.set(value)
 
 
 class EngineLoop:
@@ -145,6 +169,9 @@ class EngineLoop:
                     continue
                 m.round_time.observe(time.perf_counter() - t0)
                 m.rounds.inc()
+                auto = getattr(eng.round, "auto", None)
+                if auto is not None:
+                    m.observe_budget(auto.stats)
                 emitted = 0
                 for rid in list(self._clients):
                     req, _, _, sent = self._clients[rid]

@@ -15,6 +15,11 @@
     commit  -> the accepted nodes' KV rows move to prefix, prefix + 1, ...; their hidden states
                (root first) join the drafter's context; the emitted tokens go to the requests
 
+With ``decode.budget: auto`` (``auto``: engine/decode/budget.AutoBudget) the tree is built at the
+maximum budget, each request's is cut to the node count the cost-aware policy chooses, and the
+verify runs the shape of the bucket that holds the largest cut (engine/decode/auto.py); the plan
+then comes after the build, and the host reads the node values once before the verify.
+
 Chain mode (DFlash's linear drafting) is the same round with k = 1 and budget = depth. The verify's
 host half (cache slots, attention plan) is done before the draft is enqueued; the tree's tokens,
 positions and mask reach the verify forward on the device (engine.runner). The host reads the
@@ -23,6 +28,7 @@ accepted lengths and tokens once per round.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,11 +68,13 @@ class RoundStats:
 class SpeculativeRound:
     """The round's buffers and its ``run(requests)``; ``mode`` 'ddtree' or 'chain'."""
 
-    def __init__(self, model, cache, runner, drafter, mode: str, budget: int, timed, choose, output_for=None):
+    def __init__(self, model, cache, runner, drafter, mode: str, budget: int, timed, choose, output_for=None,
+                 auto=None):
         """``runner``: the engine's ModelRunner (plans the verify forward, replays its graphs);
         ``choose(logits, reqs, positions)``: the engine's token choice per row (Engine.choose);
         ``output_for(reqs)``: 'argmax' where the verify forward returns the greedy tokens itself
-        (Engine.output_for), else 'logits'."""
+        (Engine.output_for), else 'logits'. ``auto``: an AutoBudget (decode.budget auto; ``budget``
+        is then its max_budget) or None."""
         if mode not in ("ddtree", "chain"):
             raise ValueError(f"speculative mode must be 'ddtree' or 'chain', got {mode!r}")
         self.model, self.cache, self.runner, self.drafter, self.mode = model, cache, runner, drafter, mode
@@ -77,6 +85,16 @@ class SpeculativeRound:
         self.hidden_layers = tuple(drafter.target_layer_ids)
         self.stats = RoundStats()
         self._buffers: dict[int, TreeBuffers] = {}
+        self.auto = auto
+        self._auto_round = None
+        if auto is not None:
+            from ..engine.decode.auto import AutoRound
+
+            if mode != "ddtree" or auto.max_budget != self.budget:
+                raise ValueError(f"budget auto needs mode 'ddtree' and max_budget {auto.max_budget} == the round's "
+                                 f"budget {self.budget}")
+            self._auto_round = AutoRound(auto, model.backend, runner)
+            self._choices: dict = {}  # batch -> [B, 1 + max_budget] int32: the verify's choices, padded
 
     def tail(self, req) -> int:
         """Cache rows a round writes past the committed prefix: the root and every node slot."""
@@ -96,7 +114,13 @@ class SpeculativeRound:
             bufs = self._buffers[batch] = TreeBuffers(self.model.backend, shape)
         return bufs
 
+    def release(self, rid) -> None:
+        if self.auto is not None:
+            self.auto.release(rid)
+
     def run(self, reqs, eos_id) -> None:
+        if self.auto is not None:
+            return self._run_auto(reqs, eos_id)
         be, cache, timed, runner = self.model.backend, self.cache, self.timed, self.runner
         rids = [r.rid for r in reqs]
         prefix = np.array([r.length - 1 for r in reqs], np.int32)  # the root (last token) has no KV yet
@@ -135,3 +159,76 @@ class SpeculativeRound:
                 cache.trim(r.rid, int(p) + int(n))  # the committed prefix; the bonus gets its row next round
 
         timed("commit", commit)
+
+    def _run_auto(self, reqs, eos_id) -> None:
+        """The round with the cost-aware budget: draft and build at the maximum budget (or, when
+        every request holds off drafting, the root alone), choose and cut, then plan and verify
+        the chosen bucket's shape (engine/decode/auto.py)."""
+        from ..engine.decode.auto import tree_view
+
+        be, cache, timed, runner, auto, ar = (self.model.backend, self.cache, self.timed, self.runner,
+                                              self.auto, self._auto_round)
+        t0 = time.perf_counter()
+        rids, b = [r.rid for r in reqs], len(reqs)
+        prefix = np.array([r.length - 1 for r in reqs], np.int32)
+        roots = np.array([r.output[-1] for r in reqs], np.int32)
+        caps = np.array([self.budget_of(r) for r in reqs], np.int64)
+        bufs = self._buffers_for(b)
+        bufs.set_limits(budgets=caps)
+        for r, p in zip(reqs, prefix):
+            cache.reserve(r.rid, int(p) + 1 + self.budget)
+        roots_dev, prefix_dev, ctx = be.asarray(roots), be.asarray(prefix), float(prefix.mean())
+        output = self.output_for(reqs)
+        drafted = auto.should_draft(rids)
+        raw = depth = draft_s = None
+        if drafted:
+            logits = timed("draft", self.drafter.draft, rids, roots, prefix)
+            tree = timed("build", bufs.build, logits, roots_dev, prefix_dev)
+            values, raw, depth = timed("budget", ar.estimate, tree, rids)  # a host sync
+            draft_s = time.perf_counter() - t0
+            if ar.needs_measure(b):
+                timed("budget", ar.measure, rids, prefix, tree, be.to_host(tree.num_nodes).astype(np.int64), output)
+            choice = auto.choose(values, caps, ctx)
+            ar.cut(tree, choice.counts)
+        else:
+            auto.skipped(rids)
+            tree = bufs.tree
+            ar.root_only(tree, roots_dev, prefix_dev)
+            choice = auto.ar_choice(b, ctx)
+        n_slots = choice.slots
+        step = timed("plan", runner.plan_tree, rids, prefix, n_slots)
+        timed("verify", runner.fill_tree, step, tree_view(tree, n_slots))
+        out = timed("verify", runner.verify, step, output)
+        row_reqs = [r for r in reqs for _ in range(n_slots)]
+        chosen = (lambda: out.tokens) if output == "argmax" else (
+            lambda: self.choose(out.logits, row_reqs, step.inputs.positions + 1))
+        full = self._choices.get(b)
+        if full is None:
+            full = self._choices[b] = be.empty((b, 1 + self.budget), "int32")
+
+        def pad():
+            full[...] = -1  # slots past the verify: no token (the walk stops within num_nodes anyway)
+            full[:, :n_slots] = chosen().reshape(b, n_slots).astype(be.xp.int32)
+            return full
+
+        choices = timed("sample", pad)
+        acc = timed("accept", bufs.accept, choices)
+        accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
+        emitted = be.to_host(acc.emitted)
+
+        def commit():
+            cache.commit(be.asarray(cache.page_table(rids)), step.prefix_dev, acc.accepted, acc.accept_len)
+            if self.hidden_layers:
+                accepted = be.to_host(acc.accepted)
+                rows = np.concatenate([i * n_slots + accepted[i, :n].astype(np.int64)
+                                       for i, n in enumerate(accept_len)])
+                idx = be.asarray(rows)
+                self.drafter.extend_context(rids, {i: out.hidden[i][idx] for i in self.hidden_layers}, accept_len)
+            for r, p, n, toks in zip(reqs, prefix, accept_len, emitted):
+                self.stats.add(int(n), r.rid)
+                r.extend(toks[:n].tolist(), eos_id)
+                cache.trim(r.rid, int(p) + int(n))
+
+        timed("commit", commit)
+        auto.observe(rids, raw, depth, choice, accept_len, drafted)
+        ar.observe_times(b, draft_s, time.perf_counter() - t0, choice)

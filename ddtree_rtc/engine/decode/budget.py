@@ -372,11 +372,13 @@ class BudgetStats:
     round_s: float = 0.0  # modelled round seconds
     drafted_rounds: int = 0
     skipped_drafts: int = 0
+    last_counts: tuple = ()  # the last round's nodes per request (for /metrics' histogram)
 
     def add_round(self, counts, slots: int, tokens, expected=None, verify_s: float | None = None,
                   round_s: float | None = None, drafted: bool = True) -> None:
-        for n in np.asarray(counts).tolist():
-            self.counts_hist[int(n)] = self.counts_hist.get(int(n), 0) + 1
+        self.last_counts = tuple(int(n) for n in np.asarray(counts).tolist())
+        for n in self.last_counts:
+            self.counts_hist[n] = self.counts_hist.get(n, 0) + 1
         self.slots_hist[int(slots)] = self.slots_hist.get(int(slots), 0) + 1
         tokens = np.asarray(tokens)
         self.tokens += int(tokens.sum())

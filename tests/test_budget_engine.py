@@ -1,0 +1,137 @@
+"""decode.budget auto in the engine on the numpy backend (a given cost table): lossless against the
+engine's own autoregressive decode (T = 0 and T > 0; oracle, random and DFlash drafters; mixed
+batches), the extremes of the cost table, and the errors. The policy itself: tests/test_budget.py."""
+
+import numpy as np
+import pytest
+
+from ddtree_rtc.backend import Backend
+from ddtree_rtc.engine.decode.budget import BudgetError, CostModel
+from ddtree_rtc.engine.engine import Engine
+from ddtree_rtc.engine.request import Request
+from ddtree_rtc.model.target import TargetModel
+from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter, greedy_continuation
+
+DEPTH, MAX = 7, 16
+MOE = CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=2e-3, fixed_s=1e-3)
+FREE = CostModel(verify=((1, 1e-3), (10**6, 1e-3)))
+DEAR = CostModel(verify=((1, 1e-3), (2, 2e-3)), fixed=((1, 1e-3),), draft=((1, 1e-4),))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return TargetModel.load(tiny_dir, Backend("numpy"))
+
+
+@pytest.fixture(scope="module")
+def cont(tiny):
+    return greedy_continuation(tiny, 40, 16)
+
+
+def prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 1000, n).tolist() for n in lengths]
+
+
+def run(tiny, ps, new, drafter=None, cost=MOE, max_batch=4, mode_budget="auto", **req):
+    mode = "autoregressive" if drafter is None else "ddtree"
+    cost = None if cost is None else CostModel.from_dict(cost.to_json())  # a fresh copy per engine
+    eng = Engine(tiny, max_batch=max_batch, page_size=16, max_context=128, mode=mode, drafter=drafter,
+                 budget=mode_budget if drafter is not None else 64, max_budget=MAX, cost=cost)
+    reqs = [Request(i, p, new[i] if isinstance(new, list) else new, **{k: v[i] for k, v in req.items()})
+            for i, p in enumerate(ps)]
+    out = eng.run(reqs)
+    assert eng.pages.num_free_pages == eng.pages.num_pages and eng.pages.num_promised_pages == 0
+    return eng, [r.output for r in out]
+
+
+def oracle(tiny, cont, **kw):
+    return OracleDrafter(tiny.backend, tiny.cfg.vocab_size, DEPTH, cont, **kw)
+
+
+@pytest.mark.parametrize("profile", [{"accept_p": 0.9}, {"accept_p": 0.4},
+                                     {"accept_p": None, "table": (1, 1, 0.9, 0.5, 0.2, 0.1, 0.0)}])
+def test_auto_is_lossless_at_t0_with_the_oracle_on_a_mixed_batch(tiny, cont, profile):
+    """Prompts of several lengths, max_new_tokens ending inside rounds, per-request caps (0: never a
+    tree), requests joining as others finish (three slots for five requests)."""
+    ps = prompts(31, (4, 9, 17, 6, 11))
+    new = [12, 5, 9, 14, 10]
+    _, want = run(tiny, ps, new, max_batch=3)
+    eng, got = run(tiny, ps, new, oracle(tiny, cont, **profile), max_batch=3, budget=[None, 0, 3, None, 16])
+    assert got == want
+    st = eng.round.auto.stats
+    assert st.drafted_rounds + st.skipped_drafts > 0
+    assert max(st.counts_hist) <= MAX
+    if profile.get("accept_p") == 0.9:
+        assert len(st.counts_hist) > 1  # the capped requests get other counts than the rest
+
+
+def test_auto_is_lossless_with_the_random_drafter(tiny):
+    ps = prompts(3, (5, 8, 11, 3))
+    _, want = run(tiny, ps, 8)
+    eng, got = run(tiny, ps, 8, RandomDrafter(tiny.backend, tiny.cfg.vocab_size, DEPTH, seed=2))
+    assert got == want
+    st = eng.round.auto.stats
+    assert set(st.counts_hist) == {0} and st.skipped_drafts > 0  # nothing pays: autoregressive, with probes
+
+
+@pytest.mark.parametrize("kind", ["oracle", "random"])
+def test_auto_is_lossless_at_t_positive(tiny, cont, kind):
+    ps = prompts(41, (5, 9, 4, 12))
+    kw = dict(temperature=[0.0, 0.7, 1.0, 1.4], top_p=[1.0, 0.9, 1.0, 0.8], seed=[None, 3, None, 11])
+    new = [11, 6, 13, 9]
+    _, want = run(tiny, ps, new, **kw)
+    drafter = (oracle(tiny, cont, accept_p=0.9) if kind == "oracle"
+               else RandomDrafter(tiny.backend, tiny.cfg.vocab_size, DEPTH, seed=4))
+    _, got = run(tiny, ps, new, drafter, **kw)
+    assert got == want
+
+
+def test_auto_is_lossless_with_the_dflash_drafter(tmp_path_factory):
+    from ddtree_rtc.model.config import preset_config
+    from ddtree_rtc.model.dflash import make_dflash
+    from ddtree_rtc.model.make_model import make_model
+    from ddtree_rtc.speculative.dflash import DFlashDrafter
+
+    t, d = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("drafter")
+    make_model(preset_config("tiny"), t, seed=0)
+    make_dflash("dflash-tiny", d, seed=1)
+    model = TargetModel.load(t, Backend("numpy"))
+    ps = [list(range(3, 15)), list(range(40, 49)), list(range(100, 105))]
+    _, want = run(model, ps, 10)
+    eng, got = run(model, ps, 10, DFlashDrafter.load(d, model, window=6), cost=FREE)
+    assert got == want and eng.round.auto.stats.drafted_rounds > 0
+
+
+def test_free_nodes_give_max_budget_dear_nodes_a_chain_or_autoregressive(tiny, cont):
+    ps = prompts(7, (6, 9, 5))
+    _, want = run(tiny, ps, 20)
+    eng, got = run(tiny, ps, 20, oracle(tiny, cont, accept_p=0.9), cost=FREE)
+    assert got == want and set(eng.round.auto.stats.counts_hist) == {MAX}
+    eng, got = run(tiny, ps, 20, oracle(tiny, cont, accept_p=1.0), cost=DEAR)
+    assert got == want
+    hist = eng.round.auto.stats.counts_hist
+    assert max(hist) <= DEPTH and sum(v for k, v in hist.items() if k > 0) > 0  # chains (a certain drafter)
+    eng, got = run(tiny, ps, 20, RandomDrafter(tiny.backend, tiny.cfg.vocab_size, DEPTH, seed=9), cost=DEAR)
+    assert got == want and set(eng.round.auto.stats.counts_hist) == {0}  # autoregressive
+
+
+def test_predicted_and_measured_tau_are_reported(tiny, cont):
+    ps = prompts(12, (5, 7, 9, 6))
+    eng, _ = run(tiny, ps, 30, oracle(tiny, cont, accept_p=0.8))
+    s = eng.round.auto.stats.summary()
+    assert s["tau_predicted"] > 1 and s["tau_measured"] > 1 and s["tokens_per_verify_s"] > 0
+    assert abs(s["tau_predicted"] - s["tau_measured"]) / s["tau_measured"] < 0.3  # few rounds: loose
+
+
+def test_bad_input_is_named(tiny, cont):
+    with pytest.raises(BudgetError, match="numpy backend needs decode.cost_table"):
+        run(tiny, prompts(1, (4,)), 4, oracle(tiny, cont), cost=None)
+    for bad in (0, 513):
+        with pytest.raises(BudgetError, match=f"decode.max_budget {bad} is outside 1..512"):
+            Engine(tiny, 2, 16, 128, mode="ddtree", drafter=oracle(tiny, cont), budget="auto", max_budget=bad,
+                   cost=MOE)
+    with pytest.raises(BudgetError, match="needs mode 'ddtree'"):
+        Engine(tiny, 2, 16, 128, mode="chain", drafter=oracle(tiny, cont), budget="auto", cost=MOE)
+    with pytest.raises(ValueError, match="a node count or 'auto'"):
+        Engine(tiny, 2, 16, 128, mode="ddtree", drafter=oracle(tiny, cont), budget="autoo")
