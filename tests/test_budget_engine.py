@@ -152,3 +152,36 @@ def test_bench_budget_compares_settings_on_the_tiny_pipeline(tmp_path):
     s = doc["summary"]["2"]
     assert {s["best_fixed"], s["worst_fixed"]} <= {"chain", "4"} and s["auto_over_best"] > 0
     assert json.loads((tmp_path / "b.json").read_text())["rows"][-1]["budget"]["nodes_hist"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs,table", [(False, None), (True, None), (True, MOE)])
+def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, graphs, table):
+    """budget auto on the CUDA backend (eager or CUDA graphs; the verify costs measured at the first
+    drafted round, or a given table) gives CUDA autoregressive ids up to the first near-tie of the
+    autoregressive run's own logits (tests/test_round_gpu.py explains the comparison); with graphs,
+    every verify shape captured is a bucket's."""
+    from test_round_gpu import assert_agree, copies, dense_tiny_config, oracle_of, pick_clear, pool_requests, run_engine
+
+    from ddtree_rtc.engine.decode.budget import slot_buckets
+    from ddtree_rtc.model.make_model import make_model
+
+    d = tmp_path_factory.mktemp("tiny_dense_auto")
+    make_model(dense_tiny_config(), d, seed=5)
+    cuda = TargetModel.load(d, Backend("cuda"))
+    pool, record = pool_requests(0.0, seed=2), {}
+    _, ref = run_engine(cuda, copies(pool), record=record)
+    chosen, clear = pick_clear(pool, ref, record)
+    eng = Engine(cuda, max_batch=4, page_size=16, max_context=128, mode="ddtree", drafter=oracle_of(cuda, ref),
+                 budget="auto", max_budget=MAX, cost=None if table is None else CostModel.from_dict(table.to_json()),
+                 cuda_graphs=graphs)
+    got = {r.rid: r.output for r in eng.run(copies(chosen))}
+    assert_agree(got, {r.rid: ref[r.rid] for r in chosen}, clear, f"CUDA auto (graphs={graphs}) vs CUDA AR")
+    auto = eng.round.auto
+    assert auto.stats.drafted_rounds > 0 and auto.cost.verify
+    assert (auto.cost.source == "warm-up") == (table is None)
+    if table is None:  # every bucket measured, the fan-out slope and the draft's seconds too
+        assert len(auto.cost.verify) >= len(slot_buckets(MAX) if graphs else range(MAX + 1)) - 1
+        assert auto.cost.draft_s(4) > 0
+    if graphs:
+        assert {key[1] - 1 for key in eng.runner._shapes if key[2]} <= set(slot_buckets(MAX))

@@ -184,8 +184,6 @@ class CostModel:
             if any(x <= 0 or y < 0 for x, y in pts) or len({x for x, _ in pts}) != len(pts):
                 raise BudgetError(f"cost model {name!r}: points must have distinct positive sizes and "
                                   f"non-negative seconds, got {list(getattr(self, name))}")
-            if name != "verify" and not pts:
-                raise BudgetError(f"cost model {name!r}: give at least one (batch, seconds) point")
             setattr(self, name, pts)
         self._verify_points = dict(self.verify)
         if self.expert_s < 0 or self.ctx_s < 0 or self.ctx_ref < 0:
@@ -207,10 +205,12 @@ class CostModel:
         return np.maximum(t, 0.0)
 
     def draft_s(self, batch: int) -> float:
-        return float(_interp(self.draft, batch))
+        """Seconds of the draft at this batch size (0 until one is given or measured)."""
+        return float(_interp(self.draft, batch)) if self.draft else 0.0
 
     def fixed_s(self, batch: int) -> float:
-        return float(_interp(self.fixed, batch))
+        """Seconds of the round's other work at this batch size (0 until given or measured)."""
+        return float(_interp(self.fixed, batch)) if self.fixed else 0.0
 
     def add_verify(self, rows: int, seconds: float) -> None:
         """A measured point (the warm-up's): the mean with an earlier point of the same rows."""
@@ -279,7 +279,7 @@ class CostModel:
         if len(ctxs) > 1:
             raise BudgetError(f"rows at several contexts {sorted(ctxs)}: keep one context per cost table")
         mean = lambda d: tuple((k, float(np.mean(v))) for k, v in d.items())  # noqa: E731
-        return cls(verify=mean(verify), draft=mean(draft) or ((1, 0.0),), fixed=mean(fixed) or ((1, 0.0),),
+        return cls(verify=mean(verify), draft=mean(draft), fixed=mean(fixed),
                    ctx_ref=ctxs.pop(), source=source)
 
     def to_json(self) -> dict:
@@ -432,7 +432,7 @@ class AutoBudget:
         if probe_every < 1:
             raise BudgetError(f"probe_every must be >= 1, got {probe_every}")
         self.max_budget, self.depth = int(max_budget), depth
-        self.cost = cost if cost is not None else CostModel(measured=True, source="warm-up")
+        self.cost = cost if cost is not None else CostModel(draft=(), fixed=(), measured=True, source="warm-up")
         self.buckets = tuple(buckets) if buckets is not None else tuple(range(self.max_budget + 1))
         bad = [k for k in self.buckets if not 0 <= k <= self.max_budget]
         if bad or 0 not in self.buckets:
