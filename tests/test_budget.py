@@ -288,14 +288,27 @@ def test_cost_model_json_and_bench_rows(tmp_path):
     back = CostModel.load(p)
     assert float(back.verify_s(4, 9, 20)) == pytest.approx(float(m.verify_s(4, 9, 20)))
     assert back.draft_s(3) == m.draft_s(3)
-    rows = {"rows": [{"batch": 1, "budget": 8, "verify_us": 900.0, "draft_us": 300.0, "ctx": 1024},
+    rows = {"rows": [{"batch": 1, "budget": 8, "verify_us": 900.0, "fixed_us": 300.0, "ctx": 1024},
                      {"batch": 4, "budget": 16, "verify_us": 2000.0, "ctx": 1024},
                      {"batch": 4, "budget": "chain", "depth": 7, "verify_us": 1200.0, "ctx": 1024},
                      {"batch": 1, "mode": "autoregressive", "us": 500.0}]}
     p.write_text(json.dumps(rows))
     b = CostModel.load(p)
     assert b.verify == ((9.0, 900e-6), (32.0, 1200e-6), (68.0, 2000e-6)) and b.ctx_ref == 1024
-    assert b.draft_s(1) == pytest.approx(300e-6)
+    assert b.fixed_s(1) == pytest.approx(300e-6) and b.draft_s(1) == 0
+    # bench round's report: the verify stage's row and the round summary (harness.Row as JSON)
+    common = {"batch": 2, "budget": 32, "chain": False, "ctx": 1024}
+    bench = {"rows": [{"case": "b2 budget32 ctx1024 verify", "us": 3000.0, "extra": {**common, "stage": "verify"}},
+                      {"case": "b2 budget32 ctx1024 top-k", "us": 40.0, "extra": {**common, "stage": "top-k"}},
+                      {"case": "round (CUDA graph)", "us": 3500.0,
+                       "extra": {**common, "graph_us": 3500.0, "stage_us": {"verify": 3000.0}}}]}
+    p.write_text(json.dumps(bench))
+    b = CostModel.load(p)
+    assert b.verify == ((66.0, 3000e-6),) and b.fixed_s(2) == pytest.approx(500e-6)
+    two = {"rows": bench["rows"] + [{"case": "x", "us": 1.0, "extra": {**common, "stage": "verify", "layout": "ep"}}]}
+    p.write_text(json.dumps(two))
+    with pytest.raises(BudgetError, match="several contexts"):
+        CostModel.load(p)
 
 
 def test_bad_input_is_named(tmp_path):

@@ -240,9 +240,12 @@ class CostModel:
     def load(cls, path) -> CostModel:
         """A cost table from JSON. Either this module's own format (``to_json``): ``{"verify":
         [[rows, s], ...], "expert_s", "ctx_ref", "ctx_s", "draft": [[batch, s], ...], "fixed": [...]}``,
-        or the JSON of ``ddtree-rtc bench round`` / ``bench node`` whose rows carry ``batch``,
-        ``budget`` (``"chain"`` allowed: depth nodes) and ``verify_us`` (and optionally
-        ``draft_us``, ``fixed_us``, ``ctx``): rows = batch x (1 + budget)."""
+        or ``{"rows": [...]}``: the JSON of ``ddtree-rtc bench round`` / ``bench node`` (the verify
+        stage's row per case: ``us`` with ``extra`` ``batch``, ``budget``, ``chain``, ``ctx``,
+        ``stage: "verify"``; the round summary's ``graph_us`` minus its verify gives the other work),
+        or flat rows ``{batch, budget ("chain": depth nodes), verify_us, fixed_us?, ctx?}``. A verify
+        of ``budget`` at ``batch`` is the point rows = batch x (1 + budget). Their drafts are not
+        timed (the oracle's host swaps), so the draft costs 0 unless the own format gives it."""
         p = Path(path)
         try:
             data = json.loads(p.read_text())
@@ -261,26 +264,37 @@ class CostModel:
             if unknown:
                 raise BudgetError(f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
             return cls(**{k: data[k] for k in known if k in data}, source=source)
-        rows = data.get("rows") or data.get("results")
+        rows = data.get("rows")
         if not isinstance(rows, list):
             raise BudgetError("expected 'verify' (a cost table) or 'rows' (bench round / bench node JSON)")
-        verify, draft, fixed, ctxs = {}, {}, {}, set()
+        verify, fixed, ctxs, groups = {}, {}, set(), set()
         for r in rows:
-            if "verify_us" not in r or "batch" not in r or "budget" not in r:
+            e = r.get("extra", r) if isinstance(r, dict) else {}
+            if "batch" not in e or "budget" not in e:
                 continue
-            nodes = r.get("depth", 7) if r["budget"] == "chain" else int(r["budget"])
-            verify.setdefault(int(r["batch"]) * (1 + nodes), []).append(float(r["verify_us"]) * 1e-6)
-            for name, dst in (("draft_us", draft), ("fixed_us", fixed)):
-                if r.get(name) is not None:
-                    dst.setdefault(int(r["batch"]), []).append(float(r[name]) * 1e-6)
-            ctxs.add(int(r.get("ctx", 0)))
+            nodes = int(e.get("depth", 7)) if e.get("chain") or e["budget"] == "chain" else int(e["budget"])
+            rows_n = int(e["batch"]) * (1 + nodes)
+            if "verify_us" in r:  # the flat form: one row per (batch, budget)
+                us, other = float(r["verify_us"]), r.get("fixed_us")
+            elif e.get("stage") == "verify" and "us" in r:  # bench round / bench node: the verify stage's row
+                us, other = float(r["us"]), None
+            elif "graph_us" in e and "stage_us" in e:  # their round summary: the rest of the device round
+                fixed.setdefault(int(e["batch"]), []).append((e["graph_us"] - e["stage_us"]["verify"]) * 1e-6)
+                continue
+            else:
+                continue
+            verify.setdefault(rows_n, []).append(us * 1e-6)
+            if other is not None:
+                fixed.setdefault(int(e["batch"]), []).append(float(other) * 1e-6)
+            ctxs.add(int(e.get("ctx", 0)))
+            groups.add((e.get("layout"), e.get("small_m")))
         if not verify:
-            raise BudgetError("no row with 'batch', 'budget' and 'verify_us'")
-        if len(ctxs) > 1:
-            raise BudgetError(f"rows at several contexts {sorted(ctxs)}: keep one context per cost table")
+            raise BudgetError("no verify row (a row with batch and budget, and verify_us or stage 'verify')")
+        if len(ctxs) > 1 or len(groups) > 1:
+            raise BudgetError(f"rows at several contexts {sorted(ctxs)} or layouts / small_m "
+                              f"{sorted(map(str, groups))}: keep one of each per cost table")
         mean = lambda d: tuple((k, float(np.mean(v))) for k, v in d.items())  # noqa: E731
-        return cls(verify=mean(verify), draft=mean(draft), fixed=mean(fixed),
-                   ctx_ref=ctxs.pop(), source=source)
+        return cls(verify=mean(verify), draft=(), fixed=mean(fixed), ctx_ref=ctxs.pop(), source=source)
 
     def to_json(self) -> dict:
         return {"verify": [list(p) for p in self.verify], "expert_s": self.expert_s, "ctx_ref": self.ctx_ref,
