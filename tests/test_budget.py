@@ -363,3 +363,20 @@ def test_device_expected_tokens_match_numpy(rng, batch, budget):
     want = expected_tokens(np, tree.scores.get(), tree.node_depth.get(), tree.num_nodes.get(), w)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+
+
+def test_metrics_export_the_budget():
+    """/metrics (serve.loop.Metrics): the nodes histogram once per round, predicted and measured tau,
+    tokens per modelled verify second."""
+    prom = pytest.importorskip("prometheus_client")
+    from ddtree_rtc.engine.decode.budget import BudgetStats
+    from ddtree_rtc.serve.loop import Metrics
+
+    m, st = Metrics(), BudgetStats()
+    st.add_round([0, 3, 16], 17, [1, 3, 6], expected=np.array([1.0, 3.5, 5.5]), verify_s=0.01, round_s=0.02)
+    m.observe_budget(st)
+    m.observe_budget(st)  # a step without a round: nothing observed twice
+    text = prom.generate_latest(m.registry).decode()
+    assert "ddtree_budget_nodes_count 3.0" in text and 'ddtree_budget_nodes_bucket{le="2.0"} 1.0' in text
+    assert "ddtree_tau_predicted 3.3333" in text and "ddtree_tau_measured 3.3333" in text
+    assert "ddtree_tokens_per_verify_second 1000.0" in text
