@@ -181,12 +181,13 @@ class SpeculativeRound:
         output = self.output_for(reqs)
         drafted = auto.should_draft(rids)
         raw = depth = draft_s = None
+        measuring = drafted and ar.needs_measure(b)
         if drafted:
             logits = timed("draft", self.drafter.draft, rids, roots, prefix)
             tree = timed("build", bufs.build, logits, roots_dev, prefix_dev)
             values, raw, depth = timed("budget", ar.estimate, tree, rids)  # a host sync
             draft_s = time.perf_counter() - t0
-            if ar.needs_measure(b):
+            if measuring:
                 timed("budget", ar.measure, rids, prefix, tree, be.to_host(tree.num_nodes).astype(np.int64), output)
             choice = auto.choose(values, caps, ctx)
             ar.cut(tree, choice.counts)
@@ -231,4 +232,5 @@ class SpeculativeRound:
 
         timed("commit", commit)
         auto.observe(rids, raw, depth, choice, accept_len, drafted)
-        ar.observe_times(b, draft_s, time.perf_counter() - t0, choice)
+        if not measuring:  # the measuring round's wall time holds the measurement
+            ar.observe_times(b, draft_s, time.perf_counter() - t0, choice)
