@@ -121,6 +121,23 @@ def test_predicted_and_measured_tau_are_reported(tiny, cont):
     assert abs(s["tau_predicted"] - s["tau_measured"]) / s["tau_measured"] < 0.3  # few rounds: loose
 
 
+def test_warm_up_measures_the_costs_it_chooses_by(tiny, cont):
+    """The CUDA warm-up path, run on numpy (a cost model marked measured and empty): at the first
+    drafted round every bucket's verify is timed (full tree and roots alone) and the draft and the
+    rest of the round are timed afterwards; the ids stay autoregressive decoding's."""
+    ps = prompts(7, (6, 9))  # the prompts of the free / dear test (their continuations are cached)
+    _, want = run(tiny, ps, 10)
+    cost = CostModel(draft=(), fixed=(), measured=True, source="warm-up")
+    eng = Engine(tiny, max_batch=2, page_size=16, max_context=128, mode="ddtree", drafter=oracle(tiny, cont),
+                 budget="auto", max_budget=4, cost=cost)
+    got = [r.output for r in eng.run([Request(i, p, 10) for i, p in enumerate(ps)])]
+    assert got == want
+    auto = eng.round.auto
+    assert auto.cost is cost and [x for x, _ in cost.verify] == [2.0 * (k + 1) for k in range(5)]
+    assert all(t > 0 for _, t in cost.verify) and cost.draft_s(2) > 0 and cost.expert_s >= 0
+    assert auto.stats.drafted_rounds > 0
+
+
 def test_bad_input_is_named(tiny, cont):
     with pytest.raises(BudgetError, match="numpy backend needs decode.cost_table"):
         run(tiny, prompts(1, (4,)), 4, oracle(tiny, cont), cost=None)
