@@ -87,9 +87,10 @@ class Engine:
         if mode != "ddtree":
             raise BudgetError(f"decode.budget auto needs mode 'ddtree' (chain is one of the trees it chooses "
                               f"from), got mode {mode!r}")
-        if cost is None and self.model.shard.world > 1:
+        if cost is None and self.model.shard.world > 1 and self.model.comm.name != "simulated":
             raise BudgetError("decode.budget auto on several ranks needs decode.cost_table: timings measured on "
-                              "each rank differ, and every rank must choose the same trees")
+                              "each rank differ, and every rank must choose the same trees (a simulated rank, "
+                              "alone, may measure)")
         if cost is None and not self.backend.is_cuda:
             raise BudgetError("decode.budget auto on the numpy backend needs decode.cost_table (a verify cost "
                               "table, engine/decode/budget.py): only the CUDA backend measures one at warm-up")
