@@ -77,7 +77,7 @@ def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
 
 def main(argv=None) -> dict:
     from ..engine.decode.budget import CostModel
-    from ..pipeline.runner import build_engine, load_prompts, model_dir, ranks_for
+    from ..pipeline.runner import build_engine, load_prompts, model_config, model_dir, ranks_for
     from ..pipeline.schema import load_pipeline, parse_set_options
 
     args = parse_args(argv)
@@ -85,10 +85,8 @@ def main(argv=None) -> dict:
     if pipe.decode.mode == "autoregressive":
         raise SystemExit(f"{args.pipeline}: needs decode.mode ddtree or chain and its decode.drafter")
     ranks = ranks_for(pipe)
-    from ..model.config import load_config
-
     directory = model_dir(pipe, ranks)
-    prompts = load_prompts(pipe, load_config(directory).vocab_size, directory)
+    prompts = load_prompts(pipe, model_config(pipe, directory).vocab_size, directory)
     w = pipe.workload
     new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
     base, _ = build_engine(pipe, max_batch=1, prompts=prompts, ranks=ranks)  # the model and the drafter
