@@ -248,7 +248,7 @@ def test_auto_matches_the_best_fixed_budget_on_one_profile(name):
     """A batch of one profile: every round looks the same, so the best fixed budget is the most
     auto can reach; auto ties it up to what its estimates cost while they settle (< 1%)."""
     auto, best, auto_s, best_s = compare(lambda: [OracleSim(**PROFILES[name], seed=10 + i) for i in range(4)])
-    assert auto >= 0.99 * best and auto_s >= 0.98 * best_s, (name, auto, best, auto_s, best_s)
+    assert auto >= 0.995 * best and auto_s >= 0.99 * best_s, (name, auto, best, auto_s, best_s)
 
 
 def test_auto_beats_every_fixed_budget_with_the_random_drafter():
@@ -336,7 +336,7 @@ def test_calibration_learns_a_depth_bias():
     raw = np.zeros((1, 3))
     raw[0, 1:] = [0.5, 0.5]  # two nodes at depth 1 predicted 0.5 each, reach measured 0.5 of the time
     depth = np.array([[0, 1, 1]])
-    for i in range(2000):
+    for i in range(10000):
         cal.observe([0], raw, depth, [2], [1 + i % 2])
     assert cal.depth_factors()[1] == pytest.approx(0.5, rel=0.02)
 

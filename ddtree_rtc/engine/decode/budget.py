@@ -75,8 +75,8 @@ class Calibration:
     the accepted length; depth d's factor is (decayed measured reach + prior) / (decayed predicted
     reach + prior), the request's factor the same over depth-calibrated accepted nodes."""
 
-    def __init__(self, depth: int, decay: float = 0.998, prior: float = 16.0, request_decay: float = 0.995,
-                 request_prior: float = 128.0):
+    def __init__(self, depth: int, decay: float = 0.998, prior: float = 64.0, request_decay: float = 0.995,
+                 request_prior: float = 512.0):
         if not 0 < decay <= 1 or not 0 < request_decay <= 1:
             raise BudgetError(f"calibration decay must be in (0, 1], got {decay}, {request_decay}")
         self.depth, self.decay, self.prior = depth, decay, prior
@@ -438,7 +438,7 @@ class AutoBudget:
     autoregressively (no draft) for ``probe_every - 1`` rounds, then drafts again to re-measure."""
 
     def __init__(self, max_budget: int, depth: int, cost: CostModel | None, buckets=None, probe_every: int = 8,
-                 explore_every: int = 16):
+                 explore_every: int = 32):
         from ...reference.tree_build import MAX_BUDGET
 
         if not 1 <= int(max_budget) <= MAX_BUDGET:
