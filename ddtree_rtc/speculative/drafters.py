@@ -181,21 +181,29 @@ class OracleDrafter(Drafter):
         return out
 
 
-def greedy_continuation(model, horizon: int, page_size: int = 64, eos: bool = True):
+def greedy_continuation(model, horizon: int, page_size: int = 64, eos: bool = True, max_cached: int | None = None):
     """``continuation(rid, prompt)`` for the oracle: the target's own greedy decode of ``horizon``
     tokens after ``prompt`` (the engine's autoregressive path, one request at a time in a private
-    cache), cached per prompt."""
+    cache), cached per prompt; ``max_cached``: keep only that many most recently used prompts'
+    continuations (None: all, for a run whose prompts are known up front)."""
+    from collections import OrderedDict
+
     from ..engine.engine import Engine
     from ..engine.request import Request
 
-    known: dict[tuple, list[int]] = {}
+    known: OrderedDict[tuple, list[int]] = OrderedDict()
 
     def continuation(rid, prompt):
         key = tuple(prompt)
-        if key not in known:
+        if key in known:
+            known.move_to_end(key)
+        else:
             ctx = len(prompt) + horizon
             eng = Engine(model, max_batch=1, page_size=page_size, max_context=ctx)
             known[key] = eng.run([Request(0, list(prompt), horizon)])[0].output
+            if max_cached is not None and len(known) > max_cached:
+                known.popitem(last=False)
         return known[key]
 
+    continuation.cached = known  # for tests and metrics: the continuations held now
     return continuation
