@@ -11,8 +11,9 @@ from ddtree_rtc.engine.kv_cache import PagedKVCache
 from ddtree_rtc.engine.request import Request, RequestError
 from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
+from ddtree_rtc.pipeline.runner import greedy_continuation
 from ddtree_rtc.reference.mla_attention import tree_mask_from_parents
-from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter, greedy_continuation
+from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter
 
 DEPTH = 7
 

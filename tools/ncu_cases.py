@@ -72,8 +72,8 @@ def mla_case(variant: bool):
 def tree_case(variant: bool):
     from ddtree_rtc.backend import Backend
     from ddtree_rtc.bench.tree import DEPTH, VOCAB, target_choices, zipf_logits
+    from ddtree_rtc.engine.decode.tree import TreeBuffers, TreeShape
     from ddtree_rtc.kernels.tree_build import tree_build_variant
-    from ddtree_rtc.speculative.tree import TreeBuffers, TreeShape
 
     rng = np.random.default_rng(0)
     be = Backend("cuda")

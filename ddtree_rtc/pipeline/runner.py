@@ -183,10 +183,26 @@ def _tokenizer(directory: Path):
     return tokenizer(directory).encode
 
 
+def greedy_continuation(model, horizon: int, page_size: int = 64):
+    """``continuation(rid, prompt)`` for the oracle drafter: the target's own greedy decode of
+    ``horizon`` tokens after ``prompt`` (a plain autoregressive engine, one request at a time in a
+    private cache), cached per prompt."""
+    known: dict[tuple, list[int]] = {}
+
+    def continuation(rid, prompt):
+        key = tuple(prompt)
+        if key not in known:
+            eng = Engine(model, max_batch=1, page_size=page_size, max_context=len(prompt) + horizon)
+            known[key] = eng.run([Request(0, list(prompt), horizon)])[0].output
+        return known[key]
+
+    return continuation
+
+
 def make_drafter(pipe: Pipeline, model: TargetModel, max_new: int, prompts: list[list[int]], log=None):
     """The pipeline's drafter for ddtree / chain decoding (None for autoregressive). The oracle's
     greedy continuations are decoded here, before the timed run (every rank decodes them alike)."""
-    from ..speculative.drafters import OracleDrafter, RandomDrafter, greedy_continuation
+    from ..speculative.drafters import OracleDrafter, RandomDrafter
 
     d = pipe.decode
     if d.mode == "autoregressive":
