@@ -103,6 +103,33 @@ class Engine:
             self.drafter.release(rid)
         return req is not None
 
+    # -- what a server loop reads ---------------------------------------------------------------
+    def has_work(self) -> bool:
+        """Requests waiting or running."""
+        return self.scheduler.has_work()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def pages_in_use(self) -> int:
+        """KV pages held by requests now (the target's cache and any drafter cache share them)."""
+        return self.pages.num_pages - self.pages.num_free_pages
+
+    def running_requests(self) -> list[Request]:
+        """The requests being decoded (a new list: cancelling one while iterating is safe)."""
+        return list(self.scheduler.running)
+
+    def take_finished(self) -> list[Request]:
+        """The requests finished since the last call (or since the start), handed over once."""
+        done, self.scheduler.finished = self.scheduler.finished, []
+        return done
+
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that finished in it."""
         eos = self.model.cfg.eos_token_id

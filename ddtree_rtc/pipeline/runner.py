@@ -28,6 +28,7 @@ from ..model.config import preset_config
 from ..model.make_model import make_model
 from ..model.shard import Shard, ShardError
 from ..model.target import TargetModel
+from ..model.tokenizer import TokenizerError, kimi_tokenizer
 from .schema import Pipeline, PipelineError
 
 
@@ -76,11 +77,11 @@ def ranks_for(pipe: Pipeline, env: RankEnv | None = None) -> Ranks:
     return Ranks(env, backend, comm, log)
 
 
-def compile_kernels(backend: Backend, pipe: Pipeline) -> float:
-    """Build every kernel family an engine may launch (and each stage's variant) before the loop;
-    then any later build warns, or fails under DDTREE_RTC_NO_LATE_COMPILE=1. The benchmark-only
-    families (registry.BENCHMARK_ONLY) are not built here."""
-    from ..kernels.registry import SPECS, engine_specs
+def compile_kernels(backend: Backend) -> float:
+    """Build every kernel family an engine may launch before the loop; then any later build warns,
+    or fails under DDTREE_RTC_NO_LATE_COMPILE=1. The benchmark-only families
+    (registry.BENCHMARK_ONLY) are not built here."""
+    from ..kernels.registry import engine_specs
     from ..rtc import builder
 
     if not backend.is_cuda:
@@ -88,9 +89,6 @@ def compile_kernels(backend: Backend, pipe: Pipeline) -> float:
     t0 = time.perf_counter()
     for spec in engine_specs():
         builder.load(spec, backend.arch)
-    for st in pipe.stages:
-        if st.kernel in SPECS and st.params:
-            builder.load(SPECS[st.kernel], backend.arch, **st.params)
     return time.perf_counter() - t0
 
 
@@ -160,27 +158,11 @@ def load_prompts(pipe: Pipeline, vocab: int, directory: Path) -> list[list[int]]
     return prompts
 
 
-def tokenizer(directory: Path):
-    """Kimi's tiktoken encoding from ``directory/tiktoken.model`` (``PipelineError`` when absent)."""
-    model_file = directory / "tiktoken.model"
-    if not model_file.exists():
-        raise PipelineError(f"text prompts need Kimi's tokenizer: {model_file} not found (use {{\"ids\": [...]}})")
-    try:
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-    except ImportError:
-        raise PipelineError("text prompts need tiktoken: pip install tiktoken") from None
-    ranks = load_tiktoken_bpe(str(model_file))
-    pat = (r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&"
-           r"[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
-           r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-    enc = tiktoken.Encoding(name="kimi", pat_str=pat, mergeable_ranks=ranks, special_tokens={})
-    return enc
-
-
 def _tokenizer(directory: Path):
-    return tokenizer(directory).encode
+    try:
+        return kimi_tokenizer(directory).encode
+    except TokenizerError as e:
+        raise PipelineError(str(e)) from None
 
 
 def greedy_continuation(model, horizon: int, page_size: int = 64):
@@ -239,7 +221,7 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
     backend, log = ranks.backend, ranks.log
     ranks.echo(f"backend: {backend}" + (f", {ranks.comm.world_size} ranks ({ranks.comm.name})"
                                         if ranks.comm.world_size > 1 else ""))
-    compile_s = compile_kernels(backend, pipe)
+    compile_s = compile_kernels(backend)
     directory = model_dir(pipe, ranks)
     t0 = time.perf_counter()
     from ..model.config import load_config

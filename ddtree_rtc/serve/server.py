@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..model.tokenizer import TokenizerError
 from ..pipeline.runner import build_engine
 from ..pipeline.schema import PipelineError
 from .app import create_app
@@ -15,8 +16,11 @@ def app_from_pipeline(pipe, max_queue: int = 256):
                             f"serving is not in this build (ddtree-rtc run --nproc N runs multi-rank pipelines)")
     engine, info = build_engine(pipe, max_batch=pipe.runtime.max_batch)
     name = pipe.model.preset or str(info["dir"].name)
-    return create_app(engine, Text(info["dir"], preset=pipe.model.preset is not None), name, pipe.decode,
-                      max_queue=max_queue)
+    try:
+        text = Text(info["dir"], preset=pipe.model.preset is not None)
+    except TokenizerError as e:
+        raise PipelineError(f"{pipe.source}: {e}") from None
+    return create_app(engine, text, name, pipe.decode, max_queue=max_queue)
 
 
 def serve(pipe, host: str, port: int, max_queue: int = 256) -> None:

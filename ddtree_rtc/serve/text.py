@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2.sandbox
 
-from ..pipeline.runner import tokenizer as kimi_tokenizer
+from ..model.tokenizer import kimi_tokenizer
 
 MINIMAL_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
