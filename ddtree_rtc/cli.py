@@ -26,6 +26,7 @@ BENCHMARKS = {
     "decode": "AR decode step on a K2.6-dims slice: stage times vs byte floors, eager / queued / CUDA graph",
     "round": "DDTree round on a K2.6-dims slice: stages, kernels vs CUDA graph, tok/s at the oracle's tau vs AR",
     "drafter": "DFlash drafter forward / context extend at K2.6 dims and its GQA attention vs byte floors",
+    "node": "K2.6 at 61 layers as one simulated rank of 8 (TP8 / TP-attn + EP-MoE): step, rounds, splits, projection",
 }
 
 
@@ -371,28 +372,57 @@ def bench(ctx, name):
 
 
 @main.command("projection")
-@click.option("--platforms", default=None, help="Comma-separated platform keys (default: all in platforms.yaml).")
-@click.option("--budget", type=int, default=None, help="Tree budget (default: the one maximising tok/s).")
-@click.option("--tau", type=float, default=None, help="Fixed tokens per round (default: the configured tau(budget)).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the projection as JSON.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Stacked-bar PNG (needs matplotlib).")
-def projection_cmd(platforms, budget, tau, json_path, plot_path):
-    """Project K2.6 AR and DDTree decoding onto 8-GPU platforms (docs/hardware.md)."""
-    from .projection import ProjectionError, project, report
-    from .projection.model import calibration
+@click.option("--platforms", default=None, help="Comma-separated platform keys (default: rtx_pro_6000,h200,b200,b300).")
+@click.option("--budget", type=int, default=None, help="Fix the tree budget (default: the one maximising tok/s).")
+@click.option("--tau", type=float, default=None,
+              help="Fixed tokens per round at --budget; must be <= min(budget + 1, depth + 1).")
+@click.option("--tau-from", "tau_from", default=None, metavar="FILE[:RUN]",
+              help="tau from a run JSON's tokens-per-round histogram (FILE:RUN picks one of several 'runs').")
+@click.option("--tau-source", type=click.Choice(["published", "oracle"]), default="published", show_default=True,
+              help="published: z-lab K2.5-DFlash chain acceptance with the DDTree band; oracle: the oracle profile.")
+@click.option("--dataset", default="mean", show_default=True,
+              help="Published chain acceptance to use: mean, gsm8k, math500, humaneval, mbpp, mt-bench.")
+@click.option("--context", type=int, default=4096, show_default=True, help="Context length of every request.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write splits, levers, calibration as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Per-token stacked bars (needs matplotlib).")
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False),
+              help="Write the page (docs/hardware.md is this file for the default arguments).")
+def projection_cmd(platforms, budget, tau, tau_from, tau_source, dataset, context, json_path, plot_path, md_path):
+    """Project K2.6 AR and DDTree decoding onto 8-GPU platforms from this repository's measurements."""
+    from .projection import ProjectionError, report
+    from .projection import tau as taus
+    from .reference.tree_build import MAX_BUDGET
     try:
-        res = project(platforms.split(",") if platforms else None, budget, tau)
-        calib = calibration(tau)
+        if budget is not None and not 0 <= budget <= MAX_BUDGET:
+            raise ProjectionError(f"--budget {budget} is outside the tree builder's range 0..{MAX_BUDGET}")
+        if context <= 0:
+            raise ProjectionError(f"--context {context} must be positive")
+        if sum(x is not None for x in (tau, tau_from)) > 1:
+            raise ProjectionError("give at most one of --tau and --tau-from")
+        if tau is not None:
+            if budget is None:
+                raise ProjectionError("--tau holds at one budget: give --budget too")
+            t = taus.fixed(tau, budget)
+        elif tau_from:
+            t = taus.from_run(tau_from)
+            if budget is not None and budget != t.budget:
+                raise ProjectionError(f"--budget {budget} differs from the run's budget {t.budget} (--tau-from)")
+        else:
+            t = taus.published(dataset) if tau_source == "published" else taus.oracle()
+            if budget is not None:
+                t = taus.at_budget(t, budget)
+        d = report.build(platforms.split(",") if platforms else None, t, context)
     except ProjectionError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(report.table(res, calib))
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"platforms": res, "calibration": calib}, indent=2))
+    text = report.markdown(d)
+    click.echo(text)
+    for path, body in ((json_path, lambda: json.dumps(d, indent=1)), (md_path, lambda: report.page(d))):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(body())
     if plot_path:
         Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
-        report.plot(res, plot_path)
-
+        report.plot(d, plot_path)
 
 
 bench.help = bench.help + "\n\n\b\n" + "\n".join(f"{k:<10} {v}" for k, v in BENCHMARKS.items())

@@ -31,6 +31,7 @@ from .harness import (
     Row,
     bf16_to_f32,
     f32_to_bf16_bits,
+    fill_random_bf16,
     flush_l2,
     random_bf16_device,
     read_ceiling_gbs,
@@ -48,7 +49,7 @@ def random_slice(moe_layers: int, seed: int = 0, head: str = "random"):
     """TargetModel with K2.6 dims: layer 0 dense, then ``moe_layers`` MoE layers; weights random
     with 1/sqrt(fan-in) scales (activations stay O(1)), norms 1, correction bias small. ``head``
     "decisive": the embedding at 8x scale, so the residual stream stays near its token's embedding
-    past every branch, and the lm_head its permuted rows (model.make_model.decisive_head): every greedy
+    past every branch, and the lm_head its permuted rows (model.random_weights.decisive_rows): every greedy
     choice far from a tie, as an oracle drafter needs to hold tau on the GPU."""
     import cupy
 
@@ -193,7 +194,7 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     row_bytes = model.dims.row * 2
     per_seq = -(-(ctx + 1) // PAGE)
     cache = PagedKVCache(model.backend, model.num_layers, batch * per_seq, PAGE, model.dims.row)
-    cache.data[...] = random_bf16_device(cache.data.shape, scale=1.0, seed=batch + ctx)
+    fill_random_bf16(cache.data, scale=1.0, seed=batch + ctx)
     for s in range(batch):
         cache.allocator.reserve(s, ctx + 1)
     rng = np.random.default_rng(batch * 7 + ctx)

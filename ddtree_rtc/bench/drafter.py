@@ -70,10 +70,11 @@ def gqa_bytes(c, batch: int, ctx: int) -> int:
     return 2 * (2 * batch * (ctx + c.block_size) * kv_row + 2 * batch * c.block_size * q_row)
 
 
-def random_drafter(seed: int = 0):
-    """DFlashModel with the K2.6 drafter dims on the GPU: weights N(0, 1/fan-in), norms 1; its
-    'target' carries only what the drafter borrows: the embedding, the lm_head (vocab x hidden)
-    behind head_logits, and a one-rank shard."""
+def random_drafter(seed: int = 0, target=None):
+    """DFlashModel with the K2.6 drafter dims on the GPU: weights N(0, 1/fan-in), norms 1. Its
+    'target' (what the drafter borrows: the embedding, the lm_head behind head_logits, the shard
+    and communicator) is ``target`` (a TargetModel: the drafter is then that rank's shard of heads
+    and intermediate), or a one-rank stand-in with a random embedding and lm_head."""
     from types import SimpleNamespace
 
     from ml_dtypes import bfloat16
@@ -83,8 +84,8 @@ def random_drafter(seed: int = 0):
     from ..model.dflash import DFlashLayer, DFlashModel
     from ..model.shard import Shard
 
-    c, be = k26_config(), Backend("cuda")
-    h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
+    c = k26_config()
+    be = Backend("cuda") if target is None else target.backend
     counter = iter(range(seed * 1000, seed * 1000 + 1000))
 
     def w(n, k):
@@ -93,12 +94,15 @@ def random_drafter(seed: int = 0):
     def ones(n):
         return be.asarray(np.ones(n, dtype=bfloat16))
 
-    lm_head = w(c.vocab_size, h)
-    target = SimpleNamespace(backend=be, embed=random_bf16_device((c.vocab_size, h), seed=next(counter)),
-                             lm_head=lm_head, shard=Shard(), comm=SingleRank(),
-                             head_logits=lambda rows: be.linear(rows, lm_head))
-    layers = [DFlashLayer(ones(h), ones(h), w(c.num_attention_heads * d, h), w(c.num_key_value_heads * d, h),
-                          w(c.num_key_value_heads * d, h), w(h, c.num_attention_heads * d), ones(d), ones(d),
+    h, d = c.hidden_size, c.head_dim
+    if target is None:
+        lm_head = w(c.vocab_size, h)
+        target = SimpleNamespace(backend=be, embed=random_bf16_device((c.vocab_size, h), seed=next(counter)),
+                                 lm_head=lm_head, shard=Shard(), comm=SingleRank(),
+                                 head_logits=lambda rows: be.linear(rows, lm_head))
+    n = target.shard.world
+    qh, kvh, i = c.num_attention_heads // n, c.num_key_value_heads // n, c.intermediate_size // n
+    layers = [DFlashLayer(ones(h), ones(h), w(qh * d, h), w(kvh * d, h), w(kvh * d, h), w(h, qh * d), ones(d), ones(d),
                           w(2 * i, h), w(h, i)) for _ in range(c.num_hidden_layers)]
     return DFlashModel(c, target, w(h, len(c.target_layer_ids) * h), ones(h), ones(h), layers)
 
@@ -112,7 +116,7 @@ class Context:
         layers = c.num_hidden_layers if layers is None else layers
         rng = np.random.default_rng(seed)
         per_req = -(-ctx // PAGE)
-        pages, row = batch * per_req, c.num_key_value_heads * c.head_dim
+        pages, row = batch * per_req, model.kv_heads * c.head_dim  # this rank's kv heads
         self.k = be.empty((layers, pages, PAGE, row), "bf16")
         self.v = be.empty((layers, pages, PAGE, row), "bf16")
         for n in range(layers):  # a layer at a time keeps the fp32 temporaries small

@@ -223,6 +223,19 @@ def random_bf16_device(shape, scale: float = 1.0, seed: int = 0):
                             * np.float32(scale))
 
 
+def fill_random_bf16(a, scale: float = 1.0, seed: int = 0) -> None:
+    """Fill the bf16 device array ``a`` with random values one leading slice at a time (a KV cache
+    layer by layer): the fp32 temporaries stay one slice big, not the size of ``a``. A numpy
+    (bfloat16) array is filled on the host."""
+    if isinstance(a, np.ndarray):
+        rng = np.random.default_rng(seed)
+        for i in range(a.shape[0]):
+            a[i] = (rng.standard_normal(a.shape[1:], dtype=np.float32) * np.float32(scale)).astype(a.dtype)
+        return
+    for i in range(a.shape[0]):
+        a[i] = random_bf16_device(a.shape[1:], scale=scale, seed=seed * 1_000_003 + i)
+
+
 def f32_to_bf16_bits(x):
     """fp32 (finite, numpy or CuPy) -> bf16 bits (uint16), round to nearest even."""
     bits = x.view(np.uint32)

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..engine.decode.round import DEVICE_STAGES as STAGES
 from ..reference.tree_build import MAX_BUDGET
-from .harness import Row, capture_graph, flush_l2, random_bf16_device, read_ceiling_gbs, report, time_gpu
+from .harness import Row, capture_graph, fill_random_bf16, flush_l2, read_ceiling_gbs, report, time_gpu
 
 PAGE = 64
 DEPTH = 7  # the K2.6 DFlash drafter's block 8
@@ -187,7 +187,7 @@ class DeviceRound:
     inputs planned once. ``run`` enqueues it with no host sync or host-to-device copy, so it can be
     queued behind a gate or captured as a graph; it works on either backend (the numpy one tests it)."""
 
-    def __init__(self, model, batch: int, budget: int, ctx: int, accept_p: float, seed: int = 0):
+    def __init__(self, model, batch: int, budget: int, ctx: int, accept_p: float, seed: int = 0, chain: bool = False):
         from ..engine.clock import StageClock
         from ..engine.decode.round import SpeculativeRound
         from ..engine.kv_cache import PageAllocator, PagedKVCache
@@ -197,6 +197,7 @@ class DeviceRound:
         from ..speculative.drafters import OracleDrafter
 
         be, vocab = model.backend, model.cfg.vocab_size
+        budget = DEPTH if chain else budget  # chain: the top-1 path of the drafter's block
         self.model, self.batch, self.nodes, self.ctx = model, batch, 1 + budget, ctx
         self.alloc = PageAllocator(batch * -(-(ctx + self.nodes) // PAGE), PAGE)
         self.cache = PagedKVCache(be, model.num_layers, self.alloc.num_pages, PAGE, model.dims.row, self.alloc)
@@ -213,8 +214,8 @@ class DeviceRound:
         self.prefix = np.full(batch, ctx, np.int64)
         self.logits = self.draft_bf16()
         self.runner = ModelRunner(model, self.cache, ctx + self.nodes)  # no graphs: the bench captures the round
-        self.round = SpeculativeRound(model, self.cache, self.alloc, self.runner, self.drafter, "ddtree", budget,
-                                      Sampler(be), StageClock(be))
+        self.round = SpeculativeRound(model, self.cache, self.alloc, self.runner, self.drafter,
+                                      "chain" if chain else "ddtree", budget, Sampler(be), StageClock(be))
         self.bufs = self.round.buffers_for(batch)
         self.row_reqs = [Request(r, [0], 1) for r in self.rids for _ in range(self.nodes)]  # greedy
         self.step = self.runner.plan_tree(self.rids, self.prefix, self.nodes)
@@ -234,16 +235,20 @@ class DeviceRound:
                                       self.row_reqs, MarkClock(mark))
 
 
-def bench_case(model, batch: int, budget: int, args, gate, weight_bytes, tau_stats) -> list[Row]:
+def bench_case(model, batch: int, budget: int, args, gate, weight_bytes, tau_stats, chain: bool = False) -> list[Row]:
+    """One (batch, budget) round (``chain``: the depth-7 chain instead of a tree of ``budget``);
+    ``tau_stats``: the round statistics tok/s is taken at (measure_tau's, or any object with
+    ``tau``, ``rounds`` and ``acceptance_by_depth()``)."""
     from ..engine.runner import ModelRunner
     from ..model.target import ForwardBatch
     from .decode import touched_experts
 
     be, cfg, ctx = model.backend, model.cfg, args.context
     vocab = cfg.vocab_size
-    rd = DeviceRound(model, batch, budget, ctx, args.accept_p, seed=batch * 7 + budget)
+    rd = DeviceRound(model, batch, budget, ctx, args.accept_p, seed=batch * 7 + budget, chain=chain)
+    budget = rd.nodes - 1
     n, cache, drafter = rd.nodes, rd.cache, rd.drafter
-    cache.data[...] = random_bf16_device(cache.data.shape, scale=1.0, seed=batch * 1000 + budget)
+    fill_random_bf16(cache.data, scale=1.0, seed=batch * 1000 + budget)
     draft_us = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -273,9 +278,9 @@ def bench_case(model, batch: int, budget: int, args, gate, weight_bytes, tau_sta
                                  model.dims.row * 2, cfg.hidden_size, vocab)
     topk_bytes, choose_bytes = batch * DEPTH * vocab * 2, batch * n * vocab * 2
     tau = tau_stats.tau
-    tau_expected = drafter.expected_tau(budget)
-    case = f"b{batch} budget{budget} ctx{ctx}"
-    common = {"batch": batch, "budget": budget, "ctx": ctx, "accept_p": args.accept_p}
+    tau_expected = drafter.expected_tau(budget, chain=chain)
+    case = f"b{batch} {'chain' if chain else 'budget'}{budget} ctx{ctx}"
+    common = {"batch": batch, "budget": budget, "chain": chain, "ctx": ctx, "accept_p": args.accept_p}
     summary = {**common, "tau": tau, "tau_expected": tau_expected, "tau_rounds": tau_stats.rounds,
                "acceptance_by_depth": tau_stats.acceptance_by_depth(), "stage_us": stages,
                "queued_us": t_queued, "graph_us": t_graph, "eager_us": t_eager, "ar_step_us": t_ar,

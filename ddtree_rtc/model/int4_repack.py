@@ -89,10 +89,15 @@ def _check_matrix(packed: np.ndarray, scale: np.ndarray, name: str) -> tuple[int
     return n, k
 
 
+def _xp(a):
+    """numpy, or CuPy for a CuPy array (the repack runs on the device for weights made there)."""
+    return np if isinstance(a, np.ndarray) else __import__("cupy")
+
+
 def permute_nibbles(words: np.ndarray) -> np.ndarray:
     """Move value i (nibble i) of each word to nibble _NIBBLE_POS[i]."""
     w = words.view(np.uint32)
-    out = np.zeros_like(w)
+    out = _xp(w).zeros_like(w)
     for i in range(8):
         out |= ((w >> np.uint32(4 * i)) & np.uint32(0xF)) << (np.uint32(4) * _NIBBLE_POS[i])
     return out
@@ -107,17 +112,20 @@ def unpermute_nibbles(words: np.ndarray) -> np.ndarray:
 
 
 def repack_matrix(packed: np.ndarray, scale: np.ndarray, name: str = "weight") -> np.ndarray:
-    """One [N, K] compressed-tensors matrix -> uint8 [N/16, K/128, 1152] (layout in the module doc)."""
+    """One [N, K] compressed-tensors matrix -> uint8 [N/16, K/128, 1152] (layout in the module doc);
+    numpy, or CuPy arrays (scales as bf16 bits) repacked on the device."""
     n, k = _check_matrix(packed, scale, name)
+    xp = _xp(packed)
     tn, kc = n // TILE_N, k // TILE_K
-    p = permute_nibbles(np.ascontiguousarray(packed))
+    p = permute_nibbles(xp.ascontiguousarray(packed))
     # row = 16T + 8a + g, column = 16c + 8h + 4b + t  ->  [T, c, h, g, t, b, a]
     words = p.reshape(tn, 2, 8, kc, 2, 2, 4).transpose(0, 3, 4, 2, 6, 5, 1)
-    words = np.ascontiguousarray(words).reshape(tn, kc, 1024 // 4)
+    words = xp.ascontiguousarray(words).reshape(tn, kc, 1024 // 4)
     # scale [16T + 8a + g, 4c + q] -> [T, c, g, a, q]
-    s = np.ascontiguousarray(scale).astype(bfloat16).view(np.uint16)
-    s = np.ascontiguousarray(s.reshape(tn, 2, 8, kc, 4).transpose(0, 3, 2, 1, 4)).reshape(tn, kc, 64)
-    out = np.empty((tn, kc, BLOCK_BYTES), dtype=np.uint8)
+    s = xp.ascontiguousarray(scale)
+    s = s.view(np.uint16) if s.dtype == np.uint16 else s.astype(bfloat16).view(np.uint16)
+    s = xp.ascontiguousarray(s.reshape(tn, 2, 8, kc, 4).transpose(0, 3, 2, 1, 4)).reshape(tn, kc, 64)
+    out = xp.empty((tn, kc, BLOCK_BYTES), dtype=np.uint8)
     out[:, :, :1024] = words.astype("<u4").view(np.uint8).reshape(tn, kc, 1024)
     out[:, :, 1024:] = s.astype("<u2").view(np.uint8).reshape(tn, kc, 128)
     return out
@@ -150,6 +158,8 @@ def repack_experts(experts: Int4Experts) -> Int4Experts:
     if experts.layout != "compressed-tensors":
         raise ValueError(f"repack_experts: expected layout 'compressed-tensors', got {experts.layout!r}")
     e, h, inter = experts.num_experts, experts.hidden, experts.intermediate
+    if _xp(experts.w13) is not np:
+        return repack_experts_stacked(experts)
     w13 = np.empty((e, 2 * inter // TILE_N, h // TILE_K, BLOCK_BYTES), dtype=np.uint8)
     w2 = np.empty((e, h // TILE_N, inter // TILE_K, BLOCK_BYTES), dtype=np.uint8)
 
@@ -163,6 +173,36 @@ def repack_experts(experts: Int4Experts) -> Int4Experts:
     with ThreadPoolExecutor(max_workers=min(e, os.cpu_count() or 1)) as pool:
         list(pool.map(one, range(e)))
     return Int4Experts("mma", e, h, inter, w13, None, w2, None)
+
+
+def repack_experts_stacked(experts: Int4Experts, group_bytes: int = 256 << 20) -> Int4Experts:
+    """``repack_experts`` in the experts' own array module (CuPy experts: on the device), a group of
+    experts per step: the rows of E stacked [N, K] matrices are one [E N, K] matrix whose m16 tiles
+    are each expert's in turn, so one repack of the stack is the stack of the repacks."""
+    xp = _xp(experts.w13)
+    e, h, inter = experts.num_experts, experts.hidden, experts.intermediate
+    w13 = xp.empty((e, 2 * inter // TILE_N, h // TILE_K, BLOCK_BYTES), dtype=np.uint8)
+    w2 = xp.empty((e, h // TILE_N, inter // TILE_K, BLOCK_BYTES), dtype=np.uint8)
+    per = max(1, group_bytes // max(1, int(experts.w13[0].nbytes)))
+    for a in range(0, e, per):
+        b = min(e, a + per)
+        gp, up = experts.w13[a:b, :inter], experts.w13[a:b, inter:]
+        gs, us = experts.w13_scale[a:b, :inter], experts.w13_scale[a:b, inter:]
+        fp, fs = _fuse_stacked(gp, up), _fuse_stacked(gs, us)
+        w13[a:b] = repack_matrix(fp.reshape(-1, fp.shape[2]), fs.reshape(-1, fs.shape[2]),
+                                 f"experts {a}..{b - 1} gate_up").reshape(w13[a:b].shape)
+        w2[a:b] = repack_matrix(experts.w2[a:b].reshape(-1, experts.w2.shape[2]),
+                                experts.w2_scale[a:b].reshape(-1, experts.w2_scale.shape[2]),
+                                f"experts {a}..{b - 1} down").reshape(w2[a:b].shape)
+    return Int4Experts("mma", e, h, inter, w13, None, w2, None)
+
+
+def _fuse_stacked(gate, up):
+    """fuse_gate_up_rows of each expert of stacked [E, I, c] gate / up (either array module)."""
+    xp = _xp(gate)
+    e, i = gate.shape[:2]
+    both = xp.stack([gate, up], axis=1)  # [E, 2, I, c]
+    return xp.ascontiguousarray(both.reshape(e, 2, i // 8, 8, -1).swapaxes(1, 2)).reshape(e, 2 * i, -1)
 
 
 def prepare_experts(experts: Int4Experts, backend) -> Int4Experts:

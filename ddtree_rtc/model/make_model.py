@@ -2,8 +2,8 @@
 pack-quantized INT4 routed experts (packed here straight from the format spec, independent of the
 kernels' repack code), bf16 elsewhere, a non-zero fp32 router bias, and a complete config.json.
 
-Weights are scaled so activations keep a sane range through many layers: projections ~ N(0, 1/fan_in)
-(times a small factor on the residual branches), norms ~ 1.
+The values are ddtree_rtc.model.random_weights' (one generator per tensor, keyed by seed and name),
+the same that ``model.load: dummy`` makes in device memory for one rank's shard.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 from ml_dtypes import bfloat16
 
+from . import random_weights as rw
 from .checkpoint import TensorSpec, expected_tensors
 from .config import ModelConfig
 from .safetensors_io import write_file
 
-QUANT_GROUP = 32
+QUANT_GROUP = rw.QUANT_GROUP
 
 QUANTIZATION_CONFIG = {
     "quant_method": "compressed-tensors",
@@ -49,46 +50,14 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
 WEIGHT_SHAPE_DTYPES = {"int32": np.int32, "int64": np.int64}
 ROUTER_DTYPES = {"bf16": bfloat16, "fp32": np.float32}
 # lm_head forms: "random" (N(0, 1/H), the next token an arbitrary function of the context, top-1 and
-# top-2 logits mostly within bf16 noise of each other); "decisive" (decisive_head below).
-HEADS = ("random", "decisive")
+# top-2 logits mostly within bf16 noise of each other); "decisive" (random_weights.decisive_rows).
+HEADS = rw.HEADS
 
 
-def decisive_head(embed: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """lm_head rows = the embedding rows of a fixed random permutation, over sqrt(H): the residual
-    stream of a random model stays close to its input token's embedding (every branch's output
-    projection is scaled down), so the greedy next token is perm^-1(token) with a top-1/top-2 margin
-    of most of the logit range (random dot products are ~sqrt(2 ln V / H) of it), far beyond bf16
-    noise. Benchmarks that set tau by an oracle need that: with the random head, any change of batch
-    shape flips near-tied choices and the target leaves the oracle's precomputed path."""
-    e = embed.astype(np.float32)
-    return (e[rng.permutation(e.shape[0])] * e.shape[1] ** -0.5).astype(bfloat16)
-
-
-def random_int4_weight(rng: np.random.Generator, n: int, k: int, std: float):
-    """(packed int32 [N, K/8], scales bf16 [N, K/32], shape int32 [2]) with W ~ std in magnitude.
-    Uniform random words are uniform nibbles, i.e. q uniform on [-8, 7] packed per the spec (q + 8 in
-    bits 4*(k&7) of word k>>3) — 8x fewer draws than packing drawn ints; the first word holds -8 and 7
-    so every matrix has both extremes."""
-    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
-    words[0, 0] = 0x0F0F0F0F  # nibbles 15, 0, 15, 0, ...: q = 7, -8, 7, -8, ...
-    # uniform ints on [-8, 7] have std ~4.6; scale groups to the target std with +-25% jitter
-    s = (std / 4.6 * rng.uniform(0.75, 1.25, size=(n, k // QUANT_GROUP))).astype(bfloat16)
-    return words.view(np.int32), s, np.array([n, k], dtype=np.int32)
-
-
-def _tensor(rng: np.random.Generator, spec: TensorSpec, cfg: ModelConfig, n_layers: int) -> np.ndarray:
-    name, shape = spec.name, spec.shape
-    if name.endswith(".e_score_correction_bias"):  # non-zero, the size of typical score gaps
-        return rng.uniform(-0.05, 0.05, size=shape).astype(np.float32)
-    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(bfloat16)
-    fan_in = shape[1]
-    std = fan_in ** -0.5
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        std /= np.sqrt(2 * max(n_layers, 1))  # residual branches: keep the stream's growth bounded
-    if name == "model.embed_tokens.weight":
-        std = 1.0
-    return (std * rng.standard_normal(shape, dtype=np.float32)).astype(bfloat16)
+def _host(seed: int, spec: TensorSpec, n_layers: int) -> np.ndarray:
+    """The whole tensor ``spec`` (random_weights' values), host, bf16 as ml_dtypes bfloat16."""
+    a = rw.values(seed, spec.name, spec.shape, n_layers, np)
+    return a.view(bfloat16) if a.dtype == np.uint16 else a
 
 
 def make_model(cfg: ModelConfig, out: str | Path, seed: int = 0, progress=None, weight_shape_dtype: str = "int32",
@@ -97,7 +66,7 @@ def make_model(cfg: ModelConfig, out: str | Path, seed: int = 0, progress=None, 
     (int32 as Kimi's files, int64 as compressed-tensors 0.20), ``router_dtype`` (of mlp.gate.weight) and
     ``bias_dtype`` (of e_score_correction_bias; bf16 or fp32 each) pick the stored forms; the values
     drawn are the same for every choice but the rounding of the router and bias to bf16. ``head``:
-    the lm_head's form, one of HEADS (``decisive``: see decisive_head; every other tensor is the
+    the lm_head's form, one of HEADS (``decisive``: see random_weights.decisive_rows; every other tensor is the
     same as with ``random``)."""
     for what, v, choices in (("weight_shape_dtype", weight_shape_dtype, WEIGHT_SHAPE_DTYPES),
                              ("router_dtype", router_dtype, ROUTER_DTYPES), ("bias_dtype", bias_dtype, ROUTER_DTYPES),
@@ -106,7 +75,6 @@ def make_model(cfg: ModelConfig, out: str | Path, seed: int = 0, progress=None, 
             raise ValueError(f"{what} {v!r}: expected one of {', '.join(choices)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
     n = cfg.num_hidden_layers
     groups: dict[str, list[TensorSpec]] = {"globals": []}
     for s in expected_tensors(cfg):
@@ -117,27 +85,22 @@ def make_model(cfg: ModelConfig, out: str | Path, seed: int = 0, progress=None, 
     weight_map = {}
     for key, shard in zip(order, shards):
         tensors = {}
-        expert_done = set()
+        shapes = {s.name: s.shape for s in groups[key]}
         for s in groups[key]:
-            if ".mlp.experts." in s.name:
-                base = s.name.rsplit(".", 1)[0]
-                if base in expert_done:
-                    continue
-                expert_done.add(base)
-                n_out, k_in = s.shape[0], s.shape[1] * 8
-                std = k_in ** -0.5 / (np.sqrt(2 * n) if base.endswith("down_proj") else 1.0)
-                packed, scale, shape = random_int4_weight(rng, n_out, k_in, std)
-                tensors.update({f"{base}.weight_packed": packed, f"{base}.weight_scale": scale,
-                                f"{base}.weight_shape": shape.astype(WEIGHT_SHAPE_DTYPES[weight_shape_dtype])})
+            if s.name.endswith(".weight_shape"):
+                n_out, k_in8 = shapes[s.name[: -len("weight_shape")] + "weight_packed"]
+                t = rw.int4_shape(n_out, k_in8 * 8, WEIGHT_SHAPE_DTYPES[weight_shape_dtype])
+            elif s.name == "lm_head.weight" and head == "decisive":
+                embed = tensors["model.embed_tokens.weight"].view(np.uint16)
+                perm = rw.head_permutation(seed, cfg.vocab_size)
+                t = rw.decisive_rows(embed[perm], cfg.hidden_size, np).view(bfloat16)
             else:
-                t = _tensor(rng, s, cfg, n)
-                if s.name.endswith(".mlp.gate.weight"):
-                    t = t.astype(ROUTER_DTYPES[router_dtype])
-                elif s.name.endswith(".e_score_correction_bias"):
-                    t = t.astype(ROUTER_DTYPES[bias_dtype])
-                tensors[s.name] = t
-        if key == "globals" and head == "decisive":
-            tensors["lm_head.weight"] = decisive_head(tensors["model.embed_tokens.weight"], rng)
+                t = _host(seed, s, n)
+            if s.name.endswith(".mlp.gate.weight"):
+                t = t.astype(ROUTER_DTYPES[router_dtype])
+            elif s.name.endswith(".e_score_correction_bias"):
+                t = t.astype(ROUTER_DTYPES[bias_dtype])
+            tensors[s.name] = t
         write_file(out / shard, tensors, {"format": "pt"})
         weight_map.update({name: shard for name in tensors})
         if progress is not None:

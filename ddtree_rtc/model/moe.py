@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from ml_dtypes import bfloat16
 
 from ..reference.moe_routing import check_route_args
 from .checkpoint import BIAS_DTYPES, ROUTER_DTYPES, CheckpointError, CheckpointReader
@@ -119,6 +118,12 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
                                plan=plan, check_ids=False)
 
 
+def to_backend(backend, a):
+    """A host array onto the backend (backend.asarray); an array already on the device (a dummy
+    load makes its tensors there) as it is."""
+    return backend.asarray(a) if isinstance(a, np.ndarray) else a
+
+
 def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, hidden: int,
                    intermediate: int, backend, scheme: Int4Scheme = INT4_GROUP32,
                    shard: Shard | None = None) -> MoELayerWeights:
@@ -139,14 +144,23 @@ def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, h
         return ckpt.get(name)
 
     e = routing.num_experts
+
+    def dev(a):
+        return to_backend(backend, a)
+
     # the router may be stored bf16 or fp32 (kept as stored: its logits are fp32 either way); the bias
     # fp32 or bf16 (widened to fp32, exactly, for the routing kernel)
-    gate = np.ascontiguousarray(dense(stem + "gate.weight", (e, hidden), ROUTER_DTYPES))
+    gate = dev(dense(stem + "gate.weight", (e, hidden), ROUTER_DTYPES))
     bias_name = stem + "gate.e_score_correction_bias"
-    bias = np.asarray(dense(bias_name, (e,), BIAS_DTYPES)).astype(np.float32) if bias_name in ckpt else None
+    bias = dense(bias_name, (e,), BIAS_DTYPES) if bias_name in ckpt else None
+    if bias is not None:
+        bias = backend.from_bf16(dev(bias)) if bias.dtype != np.float32 else dev(bias)
     mine = shard.experts(e)
-    experts = load_moe_experts(ckpt, layer, e, hidden, intermediate, scheme, experts=mine,
-                               inter_part=shard.expert_intermediate(intermediate, TILE_K if backend.is_cuda else GROUP))
+    inter_part = shard.expert_intermediate(intermediate, TILE_K if backend.is_cuda else GROUP)
+    if hasattr(ckpt, "moe_experts"):  # a DummySource makes a layer's experts at once
+        experts = ckpt.moe_experts(layer, mine, inter_part)
+    else:
+        experts = load_moe_experts(ckpt, layer, e, hidden, intermediate, scheme, experts=mine, inter_part=inter_part)
     w13 = w2 = None
     if stem + "shared_experts.down_proj.weight" in ckpt:
         _, (_, inter_s) = ckpt.info(stem + "shared_experts.down_proj.weight")
@@ -154,9 +168,7 @@ def load_moe_layer(ckpt: CheckpointReader, layer: int, routing: RoutingConfig, h
                             ("down_proj", (hidden, inter_s))):
             check(stem + f"shared_experts.{proj}.weight", shape, "BF16")
         lo, hi = shard.part(inter_s, "shared expert intermediate")
-        g, u = (ckpt.get_part(stem + f"shared_experts.{p}.weight", 0, lo, hi) for p in ("gate_proj", "up_proj"))
-        w13 = np.concatenate([g, u]).astype(bfloat16)
-        w2 = ckpt.get_part(stem + "shared_experts.down_proj.weight", 1, lo, hi)
-    dev = backend.asarray
-    return MoELayerWeights(dev(gate), None if bias is None else dev(bias), prepare_experts(experts, backend),
-                           None if w13 is None else dev(w13), None if w2 is None else dev(w2), mine.start)
+        g, u = (dev(ckpt.get_part(stem + f"shared_experts.{p}.weight", 0, lo, hi)) for p in ("gate_proj", "up_proj"))
+        w13 = backend.xp.concatenate([g, u])
+        w2 = dev(ckpt.get_part(stem + "shared_experts.down_proj.weight", 1, lo, hi))
+    return MoELayerWeights(gate, bias, prepare_experts(experts, backend), w13, w2, mine.start)

@@ -26,7 +26,7 @@ from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig, load_config
 from .int4_repack import GROUP, TILE_K
 from .mla import MLADims, MLAWeights, mla_forward, rope_scale
-from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe
+from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe, to_backend
 from .shard import Shard
 
 # HF DeepseekV3 (and DeepSeek's own code) build the q_a / kv_a norms with the default eps, not the config's.
@@ -136,6 +136,30 @@ class TargetModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def weight_nbytes(self) -> int:
+        """Bytes of the weights this rank holds, each array counted once (a tied lm_head is the
+        embedding): what a shard's load puts on the device."""
+        import dataclasses
+
+        arrays = {}
+
+        def add(*xs):
+            for a in xs:
+                if a is not None:
+                    arrays[id(a)] = int(a.nbytes)
+
+        add(self.embed, self.lm_head, self.final_norm)
+        for layer in self.layers:
+            add(layer.input_norm, layer.post_norm)
+            add(*(getattr(layer.attn, f.name) for f in dataclasses.fields(layer.attn)))
+            m = layer.mlp
+            if isinstance(m, DenseMLP):
+                add(m.w13, m.w2)
+            else:
+                add(m.gate_weight, m.e_score_correction_bias, m.shared_w13, m.shared_w2, m.experts.w13,
+                    m.experts.w13_scale, m.experts.w2, m.experts.w2_scale)
+        return sum(arrays.values())
+
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, directory: str | Path, backend, layers: int | None = None, progress=None,
@@ -150,12 +174,33 @@ class TargetModel:
             cfg = cfg.with_layers(layers)
         shard = shard or Shard()
         shard.check(cfg, TILE_K if backend.is_cuda else GROUP)
-        reader = reader or CheckpointReader(directory)
+        return cls.from_source(cfg, reader or CheckpointReader(directory), backend, progress, shard, comm)
+
+    @classmethod
+    def dummy(cls, cfg: ModelConfig, backend, seed: int = 0, head: str = "random", progress=None,
+              shard: Shard | None = None, comm: Communicator | None = None) -> TargetModel:
+        """``model.load: dummy``: ``make_model(cfg, seed=seed, head=head)``'s weights made directly in
+        the backend's memory, only ``shard``'s part, no file written (model/dummy.py); bit for bit
+        what ``load`` reads from that checkpoint."""
+        from .dummy import DummySource
+
+        shard = shard or Shard()
+        shard.check(cfg, TILE_K if backend.is_cuda else GROUP)
+        return cls.from_source(cfg, DummySource(cfg, seed, head, backend.xp), backend, progress, shard, comm)
+
+    @classmethod
+    def from_source(cls, cfg: ModelConfig, reader, backend, progress=None, shard: Shard | None = None,
+                    comm: Communicator | None = None) -> TargetModel:
+        """The model of ``cfg`` from ``reader`` (a CheckpointReader, or a DummySource making the
+        tensors), ``shard``'s slices only."""
+        shard = shard or Shard()
         reader.check(expected_tensors(cfg))
-        dev = backend.asarray
+
+        def dev(a):
+            return to_backend(backend, a)
 
         def get(name):
-            return np.asarray(reader.get(name))
+            return reader.get(name)
 
         def part(name, axis, lo, hi):
             """This rank's [lo, hi) of ``name`` along ``axis`` (the whole tensor on one rank)."""
@@ -187,8 +232,8 @@ class TargetModel:
                                      shard=shard)
             else:
                 i0, i1 = shard.part(cfg.intermediate_size, "intermediate_size (dense MLP)")
-                w13 = np.concatenate([part(p + "mlp.gate_proj.weight", 0, i0, i1),
-                                      part(p + "mlp.up_proj.weight", 0, i0, i1)])
+                w13 = backend.xp.concatenate([dev(part(p + "mlp.gate_proj.weight", 0, i0, i1)),
+                                              dev(part(p + "mlp.up_proj.weight", 0, i0, i1))])
                 mlp = DenseMLP(dev(w13), dev(part(p + "mlp.down_proj.weight", 1, i0, i1)))
             out.append(Layer(dev(get(p + "input_layernorm.weight")), dev(get(p + "post_attention_layernorm.weight")),
                              attn, mlp))

@@ -41,10 +41,11 @@ class Ranks:
     backend: Backend
     comm: Communicator
     log: object
+    simulated: bool = False  # runtime.simulate_rank: this process alone plays rank env.rank
 
     @property
     def is_main(self) -> bool:
-        return self.env.is_main
+        return self.env.is_main or self.simulated
 
     def echo(self, msg: str) -> None:
         click.echo(msg, file=self.log)
@@ -55,6 +56,8 @@ def ranks_for(pipe: Pipeline, env: RankEnv | None = None) -> Ranks:
     not ``runtime.tensor_parallel``."""
     env = env or rank_env()
     tp = pipe.runtime.tensor_parallel
+    if pipe.runtime.simulate_rank is not None:
+        return _simulated_ranks(pipe, env)
     if env.world_size != tp:
         how = (f"this process is rank {env.rank} of {env.world_size} ({env.launcher})" if env.world_size > 1
                else "this is a single process")
@@ -77,6 +80,22 @@ def ranks_for(pipe: Pipeline, env: RankEnv | None = None) -> Ranks:
     return Ranks(env, backend, comm, log)
 
 
+def _simulated_ranks(pipe: Pipeline, env: RankEnv) -> Ranks:
+    """``runtime.simulate_rank``: this single process runs that rank's share alone, every collective a
+    stand-in (dist/simulated.py); it says plainly that its numerics are not the model's."""
+    from ..dist.simulated import SimulatedRank
+
+    rt = pipe.runtime
+    if env.world_size > 1:
+        raise PipelineError(f"{pipe.source}: runtime.simulate_rank runs one process alone, but this is rank "
+                            f"{env.rank} of {env.world_size} ({env.launcher}): run it without --nproc / a launcher")
+    backend = Backend(rt.backend, arch=rt.arch)
+    comm = SimulatedRank(rt.simulate_rank, rt.tensor_parallel, backend.xp, rt.simulate_collective_us)
+    ranks = Ranks(RankEnv(rt.simulate_rank, rt.tensor_parallel), backend, comm, sys.stderr, simulated=True)
+    ranks.echo(f"WARNING: {comm.note()}")
+    return ranks
+
+
 def compile_kernels(backend: Backend) -> float:
     """Build every kernel family an engine may launch before the loop; then any later build warns,
     or fails under DDTREE_RTC_NO_LATE_COMPILE=1. The benchmark-only families
@@ -92,10 +111,13 @@ def compile_kernels(backend: Backend) -> float:
     return time.perf_counter() - t0
 
 
-def model_dir(pipe: Pipeline, ranks: Ranks | None = None) -> Path:
+def model_dir(pipe: Pipeline, ranks: Ranks | None = None) -> Path | None:
     """The checkpoint directory: the given path, or a preset's random checkpoint (made once, cached;
-    on several ranks rank 0 makes it while the others wait)."""
+    on several ranks rank 0 makes it while the others wait); None for ``model.load: dummy`` (no
+    checkpoint: the weights are made in memory)."""
     m = pipe.model
+    if m.load == "dummy":
+        return None
     if m.path is not None:
         return Path(m.path)
     cfg = preset_config(m.preset)
@@ -104,7 +126,8 @@ def model_dir(pipe: Pipeline, ranks: Ranks | None = None) -> Path:
     from ..rtc.cache import cache_dir
 
     head = "" if m.head == "random" else f"-{m.head}"
-    out = cache_dir() / "models" / f"{m.preset}-L{cfg.num_hidden_layers}-seed{m.seed}{head}"
+    # "-g2": random_weights' generator (a cache made by the earlier generator holds other values)
+    out = cache_dir() / "models" / f"{m.preset}-L{cfg.num_hidden_layers}-seed{m.seed}{head}-g2"
     if ranks is not None and not ranks.is_main:
         ranks.comm.barrier()  # rank 0 has made it
         return out
@@ -122,6 +145,40 @@ def model_dir(pipe: Pipeline, ranks: Ranks | None = None) -> Path:
     if ranks is not None:
         ranks.comm.barrier()
     return out
+
+
+def model_config(pipe: Pipeline, directory: Path | None):
+    """The target's config: the checkpoint's, or (``load: dummy``) the preset's, cut to ``layers``."""
+    from ..model.config import load_config
+
+    if directory is not None:
+        return load_config(directory)
+    cfg = preset_config(pipe.model.preset)
+    return cfg if pipe.model.layers is None else cfg.with_layers(pipe.model.layers)
+
+
+def free_memory(backend: Backend) -> int:
+    """Bytes free where the backend's arrays live: the GPU's free memory, or the host's available."""
+    if backend.is_cuda:
+        import cupy
+
+        return int(cupy.cuda.runtime.memGetInfo()[0])
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_dummy_fits(pipe: Pipeline, cfg, shard: Shard, backend: Backend) -> int:
+    """``load: dummy``: refuse, before any allocation, a shard whose weights exceed the free memory
+    (naming the bytes needed and free); returns the bytes it will hold."""
+    from ..model.dummy import shard_nbytes
+
+    need, free = shard_nbytes(cfg, shard), free_memory(backend)
+    if need > free:
+        where = f"rank {shard.rank} of {shard.world}" if shard.world > 1 else "the model"
+        raise PipelineError(f"{pipe.source}: model.load: dummy: {pipe.model.preset} with {cfg.num_hidden_layers} "
+                            f"layers needs {need} bytes ({need / 1e9:.2f} GB) of weights for {where}, but the "
+                            f"{backend.name} device has {free} bytes ({free / 1e9:.2f} GB) free: use fewer "
+                            f"model.layers or more tensor_parallel ranks")
+    return need
 
 
 def load_prompts(pipe: Pipeline, vocab: int, directory: Path) -> list[list[int]]:
@@ -158,7 +215,10 @@ def load_prompts(pipe: Pipeline, vocab: int, directory: Path) -> list[list[int]]
     return prompts
 
 
-def _tokenizer(directory: Path):
+def _tokenizer(directory: Path | None):
+    if directory is None:
+        raise PipelineError("text prompts need the checkpoint's tokenizer, and model.load: dummy has no checkpoint: "
+                            "give {\"ids\": [...]} prompts or a synthetic workload")
     try:
         return kimi_tokenizer(directory).encode
     except TokenizerError as e:
@@ -223,13 +283,14 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
                                         if ranks.comm.world_size > 1 else ""))
     compile_s = compile_kernels(backend)
     directory = model_dir(pipe, ranks)
-    t0 = time.perf_counter()
-    from ..model.config import load_config
-
-    cfg = load_config(directory)
+    cfg = model_config(pipe, directory)
     n_layers = pipe.model.layers or cfg.num_hidden_layers
     shard = Shard(ranks.env.rank, ranks.env.world_size, pipe.runtime.expert_parallel)
-    with click.progressbar(length=n_layers, label="loading weights", file=log) as bar:
+    if directory is None:  # before any weight is made
+        check_dummy_fits(pipe, cfg.with_layers(n_layers), shard, backend)
+    t0 = time.perf_counter()
+    label = "making dummy weights" if directory is None else "loading weights"
+    with click.progressbar(length=n_layers, label=label, file=log) as bar:
         last = [0]
 
         def progress(n):
@@ -237,8 +298,13 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
             last[0] = n
 
         try:
-            model = TargetModel.load(directory, backend, layers=pipe.model.layers, progress=progress,
-                                     shard=shard, comm=ranks.comm)
+            if directory is None:
+                m = pipe.model
+                model = TargetModel.dummy(cfg, backend, seed=m.seed, head=m.head, progress=progress, shard=shard,
+                                          comm=ranks.comm)
+            else:
+                model = TargetModel.load(directory, backend, layers=pipe.model.layers, progress=progress,
+                                         shard=shard, comm=ranks.comm)
         except ShardError as e:
             raise PipelineError(f"{pipe.source}: runtime.tensor_parallel {shard.world}"
                                 f"{' with expert_parallel' if shard.expert_parallel else ''}: {e}") from None
@@ -278,9 +344,7 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
     ranks = ranks or ranks_for(pipe)
     quiet = quiet or not ranks.is_main
     directory = model_dir(pipe, ranks)
-    from ..model.config import load_config
-
-    prompts = load_prompts(pipe, load_config(directory).vocab_size, directory)
+    prompts = load_prompts(pipe, model_config(pipe, directory).vocab_size, directory)
     engine, info = build_engine(pipe, max_batch=min(w.concurrency, pipe.runtime.max_batch), profile=True,
                                 prompts=prompts, ranks=ranks)
     model, backend, drafter = engine.model, engine.backend, engine.drafter
@@ -320,10 +384,12 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
         "cuda_graphs": None if engine.graphs is None else {"captured": engine.graphs.captures,
                                                            "replays": engine.graphs.replays},
         "parallel": parallel_metrics(engine),
+        "weight_bytes": model.weight_nbytes(),
     }
     result = {
         "pipeline": pipe.source, "backend": backend.name, "arch": backend.arch,
-        "model": {"dir": str(directory), "layers": model.num_layers, "hidden": model.cfg.hidden_size},
+        "model": {"dir": str(directory) if directory is not None else f"dummy ({pipe.model.preset})",
+                  "load": pipe.model.load, "layers": model.num_layers, "hidden": model.cfg.hidden_size},
         "decode": {"mode": d.mode, "temperature": d.temperature, "top_p": d.top_p,
                    "budget": d.budget if d.mode == "ddtree" else None,
                    "drafter": None if drafter is None else drafter.name},
@@ -331,6 +397,10 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
         "requests": [{"id": r.rid, "prompt": r.prompt, "output": r.output, "finish": r.finish.value}
                      for r in done],
     }
+    if ranks.simulated:
+        c = ranks.comm
+        result["simulated_rank"] = {"rank": c.rank, "world": c.world_size, "note": c.note(),
+                                    "collective_hold_us": pipe.runtime.simulate_collective_us}
     if not quiet:
         rows = [("requests", str(len(done))), ("prompt tokens", str(metrics["prompt_tokens"])),
                 ("generated tokens", str(gen)), ("wall time", f"{wall:.2f} s"),
@@ -353,9 +423,11 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
         if par is not None:
             rows.append(("parallel", f"{par['tensor_parallel']} ranks ({par['transport']}), "
                                      f"{'expert' if par['expert_parallel'] else 'tensor'}-parallel experts"))
-            rows.append(("collectives (rank 0)", f"{par['collective_calls']} calls, "
+            rows.append((f"collectives (rank {model.shard.rank})", f"{par['collective_calls']} calls, "
                                                  f"{par['collective_bytes'] / 2**20:.2f} MiB, "
                                                  f"{par['collective_bytes_per_step'] / 2**10:.1f} KiB per step"))
+        if ranks.simulated:
+            rows.append(("simulated rank", ranks.comm.note()))
         click.echo(_table(rows))
     if pipe.output.json and ranks.is_main:
         out = Path(pipe.output.json)

@@ -17,15 +17,21 @@ from .yamlio import LinedDict, PipelineError, load_yaml
 class ModelSpec:
     """What to load: a preset (built-in random weights) or a checkpoint directory. ``head``: a
     preset's lm_head, ``random`` or ``decisive`` (greedy choices far from ties; see
-    ddtree_rtc.model.make_model.decisive_head)."""
+    ddtree_rtc.model.random_weights.decisive_rows)."""
 
     preset: str | None = None
     path: str | None = None
     layers: int | None = None  # keep only the first n decoder layers
     seed: int = 0
     head: Literal["random", "decisive"] = "random"
+    # checkpoint: a preset's random checkpoint is written once (cached) and read; dummy: made directly
+    # in the backend's memory, this rank's shard only, nothing written (ddtree_rtc.model.dummy)
+    load: Literal["checkpoint", "dummy"] = "checkpoint"
 
     def __post_init__(self):
+        if self.load == "dummy" and self.path is not None:
+            raise ValueError("load: dummy makes a preset's random weights in memory; it takes no checkpoint "
+                             f"'path' ({self.path}): give 'preset' instead")
         if (self.preset is None) == (self.path is None):
             raise ValueError("give exactly one of 'preset' or 'path'")
         if self.path is not None and self.head != "random":
@@ -48,11 +54,26 @@ class RuntimeSpec:
     max_batch: int = 8
     page_size: int = 64
     max_context: int = 4096
+    # run rank R of tensor_parallel alone on one device, collectives as stand-ins moving the same
+    # bytes (ddtree_rtc.dist.simulated): time and bytes of that rank, numerics not the model's
+    simulate_rank: int | None = None
+    simulate_collective_us: float = 0.0  # each stand-in also holds this long
 
     def __post_init__(self):
         for name in ("tensor_parallel", "max_batch", "page_size", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.simulate_rank is not None:
+            if self.tensor_parallel == 1:
+                raise ValueError(f"simulate_rank {self.simulate_rank} needs tensor_parallel >= 2 (one rank has "
+                                 f"nothing to simulate)")
+            if not 0 <= self.simulate_rank < self.tensor_parallel:
+                raise ValueError(f"simulate_rank {self.simulate_rank} is outside [0, {self.tensor_parallel}) "
+                                 f"(tensor_parallel {self.tensor_parallel})")
+        if self.simulate_collective_us < 0:
+            raise ValueError(f"simulate_collective_us must be >= 0, got {self.simulate_collective_us}")
+        if self.simulate_collective_us and self.simulate_rank is None:
+            raise ValueError("simulate_collective_us applies to a simulated rank: set simulate_rank too")
         if self.arch is not None:
             from ..rtc.arch import check_arch
 

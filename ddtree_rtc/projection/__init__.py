@@ -1,4 +1,5 @@
-"""Hardware projection of K2.6 AR and DDTree decoding (docs/hardware.md)."""
-from .model import ProjectionError, RoundModel, experts_touched, load_platforms, project, tau_curve
+"""Hardware projection of K2.6 AR and DDTree decoding, built on this repository's measurements (docs/hardware.md)."""
+from .data import ProjectionError, benchmark_path
+from .platforms import load_platforms
 
-__all__ = ["ProjectionError", "RoundModel", "experts_touched", "load_platforms", "project", "tau_curve"]
+__all__ = ["ProjectionError", "benchmark_path", "load_platforms"]

@@ -1,292 +1,398 @@
-"""Round-time model of K2.6 AR decoding and one DDTree round at TP8 (see docs/hardware.md).
+"""Per-rank time of one forward (AR step: 1 row per request; DDTree verify: 1 + budget rows) and of one
+DDTree round, term by term, from the measured inputs (inputs.py) carried to a device.
 
-Every term is `floor_us + work / (peak * eff)`: floor and eff are fitted per kernel family from this
-repository's measured H200 benchmarks (benchmarks/*_h200.json) and carried to other platforms as the
-same fraction of their roofline; floors (launch/latency bound) are carried unchanged.
+How a measured time carries: a linear layer is `latency + max(weights / (bw * eta_mem), rows * flops /
+(rate * eta_mm))` with eta_mem and latency from the slice's measured stage and eta_mm from the M=1024
+GEMM row; the MoE layer comes from its (experts, rows per expert) table with separate stream and compute
+parts; MLA's core keeps its table latency and scales the rest by its roofline bound; tree-step kernels
+keep their time and add their bytes' read-time difference.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
+from functools import cache
 
-import yaml
+import numpy as np
 
 from ..model.config import preset_config
-from ..reference.tree_build import MAX_BUDGET
+from .data import ProjectionError
+from .inputs import (
+    Device,
+    ceiling,
+    decode_stage_rows,
+    drafter_rows,
+    interp,
+    mla_bytes_flops,
+    mla_table,
+    moe_table,
+    reference,
+    row,
+    rows,
+    tree_rows,
+)
 
-HERE = Path(__file__).parent
-BENCH = HERE.parent.parent / "benchmarks"
-PLATFORM_KEYS = ("name", "mem_tbs", "bf16_tflops", "fp8_tflops", "fp4_tflops", "mem_gb", "sms", "l2_mb",
-                 "link_gbs", "all_reduce")
-TP = 8
-# DFlash drafter for K2.6 (z-lab): 6 layers, hidden 7168, 64 q / 8 kv heads of 128, intermediate 18432, bf16.
-DRAFTER = dict(layers=6, hidden=7168, q_heads=64, kv_heads=8, head_dim=128, inter=18432, block=8, ctx_layers=6)
-
-
-class ProjectionError(ValueError):
-    pass
+LAYOUTS = ("tp8", "ep8", "tp_attn_ep_moe")
+TERMS = ("embed", "attention latency", "attention weights", "MLA core", "dense layer", "MoE fixed",
+         "MoE weight stream", "MoE compute", "shared expert", "lm_head + choose", "collectives",
+         "drafter", "tree step")
 
 
 @dataclass(frozen=True)
-class Platform:
-    key: str
+class Dims:
     name: str
-    mem_tbs: float
-    bf16_tflops: float
-    fp8_tflops: float
-    fp4_tflops: float
-    mem_gb: float
-    sms: int
-    l2_mb: float
-    link_gbs: float
-    ar_alpha_us: float
-    ar_beta_gbs: float
+    hidden: int
+    layers: int
+    dense_layers: int
+    heads: int
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v: int
+    inter: int
+    moe_inter: int
+    experts: int
+    top_k: int
+    shared: int
+    vocab: int
+    attn_bytes_per_param: float = 2.0   # bf16
+    source: str = ""
+
+    def attn_params(self, tp):
+        h = self.hidden
+        repl = h * self.q_lora + h * (self.kv_lora + self.rope)
+        split = (self.q_lora * self.heads * (self.nope + self.rope) + self.kv_lora * self.heads * (self.nope + self.v)
+                 + self.heads * self.v * h)
+        return repl + split / tp
+
+    def dense_params(self, tp):
+        return 3 * self.hidden * self.inter / tp
+
+    def shared_params(self, tp):
+        return 3 * self.hidden * self.moe_inter * self.shared / tp
 
 
-def load_platforms(path: str | Path = HERE / "platforms.yaml") -> dict[str, Platform]:
-    p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ProjectionError(f"{p}: cannot read platform file: {e}") from None
-    if not isinstance(raw, dict) or not raw:
-        raise ProjectionError(f"{p}: expected a mapping of platform key -> figures")
-    out = {}
-    for key, d in raw.items():
-        if not isinstance(d, dict):
-            raise ProjectionError(f"{p}: platform {key!r} is not a mapping")
-        missing = [k for k in PLATFORM_KEYS if k not in d]
-        unknown = [k for k in d if k not in PLATFORM_KEYS]
-        if missing or unknown:
-            raise ProjectionError(f"{p}: platform {key!r}: missing keys {missing}, unknown keys {unknown}")
-        ar = d["all_reduce"]
-        if not isinstance(ar, dict) or set(ar) != {"alpha_us", "beta_gbs"}:
-            raise ProjectionError(f"{p}: platform {key!r}: all_reduce needs exactly alpha_us and beta_gbs")
-        vals = {k: d[k] for k in PLATFORM_KEYS if k not in ("name", "all_reduce")}
-        vals.update(ar_alpha_us=ar["alpha_us"], ar_beta_gbs=ar["beta_gbs"])
-        for k, v in vals.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ProjectionError(f"{p}: platform {key!r}: {k} must be a positive number, got {v!r}")
-        out[key] = Platform(key=key, name=str(d["name"]), **vals)
-    return out
+def k26_dims() -> Dims:
+    c = preset_config("k2.6")
+    return Dims("Kimi K2.6", c.hidden_size, c.num_hidden_layers, c.first_k_dense_replace, c.num_attention_heads,
+                c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                c.intermediate_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
+                c.n_shared_experts, c.vocab_size, source="preset k2.6 (ddtree_rtc/model/config.py)")
 
 
-def pick(platforms: dict[str, Platform], keys) -> list[Platform]:
-    bad = [k for k in keys if k not in platforms]
-    if bad:
-        raise ProjectionError(f"unknown platform {bad}; known: {', '.join(platforms)}")
-    return [platforms[k] for k in keys]
+# DeepSeek-R1 (deepseek-ai/DeepSeek-R1 config.json); attention in FP8 as in NVIDIA's R1-FP4 checkpoint,
+# whose routed experts are NVFP4 (4.5 bits a weight, the same bytes as INT4 with a bf16 scale per 32).
+R1_DIMS = Dims("DeepSeek-R1", 7168, 61, 3, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 8, 1, 129280,
+               attn_bytes_per_param=1.0, source="deepseek-ai/DeepSeek-R1 config.json; attention FP8 (unsure)")
+
+DRAFTER = dict(layers=6, hidden=7168, q_heads=64, kv_heads=8, head_dim=128, inter=18432, block=8)
 
 
 @dataclass(frozen=True)
-class Fit:
-    """floor_us + bytes / (ceiling * eff), fitted from one benchmark family's rows."""
-    floor_us: float
-    eff: float
+class Options:
+    layout: str = "tp8"
+    tp: int = 8
+    collective: str = "nccl_graph"
+    fused: bool = False            # latency parts at one graph launch each (the fused-layer / small-M path)
+    moe_stream_eta: float | None = None   # MoE weight stream at this fraction of read instead of the table's
+    expert_precision: str = "bf16"  # MMA the expert GEMM runs at: bf16 (W4A16, today), fp4 (NVFP4), int8 (W4A8)
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ProjectionError(f"layout {self.layout!r}: known {LAYOUTS}")
+
+
+def split_latency(t_us, nbytes, read_gbs, eta):
+    """(latency, eta_mem) of a measured weight-streaming stage: the time beyond streaming its bytes at eta
+    of the read ceiling is latency; a stage faster than that streams at its own achieved rate instead."""
+    stream = nbytes / (read_gbs * 1e3 * eta)
+    if t_us >= stream:
+        return t_us - stream, eta
+    return 0.0, nbytes / (read_gbs * 1e3 * t_us)
+
+
+@dataclass(frozen=True)
+class Linear:
+    latency_us: float
+    eta_mem: float
     source: str
 
-    def us(self, nbytes: float, peak_tbs: float) -> float:
-        return self.floor_us + nbytes / (peak_tbs * 1e12 * self.eff) * 1e6
+    def us(self, wbytes, flops_per_row, m, dev: Device, fused=False):
+        ref = reference()
+        mem = wbytes / (dev.bw_gbs * 1e3 * self.eta_mem)
+        cmp = m * flops_per_row / (dev.rate("bf16") * 1e6 * ref.eta_mm)
+        lat = ref.launch_us if fused else self.latency_us
+        return lat, max(mem, cmp)
 
 
-def fit_rows(path: Path, match) -> Fit:
-    d = json.loads(path.read_text())
-    ceil = d["ceilings"]["read_gbs"] * 1e9
-    rows = [r for r in d["rows"] if match(r["case"]) and r.get("bytes")]
-    if not rows:
-        raise ProjectionError(f"{path}: no benchmark rows match this term")
-    # least squares us = floor + bytes * slope; eff = achieved streaming rate / measured read ceiling
-    x = [r["bytes"] for r in rows]
-    y = [r["us"] for r in rows]
-    n, mx, my = len(x), sum(x) / len(x), sum(y) / len(y)
-    sxx = sum((a - mx) ** 2 for a in x)
-    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx if sxx > 0 else my / mx
-    if slope <= 0:
-        slope = my / mx
-    floor = max(0.0, my - slope * mx)
-    return Fit(floor, min(1.0, 1e6 / (slope * ceil)), f"{path.name}: {n} rows")
+@cache
+def stage_fits():
+    """Latency / stream efficiency of each linear stage, from the slice's measured stages (decode_h200)."""
+    ref, dims = reference(), k26_dims()
+    st = decode_stage_rows()
+    read = ceiling("decode_h200.json")
+    mla = mla_table(dims.heads)
+    lat = []
+    for (b, ctx, s), rs in st.items():
+        if s == "attention":
+            for r in rs:
+                core = mla.ref_us(ctx, b, 1)
+                lat.append(r["us"] - core - dims.attn_params(1) * 2 / (read * 1e3 * ref.eta_lin))
+    attn = Linear(sum(lat) / len(lat), ref.eta_lin,
+                  f"decode_h200.json attention stages ({len(lat)} rows) less the MLA core (attention_h200.json) "
+                  f"and the weights at the M=1 GEMM's {ref.eta_lin:.0%} of read")
+
+    def one(stage, nbytes, pick=lambda b: True):
+        ts = [r["us"] for (b, _c, s), rs in st.items() if s == stage and pick(b) for r in rs]
+        if not ts:
+            raise ProjectionError(f"decode_h200.json: no {stage!r} stage rows")
+        t = sum(ts) / len(ts)
+        lt, eta = split_latency(t, nbytes, read, ref.eta_lin)
+        return Linear(lt, eta, f"decode_h200.json {stage} stages ({len(ts)} rows, {t:.0f} us mean)")
+
+    dense = one("dense", dims.dense_params(1) * 2)
+    head = one("head", dims.vocab * dims.hidden * 2, lambda b: b == 1)
+    embed = one("embed", 0.0)
+    full = moe_table("K2.6")
+    sh = []
+    for (b, _ctx, s), rs in st.items():
+        if s == "moe" and b == 1:
+            for r in rs:
+                E = r["extra"]["experts_touched"]
+                sh.append(r["us"] - (full.fixed_us + E * full.stream_us))
+    t = sum(sh) / len(sh)
+    lt, eta = split_latency(t, dims.shared_params(1) * 2, read, ref.eta_lin)
+    shared = Linear(lt, eta, f"decode_h200.json b1 moe stages less the MoE table's M=1 time ({len(sh)} rows)")
+    return {"attention": attn, "dense": dense, "head": head, "embed": embed, "shared": shared}
 
 
-def measured_fits(bench: Path = BENCH) -> dict[str, Fit]:
-    moe = bench / "moe_h200.json"
-    dec = bench / "decode_h200.json"
-    fits = {
-        "moe": fit_rows(moe, lambda c: c.startswith("TP8 shard")),
-        "moe_full": fit_rows(moe, lambda c: c.startswith("K2.6 M=")),
-        "attention": fit_rows(dec, lambda c: c.endswith(" attention") and " L1 " in c),
-        "dense": fit_rows(dec, lambda c: c.endswith(" dense")),
-        "head": fit_rows(dec, lambda c: c.endswith(" head")),
-        "topk": fit_rows(bench / "tree_h200.json", lambda c: c.startswith("topk ")),
-    }
-    tree = json.loads((bench / "tree_h200.json").read_text())
-    build = {}
-    for r in tree["rows"]:
-        c = r["case"]
-        if c.startswith("build+accept b=") and "[graph" in c:
-            b, n = c.split()[1:3]
-            build[(int(b[2:]), int(n[7:]))] = r["us"]
-        if c.startswith("floor b=1 budget=16"):
-            fits["launch_us"] = r["us"] / 2  # two launches per graph replay in this row
-    fits["build"] = build
-    return fits
-
-
-def experts_touched(tokens: int, n_experts: int = 384, k: int = 8, skew: float = 0.0) -> float:
-    """Expected distinct experts hit per layer by `tokens` tokens of k picks each.
-
-    skew = 0: uniform, each expert is picked by a token with probability k/n. skew > 0: Zipf(skew)
-    popularity, an expert's per-token inclusion probability min(1, k * w_e) (independent tokens)."""
+def experts_touched(tokens: float, n_experts: int = 384, k: int = 8) -> float:
+    """Expected distinct experts per layer for `tokens` tokens of k picks each, uniform routing."""
     if tokens <= 0:
         return 0.0
-    if skew == 0.0:
-        return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
-    w = [1.0 / (i + 1) ** skew for i in range(n_experts)]
-    s = sum(w)
-    return sum(1.0 - (1.0 - min(1.0, k * x / s)) ** tokens for x in w)
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
 
 
-def tau_curve(budget: int, tau_max: float = 6.0, scale: float = 48.0) -> float:
-    """Configured τ(budget) (tokens per round incl. bonus): 1 at budget 0, saturating at tau_max."""
-    return 1.0 + (tau_max - 1.0) * (1.0 - math.exp(-budget / scale))
-
-
-def check_budget(budget: int) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_BUDGET:
-        raise ProjectionError(f"budget={budget!r} is outside the tree builder's range 0..{MAX_BUDGET}")
-    return budget
-
-
-class RoundModel:
-    def __init__(self, fits: dict | None = None, skew: float = 0.0):
-        self.cfg = preset_config("k2.6")
-        self.fits = fits or measured_fits()
-        self.skew = skew
-
-    # -- byte counts (per GPU at TP8) -------------------------------------------------------------
-    def expert_bytes(self) -> float:
-        c = self.cfg
-        params = 3 * c.moe_intermediate_size * c.hidden_size
-        return params * (0.5 + 2 / 32)  # int4 + one bf16 scale per 32
-
-    def attention_weight_bytes(self) -> float:
-        c = self.cfg
-        h, nh = c.hidden_size, c.num_attention_heads
-        repl = h * c.q_lora_rank + h * (c.kv_lora_rank + c.qk_rope_head_dim) + h * c.n_routed_experts
-        split = (c.q_lora_rank * nh * (c.qk_nope_head_dim + c.qk_rope_head_dim)
-                 + c.kv_lora_rank * nh * (c.qk_nope_head_dim + c.v_head_dim)
-                 + nh * c.v_head_dim * h + 3 * h * c.moe_intermediate_size * c.n_shared_experts)
-        return 2 * (repl + split / TP)
-
-    def kv_bytes(self, context: int) -> float:
-        return context * (self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim) * 2
-
-    # -- the round --------------------------------------------------------------------------------
-    def terms(self, pf: Platform, batch: int, context: int, nodes: int, drafter: bool,
-              budget: int = 0) -> dict[str, float]:
-        """µs per term for one forward of `nodes` tokens per request (1 = AR step)."""
-        c, f = self.cfg, self.fits
-        bw = pf.mem_tbs
-        m = batch * nodes
-        moe_layers = c.num_hidden_layers - 1
-        t = {}
-        t["routed experts"] = moe_layers * f["moe"].us(
-            experts_touched(m, c.n_routed_experts, c.num_experts_per_tok, self.skew) * self.expert_bytes() / TP, bw)
-        t["attention + dense proj"] = c.num_hidden_layers * f["attention"].us(self.attention_weight_bytes(), bw) \
-            + f["dense"].us(2 * 3 * c.hidden_size * c.intermediate_size / TP, bw)
-        t["MLA over context"] = c.num_hidden_layers * max(
-            batch * self.kv_bytes(context) / (bw * 1e12 * f["attention"].eff) * 1e6,
-            m * context * (c.num_attention_heads / TP) * 2 * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
-            / (pf.bf16_tflops * 1e12 * 0.45) * 1e6)
-        t["lm_head"] = f["head"].us(2 * c.vocab_size * c.hidden_size / TP + m * c.vocab_size * 2, bw)
-        ar_bytes = m * c.hidden_size * 2
-        one_ar = pf.ar_alpha_us + ar_bytes * 2 * (TP - 1) / TP / (pf.ar_beta_gbs * 1e3)
-        t["all-reduce"] = (2 * c.num_hidden_layers + 1) * one_ar
-        t["topk + tree + accept"] = 0.0
-        t["drafter"] = 0.0
-        if drafter:
-            L = DRAFTER["block"] - 1
-            t["topk + tree + accept"] = f["topk"].us(batch * L * c.vocab_size * 4, bw) + self._build_us(batch, budget)
-            t["drafter"] = self.drafter_us(pf, batch, one_ar)
-        kernels = 61 * 6 + 4 + (DRAFTER["layers"] * 6 + 6 if drafter else 0)
-        t["launch / graph"] = kernels * f["launch_us"]
-        return t
-
-    def _build_us(self, batch: int, budget: int) -> float:
-        build = self.fits["build"]
-        bs = sorted({b for b, _ in build})
-        b = min(bs, key=lambda x: abs(x - batch))
-        ns = sorted(n for bb, n in build if bb == b)
-        n = min([x for x in ns if x >= budget] or [ns[-1]])
-        return build[(b, n)] * (budget / n if budget > n else 1.0)
-
-    def drafter_us(self, pf: Platform, batch: int, one_ar: float) -> float:
-        d, f = DRAFTER, self.fits
-        h, q, kv = d["hidden"], d["q_heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-        layer = 2 * (h * q + 2 * h * kv + q * h + 3 * h * d["inter"]) / TP
-        fc = 2 * h * d["ctx_layers"] * h / TP
-        head = 2 * self.cfg.vocab_size * h / TP + batch * (d["block"] - 1) * self.cfg.vocab_size * 2
-        return (d["layers"] * f["dense"].us(layer, pf.mem_tbs) + f["dense"].us(fc, pf.mem_tbs)
-                + f["head"].us(head, pf.mem_tbs) + (2 * d["layers"] + 1) * one_ar)
-
-    def ar_step(self, pf, batch=1, context=4096):
-        return self.terms(pf, batch, context, 1, drafter=False)
-
-    def ddtree_round(self, pf, batch=1, context=4096, budget=64):
-        check_budget(budget)
-        return self.terms(pf, batch, context, 1 + budget, drafter=True, budget=budget)
-
-    def best_budget(self, pf, batch=1, context=4096, tau=None, budgets=(4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)):
-        best = None
-        for n in budgets:
-            us = sum(self.ddtree_round(pf, batch, context, n).values())
-            tps = (tau if tau is not None else tau_curve(n)) / us * 1e6
-            if best is None or tps > best[1]:
-                best = (n, tps)
-        return best
-
-
-def project(platform_keys=None, budget=None, tau=None, context=4096, platforms_path=None) -> dict:
-    pfs = load_platforms(platforms_path) if platforms_path else load_platforms()
-    chosen = pick(pfs, platform_keys or list(pfs))
-    m = RoundModel()
+@cache
+def measured_union() -> dict:
+    """(batch, budget) -> mean distinct experts per MoE layer in measured forwards (budget 0: AR step)."""
     out = {}
-    for pf in chosen:
-        rec = {"name": pf.name}
-        for conc in (1, 10):
-            n = check_budget(budget) if budget is not None else m.best_budget(pf, conc, context, tau)[0]
-            ar = m.ar_step(pf, conc, context)
-            dd = m.ddtree_round(pf, conc, context, n)
-            t = tau if tau is not None else tau_curve(n)
-            rec[f"c{conc}"] = {
-                "budget": n, "tau": t, "ar_terms_us": ar, "ddtree_terms_us": dd,
-                "ar_tok_s": 1e6 / sum(ar.values()), "ddtree_tok_s": t * 1e6 / sum(dd.values()),
-                "dominant": max(dd, key=dd.get)}
-        out[pf.key] = rec
+    for r in rows("round_h100.json"):
+        ex = r.get("extra") or {}
+        if isinstance(ex.get("experts_touched"), dict):
+            v = list(ex["experts_touched"].values())
+            out[(ex["batch"], ex["budget"])] = sum(v) / len(v)
+    acc = {}
+    for (b, _c, s), rs in decode_stage_rows().items():
+        if s == "moe":
+            acc.setdefault(b, []).extend(r["extra"]["experts_touched"] for r in rs)
+    for b, v in acc.items():
+        out[(b, 0)] = sum(v) / len(v)
     return out
 
 
-def calibration(tau=None) -> list[dict]:
-    """The model's predictions beside the published figures it can be checked against."""
-    pfs = load_platforms()
-    m = RoundModel()
-    pro, h200 = pfs["rtx_pro_6000"], pfs["h200"]
+@cache
+def ep_slowest_rank(tokens: int, n_experts: int, k: int, ranks: int = 8, draws: int = 32):
+    """(distinct experts, pairs) on the most loaded of `ranks` expert shards, uniform routing (seeded draws;
+    a token's k picks drawn with replacement, which at k = 8 of 384 moves the counts by well under 1%)."""
+    g = np.random.default_rng(tokens)
+    per = n_experts // ranks
+    worst_e, worst_p = [], []
+    for _ in range(draws):
+        picks = g.integers(0, n_experts, (tokens, k))
+        hit = np.zeros(n_experts, np.int64)
+        np.add.at(hit, picks.ravel(), 1)
+        pairs = hit.reshape(ranks, per).sum(1)
+        q = int(np.argmax(pairs))
+        worst_p.append(pairs[q])
+        worst_e.append(int((hit.reshape(ranks, per)[q] > 0).sum()))
+    return float(np.mean(worst_e)), float(np.mean(worst_p))
 
-    def gemm_gbs(n_exp):
-        b = n_exp * m.expert_bytes()
-        return b / (m.fits["moe_full"].us(b, pro.mem_tbs) * 1e-6) / 1e9
 
-    def dd(pf, conc):
-        n, tps = m.best_budget(pf, conc, 4096, tau)
-        return tps * conc
+def moe_terms(dims: Dims, dev: Device, m: int, opt: Options, experts=None):
+    """(fixed, stream, compute) of one MoE layer at m rows on one rank; experts = measured union or None."""
+    ref = reference()
+    k = dims.top_k
+    if opt.layout == "tp8" or opt.tp == 1:
+        tab = moe_table("K2.6" if opt.tp == 1 else "TP8 shard")
+        E = experts if experts is not None else experts_touched(m, dims.experts, k)
+        pairs = m * k
+    else:
+        tab = moe_table("EP8 shard")
+        E, pairs = ep_slowest_rank(int(m), dims.experts, k)
+    E = max(E, 1e-9)
+    r = pairs / E
+    fixed = ref.launch_us if opt.fused else tab.fixed_us
+    if opt.moe_stream_eta:
+        stream = E * tab.expert_bytes / (dev.bw_gbs * 1e3 * opt.moe_stream_eta)
+    else:
+        stream = E * tab.stream_us * tab.read_gbs / dev.bw_gbs
+    compute = E * tab.compute_at(r) * ref.matmul_tflops / dev.rate(opt.expert_precision)
+    return fixed, stream, compute
 
-    rows = [
-        ("PRO 6000 INT4 MoE GEMM M=1 (GB/s)", gemm_gbs(8), 1312.0),
-        ("PRO 6000 INT4 MoE GEMM M>=256 plateau (GB/s)", gemm_gbs(384), 1211.0),
-        ("PRO 6000 SGLang DDTree tok/s, concurrency 1", dd(pro, 1), 138.7),
-        ("PRO 6000 SGLang DDTree tok/s total, concurrency 10", dd(pro, 10), 517.0),
-        ("PRO 6000 vLLM K2.6 AR tok/s", 1e6 / sum(m.ar_step(pro).values()), 88.5),
-        ("H200 SGLang TP8 K2.5 AR tok/s, concurrency 1", 1e6 / sum(m.ar_step(h200).values()), 106.0),
-    ]
-    return [{"figure": f, "predicted": p, "published": q, "ratio": p / q} for f, p, q in rows]
+
+def device_for(pf, ref_pf) -> Device:
+    """A platform's effective read bandwidth and tensor rates: its datasheet figures times the fraction of
+    them the reference H200 reached in this repository's ceiling measurements."""
+    ref = reference()
+    f_bw, f_mm = ref.read_gbs / (ref_pf.mem_tbs * 1e3), ref.matmul_tflops / ref_pf.bf16_tflops
+    return Device(pf.name, pf.mem_tbs * 1e3 * f_bw,
+                  {p: pf.rate(p) * f_mm for p in ("bf16", "fp8", "int8", "fp4")})
+
+
+def measured_device(name: str, read_gbs: float, pf, ref_pf) -> Device:
+    """A device measured in a benchmark file: its own read ceiling, datasheet rates at the reference's fraction."""
+    f_mm = reference().matmul_tflops / ref_pf.bf16_tflops
+    return Device(name, read_gbs, {p: pf.rate(p) * f_mm for p in ("bf16", "fp8", "int8", "fp4")})
+
+
+def _add(t, key, v):
+    t[key] = t.get(key, 0.0) + v
+
+
+def _moved(t_ref_us, nbytes, ref_gbs, dev: Device):
+    """A latency-bound kernel measured on the reference: its time plus the change in its bytes' read time."""
+    return max(0.0, t_ref_us + nbytes / (dev.bw_gbs * 1e3) - nbytes / (ref_gbs * 1e3))
+
+
+def mla_us(heads_rank: float, ctx, b, n, dev: Device, fused=False):
+    """MLA core at `heads_rank` heads on one rank (table rows at 8 and 64 heads, linear in between)."""
+    ref = reference()
+
+    def at(h):
+        tab = mla_table(h)
+        t = tab.ref_us(ctx, b, n)
+        by, fl = mla_bytes_flops(h, ctx, b, n)
+        bound_ref = max(by / (tab.read_gbs * 1e3), fl / (tab.matmul_tflops * 1e6))
+        bound_dev = max(by / (dev.bw_gbs * 1e3), fl / (dev.rate("bf16") * 1e6))
+        lat = ref.launch_us if fused else tab.latency_us
+        return lat + max(0.0, t - tab.latency_us) * bound_dev / bound_ref
+    if heads_rank <= 8:
+        return at(8) * heads_rank / 8 if heads_rank < 8 else at(8)
+    return interp([8, 64], [at(8), at(64)], heads_rank)
+
+
+def collective_us(pf, opt: Options, nbytes):
+    kind = opt.collective
+    if kind not in pf.collectives:
+        raise ProjectionError(f"{pf.key}: no {kind!r} collective figure in platforms.yaml")
+    return pf.collectives[kind].us(nbytes, opt.tp)
+
+
+def forward(dims: Dims, pf, dev: Device, batch: int, nodes: int, ctx: int, opt: Options,
+            experts=None) -> dict:
+    """µs per term of one target forward on one rank: `nodes` rows per request (1 = AR step)."""
+    fits, ref = stage_fits(), reference()
+    tp = opt.tp
+    m = batch * nodes
+    t: dict = {}
+    dp_attn = opt.layout == "ep8"
+    a_tp = 1 if dp_attn else tp
+    m_attn = (math.ceil(batch / tp) if dp_attn else batch) * nodes
+    b_attn = math.ceil(batch / tp) if dp_attn else batch
+    wa = dims.attn_params(a_tp) * dims.attn_bytes_per_param
+    fa = 2 * dims.attn_params(a_tp)
+    lat, work = fits["attention"].us(wa, fa, m_attn, dev, opt.fused)
+    _add(t, "embed", ref.launch_us if opt.fused else fits["embed"].latency_us)
+    _add(t, "attention latency", dims.layers * lat)
+    _add(t, "attention weights", dims.layers * work)
+    _add(t, "MLA core", dims.layers * mla_us(dims.heads / a_tp, ctx, b_attn, nodes, dev, opt.fused))
+    lat, work = fits["dense"].us(dims.dense_params(tp) * 2, 2 * dims.dense_params(tp), m, dev, opt.fused)
+    _add(t, "dense layer", dims.dense_layers * (lat + work))
+    moe_layers = dims.layers - dims.dense_layers
+    fixed, stream, compute = moe_terms(dims, dev, m, opt, experts)
+    _add(t, "MoE fixed", moe_layers * fixed)
+    _add(t, "MoE weight stream", moe_layers * stream)
+    _add(t, "MoE compute", moe_layers * compute)
+    lat, work = fits["shared"].us(dims.shared_params(tp) * 2, 2 * dims.shared_params(tp), m, dev, opt.fused)
+    _add(t, "shared expert", moe_layers * (lat + work))
+    hw = dims.vocab * dims.hidden / tp
+    lat, work = fits["head"].us(hw * 2, 2 * hw, m, dev, opt.fused)
+    _add(t, "lm_head + choose", lat + work + choose_us(m, dims.vocab / tp, dev))
+    if tp > 1:
+        msg = m * dims.hidden * 2
+        n_ar = 2 * dims.layers + 2
+        if dp_attn:  # all-to-all dispatch + combine per MoE layer, one all-reduce per dense layer, head gather
+            n_ar = 2 * moe_layers + dims.dense_layers + 2
+        _add(t, "collectives", n_ar * collective_us(pf, opt, msg))
+    return t
+
+
+def choose_us(m, vocab_rank, dev: Device):
+    """argmax over m logit rows (bf16): blocks_h200's argmax [1, 163840] row carried by its bytes."""
+    r = row("blocks_h200.json", "argmax bf16 [1, 163840]")
+    return _moved(r["us"], m * vocab_rank * 2, ceiling("blocks_h200.json"), dev) if m * vocab_rank * 2 > r["bytes"] \
+        else r["us"]
+
+
+def tree_step_us(batch: int, budget: int, dev: Device) -> float:
+    """top-k over the drafter's logits + tree build + accept (one CUDA graph) + commit, from tree_h200.json
+    (batch and budget interpolated), each carried by its bytes; commit from round_h100.json's stage rows."""
+    tr = tree_rows()
+    read = ceiling("tree_h200.json")
+    out = 0.0
+    for kind in ("topk", "build+accept"):
+        bs = sorted({b for k, b, _n in tr if k == kind})
+
+        def at_b(b, kind=kind):
+            ns = sorted(n for k, bb, n in tr if k == kind and bb == b)
+            return interp(ns, [tr[(kind, b, n)] for n in ns], max(budget, 1))
+        t = interp(bs, [at_b(b) for b in bs], batch)
+        nbytes = batch * 7 * 163840 * 2 if kind == "topk" else 0.0
+        out += _moved(t, nbytes, read, dev)
+    return out + commit_us()
+
+
+@cache
+def commit_us() -> float:
+    v = [r["us"] for r in rows("round_h100.json") if (r.get("extra") or {}).get("stage") == "commit"]
+    if not v:
+        raise ProjectionError("round_h100.json: no commit stage rows")
+    return sum(v) / len(v)
+
+
+@cache
+def drafter_fits():
+    """The DFlash drafter's forward and context extend, measured unsharded on the H100 (drafter_h100.json)."""
+    d = drafter_rows()
+    read = ceiling("drafter_h100.json")
+    ref = reference()
+    f = d["forward b1 ctx1024 (CUDA graph)"]
+    head = k26_dims().vocab * DRAFTER["hidden"] * 2
+    lat, eta = split_latency(f["us"], f["bytes"], read, ref.eta_lin)
+    e = d["extend b1 rows5 (CUDA graph)"]
+    elat, eeta = split_latency(e["us"], e["bytes"], read, ref.eta_lin)
+    return {"forward": Linear(lat, eta, "drafter_h100.json forward b1 ctx1024"), "head_bytes": head,
+            "extend": Linear(elat, eeta, "drafter_h100.json extend b1 rows5"), "extend_bytes": e["bytes"]}
+
+
+def dflash_us(dims: Dims, pf, dev: Device, batch: int, opt: Options) -> float:
+    """DFlash drafter per round on one rank at TP `opt.tp`: 6 layers over the block (batch x 8 rows) plus the
+    context extend of the accepted rows; each layer pays the target attention block's measured latency
+    (unsure: the drafter layer's own latency at TP8 is not measured yet); the target's lm_head for 7 rows."""
+    fits, df, ref = stage_fits(), drafter_fits(), reference()
+    tp, d = opt.tp, DRAFTER
+    h, q, kv = d["hidden"], d["q_heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    layer = (h * q + 2 * h * kv + q * h + 3 * h * d["inter"]) / tp
+    rows_ = batch * d["block"]
+    lat = ref.launch_us if opt.fused else fits["attention"].latency_us
+    _l, work = df["forward"].us(d["layers"] * layer * 2, 2 * d["layers"] * layer, rows_, dev)
+    t = d["layers"] * lat + work
+    _l, ework = df["extend"].us(df["extend_bytes"] / tp, 0.0, 0, dev)
+    t += (ref.launch_us if opt.fused else df["extend"].latency_us) + ework
+    hw = dims.vocab * dims.hidden / tp
+    hl, hwork = fits["head"].us(hw * 2, 2 * hw, batch * (d["block"] - 1), dev, opt.fused)
+    t += hl + hwork
+    if tp > 1:
+        t += (2 * d["layers"] + 2) * collective_us(pf, opt, rows_ * h * 2)
+    return t
+
+
+def round_terms(dims: Dims, pf, dev: Device, batch: int, budget: int, ctx: int, opt: Options,
+                experts=None) -> dict:
+    """One DDTree round on one rank: drafter + tree step + the verify forward of 1 + budget rows per request."""
+    t = forward(dims, pf, dev, batch, 1 + budget, ctx, opt, experts)
+    t["drafter"] = dflash_us(dims, pf, dev, batch, opt)
+    t["tree step"] = tree_step_us(batch, budget, dev)
+    return t

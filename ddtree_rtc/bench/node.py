@@ -1,0 +1,738 @@
+"""Kimi K2.6 at full depth (61 layers) as ONE rank of an 8-GPU node, on one GPU: the per-rank AR
+decode step and DDTree round, their split against byte floors, the DFlash drafter at its TP8
+shard, and the projected tok/s per user of the node.
+
+The rank's weights are made in device memory (``model.load: dummy``, model/dummy.py: the rank's
+shard only, nothing written) and every collective is a stand-in moving the same bytes (one device
+copy of the message, dist/simulated.py): the numerics are NOT the model's (partial sums unreduced),
+the time and the bytes are rank R's. Layouts (``--layouts``):
+  * ``tp``: TP8, attention heads, dense / shared intermediate, lm_head rows and every routed
+    expert's intermediate split 8 ways;
+  * ``ep``: TP-attention + EP-MoE, attention as in ``tp``, each rank holding 48 of the 384 routed
+    experts whole; routing still chooses among all 384 and the rank runs only the tokens routed to
+    its own. The node's MoE time is the slowest rank's: one MoE layer's expert shard of every rank
+    is made in turn and timed on the same routed tokens (per-rank expert load reported).
+    (DP-attention + EP-MoE, attention replicated and the batch split, is not a layout the engine
+    has.)
+
+Per layout, context and batch (--batches, --contexts):
+  * the AR step (bench/decode.bench_case): every layer's attention block and MLP block (each with
+    its all-reduce stand-in), the embedding and the head (with its all-gather stand-in) against their
+    byte floors, eager / queued / one CUDA graph;
+  * components of one MoE layer, timed alone, each against its floor: router (logits + noaux_tc
+    top-k), routed experts (only the touched experts' bytes), shared expert, the all-reduce stand-in
+    at the layer's message size;
+  * the DDTree round (bench/round.bench_case) at each budget (--budgets) and the depth-7 chain:
+    top-k / build / verify / choose / accept / commit, replayed as one CUDA graph; tau is the
+    oracle profile's expected tau at --accept-p (OracleDrafter.expected_tau: a simulated rank's
+    numerics cannot measure one);
+  * the K2.6 DFlash drafter's block forward at its TP8 shard (8 of 64 q heads, 1 of 8 kv heads,
+    intermediate 2304; the rank's lm_head slice + all-gather stand-in), one CUDA graph;
+  * collective calls and bytes per step and per round (counted by the communicator);
+  * per-token time: AR step; DDTree (round + drafter) / tau at the oracle's tau and, for the chain,
+    at the published acceptance of z-lab's Kimi-K2.5-DFlash (PUBLISHED_TAU);
+  * projected tok/s per user on 8 GPUs = 1 / (measured per-rank time + collective latency x
+    collective count), both parts printed, for each latency of --collective-us (cited figures by
+    default, COLLECTIVE_US_CITED; or pass a measured one).
+
+If the rank does not fit the GPU (a TP8 rank of K2.6 is ~75 GB of weights), ``--layers auto`` (the
+default) keeps the most layers that fit with the largest case's KV cache and says so; every
+per-step figure is then also given scaled to 61 layers: + (61 - L) x the mean MoE layer (attention
++ MLP blocks of the measured MoE layers).
+
+The JSON (``--json``, written atomically) carries device, date and commit (bench/harness.report)
+and a ``summary`` (see ``summary_doc``) that ``projection`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..reference.tree_build import MAX_BUDGET
+from .harness import Row, read_ceiling_gbs, report, time_gpu
+
+FULL_LAYERS = 61
+WORLD = 8
+BATCHES = (1, 4, 10)
+CONTEXTS = (1024, 8192)
+BUDGETS = (4, 8, 16, 32, 64)
+ACCEPT_P = 0.77  # bench round's default: the oracle's expected tau ~ 5 at budget 32
+QUICK = {"batches": (1, 10), "contexts": (1024,), "budgets": (8, 32), "iters": 5}
+# z-lab's Kimi-K2.5-DFlash (block size 8): mean acceptance length (tokens per round) by benchmark
+PUBLISHED_TAU = {"GSM8K": 5.3, "Math500": 5.5, "HumanEval": 5.3, "MBPP": 4.5, "MT-Bench": 3.7}
+PUBLISHED_SOURCE = ("z-lab, Kimi-K2.5-DFlash model card (huggingface.co/z-lab/Kimi-K2.5-DFlash): acceptance "
+                    "length at block size 8, GSM8K 5.3, Math500 5.5, HumanEval 5.3, MBPP 4.5, MT-Bench 3.7")
+# small-message all-reduce latency on 8 H100/H200 over NVLink, not measured here
+COLLECTIVE_US_CITED = (20.0, 8.0)
+COLLECTIVE_SOURCE = ("cited, not measured here: NCCL all-reduce of a few-KB message on 8 GPUs ~20 µs; a one-shot "
+                     "custom all-reduce (TensorRT-LLM / vLLM style) ~7-9 µs (8 used); pass --collective-us with a "
+                     "measured figure (e.g. bench decode's all-reduce rows under torchrun) to replace them")
+LAYOUTS = {"tp": False, "ep": True}  # layout -> expert_parallel
+# runtime.small_m_path value -> how the bench applies it to a loaded model (None: the default path).
+# A value is offered only where the pipeline schema accepts it too (small_m_choices).
+SMALL_M_APPLY: dict[str, typing.Callable | None] = {"off": None}
+PAGE = 64
+MARGIN_BYTES = 4 << 30  # load transients (a layer made + repacked), logits, graph pools, slack
+
+
+def small_m_choices() -> tuple[str, ...]:
+    """The ``--small-m`` values: those ``runtime.small_m_path`` accepts (only 'off' while the schema
+    has no such key) that this bench knows how to apply (SMALL_M_APPLY)."""
+    from ..pipeline.schema import RuntimeSpec
+
+    hints = typing.get_type_hints(RuntimeSpec)
+    allowed = typing.get_args(hints["small_m_path"]) if "small_m_path" in hints else ("off",)
+    return tuple(v for v in SMALL_M_APPLY if v in allowed)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="ddtree-rtc bench node", description=__doc__.split("\n\n")[0],
+        epilog="The JSON's 'summary' is documented in ddtree_rtc/bench/node.py (summary_doc).")
+    ap.add_argument("--layouts", default="tp,ep",
+                    help="comma-separated: tp (TP8 everywhere), ep (TP-attention + EP-MoE: 48 experts per rank)")
+    ap.add_argument("--rank", type=int, default=0, help="the rank simulated (0..world-1)")
+    ap.add_argument("--world", type=int, default=WORLD, help="ranks of the node")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="requests per step / round")
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="committed tokens per request")
+    ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
+                    help=f"DDTree tree budgets (nodes per request, <= {MAX_BUDGET}); '' for none")
+    ap.add_argument("--no-chain", dest="chain", action="store_false", help="skip the depth-7 chain round")
+    ap.add_argument("--layers", default="auto",
+                    help=f"decoder layers to make (1..{FULL_LAYERS}); auto: all {FULL_LAYERS} if they fit the "
+                         f"GPU's free memory with the largest case, else the most that do (figures then also "
+                         f"scaled to {FULL_LAYERS} layers)")
+    ap.add_argument("--iters", type=int, default=10, help="timed runs per measurement (median reported)")
+    ap.add_argument("--accept-p", type=float, default=ACCEPT_P,
+                    help="the oracle's rank-0 probability per depth; tau is its expected tau per budget")
+    ap.add_argument("--collective-us", default=",".join(f"{v:g}" for v in COLLECTIVE_US_CITED),
+                    help="collective latencies (µs) the 8-GPU projection adds per collective call "
+                         "(default: cited NCCL ~20 and one-shot ~8)")
+    ap.add_argument("--hold-us", type=float, default=0.0,
+                    help="runtime.simulate_collective_us: each stand-in also holds the stream this long "
+                         "(then the measured step already includes the latency: use --collective-us 0)")
+    ap.add_argument("--small-m", default="off",
+                    help="comma-separated runtime.small_m_path values to run (each case once per value); "
+                         "accepted now: " + ", ".join(small_m_choices()))
+    ap.add_argument("--no-drafter", dest="drafter", action="store_false", help="skip the DFlash drafter forward")
+    ap.add_argument("--no-components", dest="components", action="store_false",
+                    help="skip the MoE layer's component timings (router / experts / shared / all-reduce)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a subset for one short device call: batches 1,10, context 1k, budgets 8,32 + chain, "
+                         "5 iterations (explicit flags still win)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
+    ap.add_argument("--json", metavar="FILE", help="write the rows and the summary as JSON here "
+                                                   "(e.g. benchmarks/node_h100.json)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from .round import int_list
+
+    ap = make_parser()
+    args = ap.parse_args(argv)
+    given = {a.split("=")[0] for a in (argv or []) if a.startswith("--")}
+    if args.quick:
+        for k, v in QUICK.items():
+            if f"--{k}" not in given:
+                setattr(args, k, ",".join(map(str, v)) if isinstance(v, tuple) else v)
+    try:
+        args.batches = int_list(args.batches, "--batches", 1, 512)
+        args.contexts = int_list(args.contexts, "--contexts", 1, 1 << 20)
+        args.budgets = int_list(args.budgets, "--budgets", 1, MAX_BUDGET) if args.budgets.strip() else ()
+        args.collective_us = tuple(float(v) for v in str(args.collective_us).split(",") if v.strip())
+    except ValueError as e:
+        ap.error(str(e))
+    args.layouts = tuple(v.strip() for v in args.layouts.split(",") if v.strip())
+    bad = [v for v in args.layouts if v not in LAYOUTS]
+    if bad or not args.layouts:
+        ap.error(f"--layouts: {bad or 'none'}; choose from {', '.join(LAYOUTS)}")
+    args.small_m = tuple(v.strip() for v in args.small_m.split(",") if v.strip())
+    choices = small_m_choices()
+    bad = [v for v in args.small_m if v not in choices]
+    if bad or not args.small_m:
+        ap.error(f"--small-m: {bad or 'none'}; runtime.small_m_path accepts {', '.join(choices)} here")
+    if args.world < 2 or not 0 <= args.rank < args.world:
+        ap.error(f"--rank {args.rank} of --world {args.world}: need world >= 2 and 0 <= rank < world")
+    if args.layers != "auto":
+        try:
+            args.layers = int(args.layers)
+        except ValueError:
+            ap.error(f"--layers: expected auto or an integer, got {args.layers!r}")
+        if not 1 <= args.layers <= FULL_LAYERS:
+            ap.error(f"--layers {args.layers}: outside 1..{FULL_LAYERS}")
+    if args.iters < 1 or not 0 < args.accept_p <= 1 or args.hold_us < 0 or any(v < 0 for v in args.collective_us):
+        ap.error("--iters >= 1, --accept-p in (0, 1], --hold-us >= 0 and --collective-us >= 0")
+    return args
+
+
+# -- memory -----------------------------------------------------------------------------------------
+def kv_bytes(layers: int, batch: int, rows: int, row: int) -> int:
+    """A paged bf16 KV cache of ``batch`` requests x ``rows`` rows over ``layers`` layers."""
+    return layers * batch * -(-rows // PAGE) * PAGE * row * 2
+
+
+def plan_memory(cfg, shard, args, free: int) -> tuple[int, dict]:
+    """(layers, figures): the most layers <= 61 (or --layers) whose weights, the largest case's KV
+    cache and MARGIN_BYTES fit ``free`` bytes; raises SystemExit naming the bytes when even the
+    asked number (or one layer) does not fit."""
+    from ..model.dummy import shard_nbytes
+
+    most_nodes = 1 + max((*args.budgets, 7 if args.chain else 0))
+    rows = max(args.contexts) + most_nodes
+    row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    drafter = (1536 << 20) if args.drafter else 0  # its TP8 shard: 6 layers + fc, 1.41 GB
+
+    w1 = shard_nbytes(cfg.with_layers(1), shard)
+    per_layer = shard_nbytes(cfg.with_layers(2), shard) - w1  # every layer after the dense first one is MoE
+
+    def weights(n: int) -> int:
+        return w1 + (n - 1) * per_layer
+
+    def need(n: int) -> int:
+        return weights(n) + kv_bytes(n, max(args.batches), rows, row) + drafter + MARGIN_BYTES
+
+    want = FULL_LAYERS if args.layers == "auto" else args.layers
+    n = want
+    if args.layers == "auto":
+        while n > 1 and need(n) > free:
+            n -= 1
+    figures = {"free_bytes": free, "weights_bytes": weights(n),
+               "kv_bytes_largest_case": kv_bytes(n, max(args.batches), rows, row), "margin_bytes": MARGIN_BYTES,
+               "needed_bytes": need(n), "full_depth_weights_bytes": weights(FULL_LAYERS)}
+    if need(n) > free:
+        kind = "EP" if shard.expert_parallel else "TP"
+        raise SystemExit(f"bench node: {n} layers of a {kind}{shard.world} rank need {need(n) / 1e9:.1f} GB (weights "
+                         f"{figures['weights_bytes'] / 1e9:.1f}, KV of the largest case "
+                         f"{figures['kv_bytes_largest_case'] / 1e9:.1f}, margin {MARGIN_BYTES / 1e9:.1f}) but the "
+                         f"GPU has {free / 1e9:.1f} GB free: pass fewer --layers, smaller --batches / --contexts")
+    return n, figures
+
+
+# -- pieces -----------------------------------------------------------------------------------------
+@dataclass
+class ProfileTau:
+    """The oracle profile's expected tau for a round (round.bench_case's ``tau_stats``): a simulated
+    rank's numerics are not the model's, so no tau is measured."""
+
+    tau: float
+    rounds: int = 0
+
+    def acceptance_by_depth(self) -> list[float]:
+        return []
+
+
+def count_collectives(model, batch: int, nodes: int, last_only: bool) -> dict:
+    """Collective calls and bytes of one forward of ``batch`` requests x ``nodes`` new tokens with
+    logits (every row, or each request's last: an AR step), counted by the communicator."""
+    from ..dist.comm import CommStats
+    from ..engine.kv_cache import PagedKVCache
+    from ..model.target import ForwardBatch
+
+    be = model.backend
+    cache = PagedKVCache(be, model.num_layers, batch * -(-nodes // PAGE), PAGE, model.dims.row)
+    for s in range(batch):
+        cache.allocator.reserve(s, nodes)
+    fb = ForwardBatch.causal(list(range(batch)), [0] * batch, [[1] * nodes for _ in range(batch)], last_only=last_only)
+    saved, model.comm.stats = model.comm.stats, CommStats()
+    model.forward(fb, cache, output="logits")
+    be.synchronize()
+    stats, model.comm.stats = model.comm.stats, saved
+    calls, nbytes = stats.total()
+    return {"calls": calls, "bytes": nbytes, "by_kind": stats.snapshot()}
+
+
+def count_drafter_collectives(drafter, batch: int) -> dict:
+    """Collective calls and bytes of one DFlash block forward of ``batch`` requests (its o / down
+    all-reduces per layer and the head's all-gather), counted on a one-page context."""
+    from ..dist.comm import CommStats
+    from .drafter import Context
+
+    comm = drafter.target.comm
+    cx = Context(drafter, batch, PAGE, seed=batch)
+    saved, comm.stats = comm.stats, CommStats()
+    cx.forward(drafter)
+    drafter.backend.synchronize()
+    stats, comm.stats = comm.stats, saved
+    calls, nbytes = stats.total()
+    return {"calls": calls, "bytes": nbytes, "by_kind": stats.snapshot()}
+
+
+def moe_layer_input(model, inputs, cache, moe_plan, layer: int):
+    """The MLP input rows of decoder layer ``layer`` in this step (copied from a forward's mark)."""
+    got = {}
+
+    def mark(stage, i, x):
+        if stage == "mlp" and i == layer:
+            got["x"] = x.copy()
+
+    model.run(inputs, cache, output="none", moe_plan=moe_plan, mark=mark)
+    return got["x"]
+
+
+def step_inputs(model, batch: int, ctx: int, nodes: int):
+    """A prepared forward of ``batch`` requests x ``nodes`` new tokens at context ``ctx`` (random KV)."""
+    from ..engine.kv_cache import PagedKVCache
+    from ..model.target import ForwardBatch
+    from .harness import fill_random_bf16
+
+    cache = PagedKVCache(model.backend, model.num_layers, batch * -(-(ctx + nodes) // PAGE), PAGE, model.dims.row)
+    fill_random_bf16(cache.data, seed=batch + ctx + nodes)
+    for s in range(batch):
+        cache.allocator.reserve(s, ctx + nodes)
+    rng = np.random.default_rng(batch * 31 + nodes)
+    toks = [rng.integers(0, model.cfg.vocab_size, nodes).tolist() for _ in range(batch)]
+    fb = ForwardBatch.causal(list(range(batch)), [ctx] * batch, toks)
+    return model.prepare(fb, cache), cache
+
+
+def component_rows(model, batch: int, ctx: int, nodes: int, iters: int, layer: int, tag: str) -> list[Row]:
+    """One MoE layer's pieces timed alone (L2 flushed) on the step's real layer input: router,
+    routed experts, shared expert, the all-reduce stand-in of its fp32 [2, T, H] message."""
+    from ..model.moe import MoELayerWeights
+
+    be, rc = model.backend, model.routing
+    lw = model.layers[layer].mlp
+    if not isinstance(lw, MoELayerWeights):
+        return []
+    inputs, cache = step_inputs(model, batch, ctx, nodes)
+    t = batch * nodes
+    plan = model.moe_plan(t)
+    x = moe_layer_input(model, inputs, cache, plan, layer)
+    logits = be.router_logits(x, lw.gate_weight)
+    ids, w = be.moe_route(logits, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group,
+                          rc.norm_topk_prob, rc.routed_scaling_factor)
+    global_ids = be.to_host(ids)
+    touched_all = len(np.unique(global_ids))
+    local = ids - be.xp.int32(lw.expert_offset) if lw.is_expert_shard else ids
+    mine = global_ids - lw.expert_offset
+    mine = mine[(mine >= 0) & (mine < lw.experts.num_experts)]
+    touched_mine = len(np.unique(mine))
+    h = model.cfg.hidden_size
+    out = be.empty((t, h), "fp32")
+    shared_out = be.empty((t, h), "fp32")
+    parts = be.empty((2, t, h), "fp32")
+
+    def router():
+        lg = be.router_logits(x, lw.gate_weight)
+        be.moe_route(lg, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group, rc.norm_topk_prob,
+                     rc.routed_scaling_factor)
+
+    def experts():
+        be.moe_experts(x, local, w, lw.experts, out=out, plan=plan, check_ids=False)
+
+    def shared():
+        be.linear(be.silu_mul(be.linear(x, lw.shared_w13)), lw.shared_w2, out=shared_out)
+
+    def collective():
+        model.comm.all_reduce(parts)
+
+    router_bytes = int(lw.gate_weight.nbytes + lw.e_score_correction_bias.nbytes + x.nbytes)
+    expert_bytes = touched_mine * lw.experts.expert_nbytes() + int(x.nbytes)
+    shared_bytes = int(lw.shared_w13.nbytes + lw.shared_w2.nbytes + x.nbytes)
+    case = f"{tag} L{layer}"
+    common = {"batch": batch, "ctx": ctx, "tokens": t, "layer": layer}
+    rows = []
+    saved = model.comm.stats
+    for name, fn, nbytes, ceiling, extra in (
+            ("router", router, router_bytes, "read", {}),
+            ("routed experts", experts, expert_bytes, "read",
+             {"experts_touched_global": touched_all, "experts_touched_this_rank": touched_mine}),
+            ("shared expert", shared, shared_bytes, "read", {}),
+            ("all-reduce stand-in (device copy)", collective, 2 * int(parts.nbytes), "copy",
+             {"message_bytes": int(parts.nbytes)})):
+        us = time_gpu(fn, warmup=2, iters=iters).median_us
+        rows.append(Row(f"{case} {name}", us, bytes=nbytes, ceiling=ceiling,
+                        extra={**common, "component": name, "floor_us": nbytes / read_ceiling_gbs() / 1e3, **extra}))
+    model.comm.stats = saved
+    return rows
+
+
+def ep_rank_rows(model, batch: int, ctx: int, node_counts: list[int], iters: int, layer: int, seed: int,
+                 tag: str) -> list[Row]:
+    """EP: one MoE layer's routed experts of EVERY rank, each made once and timed on the step's
+    routed tokens for every entry of ``node_counts`` (tokens per request: 1 for an AR step, 1 +
+    budget for a verify); rank r runs only the tokens routed to its experts. Per rank: µs, (token,
+    expert) pairs and distinct experts; the node waits for the slowest."""
+    from ..model.dummy import DummySource
+    from ..model.moe import MoELayerWeights, load_moe_layer
+    from ..model.shard import Shard
+
+    be, rc, cfg = model.backend, model.routing, model.cfg
+    lw0 = model.layers[layer].mlp
+    if not isinstance(lw0, MoELayerWeights):
+        return []
+    routed = {}
+    for nodes in node_counts:  # the layer's real input for each shape, then the caches go
+        inputs, cache = step_inputs(model, batch, ctx, nodes)
+        x = moe_layer_input(model, inputs, cache, model.moe_plan(batch * nodes), layer)
+        ids, w = be.moe_route(be.router_logits(x, lw0.gate_weight), lw0.e_score_correction_bias, rc.top_k,
+                              rc.n_group, rc.topk_group, rc.norm_topk_prob, rc.routed_scaling_factor)
+        routed[nodes] = (x, ids, w, be.to_host(ids), be.empty((batch * nodes, cfg.hidden_size), "fp32"))
+        del inputs, cache
+        free_blocks(be)
+    src = DummySource(cfg, seed, "random", be.xp)
+    rows, world = [], model.shard.world
+    for r in range(world):
+        lw = lw0 if r == model.shard.rank else load_moe_layer(
+            src, layer, rc, cfg.hidden_size, cfg.moe_intermediate_size, be, shard=Shard(r, world, True))
+        for nodes, (x, ids, w, host_ids, out) in routed.items():
+            t = batch * nodes
+            local_ids = ids - be.xp.int32(lw.expert_offset)
+            plan = be.moe_plan(t, lw.experts.num_experts, rc.top_k, cfg.hidden_size, lw.experts.intermediate)
+            mine = host_ids - lw.expert_offset
+            mine = mine[(mine >= 0) & (mine < lw.experts.num_experts)]
+            us = time_gpu(lambda lw=lw, local_ids=local_ids, plan=plan, x=x, w=w, out=out: be.moe_experts(
+                x, local_ids, w, lw.experts, out=out, plan=plan, check_ids=False), warmup=2, iters=iters).median_us
+            touched = int(len(np.unique(mine)))
+            nbytes = touched * lw.experts.expert_nbytes() + int(x.nbytes)
+            rows.append(Row(f"{tag} L{layer} T{t} EP rank {r} routed experts", us, bytes=nbytes,
+                            extra={"batch": batch, "ctx": ctx, "tokens": t, "nodes": nodes, "layer": layer,
+                                   "ep_rank": r, "pairs": int(mine.size), "experts_touched": touched,
+                                   "floor_us": nbytes / read_ceiling_gbs() / 1e3}))
+            del plan
+        del lw
+        free_blocks(be)
+    return rows
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def free_blocks(be) -> None:
+    """Give CuPy's cached blocks back (a case's caches and graphs), so the next case has the room."""
+    if be.is_cuda:
+        be.xp.get_default_memory_pool().free_all_blocks()
+
+
+def free_bytes(be) -> int:
+    """Device memory free now (numpy: the host's available memory)."""
+    if be.is_cuda:
+        free_blocks(be)
+        return int(be.xp.cuda.runtime.memGetInfo()[0])
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> tuple[list[Row], dict]:
+    """One layout's rows and summary: the rank's dummy weights made, every case run, freed again.
+    ``be`` / ``preset``: the CUDA backend and K2.6 unless given (tests run the glue on numpy)."""
+    import click
+
+    from ..backend import Backend
+    from ..dist.simulated import SimulatedRank
+    from ..model.config import preset_config
+    from ..model.shard import Shard
+    from ..model.target import TargetModel
+    from ..speculative.drafters import OracleDrafter
+    from . import decode
+    from . import round as round_bench
+    from .drafter import bench_forward, random_drafter
+    from .round import DEPTH
+
+    be = be or Backend("cuda")
+    full = preset_config(preset)
+    shard = Shard(args.rank, args.world, LAYOUTS[layout])
+    free = free_bytes(be)
+    n_layers, memory = plan_memory(full, shard, args, free)
+    cfg = full.with_layers(n_layers)
+    scaled = n_layers < FULL_LAYERS
+    log(f"[{layout}] rank {args.rank} of {args.world}, {n_layers} of {FULL_LAYERS} layers: weights "
+        f"{memory['weights_bytes'] / 1e9:.1f} GB (full depth {memory['full_depth_weights_bytes'] / 1e9:.1f} GB), "
+        f"GPU free {free / 1e9:.1f} GB" + (f"; fewer layers than {FULL_LAYERS}: step figures are also given scaled "
+                                           f"to {FULL_LAYERS} layers" if scaled else ""))
+    comm = SimulatedRank(args.rank, args.world, be.xp, args.hold_us)
+    log(comm.note())
+    t0 = time.perf_counter()
+    with click.progressbar(length=n_layers, label=f"making the dummy weights ({layout})", file=None) as bar:
+        last = [0]
+
+        def progress(n):
+            bar.update(n - last[0])
+            last[0] = n
+
+        model = TargetModel.dummy(cfg, be, seed=args.seed, head="random", progress=progress, shard=shard, comm=comm)
+    be.synchronize()
+    make_s = time.perf_counter() - t0
+    log(f"[{layout}] made {model.weight_nbytes() / 1e9:.1f} GB of weights in {make_s:.0f} s")
+    weight_bytes = decode.layer_weight_bytes(model)
+    drafter = random_drafter(seed=args.seed, target=model) if args.drafter else None
+    oracle = OracleDrafter(be, cfg.vocab_size, DEPTH, lambda rid, prompt: [0] * (DEPTH + 1), accept_p=args.accept_p)
+    ns = argparse.Namespace(context=0, accept_p=args.accept_p, iters=args.iters)
+    rep_layer = 1 if n_layers > 1 else 0  # the first MoE layer stands for every MoE layer's pieces
+    rows, cases = [], []
+    for small_m in args.small_m:
+        apply = SMALL_M_APPLY[small_m]
+        if apply is not None:
+            apply(model)
+        for ctx in args.contexts:
+            ns.context = ctx
+            for b in args.batches:
+                tag = f"{layout} sm-{small_m} b{b} ctx{ctx // 1024}k"
+                case_rows = []
+                ar = decode.bench_case(model, b, ctx, args.iters, gate, weight_bytes)
+                free_blocks(be)
+                case_rows += [dataclasses.replace(r, case=f"{layout} sm-{small_m} AR {r.case}",
+                                                  extra={**r.extra, "layout": layout, "small_m": small_m})
+                              for r in ar]
+                case = {"layout": layout, "small_m": small_m, "batch": b, "ctx": ctx, "layers": n_layers,
+                        "ar": ar_summary(ar, model, b, n_layers), "rounds": []}
+                if args.components:
+                    comp = component_rows(model, b, ctx, 1, args.iters, rep_layer, f"{tag} AR")
+                    case_rows += comp
+                    case["ar"]["components"] = {r.extra["component"]: {"us": r.us, "floor_us": r.extra["floor_us"]}
+                                                for r in comp}
+                    free_blocks(be)
+                shapes = [(bg, False) for bg in args.budgets] + ([(DEPTH, True)] if args.chain else [])
+                ep_by_nodes = {}
+                if layout == "ep":
+                    counts = sorted({1} | {bg + 1 for bg, _ in shapes})
+                    ep = ep_rank_rows(model, b, ctx, counts, args.iters, rep_layer, args.seed, tag)
+                    case_rows += ep
+                    ep_by_nodes = {n: ep_summary([r for r in ep if r.extra["nodes"] == n], args.rank) for n in counts}
+                    case["ar"]["ep_ranks"] = ep_by_nodes[1]
+                    free_blocks(be)
+                case["ar"]["collectives"] = count_collectives(model, b, 1, last_only=True)
+                if drafter is not None:
+                    d = [drafter_shard_row(r, drafter, b, ctx, args.world)
+                         for r in bench_forward(drafter, b, ctx, args.iters)]
+                    case_rows += [dataclasses.replace(r, case=f"{tag} drafter TP{args.world} shard {r.case}",
+                                                      extra={**r.extra, "layout": layout}) for r in d]
+                    case["drafter_us"] = d[0].us
+                    case["drafter_floor_us"] = d[0].extra["floor_us"]
+                    case["drafter_collectives"] = count_drafter_collectives(drafter, b)
+                    free_blocks(be)
+                for budget, chain in shapes:
+                    tau = oracle.expected_tau(budget, chain=chain)
+                    rr = round_bench.bench_case(model, b, budget, ns, gate, weight_bytes, ProfileTau(tau), chain=chain)
+                    free_blocks(be)
+                    case_rows += [dataclasses.replace(r, case=f"{layout} sm-{small_m} {r.case}",
+                                                      extra={**r.extra, "layout": layout, "small_m": small_m})
+                                  for r in rr]
+                    summ = next(r.extra for r in rr if "graph_us" in r.extra)
+                    case["rounds"].append({
+                        "budget": budget, "chain": chain, "round_us": summ["graph_us"], "queued_us": summ["queued_us"],
+                        "eager_us": summ["eager_us"], "stage_us": summ["stage_us"],
+                        "verify_floor_us": summ["verify_floor_us"], "ar_step_us": summ["ar_step_us"],
+                        "tau_oracle": tau, "experts_touched": summ["experts_touched"],
+                        "ep_ranks": ep_by_nodes.get(budget + 1),
+                        "collectives": count_collectives(model, b, budget + 1, last_only=False)})
+                    log(f"  {tag} {'chain' if chain else f'budget {budget}'}: round {summ['graph_us']:.0f} µs, "
+                        f"tau {tau:.2f}")
+                cases.append(project_case(case, args, n_layers))
+                rows += case_rows
+                log(f"  {tag}: AR step {case['ar']['step_us']:.0f} µs ({case['ar']['collectives']['calls']} "
+                    f"collectives); {time.perf_counter() - t0:.0f} s into this layout")
+    del drafter, model
+    free_blocks(be)
+    return rows, {"layout": layout, "expert_parallel": LAYOUTS[layout], "rank": args.rank, "world": args.world,
+                  "layers": n_layers, "scaled_to_full_depth": scaled, "memory": memory, "cases": cases,
+                  "numerics": comm.note(), "collective_stand_in_hold_us": args.hold_us, "make_weights_s": make_s,
+                  "layout_s": time.perf_counter() - t0}
+
+
+def ar_summary(rows: list[Row], model, batch: int, n_layers: int) -> dict:
+    """The AR step's figures from decode.bench_case's rows; ``step_us_61`` scaled to full depth."""
+    step = next(r for r in rows if "graph_us" in r.extra)
+    e = step.extra
+    per_layer = {}
+    for r in rows:
+        x = r.extra
+        if x.get("layer", -1) >= 0 and "stage" in x:
+            per_layer.setdefault(x["layer"], {})[x["stage"]] = {"us": r.us, "floor_us": x["floor_us"],
+                                                              "experts_touched": x.get("experts_touched")}
+    moe_layers = [v for k, v in per_layer.items() if "moe" in v]
+    moe_us = statistics.mean(v["attention"]["us"] + v["moe"]["us"] for v in moe_layers) if moe_layers else 0.0
+    head = next((r.us for r in rows if r.extra.get("stage") == "head"), None)
+    return {"step_us": e["graph_us"], "queued_us": e["queued_us"], "eager_us": e["eager_us"],
+            "mean_stage_us": e["mean_stage_us"], "mean_stage_floor_us": e["mean_stage_floor_us"],
+            "head_us": head, "mean_moe_layer_us": moe_us,
+            "step_us_61": e["graph_us"] + (FULL_LAYERS - n_layers) * moe_us,
+            "experts_touched_per_layer": {k: v["moe"]["experts_touched"] for k, v in per_layer.items() if "moe" in v},
+            "per_layer": per_layer}
+
+
+def ep_summary(rows: list[Row], rank: int) -> dict:
+    us = [r.us for r in rows]
+    return {"us_per_rank": us, "pairs_per_rank": [r.extra["pairs"] for r in rows],
+            "experts_per_rank": [r.extra["experts_touched"] for r in rows], "slowest_us": max(us),
+            "this_rank_us": us[rank], "slowest_minus_this_us": max(us) - us[rank]}
+
+
+def project_case(case: dict, args, n_layers: int) -> dict:
+    """Per-token times and the 8-GPU tok/s per user of one (layout, batch, ctx) case: the measured
+    per-rank time, scaled to 61 layers when fewer were made (AR: + the mean MoE layer per missing
+    layer; round: + the verify's mean per-layer time, head included, per missing layer), under EP
+    plus the slowest rank's extra routed-expert time per MoE layer (measured on one layer), plus
+    collective latency x calls (2 all-reduces per missing layer added; a round's calls include the
+    drafter forward's), for each --collective-us. A round's time includes the drafter's forward."""
+    missing = FULL_LAYERS - n_layers
+    moe_layers = FULL_LAYERS - 1
+    ar = case["ar"]
+    ar_rank = ar["step_us_61"] + moe_layers * ar.get("ep_ranks", {}).get("slowest_minus_this_us", 0.0)
+    ar_calls = ar["collectives"]["calls"] + 2 * missing
+    drafter = case.get("drafter_us", 0.0)
+    drafter_calls = case.get("drafter_collectives", {}).get("calls", 0)
+    for rd in case["rounds"]:
+        ep = (rd.get("ep_ranks") or {}).get("slowest_minus_this_us", 0.0)
+        rd["round_us_61"] = rd["round_us"] + missing * rd["stage_us"]["verify"] / n_layers
+        rd["rank_us"] = rd["round_us_61"] + moe_layers * ep
+    proj = []
+    for lat in args.collective_us:
+        ar_us = ar_rank + lat * ar_calls
+        entry = {"collective_us": lat, "ar": {"rank_us": ar_rank, "collective_calls": ar_calls,
+                                              "collective_total_us": lat * ar_calls, "per_token_us": ar_us,
+                                              "tok_s_per_user": 1e6 / ar_us}, "rounds": []}
+        for rd in case["rounds"]:
+            calls = rd["collectives"]["calls"] + 2 * missing + drafter_calls
+            total = rd["rank_us"] + drafter + lat * calls
+            r = {"budget": rd["budget"], "chain": rd["chain"], "rank_us": rd["rank_us"], "drafter_us": drafter,
+                 "collective_calls": calls, "collective_total_us": lat * calls, "round_total_us": total,
+                 "tau_oracle": rd["tau_oracle"], "per_token_us_oracle": total / rd["tau_oracle"],
+                 "tok_s_per_user_oracle": 1e6 * rd["tau_oracle"] / total}
+            if rd["chain"]:
+                r["published"] = {k: {"tau": t, "per_token_us": total / t, "tok_s_per_user": 1e6 * t / total}
+                                  for k, t in PUBLISHED_TAU.items()}
+            entry["rounds"].append(r)
+        proj.append(entry)
+    case["projection"] = proj
+    return case
+
+
+def drafter_shard_row(row: Row, drafter, batch: int, ctx: int, world: int) -> Row:
+    """bench/drafter's forward row with the floor of this rank's shard (its q / kv heads,
+    intermediate and lm_head rows; the gathered logits written whole)."""
+    from .drafter import forward_bytes
+
+    c = drafter.cfg
+    part = dataclasses.replace(c, num_attention_heads=drafter.q_heads, num_key_value_heads=drafter.kv_heads,
+                               intermediate_size=c.intermediate_size // world, vocab_size=c.vocab_size // world)
+    logits_gathered = 2 * batch * (c.block_size - 1) * (c.vocab_size - c.vocab_size // world)
+    nbytes = forward_bytes(part, batch, ctx) + logits_gathered
+    floor = nbytes / read_ceiling_gbs() / 1e3
+    return dataclasses.replace(row, bytes=nbytes, extra={**row.extra, "floor_us": floor, "over_floor": row.us / floor,
+                                                          "shard": f"TP{world}"})
+
+
+def print_summary(layouts: list[dict], log) -> None:
+    log("\nper rank, CUDA graph | AR step µs (61-layer) | best DDTree round: budget, µs, tau, per-token µs | "
+        "projected tok/s per user on 8 GPUs (AR / best DDTree) at each collective latency")
+    for lay in layouts:
+        for c in lay["cases"]:
+            ar = c["ar"]
+            cells = []
+            for p in c["projection"]:
+                best = max(p["rounds"], key=lambda r: r["tok_s_per_user_oracle"], default=None)
+                cells.append(f"{p['collective_us']:g} µs x {p['ar']['collective_calls']}: "
+                             f"{p['ar']['tok_s_per_user']:.0f} / "
+                             + ("-" if best is None else f"{best['tok_s_per_user_oracle']:.0f} "
+                                f"({'chain' if best['chain'] else 'b' + str(best['budget'])})"))
+            rounds = [r for r in c["rounds"] if not r["chain"]]
+            best_r = min(rounds, key=lambda r: r["round_us"] / r["tau_oracle"], default=None)
+            rtxt = "-" if best_r is None else (
+                f"{best_r['budget']}, {best_r['round_us']:.0f}, {best_r['tau_oracle']:.2f}, "
+                f"{best_r['round_us'] / best_r['tau_oracle']:.0f}")
+            log(f"{lay['layout']} sm-{c['small_m']} b{c['batch']} ctx{c['ctx']} | {ar['step_us']:.0f} "
+                f"({ar['step_us_61']:.0f}) | {rtxt} | " + "; ".join(cells))
+            chain = next((p for p in c["projection"][0]["rounds"] if p["chain"]), None) if c["projection"] else None
+            if chain is not None:
+                pub = ", ".join(f"{k} {v['tok_s_per_user']:.0f}" for k, v in chain["published"].items())
+                log(f"    chain + drafter at z-lab's published acceptance ({c['projection'][0]['collective_us']:g} µs "
+                    f"collectives): tok/s per user {pub}")
+
+
+def summary_doc(layouts: list[dict], args) -> dict:
+    """The JSON's ``summary`` (what ``projection`` reads):
+      layouts: one per --layouts entry:
+        layout, expert_parallel, rank, world, layers (made), scaled_to_full_depth, numerics (the
+        simulated-rank note), collective_stand_in_hold_us,
+        memory {free_bytes, weights_bytes, kv_bytes_largest_case, margin_bytes, needed_bytes,
+                full_depth_weights_bytes},
+        cases: one per (small_m, ctx, batch):
+          layout, small_m, batch, ctx, layers,
+          ar: step_us (CUDA graph, this rank, ``layers`` layers), step_us_61, queued_us, eager_us,
+              mean_stage_us / mean_stage_floor_us {attention, dense, moe, head, embed}, head_us,
+              mean_moe_layer_us, per_layer {layer: {stage: {us, floor_us, experts_touched}}},
+              experts_touched_per_layer {layer: distinct experts of all ranks},
+              components {router | routed experts | shared expert | all-reduce stand-in: {us, floor_us}},
+              ep_ranks (ep) {us_per_rank, pairs_per_rank, experts_per_rank, slowest_us, this_rank_us,
+                             slowest_minus_this_us},
+              collectives {calls, bytes, by_kind {calls, bytes}},
+          drafter_us, drafter_floor_us, drafter_collectives {calls, bytes, by_kind},
+          rounds: [{budget, chain, round_us (CUDA graph), round_us_61, rank_us, queued_us, eager_us,
+                    stage_us {top-k, build, verify, choose, accept, commit}, verify_floor_us, ar_step_us,
+                    tau_oracle, experts_touched, ep_ranks (ep, at 1 + budget tokens per request),
+                    collectives}],
+          projection: one per collective_us:
+            {collective_us, ar {rank_us, collective_calls, collective_total_us, per_token_us,
+             tok_s_per_user}, rounds [{budget, chain, rank_us, drafter_us, collective_calls,
+             collective_total_us, round_total_us, tau_oracle, per_token_us_oracle,
+             tok_s_per_user_oracle, published (chain only) {benchmark: {tau, per_token_us,
+             tok_s_per_user}}}]}
+      published_acceptance, published_source, collective_us, collective_source, accept_p, full_layers."""
+    return {"layouts": layouts, "published_acceptance": PUBLISHED_TAU, "published_source": PUBLISHED_SOURCE,
+            "collective_us": list(args.collective_us), "collective_source": COLLECTIVE_SOURCE,
+            "accept_p": args.accept_p, "full_layers": FULL_LAYERS}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import click
+    import cupy
+
+    from .decode import Gate
+    from .harness import copy_ceiling_gbs
+
+    def log(msg):
+        click.echo(msg)
+
+    read_ceiling_gbs()
+    copy_ceiling_gbs()  # both before the weights: their buffers go back to the pool
+    cupy.get_default_memory_pool().free_all_blocks()
+    gate = Gate()
+    rows, layouts = [], []
+    for layout in args.layouts:
+        r, lay = run_layout(layout, args, gate, log)
+        rows += r
+        layouts.append(lay)
+    notes = {"model": f"Kimi K2.6 dims, one simulated rank of {args.world} (dummy weights, collectives as device "
+                      f"copies of the message)",
+             "tau": f"the oracle profile's expected tau at p={args.accept_p} (OracleDrafter.expected_tau); "
+                    f"published: {PUBLISHED_SOURCE}",
+             "collectives": COLLECTIVE_SOURCE,
+             "floor": "bench decode / round floors (weights read, routed experts: touched ones, KV rows, logits) "
+                      "over the read ceiling",
+             "ep_floor": "the AR / round floors count the experts touched over all 384; an EP rank reads only its "
+                         "own touched ones (the per-rank rows give those)",
+             "timing": "median, L2 flushed before each run; steps and rounds replayed as one CUDA graph"}
+    doc = report("K2.6 node: one simulated rank on one GPU", rows, None, notes=notes)
+    doc["summary"] = summary_doc(layouts, args)
+    print_summary(layouts, log)
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=_json_default))
+        tmp.replace(out)
+        log(f"wrote {out}")
+    return doc
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""`bench node`'s host glue on the numpy backend (tiny preset, 4 simulated ranks): flags, memory plan,
+collective counts, per-rank EP expert load and the 8-GPU projection arithmetic. The GPU timers
+(bench decode / round case runners, time_gpu, the read ceiling) are replaced by fixed figures here:
+the timing itself runs on the GPU only (`ddtree-rtc bench node`)."""
+
+import json
+
+import pytest
+
+from ddtree_rtc.backend import Backend
+from ddtree_rtc.bench import node
+from ddtree_rtc.bench.harness import Row, Timing
+from ddtree_rtc.model.config import preset_config
+from ddtree_rtc.model.shard import Shard
+
+
+def test_help_explains_every_flag():
+    ap = node.make_parser()
+    for action in ap._actions:  # noqa: SLF001 - argparse keeps no public list
+        assert action.help and len(action.help) > 10, action.option_strings
+    text = ap.format_help()
+    for flag in ("--layouts", "--layers", "--quick", "--small-m", "--collective-us", "--hold-us", "--json"):
+        assert flag in text
+
+
+def test_flags_quick_and_refusals(capsys):
+    a = node.parse_args(["--quick"])
+    assert a.batches == (1, 10) and a.contexts == (1024,) and a.budgets == (8, 32) and a.iters == 5
+    a = node.parse_args(["--quick", "--batches", "4"])
+    assert a.batches == (4,)
+    for bad in (["--layouts", "dp"], ["--small-m", "nope"], ["--rank", "8"], ["--layers", "62"],
+                ["--budgets", "0"]):
+        with pytest.raises(SystemExit):
+            node.parse_args(bad)
+        assert bad[0] in capsys.readouterr().err
+
+
+def test_memory_plan_names_bytes_and_drops_layers():
+    cfg = preset_config("k2.6")
+    args = node.parse_args(["--quick"])
+    shard = Shard(0, 8, False)
+    n, fig = node.plan_memory(cfg, shard, args, 200 << 30)
+    assert n == node.FULL_LAYERS and 70e9 < fig["full_depth_weights_bytes"] < 80e9
+    n, fig = node.plan_memory(cfg, shard, args, 40 << 30)
+    assert 1 < n < node.FULL_LAYERS and fig["needed_bytes"] <= 40 << 30
+    args.layers = 61
+    with pytest.raises(SystemExit, match=r"need .* GB .* GPU has 42.9 GB free"):
+        node.plan_memory(cfg, shard, args, 40 << 30)
+
+
+def _fake_decode_case(model, batch, ctx, iters, gate, weight_bytes):
+    rows = []
+    for i in range(model.num_layers):
+        moe = model.cfg.is_moe_layer(i)
+        rows.append(Row(f"L{i} attention", 10.0, extra={"stage": "attention", "layer": i, "floor_us": 2.0}))
+        rows.append(Row(f"L{i} mlp", 20.0 if moe else 5.0, extra={"stage": "moe" if moe else "dense", "layer": i,
+                                                                   "floor_us": 4.0, "experts_touched": 3}))
+    rows.append(Row("head", 7.0, extra={"stage": "head", "layer": -1, "floor_us": 1.0}))
+    common = {"graph_us": 100.0, "queued_us": 90.0, "eager_us": 150.0, "mean_stage_us": {}, "mean_stage_floor_us": {}}
+    return rows + [Row("step (CUDA graph)", 100.0, extra=common), Row("eager", 150.0), Row("queued", 90.0)]
+
+
+def _fake_round_case(model, batch, budget, args, gate, weight_bytes, tau_stats, chain=False):
+    summ = {"graph_us": 200.0 + budget, "queued_us": 190.0, "eager_us": 300.0, "verify_floor_us": 50.0,
+            "stage_us": {"verify": 120.0}, "ar_step_us": 100.0, "experts_touched": {1: 5}, "tau": tau_stats.tau}
+    return [Row("draft", 1.0, extra={"stage": "draft"}), Row("round (CUDA graph)", summ["graph_us"], extra=summ)]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    from ddtree_rtc.bench import decode
+    from ddtree_rtc.bench import round as round_bench
+
+    monkeypatch.setattr(decode, "bench_case", _fake_decode_case)
+    monkeypatch.setattr(round_bench, "bench_case", _fake_round_case)
+    monkeypatch.setattr(node, "time_gpu", lambda fn, warmup=0, iters=1: (fn(), Timing(3.0, 3.0, 3.0))[1])
+    monkeypatch.setattr(node, "read_ceiling_gbs", lambda: 1000.0)
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+def test_layout_glue_on_numpy(fake_gpu, layout):
+    args = node.parse_args(["--world", "4", "--rank", "1", "--batches", "2", "--contexts", "8", "--budgets", "4",
+                            "--layers", "3", "--no-drafter", "--collective-us", "20,8", "--iters", "1"])
+    rows, lay = node.run_layout(layout, args, None, lambda msg: None, be=Backend("numpy"), preset="tiny")
+    assert lay["layers"] == 3 and "NOT the model's" in lay["numerics"]
+    (case,) = lay["cases"]
+    cfg = preset_config("tiny")
+    # two all-reduces per layer and the head's all-gather, for the step and each round
+    assert case["ar"]["collectives"]["calls"] == 2 * 3 + 1
+    ar_bytes = case["ar"]["collectives"]["bytes"]
+    h = cfg.hidden_size
+    # attention fp32 [T, H] x 3, dense layer 0 [T, H], MoE layers [2, T, H] x 2, head logits bf16 [T, V / 4]
+    assert ar_bytes == 3 * 2 * h * 4 + 2 * h * 4 + 2 * 2 * 2 * h * 4 + 2 * (cfg.vocab_size // 4) * 2
+    assert {c["component"] for c in (r.extra for r in rows) if "component" in c} == {
+        "router", "routed experts", "shared expert", "all-reduce stand-in (device copy)"}
+    assert [r["chain"] for r in case["rounds"]] == [False, True]
+    assert case["rounds"][0]["collectives"]["calls"] == 7
+    if layout == "ep":
+        ep = case["ar"]["ep_ranks"]
+        assert len(ep["us_per_rank"]) == 4 and sum(ep["pairs_per_rank"]) == 2 * cfg.num_experts_per_tok
+        assert sum(case["rounds"][0]["ep_ranks"]["pairs_per_rank"]) == 2 * 5 * cfg.num_experts_per_tok
+    p20, p8 = case["projection"]
+    missing = node.FULL_LAYERS - 3
+    assert p20["ar"]["collective_calls"] == 7 + 2 * missing
+    assert p20["ar"]["per_token_us"] == pytest.approx(p20["ar"]["rank_us"] + 20 * p20["ar"]["collective_calls"])
+    assert case["ar"]["step_us_61"] == pytest.approx(100.0 + missing * 30.0)
+    chain = p8["rounds"][1]
+    assert set(chain["published"]) == set(node.PUBLISHED_TAU)
+    assert chain["published"]["GSM8K"]["tok_s_per_user"] == pytest.approx(1e6 * 5.3 / chain["round_total_us"])
+    doc = node.summary_doc([lay], args)
+    json.dumps(doc, default=node._json_default)
+
+
+def test_drafter_shard_floor(monkeypatch):
+    from types import SimpleNamespace
+
+    from ddtree_rtc.bench.drafter import forward_bytes, k26_config
+
+    monkeypatch.setattr(node, "read_ceiling_gbs", lambda: 1000.0)
+    c = k26_config()
+    whole = forward_bytes(c, 1, 1024)
+    shard = SimpleNamespace(cfg=c, q_heads=8, kv_heads=1)
+    row = node.drafter_shard_row(Row("forward", 100.0, bytes=whole, extra={}), shard, 1, 1024, 8)
+    # the shard's weights are an eighth; the embedding rows and the gathered logits are whole
+    assert whole / 8 < row.bytes < whole / 4
+    assert row.extra["floor_us"] == pytest.approx(row.bytes / 1000.0 / 1e3)
