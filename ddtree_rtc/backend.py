@@ -1,7 +1,11 @@
 """The backend: one object carrying the array module and dispatching every kernel op either to
 its CUDA wrapper (``ddtree_rtc.kernels.<family>``) or its numpy reference
 (``ddtree_rtc.reference.<family>``) — same names, same signatures. Model, drafter and engine code
-call ``backend.<op>(...)`` and never branch on which one runs."""
+call ``backend.<op>(...)`` and never branch on which one runs.
+
+The op table is ``OPS`` (op name -> family). Each entry is a real class attribute of ``Backend``
+(an ``Op``), so ``Backend.moe_experts`` names the family and both implementations, and
+``backend.moe_experts`` is the one the backend runs; there is no lookup by attribute name."""
 
 from __future__ import annotations
 
@@ -184,17 +188,35 @@ class Backend:
             self.xp.cuda.get_current_stream().synchronize()
 
     def op(self, name: str):
+        """The implementation of op ``name`` this backend runs (imported on first use)."""
         fn = self._ops.get(name)
         if fn is None:
             try:
                 family = OPS[name]
             except KeyError:
-                raise AttributeError(f"backend has no op {name!r}; ops: {', '.join(sorted(OPS))}") from None
+                raise KeyError(f"backend has no op {name!r}; ops: {', '.join(sorted(OPS))}") from None
             pkg = "kernels" if self.is_cuda else "reference"
             fn = self._ops[name] = getattr(importlib.import_module(f"ddtree_rtc.{pkg}.{family}"), name)
         return fn
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return self.op(name)
+
+class Op:
+    """One row of the op table, a class attribute of Backend: on an instance it gives
+    ``ddtree_rtc.kernels.<family>.<name>`` (CUDA) or ``ddtree_rtc.reference.<family>.<name>`` (numpy)."""
+
+    def __init__(self, name: str, family: str):
+        self.name, self.family = name, family
+        self.cuda = f"ddtree_rtc.kernels.{family}.{name}"
+        self.reference = f"ddtree_rtc.reference.{family}.{name}"
+
+    def __get__(self, backend: Backend | None, owner=None):
+        return self if backend is None else backend.op(self.name)
+
+    def __repr__(self) -> str:
+        return f"Op({self.cuda} | {self.reference})"
+
+
+for _name, _family in OPS.items():
+    if hasattr(Backend, _name):
+        raise RuntimeError(f"op {_name!r} would hide Backend.{_name}; rename the op")
+    setattr(Backend, _name, Op(_name, _family))

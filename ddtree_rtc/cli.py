@@ -3,6 +3,7 @@ it needs a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
@@ -19,8 +20,8 @@ BENCHMARKS = {
     "ceiling": "read / copy bandwidth, latency floor, mma.sync peak, cuBLAS matmul: what the others are held to",
     "blocks": "building-block kernels: RMSNorm, RoPE, embedding, SiLU·mul, argmax/sampling, cuBLAS linear",
     "linear": "skinny-M bf16 linear vs cuBLAS on the K2.6 decode shapes",
-    "topk": "vocabulary top-k on drafter logits (--variants: stream / chunked / slices / radix side by side)",
-    "tree": "DDTree top-k, tree build and accept vs the Python heapq reference (--variants: prune / heap)",
+    "topk": "vocabulary top-k on drafter logits (--variants: stream / radix side by side)",
+    "tree": "DDTree top-k, tree build and accept vs the Python heapq reference (--variants: checked, floors)",
     "moe": "INT4 W4A16 MoE layer vs the read ceiling and a bf16 cuBLAS peer (--variants: tiles; --sweep: plans)",
     "attention": "MLA decode / tree-verify / prefill attention vs read and matmul ceilings (--variants: tiles)",
     "decode": "AR decode step on a K2.6-dims slice: stage times vs byte floors, eager / queued / CUDA graph",
@@ -306,9 +307,13 @@ def serve_cmd(pipeline, host, port, max_queue, overrides):
         from .serve.server import serve
     except ImportError as e:
         raise click.ClickException(f"serve needs its extra: pip install '.[serve]' ({e})") from None
+    from .backend import BackendUnavailableError
+    from .model.checkpoint import CheckpointError
+    from .model.config import ConfigError
+
     try:
         serve(load_pipeline(pipeline, parse_set_options(overrides)), host, port, max_queue)
-    except PipelineError as e:
+    except (PipelineError, ConfigError, CheckpointError, BackendUnavailableError) as e:
         raise click.ClickException(str(e)) from None
 
 
@@ -318,7 +323,9 @@ def serve_cmd(pipeline, host, port, max_queue, overrides):
                    "dflash-tiny / dflash-k2.6: a random DFlash drafter (z-lab's format) for the tiny / k2.6 target.")
 @click.option("--layers", type=int, help="Number of decoder layers (k2.6 with 4 layers is about 40 GB).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Output directory.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
+              help="Output directory (made whole or not at all; an existing non-empty one needs --force).")
+@click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 @click.option("--weight-shape-dtype", type=click.Choice(["int32", "int64"]), default="int32", show_default=True,
               help="Stored dtype of the experts' weight_shape (Kimi: int32; compressed-tensors 0.20: int64).")
 @click.option("--router-dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
@@ -327,30 +334,65 @@ def serve_cmd(pipeline, host, port, max_queue, overrides):
               help="Stored dtype of mlp.gate.e_score_correction_bias.")
 @click.option("--head", type=click.Choice(["random", "decisive"]), default="random", show_default=True,
               help="lm_head form: decisive makes every greedy choice far from a tie (for oracle-drafter benchmarks).")
-def make_model_cmd(preset, layers, seed, out_dir, weight_shape_dtype, router_dtype, bias_dtype, head):
+def make_model_cmd(preset, layers, seed, out_dir, weight_shape_dtype, router_dtype, bias_dtype, head, force):
     """Write a seeded random-weight checkpoint in the real format: HF DeepseekV3 names, compressed-tensors
-    INT4 routed experts, bf16 elsewhere, non-zero router bias, complete config.json."""
+    INT4 routed experts, bf16 elsewhere, non-zero router bias, complete config.json. The files are
+    written to a temporary directory beside --out and renamed into place at the end, so an
+    interrupted run leaves nothing half-made, and old shards are never mixed with new ones."""
     from .model.config import ConfigError, preset_config
     from .model.make_model import make_model
 
-    if preset.startswith("dflash-"):
-        from .model.dflash import make_dflash
+    cfg = None
+    if not preset.startswith("dflash-"):
+        try:
+            cfg = preset_config(preset)
+            if layers is not None:
+                cfg = cfg.with_layers(layers)
+        except ConfigError as e:
+            raise click.BadParameter(str(e), param_hint="--layers") from None
+    out = Path(out_dir).absolute()  # "--out ." has a name to rename to
+    if out.exists() and any(out.iterdir()) and not force:
+        raise click.ClickException(f"--out {out} is not empty ({sum(1 for _ in out.iterdir())} entries); "
+                                   f"give an empty or new directory, or --force to replace it")
+    with _made_whole(out) as tmp:
+        if cfg is None:
+            from .model.dflash import make_dflash
 
-        make_dflash(preset, out_dir, seed=seed)
-        size = (Path(out_dir) / "model.safetensors").stat().st_size
-        click.echo(f"wrote {out_dir}: {preset} drafter, {size / 2**20:.1f} MiB")
-        return
+            make_dflash(preset, tmp, seed=seed)
+        else:
+            with click.progressbar(length=cfg.num_hidden_layers + 1, label=f"writing {preset}",
+                                   file=sys.stderr) as bar:
+                make_model(cfg, tmp, seed=seed, progress=lambda _key: bar.update(1),
+                           weight_shape_dtype=weight_shape_dtype, router_dtype=router_dtype, bias_dtype=bias_dtype,
+                           head=head)
+    total = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    what = f"{preset} drafter" if cfg is None else f"{cfg.num_hidden_layers} layers"
+    click.echo(f"wrote {out_dir}: {what}, {total / 2**20:.1f} MiB")
+
+
+@contextlib.contextmanager
+def _made_whole(out: Path):
+    """A fresh temporary directory beside ``out``, renamed to ``out`` (replacing it) when the block
+    ends normally and removed when it does not."""
+    import os
+    import shutil
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
-        cfg = preset_config(preset)
-        if layers is not None:
-            cfg = cfg.with_layers(layers)
-    except ConfigError as e:
-        raise click.BadParameter(str(e), param_hint="--layers") from None
-    with click.progressbar(length=cfg.num_hidden_layers + 1, label=f"writing {preset}", file=sys.stderr) as bar:
-        make_model(cfg, out_dir, seed=seed, progress=lambda _key: bar.update(1), weight_shape_dtype=weight_shape_dtype,
-                   router_dtype=router_dtype, bias_dtype=bias_dtype, head=head)
-    total = sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors"))
-    click.echo(f"wrote {out_dir}: {cfg.num_hidden_layers} layers, {total / 2**20:.1f} MiB")
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
@@ -368,6 +410,12 @@ def bench(ctx, name):
         mod = importlib.import_module(f"ddtree_rtc.bench.{name}")
     except ModuleNotFoundError as e:
         raise click.ClickException(f"benchmark {name!r} is not available in this build: {e}") from None
+    if not {"-h", "--help"} & set(ctx.args):
+        from .backend import cuda_available
+
+        if not cuda_available():
+            raise click.ClickException(f"bench {name} times kernels on a CUDA GPU, and none is usable here "
+                                       f"(`ddtree-rtc info` says why); `bench {name} --help` works anywhere")
     mod.main(list(ctx.args))
 
 

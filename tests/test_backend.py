@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from ml_dtypes import bfloat16
 
-from ddtree_rtc.backend import OPS, Backend
+from ddtree_rtc.backend import OPS, Backend, Op
 
 # Kernel-only launch options with no meaning in numpy; only kernel code passes them (moe_gemm's own align).
 KERNEL_ONLY = {"moe_align": {"pdl"}}
@@ -28,6 +28,22 @@ def test_kernel_and_reference_signatures_match(op):
         r = r[:-1]
         k = k[:len(r)]
     assert k == r, op
+
+
+def test_op_table_is_real_attributes():
+    """Every op is a declared class attribute (no lookup by attribute name): readers and tools find
+    it on Backend, and an instance gives the implementation its kind runs."""
+    be = Backend("numpy", quiet=True)
+    for name, family in OPS.items():
+        row = getattr(Backend, name)
+        assert isinstance(row, Op) and row.family == family and name in vars(Backend)
+        assert getattr(be, name) is getattr(importlib.import_module(f"ddtree_rtc.reference.{family}"), name)
+        assert row.cuda == f"ddtree_rtc.kernels.{family}.{name}"
+    assert not hasattr(Backend, "__getattr__")
+    with pytest.raises(AttributeError):
+        be.no_such_op  # noqa: B018
+    with pytest.raises(KeyError, match="backend has no op 'no_such_op'"):
+        be.op("no_such_op")
 
 
 def _bf16_cases(rng) -> np.ndarray:

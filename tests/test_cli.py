@@ -90,7 +90,7 @@ def test_numpy_backend_dispatches_to_reference():
     x = np.ones((2, 8), dtype=bfloat16)
     assert be.asarray(x).dtype == bfloat16
     assert be.empty((3,), "bf16").dtype == bfloat16
-    with pytest.raises(AttributeError, match="no op 'nope'"):
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
         be.nope  # noqa: B018
     with pytest.raises(ValueError, match="backend must be"):
         Backend("tpu")

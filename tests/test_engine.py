@@ -139,7 +139,7 @@ def test_run_tiny_pipeline_cli(tmp_path, monkeypatch):
     ("workload.concurrency=0", "concurrency must be >= 1"),
     ("decode.mode=ddtree", "needs a drafter"),
     ("decode.budget=600", "outside 0..512"),
-    ("model.path=/nonexistent", "exactly one of"),
+    ("model.path=/nonexistent", "/nonexistent: no such file"),  # the path overrides the preset
     ("workload.synthetic.prompt_len=300", "exceeds the cache's max context"),
 ])
 def test_run_bad_input_is_a_clear_error(tmp_path, monkeypatch, override, msg):

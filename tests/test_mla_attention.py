@@ -8,12 +8,9 @@ from ml_dtypes import bfloat16
 
 from ddtree_rtc.kernels.mla_attention import (
     _VARIANTS,
-    FUSED_MIN_SPLIT,
     MIN_SPLIT,
-    _fused_mode,
     _pick_variant,
     _smem_bytes,
-    partial_items_per_cta,
     split_work,
 )
 from ddtree_rtc.reference import mla_attention as ref
@@ -161,16 +158,9 @@ def test_tree_mask_helpers(rng):
         ref.tree_mask_from_parents([0, 2, 0])
 
 
-def fused_units(rows, splits):
-    """The fused kernel's merge units of a merge item: row ranges (claim_and_merge in the .cu)."""
-    per = -(-rows // splits)
-    return [(u * per, min(rows, (u + 1) * per)) for u in range(-(-rows // per))]
-
-
-def emulate_kernel(batch, q, cache, scale, bm, bn, num_sms, min_split=MIN_SPLIT, fused=False):
-    """The CUDA dataflow in numpy: work items -> direct rows or normalised partials -> merge (the
-    merge kernel's items, or with ``fused`` the fused kernel's: each partial item's merge item from
-    work[:, 6], merged unit by unit)."""
+def emulate_kernel(batch, q, cache, scale, bm, bn, num_sms, min_split=MIN_SPLIT):
+    """The CUDA dataflow in numpy: work items -> direct rows or normalised partials -> the merge
+    kernel's items."""
     work, cta_work, merge, n_part = split_work(batch, bm, bn, num_sms, min_split)
     assert cta_work[0] == 0 and cta_work[-1] == len(work) and (np.diff(cta_work) >= 0).all()
     h = batch.num_heads
@@ -196,13 +186,7 @@ def emulate_kernel(batch, q, cache, scale, bm, bn, num_sms, min_split=MIN_SPLIT,
             out[g0:g0 + mc], lse[g0:g0 + mc] = o, ls
         else:
             o_part[part, :mc], lse_part[part, :mc] = o, ls
-    if fused:
-        assert partial_items_per_cta(work, cta_work).max(initial=0) <= 2
-        items = [(merge[g], r0, r1) for g in sorted(set(work[work[:, 5] >= 0, 6].tolist()))
-                 for r0, r1 in fused_units(int(merge[g][3]), int(merge[g][1]))]
-    else:
-        items = [(m, 0, int(m[3])) for m in merge]
-    for (p0, ns, g0, _), r0, r1 in items:
+    for (p0, ns, g0, _), r0, r1 in [(m, 0, int(m[3])) for m in merge]:
         ls = lse_part[p0:p0 + ns, r0:r1]
         top = ls.max(0)
         w = np.exp(ls - top)
@@ -212,17 +196,15 @@ def emulate_kernel(batch, q, cache, scale, bm, bn, num_sms, min_split=MIN_SPLIT,
     return out.reshape(q.shape[0], h, ref.DV), lse.reshape(q.shape[0], h)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["launch", "fused"])
 @pytest.mark.parametrize("variant", sorted(_VARIANTS))
 @pytest.mark.parametrize("num_sms", [1, 7, 132, 1000])
 @pytest.mark.parametrize("case", [([3000], [1], 64, 64, False), ([700, 10, 2500], [1, 1, 1], 8, 16, False),
                                   ([900, 40], [20, 33], 4, 16, True), ([300], [40], 2, 8, False)])
-def test_work_split_emulated(rng, variant, num_sms, case, fused):
+def test_work_split_emulated(rng, variant, num_sms, case):
     bt = Batch(rng, *case, dtype=np.float32)
     batch = bt.ref_plan()
     v = _VARIANTS[variant]
-    min_split = FUSED_MIN_SPLIT if fused else v.min_split
-    o, lse = emulate_kernel(batch, bt.q, bt.cache, K26_SCALE, v.bm, v.bn, num_sms, min_split, fused)
+    o, lse = emulate_kernel(batch, bt.q, bt.cache, K26_SCALE, v.bm, v.bn, num_sms, v.min_split)
     o_ref, lse_ref = ref.attend_f32(batch, bt.q, bt.cache, K26_SCALE)
     assert_close(o, o_ref, "fp32", "o_lat")
     assert_close(lse, lse_ref, "fp32", "lse")
@@ -242,13 +224,12 @@ def test_work_split_shape(rng, num_sms):
     assert units.max() <= per_cta, "no CTA gets more than its equal share"
     assert (units[:-1][units[1:] > 0] == per_cta).all(), "CTAs fill in order, each a full share"
     assert sorted(work[work[:, 5] >= 0, 5].tolist()) == list(range(n_part))
-    for req, m0, mc, _kb, _ke, part, g, _ in work:  # a partial item's merge item (the fused kernel's group)
+    for req, m0, mc, _kb, _ke, part, g, _ in work:  # a partial item's merge item
         if part < 0:
             assert g == -1
         else:
             p0, ns, g0, rows = merge[g]
             assert p0 <= part < p0 + ns and g0 == batch.q_start[req] * 8 + m0 and rows == mc
-    assert partial_items_per_cta(work, cta_work).max(initial=0) <= 2, "the fused kernel keeps two per CTA"
     assert merge[:, 1].sum() == n_part and (merge[:, 1] >= 2).all() and len(merge) < num_sms
     assert n_part <= 2 * num_sms
     tiles = {}
@@ -269,41 +250,6 @@ def test_decode_batch_fills_the_gpu():
         work, cta_work, _, _ = split_work(batch, 64, 64, 132)
         units = [sum(-(-(ke - kb) // 64) for *_, kb, ke, _p, _, _ in work[a:c]) for a, c in zip(cta_work, cta_work[1:])]
         assert max(units) == -(-sum(units) // 132), "the longest CTA is as short as possible"
-
-
-def test_fused_units_and_split():
-    """The fused merge's row units cover each merge item once, at most one per writer; the fused
-    split fills the GPU at decode batch 1 / 8 (64-row tiles: one per SM, up to the tile count)."""
-    for rows in (1, 7, 16, 64):
-        for splits in (2, 3, 16, 65, 200):
-            units = fused_units(rows, splits)
-            assert units[0][0] == 0 and units[-1][1] == rows and len(units) <= splits
-            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(units, units[1:]))
-    for b, busy in ((1, 65), (8, 130)):  # b1: 65 stages of 64 rows; b8: 520 stages over 132 CTAs, 4 each
-        batch = ref.validate_batch([4096] * b, [1] * b, np.zeros((b, 4097), np.int32), 64, 1, 1)
-        _, cta_work, _, _ = split_work(batch, 64, 64, 132, FUSED_MIN_SPLIT)
-        assert int((np.diff(cta_work) > 0).sum()) == busy
-
-
-def test_merge_option(rng):
-    from types import SimpleNamespace
-
-    from ddtree_rtc.kernels.mla_attention import build_plan
-
-    bt = Batch(rng, [10], [1], 2, 4)
-    for bad in ("fast", "FUSED", 1):
-        with pytest.raises(ValueError, match="merge must be one of"):
-            ref.mla_attention_plan(*bt.plan_args(), merge=bad)
-        with pytest.raises(ValueError, match="merge must be one of"):
-            build_plan(bt.ref_plan(), merge=bad)  # checked before any device work
-    assert ref.check_merge(None) == "launch" and ref.check_merge("fused") == "fused"
-    assert _fused_mode(None, None) is False and _fused_mode("fused", None) is True
-    assert _fused_mode(None, SimpleNamespace(fused=True)) is True  # into's mode
-    assert _fused_mode("fused", SimpleNamespace(fused=True)) is True
-    with pytest.raises(ValueError, match="differs from the plan given as into"):
-        _fused_mode("launch", SimpleNamespace(fused=True))
-    with pytest.raises(ValueError, match="differs from the plan given as into"):
-        _fused_mode("fused", SimpleNamespace(fused=False))
 
 
 @pytest.mark.parametrize("heads,busy", [(8, 65), (64, 129)])
@@ -418,14 +364,14 @@ def _skip_unless_built_for(variant):
         pytest.skip(f"{variant} runs on {WGMMA_ARCH} only")
 
 
-def _run_kernel(bt, scale=K26_SCALE, num_sms=None, variant=None, words=None, merge=None):
+def _run_kernel(bt, scale=K26_SCALE, num_sms=None, variant=None, words=None):
     import cupy
 
     from ddtree_rtc.kernels import mla_attention as k
     from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
 
     batch = ref.validate_batch(*bt.plan_args())
-    plan = k.build_plan(batch, num_sms=num_sms, variant=variant, merge=merge)
+    plan = k.build_plan(batch, num_sms=num_sms, variant=variant)
     t = int(bt.n.sum())
     out = nan_bf16_bits((t, bt.heads, ref.DV))
     lse = cupy.full((t, bt.heads), np.nan, dtype=cupy.float32)
@@ -482,10 +428,9 @@ def test_kernel_masks_tree_rows(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", [None, "fused"])
-def test_device_mask_and_graph_replay(rng, merge):
+def test_device_mask_and_graph_replay(rng):
     """A device mask used in place, the run captured in a CUDA graph, and a later plan written
-    into the same buffers replayed by that graph (tree verify; the merge as a second launch or fused)."""
+    into the same buffers replayed by that graph (tree verify)."""
     import cupy
 
     from ddtree_rtc.kernels import mla_attention as k
@@ -498,9 +443,8 @@ def test_device_mask_and_graph_replay(rng, merge):
                                constant_values=SENTINEL)
     second.num_pages = first.num_pages = max(first.num_pages, second.num_pages)
     mask_dev = cupy.asarray(first.mask)
-    plan = k.mla_attention_plan(first.ctx, first.n, first.page_table, 8, 16, first.num_pages, mask_dev, num_sms=40,
-                                merge=merge)
-    assert plan.mask is mask_dev and not plan.owns_mask and plan.fused == (merge == "fused")
+    plan = k.mla_attention_plan(first.ctx, first.n, first.page_table, 8, 16, first.num_pages, mask_dev, num_sms=40)
+    assert plan.mask is mask_dev and not plan.owns_mask
 
     def pad_cache(bt):
         c = np.full((bt.num_pages, 16, ref.ROW), np.nan, np.float32)
@@ -610,100 +554,6 @@ def test_decode_graph_replay(rng, variant, lens):
         o_ref, lse_ref = ref.mla_attention(bt.ref_plan(), bt.q, bt.cache, K26_SCALE)
         assert_close(out, o_ref, "bf16", f"o_lat ({variant}, graph)")
         assert_close(lse, lse_ref, "fp32", f"lse ({variant}, graph)")
-
-
-FUSED_CASES = [  # ctx, n, heads, page_size, tree: batches 1 / 3 / 8, odd contexts, 64 and 8 heads
-    ([4097], [1], 64, 64, False),
-    ([1], [1], 64, 64, False),
-    ([1, 63, 65], [1, 1, 1], 64, 64, False),
-    ([4097] * 8, [1] * 8, 64, 64, False),
-    ([4097], [1], 8, 64, False),
-    ([65, 4097, 63], [1, 1, 1], 8, 16, False),
-    ([4097, 1, 63, 65, 4097, 300, 2049, 64], [1] * 8, 8, 64, False),
-    ([1000, 63], [16, 40], 64, 64, True),  # tree verify
-    ([4097], [64], 8, 16, True),
-    ([0, 90], [200, 33], 4, 64, False),  # causal prefill
-]
-
-
-def _variants_here():
-    from ddtree_rtc.kernels.mla_attention import WGMMA_ARCH
-    from ddtree_rtc.rtc.arch import detect_arch
-
-    return [v for v in sorted(_VARIANTS) if not _VARIANTS[v].wgmma or detect_arch() == WGMMA_ARCH]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ctx,n,heads,page_size,tree", FUSED_CASES)
-def test_fused_merge(rng, ctx, n, heads, page_size, tree):
-    """merge="fused" (split-K merged in the attention launch) against the numpy reference, every tile
-    variant, on the GPU's SM count, an odd one and more CTAs than fit at once (then no CTA waits to
-    help: the completing CTAs merge alone). Poisoned cache slots, NaN-filled outputs; each plan runs
-    twice (the kernel must leave its counters zero for the next launch)."""
-    import cupy
-
-    from ddtree_rtc.kernels import mla_attention as k
-    from ddtree_rtc.testing import to_device_bf16
-
-    bt = Batch(rng, ctx, n, heads, page_size, tree)
-    o_ref, lse_ref = ref.mla_attention(bt.ref_plan(), bt.q, bt.cache, K26_SCALE)
-    q, cache = to_device_bf16(bt.q), to_device_bf16(bt.cache)
-    for variant in _variants_here():
-        for num_sms in (None, 7, 400):
-            plan, o, lse = _run_kernel(bt, num_sms=num_sms, variant=variant, merge="fused")
-            what = f"{variant}+fused, num_sms={num_sms}, {plan.num_merge} merges"
-            assert plan.fused and plan.merge_grid == 0
-            assert not plan.counters.get().any(), f"counters left non-zero ({what})"
-            assert_close(o, o_ref, "bf16", f"o_lat ({what})")
-            assert_close(lse, lse_ref, "fp32", f"lse ({what})")
-            o.fill(0x7FC0)
-            lse.fill(np.nan)
-            k.mla_attention(plan, q, cache, K26_SCALE, out=o, lse=lse)
-            cupy.cuda.get_current_stream().synchronize()
-            assert not plan.counters.get().any(), f"counters left non-zero after a second call ({what})"
-            assert_close(o, o_ref, "bf16", f"o_lat, second call ({what})")
-            assert_close(lse, lse_ref, "fp32", f"lse, second call ({what})")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lens", [([3000, 100, 4100], [40, 5000, 1]), ([1, 2, 3], [40, 5000, 1])],
-                         ids=["split-then-split", "unsplit-template"])
-@pytest.mark.parametrize("variant", ["d16", "m64", "w64"])
-def test_fused_graph_replay(rng, variant, lens):
-    """test_decode_graph_replay with merge="fused": a replay template captured in a CUDA graph,
-    replayed twice (the counters the kernel zeroes are all it carries between replays), then a later
-    plan written into the same buffers and replayed twice."""
-    import cupy
-
-    _skip_unless_built_for(variant)
-
-    from ddtree_rtc.kernels import mla_attention as k
-    from ddtree_rtc.testing import to_device_bf16
-
-    first, second, caches = _replay_batches(rng, lens, 64)
-    plan = k.build_plan(ref.validate_batch(*first.plan_args()), num_sms=50, variant=variant, replay=True,
-                        merge="fused")
-    q, cache = to_device_bf16(first.q), caches[0].copy()
-    out = cupy.empty((3, 64, ref.DV), cupy.uint16)
-    lse = cupy.empty((3, 64), cupy.float32)
-    stream, graph = _captured(k, plan, q, cache, out, lse)
-    for bt, dev_cache in ((first, caches[0]), (second, caches[1])):
-        if bt is second:
-            with pytest.raises(ValueError, match="differs from the plan given as into"):
-                k.build_plan(ref.validate_batch(*second.plan_args()), into=plan, merge="launch")
-            k.build_plan(ref.validate_batch(*second.plan_args()), into=plan)
-            q.set(second.q.view(np.uint16))
-            cache[...] = dev_cache
-        o_ref, lse_ref = ref.mla_attention(bt.ref_plan(), bt.q, bt.cache, K26_SCALE)
-        for replay in range(2):
-            with stream:
-                out.fill(0x7FC0)
-                lse.fill(np.nan)
-                graph.launch(stream)
-                stream.synchronize()
-            assert not plan.counters.get().any(), "counters left non-zero"
-            assert_close(out, o_ref, "bf16", f"o_lat ({variant}+fused, graph, replay {replay})")
-            assert_close(lse, lse_ref, "fp32", f"lse ({variant}+fused, graph, replay {replay})")
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 """INT4 dequant and the GPU repack, checked on the CPU: round trips, and a lane-by-lane emulation
-of how cuda_src/moe_gemm.cu reads the repacked blocks into mma.m16n8k16 fragments."""
+of how ddtree_rtc/cuda_src/moe_gemm.cu reads the repacked blocks into mma.m16n8k16 fragments."""
 
 import numpy as np
 import pytest

@@ -37,7 +37,10 @@ def test_good_pipeline_parses():
     (GOOD.replace("workload:", "stages:\n  - {name: norm, kernel: rmsnorm}\nworkload:"),
      r"bad.yaml:9: key 'stages' was removed: .*delete it"),
     (GOOD.replace("concurrency: 2", "concurrency: 0"), r"concurrency must be >= 1"),
-    (GOOD.replace("model:\n  preset: tiny\n", "model:\n  preset: tiny\n  path: /x\n"), "exactly one of"),
+    (GOOD.replace("model:\n  preset: tiny\n", "model:\n  seed: 1\n"), r"bad.yaml:2: model: give 'preset'"),
+    # an invariant's error points at the line of the key it names, not at its mapping's first line
+    (GOOD.replace("temperature: 0", "temperature: 0\n  top_p: 2"), r"bad.yaml:9: decode: top_p must be in"),
+    (GOOD.replace("concurrency: 2", "concurrency: 0"), r"bad.yaml:14: workload: concurrency must be >= 1"),
     ("model: [1, 2", r"bad.yaml:\d+: malformed YAML"),
     ("- 1\n- 2\n", "top level"),
     (GOOD + "extra: 1\n", r"bad.yaml:14: unknown key 'extra'"),
@@ -56,6 +59,14 @@ def test_set_overrides():
         parse_set_options(("nonsense",))
     with pytest.raises(PipelineError, match="unknown key 'decode.budgett'"):
         parse_pipeline(GOOD, "good.yaml", parse_set_options(("decode.budgett=3",)))
+    # a bad --set value is reported as the --set it came from, not as a line of the file
+    with pytest.raises(PipelineError, match=r"^--set decode.temperature: decode: temperature must be >= 0"):
+        parse_pipeline(GOOD, "good.yaml", parse_set_options(("decode.temperature=-1",)))
+    with pytest.raises(PipelineError, match=r"^--set foo.bar: unknown key 'foo'"):
+        parse_pipeline(GOOD, "good.yaml", parse_set_options(("foo.bar=1",)))
+    # a checkpoint path overrides a preset: a preset pipeline runs a make-model output with one --set
+    p = parse_pipeline(GOOD, "good.yaml", parse_set_options(("model.path=/some/dir",)))
+    assert p.model.path == "/some/dir"
 
 
 def test_decode_section():

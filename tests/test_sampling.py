@@ -1,14 +1,14 @@
 import math
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 from ml_dtypes import bfloat16
 
 from ddtree_rtc.reference import sampling as ref
+from ddtree_rtc.rtc.builder import source_dir
 
-CU = Path(__file__).resolve().parents[1] / "cuda_src" / "sampling.cu"
+CU = source_dir() / "sampling.cu"
 NB, LEVEL0_BASE, LEVEL0_SHIFT = 2048, 0x3A010000, 16
 
 

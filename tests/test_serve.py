@@ -21,9 +21,11 @@ from ddtree_rtc.model.make_model import make_model  # noqa: E402
 from ddtree_rtc.model.target import TargetModel  # noqa: E402
 from ddtree_rtc.pipeline.schema import DecodeSpec  # noqa: E402
 from ddtree_rtc.serve.app import create_app  # noqa: E402
+from ddtree_rtc.serve.server import running  # noqa: E402
 from ddtree_rtc.serve.text import MINIMAL_CHAT_TEMPLATE, Text  # noqa: E402
 
 MAX_CONTEXT, MAX_BATCH, MAX_QUEUE = 128, 8, 40
+READ_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +40,8 @@ def server(model):
     d, m = model
     engine = Engine(m, max_batch=MAX_BATCH, page_size=16, max_context=MAX_CONTEXT)
     app = create_app(engine, Text(d, preset=True), "tiny", DecodeSpec(), max_queue=MAX_QUEUE)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "server did not start in 30 s"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    th.join(timeout=30)
-    assert not th.is_alive()
+    with running(app, MAX_QUEUE, read_timeout_s=READ_TIMEOUT_S) as url:
+        yield url, engine
 
 
 def _client(url):
@@ -175,7 +165,10 @@ def test_malformed_inputs_get_400_naming_the_problem(server):
     code, e = _err(url, {"prompt": [1, 5000]})
     assert code == 400 and "5000" in e["message"] and "vocabulary" in e["message"] and e["param"] == "prompt"
     code, e = _err(url, {"prompt": [1, 2], "max_tokens": MAX_CONTEXT})
-    assert code == 400 and "max context" in e["message"] and e["param"] == "max_tokens"
+    assert code == 400 and f"context is {MAX_CONTEXT} tokens" in e["message"] and e["param"] == "max_tokens"
+    assert "at most 126 tokens" in e["message"]
+    code, e = _err(url, {"prompt": list(range(1, MAX_CONTEXT + 2))})
+    assert code == 400 and "shorten the prompt" in e["message"] and e["param"] == "prompt"
     code, e = _err(url, {"prompt": [1, 2], "n": 2})
     assert code == 400 and "n" == e["param"]
     code, e = _err(url, {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
@@ -196,8 +189,10 @@ def test_overload_is_429(server):
         opened = [s.__enter__() for s in streams]
         try:
             assert all(r.status_code == 200 for r in opened)
-            code, e = _err(url, {"prompt": [1], "max_tokens": 1})
-            assert code == 429 and e["type"] == "rate_limit_exceeded" and "limit" in e["message"]
+            r = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=30)
+            e = r.json()["error"]
+            assert r.status_code == 429 and e["type"] == "rate_limit_exceeded" and "limit" in e["message"]
+            assert int(r.headers["retry-after"]) >= 1
         finally:
             for s in streams:
                 s.__exit__(None, None, None)
@@ -284,3 +279,183 @@ def test_a_step_that_raises_fails_its_requests_and_the_server_serves_on(server, 
 
 def model_of(engine):
     return None, engine.model
+
+
+def _metric(url, name) -> float:
+    """One sample of /metrics (name with its labels, as printed)."""
+    for ln in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if ln.startswith(name + " "):
+            return float(ln.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.fixture
+def slow_steps(server, monkeypatch):
+    """Each engine step takes 30 ms more, so that a long request is surely still running when a test
+    looks at it (the tiny model otherwise finishes 125 tokens in about a second)."""
+    engine = server[1]
+    real_step = engine.step
+
+    def slow_step():
+        time.sleep(0.03)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
+
+def test_a_non_streamed_client_that_gives_up_is_cancelled(server, slow_steps):
+    """Hardening item 2: the server used to generate to max_tokens after a non-streamed client left."""
+    url, engine = server
+    cancelled = _metric(url, 'ddtree_requests_total{finish="cancelled"}') if "cancelled" in \
+        httpx.get(url + "/metrics", timeout=10).text else 0.0
+    length = _metric(url, 'ddtree_requests_total{finish="length"}')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": MAX_CONTEXT - 3,
+                                                  "stop_token_ids": []}, timeout=0.3)
+    assert _all_free(engine), "the abandoned request kept its pages"
+    assert _metric(url, 'ddtree_requests_total{finish="cancelled"}') == cancelled + 1
+    assert _metric(url, 'ddtree_requests_total{finish="length"}') == length, "it ran to max_tokens"
+
+
+def test_kv_page_and_queue_gauges_follow_a_request_at_once(server, slow_steps):
+    """Hardening item 8: pages in use / free are on /metrics, and the queue depth is read when scraped."""
+    url, engine = server
+    assert _metric(url, "ddtree_kv_pages_used") == 0
+    assert _metric(url, "ddtree_kv_pages_free") == engine.cache.num_pages
+    with httpx.Client(timeout=60) as h, h.stream("POST", url + "/v1/completions",
+                                                 json={"prompt": [5, 6, 7], "max_tokens": MAX_CONTEXT - 3,
+                                                       "stream": True, "stop_token_ids": []}) as r:
+        assert r.status_code == 200
+        assert _metric(url, "ddtree_queue_depth") == 1  # counted on admission, before any round
+        lines = r.iter_lines()  # read on without leaving the loop: leaving it closes the stream
+        while not next(lines).startswith("data: "):
+            pass
+        assert _metric(url, "ddtree_kv_pages_used") > 0 and _metric(url, "ddtree_queue_depth") == 1
+    assert _all_free(engine)
+    assert _metric(url, "ddtree_queue_depth") == 0 and _metric(url, "ddtree_kv_pages_used") == 0
+
+
+def test_openai_compatibility(server, model):
+    """Hardening item 7: unknown model 404, neutral defaults accepted and others refused by name,
+    the stop token left out, chat content as text parts, temperature bounded."""
+    url, _ = server
+    c = _client(url)
+    with pytest.raises(openai.NotFoundError) as ei:
+        c.completions.create(model="gpt-4", prompt=[5, 6], max_tokens=2)
+    assert ei.value.body["code"] == "model_not_found" and ei.value.body["param"] == "model"
+    prompt = [11, 12, 13, 14]
+    want = _direct(model, prompt, 6)
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, frequency_penalty=0,
+                             presence_penalty=0, echo=False, best_of=1, logit_bias={})
+    assert r.choices[0].token_ids == want
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                  frequency_penalty=0, presence_penalty=0, logit_bias={}, logprobs=False)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    for field, value in (("frequency_penalty", 0.5), ("presence_penalty", -1), ("logit_bias", {"5": 10}),
+                         ("echo", True), ("best_of", 2), ("logprobs", 1)):
+        code, e = _err(url, {"model": "tiny", "prompt": prompt, "max_tokens": 2, field: value})
+        assert code == 400 and e["param"] == field and "not supported" in e["message"], (field, e)
+    # the stop token ends the output and is not part of it (OpenAI's rule); usage still counts it
+    k = next(i for i in range(1, len(want)) if want[i] not in want[:i])
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                             extra_body={"stop_token_ids": [want[k]]})
+    assert r.choices[0].token_ids == want[:k] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == k + 1
+    ids, finish = [], None
+    for ch in c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                   extra_body={"stop_token_ids": [want[k]]}):
+        ids += ch.choices[0].token_ids
+        finish = ch.choices[0].finish_reason or finish
+    assert ids == want[:k] and finish == "stop"
+    # chat content as an array of text parts is the same as the joined string
+    parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    a = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=3)
+    b = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert a.choices[0].token_ids == b.choices[0].token_ids and a.usage.prompt_tokens == b.usage.prompt_tokens
+    code, e = _err(url, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+                   path="/v1/chat/completions")
+    assert code == 400 and e["param"].startswith("messages.0.content")
+    for raw in (b'{"prompt": [1], "temperature": Infinity}', b'{"prompt": [1], "temperature": 1e300}',
+                b'{"prompt": [1], "temperature": NaN}', b'{"prompt": [1], "top_p": NaN}'):
+        code, e = _err(url, None, raw=raw)
+        assert code == 400 and e["param"] in ("temperature", "top_p"), raw
+
+
+def test_error_wording(server):
+    """Hardening item 11 (server side): malformed JSON names no field, a wrong content-type says so."""
+    url, _ = server
+    code, e = _err(url, None, raw=b'{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,')
+    assert code == 400 and e["param"] is None and e["message"].startswith("malformed JSON")
+    r = httpx.post(url + "/v1/completions", content=b"prompt=1", headers={"content-type": "text/plain"},
+                   timeout=30)
+    e = r.json()["error"]
+    assert r.status_code == 400 and not e["message"].startswith(":") and "content-type" in e["message"]
+    assert "text/plain" in e["message"] and e["param"] is None
+
+
+def _wait_closed(sock, within: float) -> float:
+    """Seconds until the server closes ``sock`` (reads EOF); fails past ``within``."""
+    t0 = time.monotonic()
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        raise AssertionError(f"the server held the connection over {within} s") from None
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t0
+
+
+def test_slow_loris_partial_requests_are_dropped_in_bounded_time(server):
+    """Hardening item 9: a connection that trickles its headers or body in is closed after the read
+    timeout; the server answers others meanwhile."""
+    url, _ = server
+    host, port = url.removeprefix("http://").split(":")
+    partial = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty",  # headers cut short
+               b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 200\r\n\r\n{\"prompt\": [1, 2",  # body cut short
+               b""]  # nothing at all
+    socks = []
+    for i in range(30):
+        s = socket.create_connection((host, int(port)))
+        s.sendall(partial[i % len(partial)])
+        socks.append(s)
+    try:
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        t0 = time.monotonic()
+        for s in socks:
+            _wait_closed(s, within=READ_TIMEOUT_S + 5)
+        assert time.monotonic() - t0 < READ_TIMEOUT_S + 5
+    finally:
+        for s in socks:
+            s.close()
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_the_verify_tail_is_refused_up_front(model):
+    """Hardening item 6: with a speculative round the advertised max_model_len is the real limit, and
+    a request past it is a 400 naming max_tokens before any stream starts (not a 200 then an error)."""
+    from ddtree_rtc.speculative.drafters import RandomDrafter
+
+    d, m = model
+    budget = 16
+    engine = Engine(m, max_batch=2, page_size=16, max_context=MAX_CONTEXT, mode="ddtree", budget=budget,
+                    drafter=RandomDrafter(m.backend, m.cfg.vocab_size, 3, seed=1))
+    limit = MAX_CONTEXT - (1 + budget)
+    app = create_app(engine, Text(d, preset=True), "tiny", DecodeSpec(), max_queue=4)
+    with running(app, 4, read_timeout_s=READ_TIMEOUT_S) as url:
+        assert _client(url).models.list().data[0].model_extra["max_model_len"] == limit
+        prompt = list(range(3, 3 + limit - 3))
+        for stream in (False, True):
+            r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "stream": stream},
+                           timeout=30)
+            e = r.json()["error"]
+            assert r.status_code == 400 and e["param"] == "max_tokens", r.text
+            assert f"context is {limit} tokens" in e["message"] and "at most 3" in e["message"]
+            assert "verify tail" not in e["message"]
+        ids = []
+        for ch in _client(url).completions.create(model="tiny", prompt=prompt, max_tokens=3, stream=True,
+                                                  extra_body={"stop_token_ids": []}):
+            ids += ch.choices[0].token_ids
+        assert 1 <= len(ids) <= 3

@@ -1,7 +1,7 @@
 """Vocabulary top-k: the reference against a float64 full sort and its rules (CPU), then the four
 kernel variants against the reference: ids exactly, log-probs to fp32 tolerance, on every path
 (vectorised or not, one or several blocks per row, chunk sizes, the stream kernel's compactions and
-its restart on NaN / +inf, candidate-buffer overflow of the slices and radix kernels)."""
+its restart on NaN / +inf, candidate-buffer overflow of the radix kernels)."""
 
 import numpy as np
 import pytest
@@ -105,7 +105,7 @@ def test_reference_bad_k():
 
 
 def _radix_model(row, k, vec, cvec, cap=8192):
-    """The radix kernels' selection argument in numpy (cuda_src/topk.cu, radix variant): order keys,
+    """The radix kernels' selection argument in numpy (ddtree_rtc/cuda_src/topk.cu, radix variant): order keys,
     per-vector largest bins, per-chunk floors raised after steps 1, 2, 4, ... of 1024 vectors, the
     K-th vector bin of the row histogram, the flagged 8-vector groups, the candidates reaching the
     bin's lower edge and the overflow loop. Returns the ids, the bin found and that of the full
@@ -166,7 +166,7 @@ def test_radix_selection_model(rng, kind, dtype):
 # ---------------------------------------------------------------- GPU
 
 
-def run_gpu(x, k, slices=None, cap=None, offset=0, repeat=1, variant=None, vectors=None, chunk=None):
+def run_gpu(x, k, offset=0, repeat=1, variant=None, vectors=None, chunk=None):
     """Kernel on host logits ``x``; outputs pre-filled with NaN / -1. ``offset`` elements in front
     of the data make the rows unaligned (the scalar path); the tail behind the data is NaN."""
     import cupy
@@ -179,12 +179,12 @@ def run_gpu(x, k, slices=None, cap=None, offset=0, repeat=1, variant=None, vecto
         flat = flat.view(cupy.uint16)  # NaN bits (0x7fc0) in each half
     flat[offset:offset + bits.size] = cupy.asarray(bits.ravel())
     dev = flat[offset:offset + bits.size].reshape(x.shape)
-    ws = topk.topk_workspace(x.shape, k, slices=slices, cap=cap, variant=variant, vectors=vectors, chunk=chunk)
+    ws = topk.topk_workspace(x.shape, k, variant=variant, vectors=vectors, chunk=chunk)
     assert ws.variant == (variant or ws.variant)
     logq = cupy.full((*x.shape[:-1], k), np.nan, dtype=cupy.float32)
     ids = cupy.full((*x.shape[:-1], k), -1, dtype=cupy.int32)
-    for _ in range(repeat):  # the slice counters must be back to zero after every launch
-        got = topk.launch(dev, k, out_logq=logq, out_ids=ids, workspace=ws, cap=cap)
+    for _ in range(repeat):  # the arrival counters must be back to zero after every launch
+        got = topk.topk_logprobs(dev, k, out_logq=logq, out_ids=ids, workspace=ws)
         assert got[0] is logq and got[1] is ids
     if ws.count is not None:
         assert int(ws.count.sum()) == 0
@@ -204,7 +204,7 @@ def check_gpu(x, k, want=None, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["stream", "chunked", "slices", "radix"])
+@pytest.mark.parametrize("variant", ["stream", "radix"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16])
 @pytest.mark.parametrize("vocab", [1, 7, 1000, 4099, 20_000, 163_840])
@@ -213,25 +213,6 @@ def test_kernel_matches_reference(rng, kind, dtype, vocab, variant):
     for k in sorted({1, min(vocab, 64), min(vocab, 256 if variant == "stream" else 512)}):
         check_gpu(x, k, variant=variant, repeat=2)
         check_gpu(x, k, offset=1, variant=variant)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("vectors", [256, 512, 2048])
-@pytest.mark.parametrize("kind", ["zipf_sorted", "zipf_perm", "equal", "zeros", "weird"])
-@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
-def test_kernel_chunk_sizes(rng, vectors, kind, dtype):
-    """Chunked: chunks of 1-16 K tokens, a short last chunk (fewer tokens than k), ties across the
-    chunk boundaries, the scalar path and repeated launches (the arrival counters reset)."""
-    from ddtree_rtc.kernels import topk
-
-    per = vectors * (8 if dtype == bfloat16 else 4)
-    for vocab, ks in ((3 * per + 100, (1, 100, 512)), (per + 1, (37, 512)), (163_840, (64, 256))):
-        x = make_logits(rng, 4, vocab, kind).astype(dtype)
-        for k in ks:
-            if -(-vocab // (vectors * 4)) * k > topk._MERGE_KEYS:  # the wrapper refuses: merge too big
-                continue
-            check_gpu(x, k, variant="chunked", vectors=vectors, repeat=2)
-            check_gpu(x, k, variant="chunked", vectors=vectors, offset=3)
 
 
 @pytest.mark.gpu
@@ -254,27 +235,7 @@ def test_kernel_stream_chunks(rng, chunk, kind, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("slices", [2, 3, 8])
-@pytest.mark.parametrize("kind", ["zipf_perm", "equal", "weird"])
-def test_kernel_split_rows(rng, slices, kind):
-    x = make_logits(rng, 5, 163_840, kind).astype(bfloat16)
-    for k in (1, 100, 512):
-        check_gpu(x, k, slices=min(slices, 8192 // k), repeat=2, variant="slices")
-    check_gpu(make_logits(rng, 2, 20_001, kind).astype(np.float32), 37, slices=slices, repeat=2, variant="slices")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["equal", "zipf_sorted", "quant"])
-def test_kernel_candidate_overflow(rng, kind):
-    """A 1024-key buffer overflows (flat or clustered rows, k = 512): the threshold is raised and
-    the row re-read until the candidates fit."""
-    x = make_logits(rng, 2, 30_000, kind).astype(bfloat16)
-    check_gpu(x, 512, cap=1024, variant="slices")
-    check_gpu(x, 300, cap=1024, slices=3, repeat=2, variant="slices")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["stream", "chunked", "slices", "radix"])
+@pytest.mark.parametrize("variant", ["stream", "radix"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_kernel_batch_of_drafter_rows(rng, variant, batch):
     x = make_logits(rng, batch * 7, 163_840, "zipf_perm").astype(bfloat16).reshape(batch, 7, 163_840)
@@ -326,19 +287,26 @@ def test_kernel_radix_ties_and_overflow(rng, dtype):
     check_gpu(small, 200, variant="radix", offset=3)
 
 
+def test_default_variant():
+    """The dispatch rule (CPU): radix up to RADIX_MAX_ROWS rows (batch 8 x depth 7) and for every
+    k > 256, stream for more rows at k <= 256."""
+    from ddtree_rtc.kernels.topk import RADIX_MAX_ROWS, default_variant
+
+    assert RADIX_MAX_ROWS == 8 * 7
+    assert default_variant(7, 16) == default_variant(56, 256) == "radix"
+    assert default_variant(57, 256) == default_variant(32 * 7, 16) == "stream"
+    assert default_variant(32 * 7, 257) == default_variant(64 * 7, 512) == "radix"
+
+
 @pytest.mark.gpu
 def test_kernel_default_variant():
     from ddtree_rtc.kernels.topk import topk_workspace
 
-    assert topk_workspace((32, 7, 163_840), 512).variant == "chunked"
+    assert topk_workspace((8, 7, 163_840), 64).variant == "radix"
     assert topk_workspace((32, 7, 163_840), 256).variant == "stream"
-    assert topk_workspace((2, 7, 163_840), 64).variant == "stream"
-    assert topk_workspace((2, 7, 163_840), 300).variant == "slices"  # below CHUNKED_MIN_K, above stream
-    assert topk_workspace((2, 7, 163_840), 64, variant="chunked").variant == "chunked"
-    assert topk_workspace((1, 2**27), 64).variant == "stream"  # larger chunks keep the merge in bounds
-    assert topk_workspace((3, 1000), 4, slices=1).variant == "slices"
-    assert topk_workspace((1, 2**27), 512).variant == "slices"  # the merge would not fit
-    assert topk_workspace((32, 7, 163_840), 64, variant="radix").variant == "radix"  # only by name
+    assert topk_workspace((32, 7, 163_840), 512).variant == "radix"
+    assert topk_workspace((1, 2**27), 64, variant="stream").chunks * 64 <= 6144  # larger chunks keep the merge
+    assert topk_workspace((2, 7, 163_840), 64, variant="stream").variant == "stream"
 
 
 @pytest.mark.gpu
@@ -346,7 +314,6 @@ def test_kernel_rejects_bad_input():
     import cupy
 
     from ddtree_rtc.kernels.topk import _STREAM_STEP, topk_workspace
-    from ddtree_rtc.kernels.topk import launch as gpu_launch
     from ddtree_rtc.kernels.topk import topk_logprobs as gpu_topk
 
     x = cupy.zeros((4, 1000), dtype=cupy.float32)
@@ -362,29 +329,19 @@ def test_kernel_rejects_bad_input():
         gpu_topk(x, 4, workspace=topk_workspace((4, 1000), 8))
     with pytest.raises(ValueError, match="out_logq: expected shape"):
         gpu_topk(x, 4, out_logq=cupy.empty((4, 5), dtype=cupy.float32))
-    with pytest.raises(ValueError, match="slices=9"):
-        topk_workspace((4, 1000), 4, slices=9)
-    with pytest.raises(ValueError, match="vectors=300"):
-        topk_workspace((4, 1000), 4, variant="chunked", vectors=300)
     with pytest.raises(ValueError, match="variant='heap'"):
         topk_workspace((4, 1000), 4, variant="heap")
-    with pytest.raises(ValueError, match="does not fit"):
-        topk_workspace((1, 2**27), 512, variant="chunked")
     with pytest.raises(ValueError, match="k <= 256"):
         topk_workspace((4, 1000), 300, variant="stream")
     with pytest.raises(ValueError, match="chunk=1000"):
         topk_workspace((4, 1000), 4, variant="stream", chunk=1000)
-    with pytest.raises(ValueError, match="chunk belongs"):
-        topk_workspace((4, 1000), 4, variant="chunked", chunk=8192)
     with pytest.raises(ValueError, match="exceed the merge buffer"):
         topk_workspace((1, 327_680), 256, variant="stream", chunk=_STREAM_STEP)
+    with pytest.raises(ValueError, match="vectors belongs"):
+        topk_workspace((4, 1000), 4, variant="stream", vectors=256)
     with pytest.raises(ValueError, match="vectors=300 .* for 'radix'"):
         topk_workspace((4, 1000), 4, variant="radix", vectors=300)
-    with pytest.raises(ValueError, match="slices and cap belong"):
-        topk_workspace((4, 1000), 4, variant="radix", slices=2)
     with pytest.raises(ValueError, match="chunk belongs"):
         topk_workspace((4, 1000), 4, variant="radix", chunk=8192)
-    with pytest.raises(ValueError, match="at most 65535 rows"):
+    with pytest.raises(ValueError, match="at most 65535"):
         topk_workspace((65536, 10), 4, variant="radix")
-    with pytest.raises(ValueError, match="cap belongs"):
-        gpu_launch(x, 4, workspace=topk_workspace((4, 1000), 4, variant="radix"), cap=1024)

@@ -241,7 +241,7 @@ def span_shift(lo: int, hi: int) -> int:
 
 
 def prune_build_model(lq, budget, depth, cap, slack=16):
-    """The procedure of cuda_src/tree_build.cu's prune variant, step for step: grow a pool depth by
+    """The procedure of ddtree_rtc/cuda_src/tree_build.cu's prune variant, step for step: grow a pool depth by
     depth (each depth-(d-1) entry walks its child chain, stored contiguously, while the score stays
     >= tau, a histogram lower bound that >= `budget` entries reach), stop on a non-monotone step or a
     full pool (None: the kernel falls back to the heap loop); then rounds narrowing the bound to
@@ -340,134 +340,6 @@ def test_prune_procedure_equals_the_heap_loop(rng):
     assert listed_over and max(listed_over) <= 16 + 12, listed_over
 
 
-# ---------------------------------------------------------------- the warp kernel's procedure (CPU)
-
-WARP_J = (1, 2, 3, 4, 8, 16)
-
-
-def warp_build_model(lq, budget: int, depth: int, max_budget: int, ks: int):
-    """The procedure of cuda_src/tree_build.cu's warp variant, step for step: slot i (node i's next
-    unpopped child) lives in lane i % 32, register i // 32; each lane's best by a tournament over
-    (key desc, code asc); the warp's best by the high key words, then the low words, then the codes
-    (high, low) among the lanes still tied; the winner's slot becomes its next sibling, slot `node`
-    its first child (except slot `budget`: never popped, never filled). Codes hold ranks (not
-    rank + 1) in fields of bit_length(ks - 1) bits, depth 1 most significant; the model checks that
-    the heap's codes stay distinct (the kernel relies on it) and that a lane's J registers cover
-    every slot. Returns the nodes (parent, depth, rank, score)
-    and the first_child / next_sibling links the winner writes."""
-    kc = len(lq[0])
-    fb = (max(1, ks) - 1).bit_length()
-    assert len(lq) * fb <= 64
-    j_slots = next(j for j in WARP_J if 32 * j >= max_budget)
-    empty = (0.0, 0, 0, 0, 0, -1)  # score, key, code, rank, candidate depth, the node's last child
-    slots = [[empty] * j_slots for _ in range(32)]
-    if budget > 0 and depth > 0:
-        slots[0][0] = (lq[0][0], ord64(lq[0][0]), 0, 0, 1, -1)
-    nodes, first_child, next_sibling = [], {}, {}
-    n = 0
-    while n < budget:
-        live = [sl[2] for lane in slots for sl in lane if sl[1]]
-        assert len(set(live)) == len(live), "codes on the heap are distinct"
-        best = []
-        for lane in range(32):
-            t = [(slots[lane][j][1], slots[lane][j][2], j) for j in range(j_slots)]
-            step = 1
-            while step < j_slots:
-                for j in range(0, j_slots - step, 2 * step):
-                    a, b = t[j], t[j + step]
-                    if b[0] > a[0] or (b[0] == a[0] and b[1] < a[1]):
-                        t[j] = b
-                step *= 2
-            best.append(t[0])
-        hi = [k >> 32 for k, _, _ in best]
-        mh = max(hi)
-        if mh == 0:
-            break
-        tied = [lane for lane in range(32) if hi[lane] == mh]
-        if len(tied) > 1:
-            ml = max(best[lane][0] & 0xFFFFFFFF for lane in tied)
-            tied = [lane for lane in tied if best[lane][0] & 0xFFFFFFFF == ml]
-            if len(tied) > 1:
-                mch = min(best[lane][1] >> 32 for lane in tied)
-                tied = [lane for lane in tied if best[lane][1] >> 32 == mch]
-                mcl = min(best[lane][1] & 0xFFFFFFFF for lane in tied)
-                tied = [lane for lane in tied if best[lane][1] & 0xFFFFFFFF == mcl]
-                assert len(tied) == 1
-        win = tied[0]
-        bj = best[win][2]
-        sc, _, code, r, d, last = slots[win][bj]
-        n += 1
-        node = n
-        p = win + 32 * bj
-        nodes.append((p, d, r, sc))
-        if r == 0:
-            first_child[p] = node
-        else:
-            next_sibling[last] = node
-        row = lq[d - 1]
-        if r + 1 < kc:
-            sib = (sc - row[r]) + row[r + 1]
-            unit = 1 << (64 - d * fb) if fb else 0
-            assert code + unit < 2**64
-            slots[win][bj] = (sib, ord64(sib), code + unit, r + 1, d, node)
-        else:
-            slots[win][bj] = empty
-        if d < depth and node < budget:
-            assert node >> 5 < j_slots
-            c = sc + lq[d][0]
-            slots[node & 31][node >> 5] = (c, ord64(c), code, 0, d + 1, -1)
-    return nodes, first_child, next_sibling
-
-
-def expected_links(nodes):
-    first_child, next_sibling, last = {}, {}, {}
-    for j, (p, _, r, _) in enumerate(nodes, start=1):
-        if r == 0:
-            first_child[p] = j
-        else:
-            next_sibling[last[p]] = j
-        last[p] = j
-    return first_child, next_sibling
-
-
-def warp_model_cases(rng, n: int):
-    """(kind, L, K, max_budget, budget, depth) with L * bit_length(ks - 1) <= 64: every kind of
-    log-probs, tiny to full budgets, budgets off the J boundaries (31/32/33, 63/64/65, 95/96)."""
-    budgets = (0, 1, 2, 3, 5, 16, 31, 32, 33, 63, 64, 65, 95, 96, 128, 160, 300, 512)
-    for i in range(n):
-        kind = KINDS[i % len(KINDS)]
-        max_budget = int(rng.choice(budgets[:-3] if i % 8 else budgets))
-        k = int(rng.choice([1, 2, 3, 5, 9, 64, max(1, max_budget), 600]))
-        ks = max(1, min(k, max_budget))
-        l_max = min(16, 64 // max(1, (ks - 1).bit_length()))
-        l = int(rng.integers(1, l_max + 1)) if i % 2 else min(7, l_max)
-        budget = max_budget if i % 3 else int(rng.integers(0, max_budget + 1))
-        yield kind, l, k, max_budget, budget, int(rng.integers(0, l + 1)) if i % 4 == 0 else l
-
-
-def test_warp_procedure_equals_the_heap_loop(rng):
-    """The warp variant's procedure gives the heap loop's nodes and links bit for bit on every kind
-    of log-probs (ties heavy in 'ties' and 'equal'), with no fallback."""
-    for kind, l, k, max_budget, budget, depth in warp_model_cases(rng, 500):
-        ks = max(1, min(k, max_budget))
-        kc = min(k, max(budget, 1))
-        lq = sanitize_logq(make_logq(rng, (l, k), kind)).astype(np.float64)[:, :kc].tolist()
-        case = (kind, l, k, max_budget, budget, depth)
-        got, fc, ns = warp_build_model(lq, budget, depth, max_budget, ks)
-        assert_heap_nodes(got, lq, budget, depth, case)
-        assert (fc, ns) == expected_links(got), case
-
-
-def test_warp_procedure_on_quantized_ties(rng):
-    """Log-probs on a coarse grid (many exactly equal path sums) at the benchmark's shape."""
-    for _ in range(40):
-        for max_budget in (16, 64):
-            lq = sanitize_logq(-np.sort(rng.integers(0, 6, (7, max_budget)) / 2.0, axis=-1)).astype(np.float64)
-            got, fc, ns = warp_build_model(lq.tolist(), max_budget, 7, max_budget, max_budget)
-            assert_heap_nodes(got, lq.tolist(), max_budget, 7, max_budget)
-            assert (fc, ns) == expected_links(got)
-
-
 # ---------------------------------------------------------------- GPU
 
 
@@ -483,10 +355,10 @@ def assert_trees_equal(got, ref, what=""):
             raise AssertionError(f"{what} {name} differs at {bad}")
 
 
-def run_gpu(args, max_budget, variant, poison=True):
+def run_gpu(args, max_budget, poison=True):
     import cupy
 
-    from ddtree_rtc.kernels.tree_build import tree_build_variant
+    from ddtree_rtc.kernels.tree_build import tree_build as gpu_build
 
     dev = [cupy.asarray(a) for a in args]
     out = alloc_tree(cupy, args[0].shape[0], max_budget, args[0].shape[1])
@@ -496,41 +368,31 @@ def run_gpu(args, max_budget, variant, poison=True):
             a.fill(0x5A5A5A5A)
         out.mask.fill(0xA5A5A5A5A5A5A5A5)
         out.scores.fill(np.nan)
-    got = tree_build_variant(variant, *dev, max_budget, out=out)
+    got = gpu_build(*dev, max_budget, out=out)
     assert got is out
     return got
 
 
-GPU_VARIANTS = ("prune", "heap", "warp")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", GPU_VARIANTS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("max_budget", [0, 1, 5, 64, 95, 96, 200, 287, 288, 512])
-def test_kernel_matches_reference(rng, kind, max_budget, variant):
-    from ddtree_rtc.kernels.tree_build import warp_supports
-
+def test_kernel_matches_reference(rng, kind, max_budget):
     for depth, k in ((7, max(1, min(max_budget, 163840))), (int(rng.integers(1, 17)), int(rng.choice([1, 2, 9, 600])))):
-        if variant == "warp" and not warp_supports(depth, k, max_budget):
-            continue  # refused (test_warp_kernel_refuses_long_codes)
         args = make_case(rng, 96, depth, k, max_budget, kind)
-        assert_trees_equal(run_gpu(args, max_budget, variant), tree_build(*args, max_budget),
-                           f"{variant} {kind} depth={depth} k={k} max_budget={max_budget}:")
+        assert_trees_equal(run_gpu(args, max_budget), tree_build(*args, max_budget),
+                           f"{kind} depth={depth} k={k} max_budget={max_budget}:")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", GPU_VARIANTS)
-def test_kernel_thousands_of_small_trees_with_heavy_ties(rng, variant):
+def test_kernel_thousands_of_small_trees_with_heavy_ties(rng):
     for _ in range(4):
         args = make_case(rng, 1024, int(rng.integers(1, 9)), int(rng.integers(1, 6)), 12, "ties")
-        assert_trees_equal(run_gpu(args, 12, variant), tree_build(*args, 12), f"{variant} tiny budgets, heavy ties:")
+        assert_trees_equal(run_gpu(args, 12), tree_build(*args, 12), "tiny budgets, heavy ties:")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["prune", "warp"])
 @pytest.mark.parametrize("max_budget", [16, 64, 256, 512])
-def test_prune_kernel_on_drafter_like_log_probs(rng, max_budget, variant):
+def test_prune_kernel_on_drafter_like_log_probs(rng, max_budget):
     """Sorted non-positive log-probs, Zipf-like and peaked (the prune path's own case, and where a
     full pool sends it to the heap loop), against the reference."""
     b, depth = 64, 7
@@ -543,42 +405,26 @@ def test_prune_kernel_on_drafter_like_log_probs(rng, max_budget, variant):
         args = (logq, make_case(rng, b, depth, max_budget, max_budget, "sorted")[1],
                 rng.integers(0, 1000, b).astype(np.int32), np.full(b, max_budget, np.int32),
                 np.full(b, depth, np.int32), rng.integers(0, 1000, b).astype(np.int32))
-        assert_trees_equal(run_gpu(args, max_budget, variant), tree_build(*args, max_budget),
-                           f"{variant} drafter-like:")
+        assert_trees_equal(run_gpu(args, max_budget), tree_build(*args, max_budget), "drafter-like:")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 5, 32])
 @pytest.mark.parametrize("max_budget", [1, 2, 3, 16, 63, 64, 65, 128, 512])
-def test_warp_kernel_matches_reference(rng, batch, max_budget):
-    """The warp variant bit for bit against heapq: every depth 1..7, per-request budgets and depth
-    limits around the maximum (make_case), heavy ties (quantized log-probs) and the other kinds,
-    outputs poisoned first; batch 5 leaves the last block's other warps idle."""
+def test_kernel_matches_reference_at_every_depth(rng, batch, max_budget):
+    """Bit for bit against heapq: every depth 1..7, per-request budgets and depth limits around the
+    maximum (make_case), heavy ties (quantized log-probs) and the other kinds, outputs poisoned first."""
     for depth in range(1, 8):
         for kind in ("ties", "equal", "sorted", "weird") if depth in (1, 7) else ("ties",):
             args = make_case(rng, batch, depth, max_budget, max_budget, kind)
-            assert_trees_equal(run_gpu(args, max_budget, "warp"), tree_build(*args, max_budget),
-                               f"warp b={batch} depth={depth} {kind} max_budget={max_budget}:")
+            assert_trees_equal(run_gpu(args, max_budget), tree_build(*args, max_budget),
+                               f"b={batch} depth={depth} {kind} max_budget={max_budget}:")
     # quantized drafter-like rows at the full budget and depth: many exactly equal path sums
     logq = -np.sort(rng.integers(0, 8, (batch, 7, max_budget)) / 4.0, axis=-1).astype(np.float32)
     args = (logq, make_case(rng, batch, 7, max_budget, max_budget, "sorted")[1],
             rng.integers(0, 1000, batch).astype(np.int32), np.full(batch, max_budget, np.int32),
             np.full(batch, 7, np.int32), rng.integers(0, 1000, batch).astype(np.int32))
-    assert_trees_equal(run_gpu(args, max_budget, "warp"), tree_build(*args, max_budget), "warp quantized:")
-
-
-@pytest.mark.gpu
-def test_warp_kernel_refuses_long_codes():
-    import cupy
-
-    from ddtree_rtc.kernels.tree_build import tree_build_variant, warp_supports
-
-    assert warp_supports(7, 512, 512) and warp_supports(16, 16, 512) and warp_supports(8, 300, 256)
-    assert not warp_supports(8, 512, 512) and not warp_supports(16, 17, 64)
-    z, i = cupy.zeros((2, 8, 512), cupy.float32), cupy.zeros((2, 8, 512), cupy.int32)
-    v = cupy.zeros((2,), cupy.int32)
-    with pytest.raises(ValueError, match="variant='warp': depth 8 x 9 bits per rank"):
-        tree_build_variant("warp", z, i, v, v, v, v, 512)
+    assert_trees_equal(run_gpu(args, max_budget), tree_build(*args, max_budget), "quantized:")
 
 
 @pytest.mark.gpu
@@ -586,7 +432,6 @@ def test_kernel_rejects_bad_input():
     import cupy
 
     from ddtree_rtc.kernels.tree_build import tree_build as gpu_build
-    from ddtree_rtc.kernels.tree_build import tree_build_variant
 
     z, i = cupy.zeros((2, 3, 4), cupy.float32), cupy.zeros((2, 3, 4), cupy.int32)
     v = cupy.zeros((2,), cupy.int32)
@@ -599,6 +444,4 @@ def test_kernel_rejects_bad_input():
     out = alloc_tree(cupy, 2, 8, 3)
     with pytest.raises(ValueError, match="out: made for max_budget=8"):
         gpu_build(z, i, v, v, v, v, 4, out=out)
-    with pytest.raises(ValueError, match="variant='fast'"):
-        tree_build_variant("fast", z, i, v, v, v, v, 4)
     assert mask_words(512) == 9

@@ -1,12 +1,11 @@
-"""TREE_PROFILE stamps of the tree_build kernels (cuda_src/tree_build.cu): SM cycles per phase of
-each request (staged, built, written) for one variant at one batch and budget, on bench tree's Zipf
-drafter log-probs (depth 7). A diagnostics build (TREE_PROFILE=1), GPU only:
+"""TREE_PROFILE stamps of the tree_build kernel (ddtree_rtc/cuda_src/tree_build.cu): SM cycles per
+phase of each request (staged, built, written) at one batch and budget, on bench tree's Zipf drafter
+log-probs (depth 7). A diagnostics build (TREE_PROFILE=1), GPU only:
 
-    PYTHONPATH=. python tools/tree_profile.py --variant warp --batch 32 --budget 64
+    PYTHONPATH=. python tools/tree_profile.py --batch 32 --budget 64
 
-Stamps sit at tree_prof[32 * request + i]: 0 start, 1 staged, 2 built, 3 written (the block kernels
-stamp per block, one block per request; the warp kernel per request, lane 0). The warp kernel also
-leaves the nodes popped in 6 and the pops whose warp max needed the low key words / the codes in 7 / 8.
+Stamps sit at tree_prof[32 * request + i]: 0 start, 1 staged, 2 built, 3 written (one block per
+request); 4 and 5 the heap loop's start and end where a request fell back to it.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import numpy as np
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", default="warp", help="a tree_build variant (kernels/tree_build.VARIANTS)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--budget", type=int, default=64)
     args = ap.parse_args(argv)
@@ -46,18 +44,14 @@ def main(argv=None) -> None:
     prof_dev = cupy.ndarray((1024, 32), dtype=cupy.int64, memptr=prof_ptr)
     for _ in range(3):  # the last run's stamps
         prof_dev.fill(0)
-        tb.tree_build_variant(args.variant, *inputs, out=bufs.tree)
+        tb.tree_build(*inputs, out=bufs.tree)
     cupy.cuda.runtime.deviceSynchronize()
     p = prof_dev.get()[: args.batch]
     staged, built, written = p[:, 1] - p[:, 0], p[:, 2] - p[:, 1], p[:, 3] - p[:, 2]
-    print(f"{args.variant} batch {args.batch} budget {args.budget}: SM cycles per request, "
+    print(f"batch {args.batch} budget {args.budget}: SM cycles per request, "
           f"mean (max) over the batch")
     for name, v in (("staged", staged), ("built", built), ("written", written), ("total", p[:, 3] - p[:, 0])):
         print(f"  {name:8s} {v.mean():9.0f} ({v.max()})")
-    if args.variant == "warp":
-        nodes = p[:, 6]
-        print(f"  nodes popped {nodes.mean():.1f}; cycles per pop {(built / np.maximum(nodes, 1)).mean():.0f}; "
-              f"pops needing the low words {p[:, 7].sum()}, the codes {p[:, 8].sum()}")
 
 
 if __name__ == "__main__":

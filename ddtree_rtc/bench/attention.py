@@ -7,11 +7,9 @@ batched matmuls (cuBLAS, fp16 data of the same size, contiguous KV) + a masked f
 
 ``--variants``: every tile variant this GPU can run, side by side on the same inputs: decode (N = 1)
 at 8 heads (a TP8 rank) and 64 heads, batch 1 / 8 / 32, context 4k / 16k, plus one 64-head tree verify
-(b8, N16); each variant twice, with the split-K merge as a second launch (as picked, ``[w64]``) and
-merged in the attention launch (plan ``merge="fused"``, ``[w64+fused]``). The first row of a case is
-the variant the plan picks; every other row's output and LSE are checked against it (``check`` in
-extra), so a broken kernel shows as a mismatch, not as a fast time. Time = attention + merge launch
-(one launch for +fused); % = cache bytes against the read ceiling."""
+(b8, N16). The first row of a case is the variant the plan picks; every other row's output and LSE
+are checked against it (``check`` in extra), so a broken kernel shows as a mismatch, not as a fast
+time. Time = attention + merge launch; % = cache bytes against the read ceiling."""
 
 from __future__ import annotations
 
@@ -176,12 +174,11 @@ def variant_rows(case: Case) -> list[Row]:
     pick = build_plan(b).variant
     rows, first = [], None
     tiles = [pick] + sorted(v for v in _VARIANTS if v != pick and (wgmma_build() or not _VARIANTS[v].wgmma))
-    for variant, merge in [(v, m) for v in tiles for m in ("launch", "fused")]:
-        label = variant if merge == "launch" else f"{variant}+fused"
+    for variant in tiles:
         try:
-            plan = build_plan(b, variant=variant, merge=merge)
+            plan = build_plan(b, variant=variant)
         except RuntimeError as e:  # more shared memory than this GPU has
-            print(f"  {case.name} {label}: skipped ({e})", flush=True)
+            print(f"  {case.name} {variant}: skipped ({e})", flush=True)
             continue
         out = cupy.empty((t, case.heads, DV), cupy.uint16)
         lse = cupy.empty((t, case.heads), cupy.float32)
@@ -196,8 +193,8 @@ def variant_rows(case: Case) -> list[Row]:
         else:
             err, lerr = rel_diff(o, first[0]), float(np.abs(lg - first[1]).max())
             check = "ok" if err < 1e-2 and lerr < 1e-3 else f"MISMATCH o (rel) {err:.3g} lse {lerr:.3g}"
-        rows.append(Row(f"{case.name} [{label}]", timing.median_us, bytes=case.kv_bytes(), flops=case.flops(),
-                        extra={"variant": variant, "merge": merge, "picked": variant == pick and merge == "launch",
+        rows.append(Row(f"{case.name} [{variant}]", timing.median_us, bytes=case.kv_bytes(), flops=case.flops(),
+                        extra={"variant": variant, "picked": variant == pick,
                                "work_items": plan.num_work, "merged_tiles": plan.num_merge,
                                "busy_ctas": int((np.diff(plan.cta_work.get()) > 0).sum()), "check": check}))
         print(f"  {rows[-1].case}: {timing.median_us:.1f} µs {check}", flush=True)
@@ -208,8 +205,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="ddtree-rtc bench attention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes (a smoke run)")
     ap.add_argument("--variants", action="store_true",
-                    help="every tile variant (split-K merge in a second launch and fused into one) side by side "
-                         "on decode / verify cases, checked against the pick")
+                    help="every tile variant side by side on decode / verify cases, checked against the pick")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     ap.add_argument("--no-peer", action="store_true", help="skip the CuPy peer")
     args = ap.parse_args(argv)

@@ -14,10 +14,9 @@ gate_up, SiLU*mul, cuBLAS down (inputs gathered beforehand, outside the timing).
 
 ``--variants`` (K2.6 dims, M in --ms, bench and uniform routing): moe_route and moe_align alone, then
 moe_experts with the token tile forced to nt 1, forced to nt 4, chosen per expert on the device
-(the default plan) and, for M <= 8, the fused small-M kernel (``moe_plan(small="fused")``), each as a
-CUDA graph; % of the read ceiling counts route + experts against the touched experts' bytes; every
-variant's output is compared with nt 1's (``rel_diff`` in extra) and with the reference computed on
-the GPU from the same 'mma' blobs (``mma_reference``: ``rel_diff_ref``).
+(the default plan), each as a CUDA graph; % of the read ceiling counts route + experts against the
+touched experts' bytes; every variant's output is compared with nt 1's (``rel_diff`` in extra) and
+with the reference computed on the GPU from the same 'mma' blobs (``mma_reference``: ``rel_diff_ref``).
 ``--sweep`` (K2.6 dims): every plan setting of token tiles (nt 1 / nt 4 forced, or per expert above
 each --nt4-above threshold) x split-K of each GEMM, moe_experts alone as a CUDA graph, then the
 default plan and each GEMM of the best setting on its own: the data behind moe_plan's heuristic.
@@ -247,13 +246,12 @@ def _ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
 
-def variant_rows(ms, routings, iters: int, fused_stages=(0,)) -> list[Row]:
-    """route, align, and moe_experts with nt 1 / nt 4 / per-expert tiles (the default) / the fused small-M
-    kernel (M <= 8; once per ring depth in ``fused_stages``, 0 = the plan's default) per (routing, M), each
-    checked against ``mma_reference``."""
+def variant_rows(ms, routings, iters: int) -> list[Row]:
+    """route, align, and moe_experts with nt 1 / nt 4 / per-expert tiles (the default) per (routing, M),
+    each checked against ``mma_reference``."""
     import cupy
 
-    from ..kernels.moe_gemm import SMALL_MAX_TOKENS, moe_experts, moe_plan
+    from ..kernels.moe_gemm import moe_experts, moe_plan
     from ..kernels.moe_routing import moe_align, moe_route
 
     e, h, inter = K26
@@ -285,20 +283,8 @@ def variant_rows(ms, routings, iters: int, fused_stages=(0,)) -> list[Row]:
             ref = bf16_to_f32(mma_reference(x, ids, w, experts, cupy).get())
             first = None
             variants = [("nt1", {"nt": 1}), ("nt4", {"nt": 4}), ("default", {})]
-            if m <= SMALL_MAX_TOKENS:
-                variants += [("fused", {"small": "fused", "fused_stages": st or None}) for st in fused_stages]
-            timed = set()
             for name, kw in variants:
-                try:
-                    plan = moe_plan(m, e, TOP_K, h, inter, **kw)
-                except ValueError as err:  # a ring deeper than this GPU's shared memory
-                    print(f"  M={m} {routing} [{name} {kw}]: skipped ({err})", flush=True)
-                    continue
-                if plan.small:  # named by the ring depth it got ("fused" alone: the plan's default)
-                    name = "fused" if kw["fused_stages"] is None else f"fused s{plan.fused_stages}"
-                    if plan.fused_stages in timed:
-                        continue
-                    timed.add(plan.fused_stages)
+                plan = moe_plan(m, e, TOP_K, h, inter, **kw)
                 if name == "default":
                     al = plan.align
                     rows.append(Row(f"align M={m} {routing}", time_gpu(graphed(lambda al=al, ids=ids: moe_align(
@@ -317,8 +303,8 @@ def variant_rows(ms, routings, iters: int, fused_stages=(0,)) -> list[Row]:
                 yf = bf16_to_f32(y.get())
                 first = yf if first is None else first
                 layer_us = us + route_us  # the layer (route + experts) against the touched experts' bytes
-                rows.append(Row(f"experts M={m} {routing} [{name}: {plan.small or plan.tiles}]", us,
-                                extra={**extra, "variant": name, "tiles": plan.small or plan.tiles,
+                rows.append(Row(f"experts M={m} {routing} [{name}: {plan.tiles}]", us,
+                                extra={**extra, "variant": name, "tiles": plan.tiles,
                                        "rel_diff": rel_diff(yf, first), "rel_diff_ref": rel_diff(yf, ref),
                                        "layer_us": layer_us, "layer_graph_us": layer_graph_us,
                                        "layer_bytes": int(nbytes),
@@ -416,9 +402,6 @@ def main(argv=None) -> dict:
                     help="route, align and the experts with nt 1 / nt 4 / per-expert tiles side by side (K2.6)")
     ap.add_argument("--sweep", action="store_true", help="every token-tile x split-K plan setting (K2.6)")
     ap.add_argument("--ms", help="--variants / --sweep: token counts (default 1,16,256,1024 / 1,8,256,1024)")
-    ap.add_argument("--fused-stages", default="0,4,6",
-                    help="--variants: ring depths of the fused small-M kernel to time at M <= 8 (0 = the plan's "
-                         "default; a depth already timed is skipped)")
     ap.add_argument("--iters", type=int, default=20, help="--variants / --sweep: timed runs per case")
     ap.add_argument("--nts", default="1,4", help="--sweep: forced token tiles to try ('' for none)")
     ap.add_argument("--nt4-above", default="8,16", help="--sweep: per-expert thresholds to try ('' for none)")
@@ -426,8 +409,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--splits-down", default="1,2,4", help="--sweep: down split-K factors")
     args = ap.parse_args(argv)
     if args.variants:
-        rows = variant_rows(_ints(args.ms or "1,16,256,1024"), args.routing or list(ROUTINGS), args.iters,
-                            _ints(args.fused_stages))
+        rows = variant_rows(_ints(args.ms or "1,16,256,1024"), args.routing or list(ROUTINGS), args.iters)
         return report("INT4 MoE variants at K2.6 dims (CUDA graphs)", rows, args.json,
                       notes={"rel_diff": "max |y - y(nt1)| / max |y(nt1)|",
                              "rel_diff_ref": "max |y - y(ref)| / max |y(ref)|, ref = mma_reference on the GPU",

@@ -1,9 +1,9 @@
 """Vocabulary top-k on drafter-shaped logits: batch {1, 8, 32, 64} x k {16, 64, 256, 512}, depth 7,
 V = 163840, bf16 Zipf logits (``bench.tree.zipf_logits``), plus one fp32 case. Bytes = the logits,
 against the read ceiling. By default the kernel ``topk_workspace`` picks; ``--variants`` runs the
-stream, chunked, slices and radix kernels side by side on the same logits (stream takes k <= 256
-only; radix runs only here or when named) and checks that every variant's ids and log-probs equal
-the slices kernel's (``ids_equal`` and ``max_logq_diff`` in each row's extra)."""
+stream and radix kernels side by side on the same logits (stream takes k <= 256 only) and checks
+that every variant's ids and log-probs equal the radix kernel's (``ids_equal`` and
+``max_logq_diff`` in each row's extra)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ FP32_CASE = (32, 64)  # (batch, k)
 
 def run_case(logits, k: int, dtype: str, variants, iters: int) -> list[Row]:
     """One row per variant (None: the default choice; "radix:N": radix with chunks of N 16-byte
-    vectors), timed on the same logits; with several variants, each checked against the slices
+    vectors), timed on the same logits; with several variants, each checked against the radix
     kernel's output."""
     import cupy
 
@@ -48,8 +48,8 @@ def run_case(logits, k: int, dtype: str, variants, iters: int) -> list[Row]:
         rows.append(Row(f"topk b={batch} k={k} {dtype} [{label}]", t.median_us, bytes=logits.nbytes,
                         extra={"batch": batch, "k": k, "dtype": dtype, "depth": DEPTH, "vocab": VOCAB,
                                "variant": label, "min_us": t.min_us, "p90_us": t.p90_us}))
-    if "slices" in results and len(results) > 1:
-        lq_ref, id_ref = results["slices"]
+    if "radix" in results and len(results) > 1:
+        lq_ref, id_ref = results["radix"]
         for r in rows:
             lq, got = results[r.extra["variant"]]
             r.extra["ids_equal"] = bool(np.array_equal(got, id_ref))
@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     from ..kernels import topk
 
     ap = argparse.ArgumentParser(prog="ddtree-rtc bench topk", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", action="store_true", help="every top-k kernel side by side, checked against slices")
+    ap.add_argument("--variants", action="store_true", help="both top-k kernels side by side, checked against radix")
     ap.add_argument("--radix-vectors", metavar="N,N", default="",
                     help="with --variants: extra radix rows with chunks of N 16-byte vectors (multiples of 256)")
     ap.add_argument("--iters", type=int, default=30)

@@ -12,12 +12,11 @@ build + accept run back to back from a CUDA graph, as a decode loop runs them, a
 the same for two launches of the same grids that compute nothing (one dependent load each): the
 part of a round that is launch and memory latency, measured in the same run.
 
-``--variants``: every tree_build kernel (prune, the default; the heap loop alone; warp, the heap loop
-in registers with one warp per request) at batch {1, 32, 64} x budget {16, 64, 128, 512}, each
-checked bit for bit against the heapq reference (``exact`` in extra), timed between events and per
-round from a CUDA graph; the accept kernel, build + accept for the default and for warp (events and
-graph), and the latency floor of one and of two back-to-back kernels of the same grid (launch plus
-one dependent memory trip each) and of the graph floor row's two launches.
+``--variants``: the tree_build kernel at batch {1, 32, 64} x budget {16, 64, 128, 512}, checked
+bit for bit against the heapq reference (``exact`` in extra), timed between events and per round
+from a CUDA graph; the accept kernel, build + accept (events and graph), and the latency floor of
+one and of two back-to-back kernels of the same grid (launch plus one dependent memory trip each)
+and of the graph floor row's two launches.
 """
 
 from __future__ import annotations
@@ -204,13 +203,13 @@ def same_tree(got, ref) -> bool:
 
 
 def variant_rows(batch: int, budget: int, rng) -> list[Row]:
-    """Every build kernel, the accept kernel and the latency floors for one (batch, budget)."""
+    """The build kernel, the accept kernel and the latency floors for one (batch, budget)."""
     import cupy
 
     from ..backend import Backend
     from ..engine.decode.tree import TreeBuffers, TreeShape
     from ..kernels.tree_accept import tree_accept
-    from ..kernels.tree_build import VARIANTS, default_variant, tree_build_variant
+    from ..kernels.tree_build import tree_build
 
     be = Backend("cuda")
     bufs = TreeBuffers(be, TreeShape(batch=batch, budget=budget, depth=DEPTH, vocab=VOCAB))
@@ -227,28 +226,26 @@ def variant_rows(batch: int, budget: int, rng) -> list[Row]:
     extra = {"batch": batch, "budget": budget, "depth": DEPTH, "vocab": VOCAB}
     rows = []
     it = VARIANT_ITERS
-    for v in VARIANTS:
-        build = lambda v=v: tree_build_variant(v, *inputs, out=bufs.tree)  # noqa: E731
-        us = time_gpu(build, iters=it).median_us
-        graph_us = per_round(build, it)
-        bufs.tree.num_nodes.fill(-1)  # the check sees this variant's outputs, not the previous one's
-        build()
-        exact = same_tree(bufs.tree, ref)
-        rows.append(Row(f"build {case} [{v}]", us, peer="heapq", peer_us=heapq_us,
-                        extra={**extra, "variant": v, "exact": exact, "graph_us": graph_us}))
-        rows.append(Row(f"build {case} [{v}] [graph x{ROUNDS}, per round]", graph_us, peer="heapq",
-                        peer_us=heapq_us, extra={**extra, "variant": v, "exact": exact}))
+    build = lambda: tree_build(*inputs, out=bufs.tree)  # noqa: E731
+    us = time_gpu(build, iters=it).median_us
+    graph_us = per_round(build, it)
+    bufs.tree.num_nodes.fill(-1)  # the check sees this build's outputs, not the setup's
+    build()
+    exact = same_tree(bufs.tree, ref)
+    rows.append(Row(f"build {case}", us, peer="heapq", peer_us=heapq_us,
+                    extra={**extra, "exact": exact, "graph_us": graph_us}))
+    rows.append(Row(f"build {case} [graph x{ROUNDS}, per round]", graph_us, peer="heapq",
+                    peer_us=heapq_us, extra={**extra, "exact": exact}))
     choices = cupy.asarray(target_choices(bufs.tree, rng))
     accept = lambda: tree_accept(bufs.tree, choices, out=bufs.result)  # noqa: E731
     rows.append(Row(f"accept {case}", time_gpu(accept, iters=it).median_us,
                     extra={**extra, "graph_us": per_round(accept, it)}))
-    for v in dict.fromkeys((default_variant(budget), "warp")):
-        both = lambda v=v: (tree_build_variant(v, *inputs, out=bufs.tree), accept())  # noqa: E731
-        us, graph_us = time_gpu(both, iters=it).median_us, per_round(both, it)
-        rows.append(Row(f"build+accept {case} [{v}]", us, peer="heapq", peer_us=heapq_us,
-                        extra={**extra, "speedup": heapq_us / us, "graph_us": graph_us}))
-        rows.append(Row(f"build+accept {case} [{v}] [graph x{ROUNDS}, per round]", graph_us, peer="heapq",
-                        peer_us=heapq_us, extra={**extra, "speedup": heapq_us / graph_us}))
+    both = lambda: (build(), accept())  # noqa: E731
+    us, graph_us = time_gpu(both, iters=it).median_us, per_round(both, it)
+    rows.append(Row(f"build+accept {case}", us, peer="heapq", peer_us=heapq_us,
+                    extra={**extra, "speedup": heapq_us / us, "graph_us": graph_us}))
+    rows.append(Row(f"build+accept {case} [graph x{ROUNDS}, per round]", graph_us, peer="heapq",
+                    peer_us=heapq_us, extra={**extra, "speedup": heapq_us / graph_us}))
     for kernels in (1, 2):
         rows.append(Row(f"floor {case}: {kernels} launch(es) of {batch} blocks, 1 load each",
                         latency_floor_us(batch, kernels=kernels), extra={**extra, "kernels": kernels}))
@@ -263,13 +260,13 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="ddtree-rtc bench tree", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCHES}, budgets {QUICK_BUDGETS}")
     ap.add_argument("--variants", action="store_true",
-                    help="every tree_build kernel side by side (checked against heapq), accept, floors")
+                    help="the build checked bit for bit against heapq, accept, build + accept, latency floors")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     if args.variants:
         rng = np.random.default_rng(0)
         rows = [r for b in VARIANT_BATCHES for n in VARIANT_BUDGETS for r in variant_rows(b, n, rng)]
-        return report("DDTree tree build variants and accept", rows, args.json,
+        return report("DDTree tree build (checked) and accept, with latency floors", rows, args.json,
                       notes={"peer": "reference tree_build (heapq + outputs) on the host",
                              "exact": "the build's outputs equal the reference's bit for bit"})
     batches, budgets = (QUICK_BATCHES, QUICK_BUDGETS) if args.quick else (BATCHES, BUDGETS)

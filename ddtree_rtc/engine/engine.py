@@ -81,6 +81,12 @@ class Engine:
         self.decoder = self.round or AutoregressiveDecode(self.runner, self.sampler, self.clock)
         self.scheduler = Scheduler(max_batch, self.pages, tail=self.decoder.tail)
 
+    @property
+    def context_limit(self) -> int:
+        """The most prompt + generated tokens one request may hold: the max context less the rows a
+        speculative round writes past the committed text (its verify tail)."""
+        return self.max_context - (self.round.tail(None) if self.round is not None else 0)
+
     def submit(self, req: Request) -> None:
         cfg = self.model.cfg
         req.validate(cfg.vocab_size, self.max_context)

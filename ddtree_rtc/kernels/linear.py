@@ -27,10 +27,9 @@ _BETA = np.zeros(1, dtype=np.float32)
 
 IMPLS = ("auto", "skinny", "cublas")
 SKINNY_MAX_M = 16
-# auto, from the H200 (`ddtree-rtc bench linear`): skinny for M <= 8 on weights of 1M..64M elements —
-# 1.05-1.3x over cuBLAS on q_a, q_b, kv_a, o_proj, the shared expert and the router; the dense MLP
-# (264M) and lm_head read at 78-100% through cuBLAS and lose 1-10% here; at M = 16 it is even or
-# worse; and a K split of 4+ over N >= 4096 rows loses (shared w13 at M >= 2: 0.85x).
+# auto: skinny for M <= 8 on mid-sized weights (1M..64M elements), where cuBLAS leaves read bandwidth
+# unused; the largest weights (dense MLP, lm_head) cuBLAS already reads near the ceiling, and at
+# M = 16 the skinny kernel stops winning (`bench linear`; figures: benchmarks/README.md, Linear).
 AUTO_MAX_M = 8
 AUTO_MIN_WEIGHT_ELEMS = 1 << 20
 AUTO_MAX_WEIGHT_ELEMS = 64 << 20

@@ -5,9 +5,7 @@ splits the work so the GPU fills even at batch 1 (split-K over cache positions, 
 and uploads the metadata. ``mla_attention`` (device only, no sync, no allocation when ``out``/``lse``
 are given) launches the attention kernel and, when a split exists, the merge kernel; it can be
 captured in a CUDA graph. A later plan written with ``into=`` reuses the same device buffers and
-grid, so a captured graph replays it. ``merge="fused"`` (not the default) merges in the attention
-launch itself (the *_fused kernels: per-merge-item arrival counters, zeroed again by the kernel) and
-splits finer (down to FUSED_MIN_SPLIT cache rows per CTA).
+grid, so a captured graph replays it.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..reference.mla_attention import DV, ROW, MLABatch, check_merge, validate_batch
+from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
 from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from . import _cublas
 from ._args import BF16, allow_dynamic_smem, check, out_array
@@ -26,10 +24,6 @@ from ._launch import sm_count
 from .registry import module
 
 MIN_SPLIT = 256  # fewest cache rows per CTA: below that the partial write and merge dominate
-# merge="fused": fewest cache rows per CTA (untuned; one stage of m64 / w64, two of d16). No second
-# launch and the merge spread over the writers, so small batches split over more SMs; much finer and
-# the merge of a few rows over 100+ partials (one row per SM, 2 KB per partial) would dominate.
-FUSED_MIN_SPLIT = 64
 
 
 @dataclass(frozen=True)
@@ -160,8 +154,6 @@ class MLAPlan:
     owns_mask: bool  # False: the caller's device array, used in place
     o_part: object  # cupy f32 [2 * grid, BM, 512] (cut tiles have fewer than 2 * grid pieces)
     lse_part: object  # cupy f32 [2 * grid, BM]
-    fused: bool = False  # merge="fused": one launch, the *_fused kernel
-    counters: object = None  # fused: cupy int32 [2 * grid + 2], zero between launches (the kernel resets them)
 
 
 def _host(name, a, dtype):
@@ -195,7 +187,7 @@ def _props_of(device_id: int, arch_override: str | None) -> tuple[int, int, bool
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
                        tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None,
-                       replay: bool = False, merge: str | None = None):
+                       replay: bool = False):
     """Validate the batch and lay out the work (see the module doc of ddtree_rtc.reference.mla_attention).
     ``page_table``, ``ctx_lens``, ``num_new``: host or device integer arrays (copied). ``tree_mask``:
     None (causal), a host uint64 array (checked, copied) or a device one (used in place; its contents
@@ -203,11 +195,8 @@ def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size:
     CTAs to aim the split-K at (default: the GPU's SM count). ``into``: an earlier plan whose device
     buffers, grid and tile variant are reused (for CUDA-graph replay). ``replay``: this plan is a
     template that later plans are written ``into`` (it always launches the merge kernel, which reads
-    how many tiles were cut from device memory). ``merge``: None or "launch" (the merge kernel, a
-    second launch) or "fused" (the attention launch merges; see build_plan)."""
+    how many tiles were cut from device memory)."""
     import cupy
-
-    check_merge(merge)
 
     dev_mask = tree_mask if isinstance(tree_mask, cupy.ndarray) else None
     host_mask = None
@@ -221,21 +210,17 @@ def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size:
                            _host("page_table", page_table, np.int32), num_heads, page_size, num_pages,
                            host_mask, check_mask,
                            mask_shape=None if dev_mask is None else (dev_mask.shape, dev_mask.dtype))
-    return build_plan(batch, dev_mask, num_sms=num_sms, into=into, replay=replay, merge=merge)
+    return build_plan(batch, dev_mask, num_sms=num_sms, into=into, replay=replay)
 
 
 def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, variant: str | None = None,
-               into: MLAPlan | None = None, replay: bool = False, merge: str | None = None) -> MLAPlan:
+               into: MLAPlan | None = None, replay: bool = False) -> MLAPlan:
     """Lay out a validated batch. ``dev_mask``: the caller's device mask, used in place (otherwise
     ``batch.tree_mask`` is uploaded). ``variant``: force a tile variant (every variant computes the
-    same result; the default picks the fastest that fits the GPU). ``merge``: None / "launch" (the
-    default: split tiles are merged by a second launch) or "fused": the same tile variant's
-    *_fused kernel merges them in the attention launch (one launch, no merge kernel; decode, tree
-    verify and prefill alike) and the split goes down to FUSED_MIN_SPLIT rows per CTA. With
-    ``into``, the mode is the given plan's (a different explicit ``merge`` is an error)."""
+    same result; the default picks the fastest that fits the GPU). Split tiles are merged by a
+    second launch (variants tried and dropped: benchmarks/README.md, mla_attention)."""
     import cupy
 
-    fused = _fused_mode(merge, into)
     sms, smem_limit, wgmma = _device_props()
     if into is not None:
         variant = into.variant
@@ -251,12 +236,9 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
                            f"this GPU allows {smem_limit}")
     v = _VARIANTS[variant]
     bm, bn, nw = v.bm, v.bn, v.warps
-    allow_dynamic_smem(module("mla_attention").fn(_kernel_name(variant, fused)), _smem_bytes(variant))
+    allow_dynamic_smem(module("mla_attention").fn(_kernel_name(variant)), _smem_bytes(variant))
     grid = into.grid if into is not None else (num_sms or sms)
-    work, cta_work, merge, partials = split_work(batch, bm, bn, grid, FUSED_MIN_SPLIT if fused else v.min_split)
-    if fused:  # the kernel remembers the items a CTA completes in two registers (its first and last)
-        if partial_items_per_cta(work, cta_work).max(initial=0) > 2:
-            raise RuntimeError("split_work gave a CTA more than two partial items (the fused kernel keeps two)")
+    work, cta_work, merge, partials = split_work(batch, bm, bn, grid, v.min_split)
     req_info = np.zeros((batch.batch, _REQ_INTS), dtype=np.int32)
     req_info[:, 0], req_info[:, 1], req_info[:, 2] = batch.ctx_lens, batch.num_new, batch.q_start
     merges = np.zeros((grid, _MERGE_INTS), np.int32)
@@ -274,34 +256,16 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
     work_buf[:len(work)] = work
     return MLAPlan(
         batch=batch, variant=variant, bm=bm, threads=32 * nw, smem=_smem_bytes(variant), grid=grid,
-        merge_grid=MERGE_CTAS_PER_SM * grid if (len(merge) or replay) and not fused else 0, num_work=len(work),
+        merge_grid=MERGE_CTAS_PER_SM * grid if (len(merge) or replay) else 0, num_work=len(work),
         num_merge=len(merge), work=cupy.asarray(work_buf), cta_work=cupy.asarray(cta_work), merge=cupy.asarray(merges),
         merge_count=cupy.asarray(np.array([len(merge)], np.int32)), req_info=cupy.asarray(req_info),
         page_table=cupy.asarray(batch.page_table), mask=dev_mask, owns_mask=owns_mask,
         o_part=cupy.empty((2 * grid, bm, DV), dtype=cupy.float32),
-        lse_part=cupy.empty((2 * grid, bm), dtype=cupy.float32), fused=fused,
-        counters=cupy.zeros(2 * grid + 2, dtype=cupy.int32) if fused else None)
+        lse_part=cupy.empty((2 * grid, bm), dtype=cupy.float32))
 
 
-def _fused_mode(merge, into: MLAPlan | None) -> bool:
-    """Whether a plan merges in the attention launch: ``merge``, or with ``into`` that plan's mode."""
-    fused = check_merge(merge) == "fused"
-    if into is not None:
-        if merge is not None and fused != into.fused:
-            raise ValueError(f"merge={merge!r} differs from the plan given as into= "
-                             f"(merge={'fused' if into.fused else 'launch'!r})")
-        fused = into.fused
-    return fused
-
-
-def _kernel_name(variant: str, fused: bool) -> str:
-    return f"mla_attention_{variant}{'_fused' if fused else ''}_kernel"
-
-
-def partial_items_per_cta(work, cta_work) -> np.ndarray:
-    """Partial (split) work items per CTA of a split_work schedule."""
-    cta_of = np.searchsorted(cta_work, np.flatnonzero(work[:, 5] >= 0), side="right") - 1
-    return np.bincount(cta_of, minlength=len(cta_work) - 1)
+def _kernel_name(variant: str) -> str:
+    return f"mla_attention_{variant}_kernel"
 
 
 def _write_into(old: MLAPlan, batch, work, cta_work, merges, num_merge, req_info, host_mask, dev_mask):
@@ -320,7 +284,7 @@ def _write_into(old: MLAPlan, batch, work, cta_work, merges, num_merge, req_info
     need(batch.total_tokens == ob.total_tokens, f"{batch.total_tokens} query tokens != {ob.total_tokens}")
     need(batch.mask_words == ob.mask_words, "causal vs tree mask, or mask words, differ")
     need(len(work) <= old.work.shape[0], f"{len(work)} work items > capacity {old.work.shape[0]}")
-    need(num_merge == 0 or old.merge_grid > 0 or old.fused,
+    need(num_merge == 0 or old.merge_grid > 0,
          "it cuts tiles (split-K) but the given plan launches no merge")
     if dev_mask is not None:
         need(dev_mask.data.ptr == old.mask.data.ptr and dev_mask.shape == old.mask.shape,
@@ -352,13 +316,11 @@ def mla_attention(plan: MLAPlan, q, cache, softmax_scale: float, out=None, lse=N
     out = out_array("out", out, (t, h, DV), BF16)
     lse = out_array("lse", lse, (t, h), cupy.float32)
     mod = module("mla_attention")
-    fn = mod.fn(_kernel_name(plan.variant, plan.fused))  # its shared-memory limit was raised by the plan
+    fn = mod.fn(_kernel_name(plan.variant))  # its shared-memory limit was raised by the plan
     mask = plan.mask if plan.mask is not None else np.uint64(0)
     args = (q, cache, plan.page_table, np.int32(plan.page_table.shape[1]), np.int32(b.page_size), np.int32(h),
             plan.work, plan.cta_work, plan.req_info, mask, np.int32(b.mask_words), out, lse, plan.o_part,
             plan.lse_part, np.float32(softmax_scale * np.log2(np.e)))
-    if plan.fused:  # the merge items and the arrival counters (zero between launches)
-        args += (plan.merge, plan.counters)
     fn((plan.grid,), (plan.threads,), args, shared_mem=plan.smem)
     if plan.merge_grid:
         mod.fn("mla_attention_merge_kernel")(

@@ -3,8 +3,6 @@
 ``moe_plan`` (host, once per shape) picks the launch shape and allocates every buffer;
 ``moe_experts`` with a plan and an ``out`` only launches kernels (no sync, no allocation), so it can
 be captured in a CUDA graph: align -> gate_up (+ SiLU*up) [-> split-K reduce] -> down -> combine.
-``moe_plan(small="fused")`` (M <= SMALL_MAX_TOKENS) swaps those for one kernel, moe_fused_small: each
-CTA does an expert's gate_up slice and its share of the down GEMM, and adds into fp32 with atomics.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from ..reference.moe_gemm import check_experts_layout
 from ..reference.moe_routing import MoEAlignment
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported, sm_count
-from .moe_routing import alignment_buffers, check_ids_in_range, moe_align
+from .moe_routing import alignment_buffers, moe_align
 from .registry import module, spec
 
 ROWS_PER_CTA = 128  # 4 warps x 32 rows
@@ -30,23 +28,13 @@ BLOCK_BYTES = 1152
 # work and halves the weight traffic through L2 and shared memory (the H200 sweep, `ddtree-rtc bench moe
 # --sweep --nt4-above`, is the judge).
 NT4_ABOVE = 8
-CONCURRENT = True
-# Programmatic dependent launches inside moe_experts (kernels/_launch.py): the align, split-K reduce,
-# down and combine launches start while the previous kernel drains, and the down GEMM's first weight
-# stages are in flight before gate_up ends. Only on one stream (a plan with a side stream launches as
-# before). The gate_up GEMM itself launches plainly: PDL there measured no steady gain
-# (benchmarks/README.md, moe_gemm).
-PDL = True
+# Programmatic dependent launches inside moe_experts (kernels/_launch.py; a plan's default where the
+# GPU has them): the align, split-K reduce, down and combine launches start while the previous kernel
+# drains, and the down GEMM's first weight stages are in flight before gate_up ends. Only on one
+# stream (a plan with a side stream launches as before). The gate_up GEMM itself launches plainly:
+# PDL there measured no steady gain (benchmarks/README.md, moe_gemm).
 LARGE_BLOCK = 32  # pairs per block of the large list (nt 4)
 _COMBINE_COLS = 256 * 4
-# The fused small-M kernel (cuda_src/moe_gemm.cu, moe_fused_small): 8 warps, one CTA per (distinct
-# expert, 128-wide intermediate slice); the 8 mma columns are the tokens, so M <= 8, and one thread
-# per (token, slot) pair finds the distinct experts, so M * top_k <= 256.
-SMALL_VARIANTS = ("fused",)
-SMALL_MAX_TOKENS = 8
-_FUSED_THREADS = 256
-_FUSED_STAGE_BYTES = 8 * 2 * BLOCK_BYTES + 8 * TILE_K * 2  # 16 weight blocks + 8 tokens x k128 bf16
-_FUSED_STATIC_SMEM = 5168  # its static shared memory (h, the ids and weights, flags; `kernels build` lists it)
 _MAX_GRID_Y = 65535
 
 
@@ -69,18 +57,12 @@ class MoEPlan:
     side: object = None  # with both lists: a second stream that runs the nt 4 launch beside the nt 1 one
     events: tuple = ()  # (fork, join) events of that side stream
     pdl: bool = False  # programmatic dependent launches (one stream only)
-    small: str | None = None  # "fused": moe_experts runs moe_fused_small instead of the steps above
-    fused_stages: int = 0  # its cp.async ring depth
-    fused_acc: object = None  # fp32 [M, H], zero between runs (the kernel's last CTA re-zeroes it)
-    fused_count: object = None  # uint32 [1] CTA check-in counter, zero between runs
 
     def module(self):
         """The moe_gemm module built with this plan's ring depths."""
         params = {}
         if self.stages != default_stages():
             params.update(MOE_STAGES_NT1=self.stages[0], MOE_STAGES_NT4=self.stages[1])
-        if self.small == "fused" and self.fused_stages != default_fused_stages():
-            params.update(MOE_STAGES_FUSED=self.fused_stages)
         return module("moe_gemm", **params)
 
     def stages_of(self, nt: int) -> int:
@@ -156,64 +138,21 @@ def default_stages() -> tuple[int, int]:
     return p["MOE_STAGES_NT1"], p["MOE_STAGES_NT4"]
 
 
-def default_fused_stages() -> int:
-    """The ring depth moe_fused_small is built with by default: 5 x 20 KB, two CTAs per SM on sm_90 /
-    sm_100 (228 KB); where a block gets less (sm_120: 99 KB) the plan takes the deepest ring that fits."""
-    return spec("moe_gemm").params["MOE_STAGES_FUSED"]
-
-
-def _fused_smem(stages: int) -> int:
-    return stages * _FUSED_STAGE_BYTES + _FUSED_STATIC_SMEM
-
-
-def check_small(small: str | None, num_tokens: int, top_k: int, fused_stages: int | None,
-                smem_per_block: int | None = None) -> int:
-    """The small-M variant's rules; returns its ring depth (0 without the variant): ``fused_stages``,
-    checked against ``smem_per_block`` (the GPU's opt-in limit) when given, or by default the built
-    depth, or the deepest ring under that limit."""
-    if small is None:
-        if fused_stages is not None:
-            raise ValueError("fused_stages is a setting of small='fused'; pass small='fused' too")
-        return 0
-    if small not in SMALL_VARIANTS:
-        raise ValueError(f"small={small!r}: known small-M variants are {SMALL_VARIANTS} (or None for the default path)")
-    if num_tokens > SMALL_MAX_TOKENS:
-        raise ValueError(f"small={small!r} serves M <= {SMALL_MAX_TOKENS} tokens (one mma column each), "
-                         f"got M = {num_tokens}; use the default path")
-    if not 1 <= top_k or num_tokens * top_k > _FUSED_THREADS:
-        raise ValueError(f"small={small!r}: M * top_k = {num_tokens * top_k} pairs must be in [1, {_FUSED_THREADS}]")
-    if fused_stages is None:
-        st = default_fused_stages()
-        while smem_per_block is not None and st > 2 and _fused_smem(st) > smem_per_block:
-            st -= 1
-        return st
-    st = int(fused_stages)
-    if not 2 <= st <= 10:
-        raise ValueError(f"fused_stages={fused_stages}: expected a ring depth in 2..10")
-    if smem_per_block is not None and _fused_smem(st) > smem_per_block:
-        raise ValueError(f"fused_stages={st}: {st} x {_FUSED_STAGE_BYTES} B of ring (+ {_FUSED_STATIC_SMEM} B "
-                         f"static) exceed this GPU's {smem_per_block} B of shared memory per block")
-    return st
-
-
 def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
              split_gate_up: int | None = None, split_down: int | None = None, nt: int | None = None,
              num_sms: int | None = None, nt4_above: int | None = None,
              stages: tuple[int, int] | None = None, concurrent: bool | None = None,
-             pdl: bool | None = None, small: str | None = None, fused_stages: int | None = None) -> MoEPlan:
+             pdl: bool | None = None) -> MoEPlan:
     """Plan one MoE shape: token tiles (by default per expert on the device: 8-pair blocks for
     experts with at most ``nt4_above`` pairs, 32-pair blocks beyond; ``nt`` 1 or 4 forces one tile
     for all), split-K of each GEMM (enough CTAs to cover the SMs when few experts are touched), and
     buffers. ``stages`` (nt 1, nt 4) overrides the GEMMs' cp.async ring depths (2..16; 0 = default).
-    ``concurrent`` (default CONCURRENT): with both block lists, the nt 4 and nt 1 launches of each
+    ``concurrent`` (default on): with both block lists, the nt 4 and nt 1 launches of each
     GEMM run on two streams (forked and joined by events, so a CUDA graph captures them as two
     branches) and share the SMs: the compute-bound 32-pair blocks beside the byte-bound 8-pair ones.
-    ``pdl`` (default PDL, on GPUs that have it): programmatic dependent launches of moe_experts'
-    kernels, for a plan without the side stream (asking for both is an error).
-    ``small="fused"`` (M <= SMALL_MAX_TOKENS; default None, the path above): moe_experts launches the
-    one fused kernel moe_fused_small instead (``fused_stages``: its ring depth, 2..10, default
-    ``default_fused_stages()`` or the deepest this GPU's shared memory holds); its fp32
-    atomic sums make the output vary in the last bits between runs (not bitwise reproducible)."""
+    ``pdl`` (default on, on GPUs that have it): programmatic dependent launches of moe_experts'
+    kernels, for a plan without the side stream (asking for both is an error). Turning either off
+    gives the plain single-stream schedule (the tests' control; the same outputs)."""
     import cupy
 
     if num_tokens < 1:
@@ -225,8 +164,6 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
     if len(stages) != 2 or any(v and not 2 <= v <= 16 for v in stages):
         raise ValueError(f"stages={stages}: expected (nt1, nt4) ring depths in 2..16 (0 = default)")
     stages = tuple(v or d for v, d in zip(stages, default_stages()))
-    fused_st = check_small(small, num_tokens, top_k, fused_stages,
-                           cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"] if small else None)
     p = num_tokens * top_k
     align = alignment_buffers(p, num_experts, 8, LARGE_BLOCK,
                               pick_nt4_above(num_tokens, top_k, nt, nt4_above))
@@ -244,17 +181,13 @@ def moe_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, interme
         cupy.empty((p, intermediate), dtype=cupy.uint16),
         cupy.empty((s13, p, 2 * intermediate), dtype=cupy.float32) if s13 > 1 else None,
         cupy.empty((s2, p, hidden), dtype=cupy.float32), stages)
-    if (CONCURRENT if concurrent is None else concurrent) and align.large_capacity and align.small_capacity:
+    if concurrent is not False and align.large_capacity and align.small_capacity:
         plan.side = cupy.cuda.Stream(non_blocking=True)
         plan.events = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True))
     if pdl and plan.side is not None:
         raise ValueError("pdl=True with the concurrent side stream: programmatic launches need one stream "
                          "(pass concurrent=False)")
-    plan.pdl = (PDL if pdl is None else pdl) and plan.side is None and pdl_supported()
-    if small is not None:
-        plan.small, plan.fused_stages = small, fused_st
-        plan.fused_acc = cupy.zeros((num_tokens, hidden), dtype=cupy.float32)
-        plan.fused_count = cupy.zeros(1, dtype=cupy.uint32)
+    plan.pdl = pdl is not False and plan.side is None and pdl_supported()
     return plan
 
 
@@ -309,11 +242,6 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
     f32_out = out is not None and out.dtype == np.float32
     y = out_array("out", out, (m, h), np.float32 if f32_out else BF16)
     _aligned("out", y)
-    if plan.small == "fused":
-        if check_ids:  # (the default path checks in moe_align)
-            check_ids_in_range(topk_ids, e)
-        moe_fused_small(x, topk_ids, topk_weights, experts, shared, y, plan)
-        return y
     al = plan.align
     moe_align(topk_ids, e, al.block, out=al, check_ids=check_ids, large_block=al.large_block,
               large_above=al.large_above, pdl=plan.pdl)
@@ -406,18 +334,3 @@ def moe_down(experts, plan: MoEPlan) -> None:
             np.uint64(0), plan.part_down), shared_mem=smem, stream=stream, pdl=plan.pdl)
     _join(plan, len(lists))
 
-
-def moe_fused_small(x, topk_ids, topk_weights, experts, shared, y, plan: MoEPlan) -> None:
-    """The whole expert step for M <= 8 as one launch (see cuda_src/moe_gemm.cu, moe_fused_small):
-    grid (I / 128 slices, min(E, M * top_k) distinct-expert slots); y bf16 or fp32 [M, H]. Inputs as
-    moe_experts checked them; plan.fused_acc and plan.fused_count must be zero (as the plan makes them
-    and as every completed run leaves them)."""
-    m, h = x.shape
-    e, inter, top_k = experts.num_experts, experts.intermediate, plan.top_k
-    smem = plan.fused_stages * _FUSED_STAGE_BYTES
-    launch(_gemm_fn(plan.module(), "moe_fused_small", smem), (inter // TILE_K, min(e, m * top_k)),
-           (_FUSED_THREADS,), (
-               experts.w13, np.int64(experts.w13[0].nbytes), experts.w2, np.int64(experts.w2[0].nbytes), x,
-               topk_ids, topk_weights, np.int32(m), np.int32(top_k), np.int32(e), np.int32(h), np.int32(inter),
-               shared if shared is not None else np.uint64(0), plan.fused_acc, plan.fused_count, y,
-               np.int32(y.dtype == np.float32)), shared_mem=smem, pdl=plan.pdl)

@@ -18,22 +18,16 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("sampling", ("argmax_kernel", "sample_kernel"),
                "argmax and seeded temperature / top-p sampling over the vocabulary"),
     # -- DDTree (issue: tree build) --
-    KernelSpec("topk", ("topk_stream_bf16_kernel", "topk_stream_f32_kernel", "topk_chunk_bf16_kernel",
-                        "topk_chunk_f32_kernel", "topk_bf16_kernel", "topk_f32_kernel",
-                        "topk_radix_hist_bf16_kernel", "topk_radix_hist_f32_kernel",
-                        "topk_radix_select_bf16_kernel", "topk_radix_select_f32_kernel"),
+    KernelSpec("topk", ("topk_stream_bf16_kernel", "topk_stream_f32_kernel", "topk_radix_hist_bf16_kernel",
+                        "topk_radix_hist_f32_kernel", "topk_radix_select_bf16_kernel", "topk_radix_select_f32_kernel"),
                "vocabulary top-k: fp32 log-softmax and the K best log-probs + ids per row, ties by id "
-               "(stream: one read, a shared buffer of candidate vectors behind a rising threshold; chunked: "
-               "each chunk copied to shared memory; slices: the older one-block-per-slice kernel; radix: a "
+               "(stream: one read, a shared buffer of candidate vectors behind a rising threshold; radix: a "
                "streaming histogram pass, then one block per row re-reads only the groups that can hold "
                "candidates)",
                params={"TOPK_CAP": 8192, "TOPK_STREAM_BLOCKS": 2, "TOPK_PROFILE": 0}),
-    KernelSpec("tree_build", ("tree_build_prune_j3", "tree_build_prune_j9", "tree_build_prune_j17",
-                              "tree_build_j3", "tree_build_j9", "tree_build_j17",
-                              *(f"tree_build_warp_j{j}" for j in (1, 2, 3, 4, 8, 16))),
-               "DDTree best-first tree build per request, bit-identical to the heapq reference (prune: "
-               "depth by depth in parallel, the heap loop where that is not exact; the heap loop alone "
-               "for tests and bench tree --variants; warp: the heap loop in registers, one warp per request)",
+    KernelSpec("tree_build", ("tree_build_prune_j3", "tree_build_prune_j9", "tree_build_prune_j17"),
+               "DDTree best-first tree build per request, bit-identical to the heapq reference (depth by "
+               "depth in parallel, the sequential heap loop where that is not exact)",
                params={"TREE_PROFILE": 0, "TREE_THREADS": 512}),
     KernelSpec("tree_accept", ("tree_accept_table_kernel",),
                "DDTree acceptance walk: follow the children matching the target's choices"),
@@ -45,24 +39,19 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "8-pair runs for experts with few pairs, 32-pair runs for the rest)"),
     KernelSpec("moe_gemm", ("moe_gemm_nt1_h", "moe_gemm_nt1_f32", "moe_gemm_nt1_down", "moe_gemm_nt4_h",
                             "moe_gemm_nt4_f32", "moe_gate_up_reduce_kernel", "moe_combine_kernel",
-                            "moe_combine_f32_kernel", "moe_fused_small"),
+                            "moe_combine_f32_kernel"),
                "fused INT4 W4A16 group-32 expert GEMMs (mma.sync, weights on the 16-row side): gate_up "
-               "with SiLU*up, down, split-K reduce, weighted top-k combine; for M <= 8 one fused kernel "
-               "(gate_up slice -> down K-split -> atomic fp32 combine, the last CTA writes y)",
+               "with SiLU*up, down, split-K reduce, weighted top-k combine",
                params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4,
-                       "MOE_NT4_WEIGHTS_NORMAL": 1, "MOE_STAGES_FUSED": 5}),
+                       "MOE_NT4_WEIGHTS_NORMAL": 1}),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),
                "paged KV cache: write rows at slots; DDTree commit of accepted rows, in place, all layers"),
     KernelSpec("mla_attention", ("mla_attention_m64_kernel", "mla_attention_m16_kernel",
                                  "mla_attention_small_kernel", "mla_attention_d16_kernel",
-                                 "mla_attention_w64_kernel", "mla_attention_merge_kernel",
-                                 "mla_attention_m64_fused_kernel", "mla_attention_m16_fused_kernel",
-                                 "mla_attention_small_fused_kernel", "mla_attention_d16_fused_kernel",
-                                 "mla_attention_w64_fused_kernel"),
+                                 "mla_attention_w64_kernel", "mla_attention_merge_kernel"),
                "absorbed MLA attention over the paged latent cache (decode / tree verify / causal "
-               "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge; *_fused: the "
-               "same tiles with the split merge in the same launch",
+               "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge",
                arch_specific=True),
     # -- the DFlash drafter's attention --
     KernelSpec("gqa_attention", ("gqa_attention_d64_kernel", "gqa_attention_d128_kernel",

@@ -178,6 +178,13 @@ def _first_id(v):
     return v[0] if isinstance(v, list) and v else v
 
 
+_NUMERIC_FIELDS = {**{k: int for k in (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+    "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "vocab_size",
+    "max_position_embeddings")}, "routed_scaling_factor": (int, float), "rms_norm_eps": (int, float)}
+
+
 def config_from_dict(raw: dict, source: str = "<dict>") -> ModelConfig:
     d = raw.get("text_config") or raw
     mt = d.get("model_type", raw.get("model_type"))
@@ -187,6 +194,11 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> ModelConfig:
     missing = [k for k in _REQUIRED if k not in d]
     if missing:
         raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
+    for k, v in d.items():  # name the key a wrong-typed value sits at (int("abc") names none)
+        kind = _NUMERIC_FIELDS.get(k)
+        if kind is not None and v is not None and (isinstance(v, bool) or not isinstance(v, kind)):
+            want = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{source}: {k} must be {want}, got {v!r}")
     n_routed = int(d.get("n_routed_experts") or 0)
     try:
         return ModelConfig(

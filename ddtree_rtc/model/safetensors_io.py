@@ -42,7 +42,23 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     except json.JSONDecodeError as e:
         raise SafetensorsError(f"{p}: corrupt safetensors header: {e}") from None
     table.pop("__metadata__", None)
+    _check_extent(p, table, 8 + n)
     return table, 8 + n
+
+
+def _check_extent(p: Path, table: dict, data_start: int) -> None:
+    """A file cut short (an interrupted copy or download) names its first tensor past the end."""
+    size = p.stat().st_size
+    try:
+        ends = sorted((int(e["data_offsets"][1]), name) for name, e in table.items())
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise SafetensorsError(f"{p}: corrupt safetensors header: a tensor without valid data_offsets ({e})") \
+            from None
+    past = [(end, name) for end, name in ends if data_start + end > size]
+    if past:
+        end, name = past[0]
+        raise SafetensorsError(f"{p}: truncated: {size} bytes, but tensor {name!r} ends at byte {data_start + end} "
+                               f"(and {len(past) - 1} more tensors lie past the end); copy or make the file again")
 
 
 def open_tensor(path: str | Path, name: str, entry: dict, data_start: int) -> np.ndarray:

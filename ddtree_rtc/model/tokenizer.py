@@ -1,5 +1,5 @@
-"""Kimi's tokenizer: its tiktoken encoding, read from ``tiktoken.model`` in the model directory
-(tiktoken is an optional extra)."""
+"""Tokenizers: Kimi's tiktoken encoding, read from ``tiktoken.model`` in the model directory
+(tiktoken is an optional extra), and the byte tokenizer preset (random) models use."""
 
 from __future__ import annotations
 
@@ -14,6 +14,16 @@ PATTERN = (r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{H
 
 class TokenizerError(ValueError):
     pass
+
+
+class ByteTokenizer:
+    """Preset models' text: UTF-8 bytes are token ids 0-255; ids >= 256 decode to nothing."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
 
 
 def kimi_tokenizer(directory: Path):

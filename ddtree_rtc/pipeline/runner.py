@@ -13,6 +13,7 @@ import os
 import statistics
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from ..model.config import preset_config
 from ..model.make_model import make_model
 from ..model.shard import Shard, ShardError
 from ..model.target import TargetModel
-from ..model.tokenizer import TokenizerError, kimi_tokenizer
+from ..model.tokenizer import ByteTokenizer, TokenizerError, kimi_tokenizer
 from .schema import Pipeline, PipelineError
 
 
@@ -181,11 +182,18 @@ def check_dummy_fits(pipe: Pipeline, cfg, shard: Shard, backend: Backend) -> int
     return need
 
 
-def load_prompts(pipe: Pipeline, vocab: int, directory: Path) -> list[list[int]]:
+def load_prompts(pipe: Pipeline, vocab: int, directory: Path | None,
+                 origins: list[str] | None = None) -> list[list[int]]:
+    """The workload's prompts: synthetic, or one JSON object per line of ``workload.prompts``:
+    ``{"ids": [int, ...]}`` or ``{"text": "..."}`` (through the model's tokenizer: Kimi's tiktoken
+    when the directory has one, else for a preset model the byte tokenizer ``serve`` uses). Every
+    error names the file and line. ``origins``, when given, gets each prompt's ``file:line``."""
     w = pipe.workload
     if w.synthetic is not None:
         s = w.synthetic
         rng = np.random.default_rng(s.seed)
+        if origins is not None:
+            origins += [f"{pipe.source}: workload.synthetic prompt {i}" for i in range(s.count)]
         return [rng.integers(0, vocab, s.prompt_len).tolist() for _ in range(s.count)]
     path = Path(w.prompts)
     if not path.is_absolute():
@@ -195,24 +203,76 @@ def load_prompts(pipe: Pipeline, vocab: int, directory: Path) -> list[list[int]]
         lines = path.read_text().splitlines()
     except OSError as e:
         raise PipelineError(f"{pipe.source}: workload.prompts: cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise PipelineError(f"{pipe.source}: workload.prompts: {path} is not UTF-8 text ({e.reason})") from None
     encoder = None
+    form = 'each line must be one JSON object, {"ids": [int, ...]} or {"text": "..."}'
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"{path}:{n}"
         try:
             item = json.loads(line)
         except json.JSONDecodeError as e:
-            raise PipelineError(f"{path}:{n}: not valid JSON: {e}") from None
-        if isinstance(item, dict) and "ids" in item:
-            prompts.append([int(t) for t in item["ids"]])
-        elif isinstance(item, dict) and "text" in item:
-            encoder = encoder or _tokenizer(directory)
-            prompts.append(encoder(item["text"]))
+            raise PipelineError(f"{where}: not valid JSON: {e}") from None
+        if not isinstance(item, dict) or len(item) != 1 or next(iter(item)) not in ("ids", "text"):
+            keys = sorted(item) if isinstance(item, dict) else None
+            raise PipelineError(f"{where}: {form}" + (f"; got keys {keys}" if keys is not None else ""))
+        if "ids" in item:
+            ids = item["ids"]
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise PipelineError(f"{where}: \"ids\" must be a list of integer token ids, got {json.dumps(ids)[:80]}")
+            prompt = ids
         else:
-            raise PipelineError(f"{path}:{n}: each line must be {{\"ids\": [...]}} or {{\"text\": \"...\"}}")
+            if not isinstance(item["text"], str):
+                raise PipelineError(f"{where}: \"text\" must be a string, got {json.dumps(item['text'])[:80]}")
+            encoder = encoder or _text_encoder(pipe, directory, where)
+            prompt = encoder(item["text"])
+        if not prompt:
+            raise PipelineError(f"{where}: empty prompt")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise PipelineError(f"{where}: token id(s) {bad[:5]} outside the model's vocabulary [0, {vocab})")
+        prompts.append(prompt)
+        if origins is not None:
+            origins.append(where)
     if not prompts:
         raise PipelineError(f"{path}: no prompts")
     return prompts
+
+
+def _text_encoder(pipe: Pipeline, directory: Path | None, where: str):
+    """Text prompts' tokenizer: Kimi's tiktoken in ``directory``, else a preset's byte tokenizer (the
+    one ``serve`` uses for presets)."""
+    if pipe.model.path is None and (directory is None or not (directory / "tiktoken.model").exists()):
+        return ByteTokenizer().encode
+    try:
+        return _tokenizer(directory)
+    except PipelineError as e:
+        raise PipelineError(f"{where}: {e}") from None
+
+
+def check_output(pipe: Pipeline) -> None:
+    """Fail before any work when ``output.json`` cannot be written: a directory, a path under a
+    file, or a directory without write permission (a probe file is made and removed)."""
+    if not pipe.output.json:
+        return
+    out = Path(pipe.output.json)
+    what = f"{pipe.source}: output.json {out}"
+    if out.is_dir():
+        raise PipelineError(f"{what} is a directory; give a file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise PipelineError(f"{what}: a parent of it is a file, not a directory") from None
+    except OSError as e:
+        raise PipelineError(f"{what}: cannot make its directory: {e.strerror}") from None
+    probe = out.with_name(f".{out.name}.probe{os.getpid()}")
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise PipelineError(f"{what}: cannot write in {out.parent}: {e.strerror}") from None
 
 
 def _tokenizer(directory: Path | None):
@@ -225,25 +285,37 @@ def _tokenizer(directory: Path | None):
         raise PipelineError(str(e)) from None
 
 
-def greedy_continuation(model, horizon: int, page_size: int = 64):
+def greedy_continuation(model, horizon: int, page_size: int = 64, max_cached: int | None = None):
     """``continuation(rid, prompt)`` for the oracle drafter: the target's own greedy decode of
     ``horizon`` tokens after ``prompt`` (a plain autoregressive engine, one request at a time in a
-    private cache), cached per prompt."""
-    known: dict[tuple, list[int]] = {}
+    private cache), cached per prompt; ``max_cached``: keep only that many most recently used
+    prompts' continuations (None: all, for a run whose prompts are known up front)."""
+    known: OrderedDict[tuple, list[int]] = OrderedDict()
 
     def continuation(rid, prompt):
         key = tuple(prompt)
-        if key not in known:
+        if key in known:
+            known.move_to_end(key)
+        else:
             eng = Engine(model, max_batch=1, page_size=page_size, max_context=len(prompt) + horizon)
             known[key] = eng.run([Request(0, list(prompt), horizon)])[0].output
+            if max_cached is not None and len(known) > max_cached:
+                known.popitem(last=False)
         return known[key]
 
+    continuation.cached = known  # for tests and metrics: the continuations held now
     return continuation
+
+
+# prompts whose oracle continuations a server keeps (its prompts are not known up front)
+ORACLE_SERVE_CACHE = 256
 
 
 def make_drafter(pipe: Pipeline, model: TargetModel, max_new: int, prompts: list[list[int]], log=None):
     """The pipeline's drafter for ddtree / chain decoding (None for autoregressive). The oracle's
-    greedy continuations are decoded here, before the timed run (every rank decodes them alike)."""
+    greedy continuations are decoded here, before the timed run (every rank decodes them alike);
+    without prompts (a server) each new prompt is decoded when it arrives, and only the
+    ORACLE_SERVE_CACHE most recent are kept."""
     from ..speculative.drafters import OracleDrafter, RandomDrafter
 
     d = pipe.decode
@@ -259,7 +331,8 @@ def make_drafter(pipe: Pipeline, model: TargetModel, max_new: int, prompts: list
             return DFlashDrafter.load(spec.path, model, window=spec.window)
         except ValueError as e:
             raise PipelineError(f"{pipe.source}: decode.drafter.path {spec.path}: {e}") from None
-    cont = greedy_continuation(model, max_new + spec.depth, pipe.runtime.page_size)
+    cont = greedy_continuation(model, max_new + spec.depth, pipe.runtime.page_size,
+                               max_cached=None if prompts else ORACLE_SERVE_CACHE)
     with click.progressbar(prompts, label="oracle: target greedy decode", file=log or sys.stderr) as bar:
         for i, p in enumerate(bar):
             cont(i, p)
@@ -339,12 +412,37 @@ def parallel_metrics(engine: Engine) -> dict | None:
             "collective_bytes_per_step": nbytes / engine.stats.steps if engine.stats.steps else None}
 
 
+class ProgressLines:
+    """Progress for a log that is not a terminal (a file, a pipe, a CI job), where a progress bar
+    shows nothing until the end: one line at each tenth of the requests and at least every
+    ``every_s`` seconds, with requests done, tokens generated and tok/s so far."""
+
+    def __init__(self, log, requests: list[Request], every_s: float = 30.0):
+        self.log, self.requests, self.total, self.every_s = log, requests, len(requests), every_s
+        self.done, self.t0 = 0, time.perf_counter()
+        self.last_t, self.last_tenth = self.t0, 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        tenth = 10 * self.done // self.total
+        if tenth > self.last_tenth or now - self.last_t >= self.every_s or self.done == self.total:
+            self.last_t, self.last_tenth = now, tenth
+            gen = sum(len(r.output) for r in self.requests)
+            wall = now - self.t0
+            click.echo(f"progress: {self.done}/{self.total} requests, {gen} tokens, {wall:.1f} s, "
+                       f"{gen / wall if wall else 0:.1f} tok/s", file=self.log)
+
+
 def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None) -> dict:
     w = pipe.workload
     ranks = ranks or ranks_for(pipe)
     quiet = quiet or not ranks.is_main
+    if ranks.is_main:
+        check_output(pipe)
     directory = model_dir(pipe, ranks)
-    prompts = load_prompts(pipe, model_config(pipe, directory).vocab_size, directory)
+    origins: list[str] = []
+    prompts = load_prompts(pipe, model_config(pipe, directory).vocab_size, directory, origins)
     engine, info = build_engine(pipe, max_batch=min(w.concurrency, pipe.runtime.max_batch), profile=True,
                                 prompts=prompts, ranks=ranks)
     model, backend, drafter = engine.model, engine.backend, engine.drafter
@@ -352,15 +450,20 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
     d = pipe.decode
     new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
     reqs = [Request(i, p, new, temperature=d.temperature, top_p=d.top_p) for i, p in enumerate(prompts)]
-    try:
-        for r in reqs:
+    for r in reqs:
+        try:
             engine.submit(r)
-    except ValueError as e:
-        raise PipelineError(f"{pipe.source}: {e}") from None
+        except ValueError as e:  # name the prompt's line, not the engine's request number
+            msg = str(e).removeprefix(f"request {r.rid}: ")
+            raise PipelineError(f"{origins[r.rid]}: {msg} (workload.max_new_tokens / output_len {new}, "
+                                f"runtime.max_context {pipe.runtime.max_context})") from None
     ranks.comm.stats = CommStats()  # count the timed run's collectives only
     t0 = time.perf_counter()
-    with click.progressbar(length=len(reqs), label="running workload", file=ranks.log) as bar:
-        done = engine.run([], progress=bar.update)
+    if ranks.is_main and not ranks.log.isatty():
+        done = engine.run([], progress=ProgressLines(ranks.log, reqs).update)
+    else:
+        with click.progressbar(length=len(reqs), label="running workload", file=ranks.log) as bar:
+            done = engine.run([], progress=bar.update)
     wall = time.perf_counter() - t0
     st = engine.stats
     lat = [r.t_done - r.t_arrive for r in done]
@@ -433,8 +536,12 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
         out = Path(pipe.output.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(out)
+        try:
+            tmp.write_text(json.dumps(result, indent=1))
+            tmp.replace(out)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise PipelineError(f"{pipe.source}: output.json {out}: cannot write: {e.strerror}") from None
         if not quiet:
             click.echo(f"wrote {out}")
     return result

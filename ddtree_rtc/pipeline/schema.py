@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .yamlio import LinedDict, PipelineError, load_yaml
+from .yamlio import LinedDict, PipelineError, Where, load_yaml
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to load: a preset (built-in random weights) or a checkpoint directory. ``head``: a
-    preset's lm_head, ``random`` or ``decisive`` (greedy choices far from ties; see
-    ddtree_rtc.model.random_weights.decisive_rows)."""
+    """What to load: a preset (built-in random weights) or a checkpoint directory; a ``path`` overrides
+    a ``preset`` (so ``--set model.path=DIR`` runs a pipeline written for a preset on a make-model
+    output). ``head``: a preset's lm_head, ``random`` or ``decisive`` (greedy choices far from ties;
+    see ddtree_rtc.model.random_weights.decisive_rows)."""
 
     preset: str | None = None
     path: str | None = None
@@ -32,8 +33,8 @@ class ModelSpec:
         if self.load == "dummy" and self.path is not None:
             raise ValueError("load: dummy makes a preset's random weights in memory; it takes no checkpoint "
                              f"'path' ({self.path}): give 'preset' instead")
-        if (self.preset is None) == (self.path is None):
-            raise ValueError("give exactly one of 'preset' or 'path'")
+        if self.preset is None and self.path is None:
+            raise ValueError("give 'preset' (built-in random weights) or 'path' (a checkpoint directory)")
         if self.path is not None and self.head != "random":
             raise ValueError("head applies to a preset's random weights, not to a checkpoint 'path'")
         if self.layers is not None and self.layers < 1:
@@ -258,13 +259,32 @@ def from_mapping(cls, d: dict, path: str = ""):
     try:
         return cls(**kwargs)
     except (ValueError, TypeError, KeyError) as e:
-        where = str(d.where()) if lined else path
-        raise PipelineError(f"{where}: {path or cls.__name__}: {e.args[0] if e.args else e}") from None
+        msg = str(e.args[0] if e.args else e)
+        key = _key_named(msg, d) if lined else None
+        where = str(d.where(key)) if lined else path
+        raise PipelineError(f"{where}: {path or cls.__name__}: {msg}") from None
+
+
+def _key_named(msg: str, d: LinedDict):
+    """The key of ``d`` an invariant's message names first (its line is where the error is), or None
+    (the mapping's own line)."""
+    import re
+
+    hits = [(m.start(), k) for k in d if isinstance(k, str)
+            for m in [re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", msg)] if m]
+    return min(hits)[1] if hits else None
+
+
+# keys whose relative paths are read from the pipeline file's directory; given with --set, from the
+# current directory instead (where the user typed them), as every other path is
+_PATHS_FROM_YAML_DIR = ("workload.prompts",)
 
 
 def parse_pipeline(text: str, file: str = "<pipeline>", overrides: dict | None = None) -> Pipeline:
     data = load_yaml(text, file)
     for dotted, value in (overrides or {}).items():
+        if dotted in _PATHS_FROM_YAML_DIR and isinstance(value, str) and not Path(value).is_absolute():
+            value = str(Path(value).absolute())
         _apply_override(data, dotted, value)
     for key, why in REMOVED_KEYS.items():
         if key in data:
@@ -292,14 +312,16 @@ def _apply_override(data: LinedDict, dotted: str, value) -> None:
         nxt = node.get(part)
         if nxt is None:
             nxt = LinedDict()
-            nxt.file, nxt.line, nxt.key_lines = "--set", 0, {}
+            nxt.file, nxt.line, nxt.key_lines = f"--set {dotted}", 0, {}
             node[part] = nxt
+            if isinstance(node, LinedDict):
+                node.key_lines[part] = Where(f"--set {dotted}", 0)
         if not isinstance(nxt, dict):
             raise PipelineError(f"--set {dotted}: {part!r} is not a mapping")
         node = nxt
     node[parts[-1]] = value
     if isinstance(node, LinedDict):
-        node.key_lines[parts[-1]] = 0
+        node.key_lines[parts[-1]] = Where(f"--set {dotted}", 0)
 
 
 def parse_set_options(items: tuple[str, ...]) -> dict:

@@ -13,11 +13,11 @@ class PipelineError(ValueError):
 
 @dataclass(frozen=True)
 class Where:
-    file: str
-    line: int  # 1-based
+    file: str  # or "--set KEY" for a value given on the command line
+    line: int  # 1-based; 0: not from a file
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}"
+        return f"{self.file}:{self.line}" if self.line else self.file
 
 
 class LinedDict(dict):
@@ -28,7 +28,8 @@ class LinedDict(dict):
     key_lines: dict
 
     def where(self, key=None) -> Where:
-        return Where(self.file, self.key_lines.get(key, self.line) if key is not None else self.line)
+        at = self.key_lines.get(key, self.line) if key is not None else self.line
+        return at if isinstance(at, Where) else Where(self.file, at)
 
 
 class _Loader(yaml.SafeLoader):

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent.parent.parent / "benchmarks"
+# In a checkout this is a link to the repository's benchmarks/; a wheel holds copies of its JSON
+# (setup.cfg package_data), so the projection works outside the checkout too.
+BENCH_DIR = Path(str(resources.files(__package__) / "benchmarks"))
 
 
 class ProjectionError(ValueError):

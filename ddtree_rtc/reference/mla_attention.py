@@ -187,25 +187,11 @@ def validate_batch(ctx_lens, num_new, page_table, num_heads: int, page_size: int
                     tree_mask, words)
 
 
-MERGE_MODES = ("launch", "fused")  # the CUDA plan's split-K merge: a second launch, or in the same one
-
-
-def check_merge(merge) -> str:
-    """The plan's ``merge`` option: None (the default, "launch") or one of MERGE_MODES."""
-    if merge is None:
-        return "launch"
-    if merge not in MERGE_MODES:
-        raise ValueError(f"merge must be one of {MERGE_MODES} (or None: 'launch'), got {merge!r}")
-    return merge
-
-
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
                        tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None,
-                       replay: bool = False, merge: str | None = None):
+                       replay: bool = False):
     """Validate the batch (see module doc); the numpy plan is the validated batch itself.
-    ``num_sms``, ``into``, ``replay`` and ``merge`` only shape the CUDA work split (``merge`` is
-    still checked)."""
-    check_merge(merge)
+    ``num_sms``, ``into`` and ``replay`` only shape the CUDA work split."""
     return validate_batch(ctx_lens, num_new, page_table, num_heads, page_size, num_pages, tree_mask, check_mask)
 
 

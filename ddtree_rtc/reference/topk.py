@@ -61,8 +61,7 @@ def _topk_ids(row: np.ndarray, k: int) -> np.ndarray:
     return ids[np.lexsort((ids, -row[ids]))]
 
 
-def topk_workspace(shape, k: int, slices: int | None = None, cap: int | None = None,
-                   variant: str | None = None, vectors: int | None = None, chunk: int | None = None):
+def topk_workspace(shape, k: int, variant: str | None = None, vectors: int | None = None, chunk: int | None = None):
     """No scratch is needed on the CPU (the CUDA twin picks its variant and split here and
     preallocates the per-block scratch)."""
     check_k(k, int(shape[-1]))

@@ -9,6 +9,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from .. import __version__
@@ -27,8 +28,10 @@ class LateCompileError(RuntimeError):
 
 
 def source_dir() -> Path:
+    """``$DDTREE_RTC_CUDA_SRC`` when set, else ``cuda_src/`` inside the installed package: the sources
+    ship in the wheel as package data, so a build works outside the repository checkout."""
     env = os.environ.get(SRC_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "cuda_src"
+    return Path(env) if env else Path(str(resources.files("ddtree_rtc") / "cuda_src"))
 
 
 def read_headers(src: Path | None = None) -> dict[str, str]:
@@ -39,7 +42,7 @@ def read_headers(src: Path | None = None) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One kernel family, declared once: ``cuda_src/<name>.cu`` with ``extern "C"`` entries."""
+    """One kernel family, declared once: ``ddtree_rtc/cuda_src/<name>.cu`` with ``extern "C"`` entries."""
 
     name: str
     entries: tuple[str, ...]

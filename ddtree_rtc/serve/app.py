@@ -1,17 +1,27 @@
 """The HTTP app: OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, streamed or not, plus
 ``/v1/models``, ``/health`` and ``/metrics``. Errors use OpenAI's body:
-``{"error": {"message", "type", "param", "code"}}``; bad input is 400, a full queue is 429.
+``{"error": {"message", "type", "param", "code"}}``; bad input is 400, an unknown model 404, a full
+queue 429 (with ``Retry-After``). Every limit is checked before a stream starts, so a streamed request
+that starts (200) ends with tokens, not with an error of its own making.
 
 Beyond OpenAI's fields each choice carries ``token_ids`` (the generated ids), and ``prompt`` may be
 a list of token ids. ``stop`` strings must each be one token of the model's tokenizer (the engine
-stops on token ids); ``stop_token_ids`` takes ids directly.
+stops on token ids); ``stop_token_ids`` takes ids directly. As in OpenAI's API the stop token itself
+is left out of ``text`` and ``token_ids`` (``usage.completion_tokens`` still counts it). Sampling
+fields the engine has no use for are accepted at their neutral values (``frequency_penalty: 0``,
+``presence_penalty: 0``, ``logit_bias: {}``, ``echo: false``, ``best_of: 1``, no logprobs) and
+refused by name otherwise.
+
+A client that hangs up is cancelled (its KV pages freed) whether it streams or not: a non-streamed
+request polls for the disconnect while it waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import Literal
+from typing import ClassVar, Literal
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -31,17 +41,25 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status)
+# seconds a 429's Retry-After asks a client to wait: a tiny model's request takes well under that
+RETRY_AFTER_S = 1
+# how often a non-streamed request checks that its client is still there
+DISCONNECT_POLL_S = 0.1
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None, code=None) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param,
+                                   "code": status if code is None else code}},
+                        status_code=status, headers=headers)
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)  # OpenAI's range
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
@@ -49,22 +67,60 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
+    # OpenAI fields that common clients send at their neutral value: accepted there, refused elsewhere
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict | None = None
+
+    def unsupported(self) -> tuple[str, object] | None:
+        """The first field set to a value the engine cannot honour, with that value."""
+        for name, neutral in self._NEUTRAL:
+            v = getattr(self, name)
+            if v is not None and v != neutral:
+                return name, v
+        return None
+
+    _NEUTRAL: ClassVar[tuple] = (("frequency_penalty", 0), ("presence_penalty", 0), ("logit_bias", {}))
 
 
 class CompletionBody(_Body):
     prompt: str | list[int]
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    _NEUTRAL: ClassVar[tuple] = _Body._NEUTRAL + (("echo", False), ("best_of", 1), ("logprobs", None),
+                                                  ("suffix", None))
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[TextPart]
     name: str | None = None
+
+    def as_dict(self) -> dict:
+        """The message for the chat template: an array of text parts is joined into one string."""
+        d = self.model_dump(exclude_none=True)
+        if not isinstance(self.content, str):
+            d["content"] = "".join(p.text for p in self.content)
+        return d
 
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    _NEUTRAL: ClassVar[tuple] = _Body._NEUTRAL + (("logprobs", False), ("top_logprobs", None))
 
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -90,24 +146,44 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
     app = FastAPI(title="ddtree-rtc", lifespan=lifespan)
     app.state.loop = loop
     cfg = engine.model.cfg
+    context_limit = engine.context_limit
 
     @app.exception_handler(APIError)
     async def _api_error(_req, e: APIError):
-        return _error(e.status, e.message, e.type, e.param)
+        return _error(e.status, e.message, e.type, e.param,
+                      code="model_not_found" if e.type == "model_not_found" else None)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_req, e: RequestValidationError):
+    async def _invalid(http: HTTPRequest, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
             msg = f"malformed JSON in the request body: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            loc = []
         elif first.get("type") == "extra_forbidden":
             msg = f"unknown field {'.'.join(loc)!r}"
+        elif not loc:  # the body as a whole: not a JSON object (a wrong content-type lands here too)
+            ctype = http.headers.get("content-type", "none")
+            msg = (f"the request body must be a JSON object sent as content-type application/json "
+                   f"(got content-type {ctype}): {first.get('msg')}")
         else:
-            msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}"
-                            for er in errs)
+            parts = []
+            for er in errs:
+                where = ".".join(str(x) for x in er.get("loc", ()) if x != "body")
+                parts.append(f"{where}: {er.get('msg')}" if where else er.get("msg"))
+            msg = "; ".join(parts)
         return _error(400, msg, "invalid_request_error", ".".join(loc) or None)
+
+    def _check_body(body: _Body) -> None:
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                           "model_not_found", param="model")
+        bad = body.unsupported()
+        if bad is not None:
+            name, value = bad
+            raise APIError(400, f"{name}={value!r} is not supported by this server (it accepts only the "
+                           f"neutral value, or the field left out)", param=name)
 
     def _stop_ids(body: _Body) -> tuple[int, ...]:
         ids = list(body.stop_token_ids or ())
@@ -134,6 +210,12 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
                       temperature=defaults.temperature if body.temperature is None else body.temperature,
                       top_p=defaults.top_p if body.top_p is None else body.top_p,
                       stop_ids=_stop_ids(body), seed=body.seed)
+        if prompt and len(prompt) + req.max_new_tokens > context_limit:  # said in the API's words
+            room = context_limit - len(prompt)
+            raise APIError(400, f"this model's context is {context_limit} tokens, but the prompt ({len(prompt)} "
+                           f"tokens) + max_tokens ({req.max_new_tokens}) = {len(prompt) + req.max_new_tokens}: "
+                           + (f"ask for at most {room} tokens" if room > 0 else "shorten the prompt"),
+                           param="max_tokens" if room > 0 else "prompt")
         try:
             req.validate(cfg.vocab_size, engine.max_context)
         except RequestError as e:
@@ -175,9 +257,17 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
 
         if not body.stream:
             out, finish = [], None
+            next_poll = time.monotonic() + DISCONNECT_POLL_S
             try:
                 while finish is None:
-                    kind, val = await events.get()
+                    if time.monotonic() >= next_poll:  # tokens may arrive every round: poll by the clock
+                        if await http.is_disconnected():
+                            return Response(status_code=499)  # nobody reads it; finally cancels the request
+                        next_poll = time.monotonic() + DISCONNECT_POLL_S
+                    try:
+                        kind, val = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        continue
                     if kind == "error":
                         status, msg = val
                         raise APIError(status, msg, "invalid_request_error" if status < 500 else "server_error")
@@ -189,10 +279,10 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
                 if finish is None:
                     loop.cancel(req.rid)
             return {"id": cid, "object": obj, "created": created, "model": model_name,
-                    "choices": [choice(out, finish)], "usage": _usage(req, len(out))}
+                    "choices": [choice(out, finish)], "usage": _usage(req, len(req.output))}
 
         async def sse():
-            n, finish, first = 0, None, True
+            finish, first = None, True
             try:
                 while finish is None:
                     kind, val = await events.get()
@@ -204,7 +294,6 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
                         finish = "error"
                         break
                     if kind == "tokens":
-                        n += len(val)
                         chunk = {"id": cid, "object": obj + ".chunk" if chat else obj, "created": created,
                                  "model": model_name, "choices": [choice(val, None, first)]}
                         first = False
@@ -212,7 +301,8 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
                     else:
                         finish = _FINISH[val]
                         chunk = {"id": cid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                 "model": model_name, "choices": [choice([], finish)], "usage": _usage(req, n)}
+                                 "model": model_name, "choices": [choice([], finish)],
+                                 "usage": _usage(req, len(req.output))}
                         yield f"data: {json.dumps(chunk)}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
@@ -223,6 +313,7 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionBody):
+        _check_body(body)
         try:
             prompt = text.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         except TextError as e:
@@ -231,8 +322,9 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatBody):
+        _check_body(body)
         try:
-            prompt = text.chat([m.model_dump(exclude_none=True) for m in body.messages])
+            prompt = text.chat([m.as_dict() for m in body.messages])
         except TextError as e:
             raise APIError(400, str(e), param="messages") from None
         return await _serve(http, body, _request(body, prompt, body.max_completion_tokens or body.max_tokens),
@@ -241,7 +333,7 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "ddtree-rtc", "max_model_len": engine.max_context}]}
+                                            "owned_by": "ddtree-rtc", "max_model_len": context_limit}]}
 
     @app.get("/health")
     async def health():

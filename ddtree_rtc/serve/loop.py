@@ -34,7 +34,11 @@ class Metrics:
                                      "failed, the server served on)", registry=r)
         self.tau = Gauge("ddtree_tau", "mean tokens emitted per running request per round (last round)",
                          registry=r)
-        self.queue_depth = Gauge("ddtree_queue_depth", "requests waiting or running in the engine", registry=r)
+        self.queue_depth = Gauge("ddtree_queue_depth", "requests the server holds: queued, waiting or running "
+                                 "(read when scraped)", registry=r)
+        self.kv_pages_used = Gauge("ddtree_kv_pages_used", "KV-cache pages holding a request's rows (read when "
+                                   "scraped)", registry=r)
+        self.kv_pages_free = Gauge("ddtree_kv_pages_free", "KV-cache pages free (read when scraped)", registry=r)
         self.latency = Histogram("ddtree_request_latency_seconds", "arrival to last token", registry=r)
         self.ttft = Histogram("ddtree_time_to_first_token_seconds", "arrival to first token", registry=r)
         self.round_time = Histogram("ddtree_round_seconds", "one engine round", registry=r,
@@ -53,6 +57,11 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddtree-engine-loop", daemon=True)
         self.error: BaseException | None = None
+        # read at scrape time from the HTTP thread: plain ints the engine thread updates, no lag
+        cache = engine.cache
+        self.metrics.queue_depth.set_function(lambda: self._outstanding)
+        self.metrics.kv_pages_free.set_function(lambda: cache.num_free_pages)
+        self.metrics.kv_pages_used.set_function(lambda: cache.num_pages - cache.num_free_pages)
 
     def start(self) -> None:
         self._thread.start()
@@ -104,6 +113,7 @@ class EngineLoop:
             self.metrics.prompt_tokens.inc(len(req.prompt))
         elif kind == "cancel" and arg in self._clients:
             eng.cancel(arg)
+            self.metrics.requests.labels("cancelled").inc()
             self._release(arg)
 
     def _fail_step(self, err: Exception) -> None:
@@ -132,7 +142,6 @@ class EngineLoop:
                         break
                     self._apply(kind, arg)
                     block = False
-                m.queue_depth.set(eng.num_waiting + eng.num_running)
                 if not eng.has_work():
                     continue
                 running_before = eng.num_running
@@ -148,11 +157,13 @@ class EngineLoop:
                 for rid in list(self._clients):
                     req, _, _, sent = self._clients[rid]
                     new = req.output[sent[0]:]
+                    if new and sent[0] == 0 and req.t_first is not None:
+                        m.ttft.observe(req.t_first - req.t_arrive)
+                    sent[0] = len(req.output)
+                    emitted += len(new)
+                    if rid in done and req.finish.value == "stop":
+                        new = new[:-1]  # OpenAI leaves the stop token out of the output
                     if new:
-                        if sent[0] == 0 and req.t_first is not None:
-                            m.ttft.observe(req.t_first - req.t_arrive)
-                        sent[0] = len(req.output)
-                        emitted += len(new)
                         self._send(rid, ("tokens", list(new)))
                     if rid in done:
                         m.requests.labels(req.finish.value).inc()

@@ -18,15 +18,13 @@
 // Dequant: NT = 1 scales after the mma in fp32 (mma_chunk_post, fewest instructions per weight);
 // NT = 4 dequantizes to bf16 q * s before the mma (mma_chunk), which amortizes over the n-tiles.
 //
-// Entries: moe_gemm_nt{1,4}_{h,f32} and moe_gemm_nt1_down. (A wgmma kernel for the nt 4 blocks on
-// sm_90a, moe_gemm_wg4_*, was last in commit 6fb308e: 1-7% slower than nt 4 per filled-tile count,
-// benchmarks/variants_h200.txt.) `h`: gate_up with SiLU(gate) * up fused, writes bf16 h
+// Entries: moe_gemm_nt{1,4}_{h,f32} and moe_gemm_nt1_down (variants tried and dropped: the MoE
+// section of benchmarks/README.md). `h`: gate_up with SiLU(gate) * up fused, writes bf16 h
 // [P, I]. `f32`: writes fp32 partial sums [split][P][N] (gate_up with split-K, the nt 4 down);
 // `nt1_down` the same for the 8-pair down GEMM, whose weights start streaming before its PDL wait
 // (EARLY below; on nt 4 the extra live state spills at the sm_90 register cap). Then
 // moe_gate_up_reduce_kernel (split-K gate_up -> h) and moe_combine_kernel (down partials ->
 // y = sum_slot w * down + shared; moe_combine_f32_kernel writes y unrounded, fp32).
-// moe_fused_small (end of file): all of that for M <= 8 tokens in one launch, with fp32 atomics.
 #include "common.cuh"
 
 using namespace ddt;
@@ -47,10 +45,9 @@ constexpr int kBlockBytes = 1152;
 #define MOE_STAGES_NT4 3
 #endif
 // Minimum nt 4 CTAs per SM for __launch_bounds__: 4 caps the registers at 128 (no spills), so with
-// the 3-stage ring (52 KB) four CTAs = 16 warps share an SM. The nt 4 blocks of busy experts are
-// issue / latency bound (ncu, M = 1024: 57% issue slots busy, 1.0 eligible of 3 warps per
-// scheduler at 3 CTAs/SM); the fourth CTA gave 1.5-4% at M = 256..1024 on the H200. Applied on
-// sm_90 only, where it was measured: on sm_100a the same cap spills 56 bytes, so other archs keep 1.
+// the 3-stage ring (52 KB) four CTAs = 16 warps share an SM; the nt 4 blocks of busy experts are
+// issue / latency bound, so a fourth CTA hides more of it (measured: benchmarks/README.md, MoE).
+// Applied on sm_90 only, where it was measured: on sm_100a the same cap spills, so other archs keep 1.
 #ifndef MOE_MIN_CTAS_NT4
 #define MOE_MIN_CTAS_NT4 4
 #endif
@@ -441,9 +438,8 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
 
 
 // The nt 4 GEMM specialized by the block's filled n-tiles (1..4), picked once per CTA: with the count a
-// constant, the unrolled mma loop and the copies carry no per-n-tile guards (and sm_100a / sm_120a
-// builds drop from ~200 to ~125 registers). H200, K2.6 dims: 3-8% faster than one body with the runtime
-// count at M = 128..1024 (benchmarks/variants_h200.txt, stop 18).
+// constant, the unrolled mma loop and the copies carry no per-n-tile guards (fewer registers on
+// sm_100a / sm_120a; the timing against one body with a runtime count: benchmarks/README.md, MoE).
 template <int MODE>
 __device__ __forceinline__ void moe_gemm_ntl(const unsigned char* __restrict__ w, long long w_expert_bytes,
                                              const bf16* __restrict__ act, int act_row_div,
@@ -609,250 +605,4 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_combine_f32_kernel(
     const float* __restrict__ part, int S, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
     int E, int top_k, int M, int H, const bf16* __restrict__ shared, float* __restrict__ y) {
   combine(part, S, topk_ids, topk_w, E, top_k, M, H, shared, y);
-}
-
-// ---- Small-M fused layer: moe_fused_small (moe_plan(small="fused"), M <= 8) ----
-//
-// One launch does what align -> gate_up -> down -> combine do at M <= 8 tokens. CTA (slice, u):
-// the u-th distinct expert e of the batch's ids (u < min(E, M * top_k); CTAs past the distinct
-// count only check in) and intermediate slice [128 slice, 128 slice + 128). The 8 mma columns are
-// the M tokens (a token that does not route to e gets zero activations). 8 warps x 2 m16 tiles:
-//   1. gate_up over the full hidden K for the slice's 128 gate + 128 up rows (H/128 ring steps),
-//      then h = bf16(silu(gate) * up) for the slice, kept in shared memory (the same bf16 rounding
-//      as moe_gemm_nt1_h);
-//   2. down over that k128 slice for every 16-row tile of H (H/256 ring steps of 16 tiles), each
-//      result times the token's routing weight (summed over its slots of e) added into the fp32
-//      accumulator [M, H] with red.global.add.
-// The weight copies of both phases run through one cp.async ring, so the down weights are in
-// flight while gate_up finishes. The last CTA to check in (an atomic counter) writes y = acc
-// (+ shared), rounded to bf16 (or fp32 for a tensor-parallel partial), and leaves acc and the
-// counter zero for the next run. fp32 atomics make the sum order vary between runs: results agree
-// with the reference within the bf16 tolerance but are not bitwise reproducible.
-#ifndef MOE_STAGES_FUSED
-#define MOE_STAGES_FUSED 5
-#endif
-constexpr int kFusedWarps = 8;
-constexpr int kFusedThreads = kFusedWarps * 32;
-constexpr int kFusedTiles = kFusedWarps * kTilesPerWarp;          // 16 m16 tiles per ring step
-constexpr int kFusedWeightBytes = kFusedWarps * kWarpStageBytes;  // 18 KB
-constexpr int kFusedStageBytes = kFusedWeightBytes + kActTileBytes;
-constexpr int kFusedMaxTokens = 8;
-constexpr int kFusedMaxPairs = kFusedThreads;  // M * top_k (checked on the host)
-
-// Fire-and-forget fp32 add in L2 (no value returned, so no round trip the warp waits on).
-__device__ __forceinline__ void red_add(float* p, float v) {
-  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
-}
-
-// Which expert this CTA serves: the u-th pair (in pair order) whose id is in range and not seen at
-// a lower pair; -1 when the batch has u or fewer distinct experts. s_ids: the ids, -1 if invalid;
-// s_wp: the pairs' routing weights (loaded beside the ids: one round trip, not two).
-__device__ __forceinline__ int fused_expert(const int* __restrict__ ids, const float* __restrict__ topk_w, int P,
-                                            int E, int u, int* s_ids, float* s_wp, int* s_first, int* s_e) {
-  const int tid = threadIdx.x;
-  if (tid < P) {
-    const int v = ids[tid];
-    s_wp[tid] = topk_w[tid];
-    s_ids[tid] = v >= 0 && v < E ? v : -1;
-  }
-  if (tid == 0) *s_e = -1;
-  __syncthreads();
-  if (tid < P) {
-    const int v = s_ids[tid];
-    bool first = v >= 0;
-    for (int p = 0; p < tid && first; ++p) first = s_ids[p] != v;
-    s_first[tid] = first;
-  }
-  __syncthreads();
-  if (tid < P && s_first[tid]) {
-    int rank = 0;
-    for (int p = 0; p < tid; ++p) rank += s_first[p];
-    if (rank == u) *s_e = s_ids[tid];
-  }
-  __syncthreads();
-  return *s_e;
-}
-
-// Two CTAs per SM on sm_90 / sm_100 (128 registers, 2 x 105 KB of shared memory with the default
-// 5-stage ring: 4 stages = 74 KB of weights in flight per CTA): at M = 2..8 the grid has several waves.
-extern "C" __global__ void __launch_bounds__(kFusedThreads, 2) moe_fused_small(
-    const unsigned char* __restrict__ w13, long long w13_expert_bytes, const unsigned char* __restrict__ w2,
-    long long w2_expert_bytes, const bf16* __restrict__ x, const int* __restrict__ topk_ids,
-    const float* __restrict__ topk_w, int M, int top_k, int E, int H, int I, const bf16* __restrict__ shared,
-    float* __restrict__ acc_out, unsigned* __restrict__ counter, void* __restrict__ y, int f32_out) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ __align__(16) unsigned char hbuf[kActTileBytes];  // h of the slice, in the B layout
-  __shared__ int s_ids[kFusedMaxPairs], s_first[kFusedMaxPairs], s_e, s_last;
-  __shared__ float s_wp[kFusedMaxPairs], s_w[kFusedMaxTokens];
-  __shared__ unsigned s_mask;
-  constexpr int kStages = MOE_STAGES_FUSED;
-  static_assert(kStages >= 2, "the ring needs two stages");
-  pdl_wait();  // the ids and weights come from the routing kernel
-  pdl_trigger();
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int slice = blockIdx.x, P = M * top_k;
-  const int e = fused_expert(topk_ids, topk_w, P, E, blockIdx.y, s_ids, s_wp, s_first, &s_e);
-  if (e >= 0) {
-    if (warp == 0) {
-      // token lane's routing weight for e, its slots summed in slot order
-      float wsum = 0.f;
-      bool uses = false;
-      if (lane < M)
-        for (int j = 0; j < top_k; ++j)
-          if (s_ids[lane * top_k + j] == e) {
-            wsum += s_wp[lane * top_k + j];
-            uses = true;
-          }
-      const unsigned mask = __ballot_sync(0xffffffffu, uses);
-      if (lane < kFusedMaxTokens) s_w[lane] = wsum;
-      if (lane == 0) s_mask = mask;
-    }
-    __syncthreads();
-    const unsigned mask = s_mask;
-    const int s1 = H / kStepK, s2 = (H / 16 + kFusedTiles - 1) / kFusedTiles, steps = s1 + s2;
-    const long long kb13 = H / kStepK, kb2 = I / kStepK;
-    const int h_tiles = H / 16;
-    const unsigned char* w13e = w13 + (long long)e * w13_expert_bytes;
-    const unsigned char* w2e = w2 + (long long)e * w2_expert_bytes;
-    const int tile_a = slice * kFusedTiles + warp * kTilesPerWarp;  // this warp's gate_up tiles
-    // activation copies (threads 0..127): token j = tid >> 4, k 8q..8q+7 of the step
-    const int q = tid & 15, j = tid >> 4;
-    const bool copies_act = tid < 8 * 16;
-    const unsigned abytes = copies_act && j < M && ((mask >> j) & 1u) ? 16u : 0u;
-    const bf16* asrc = x + (abytes ? (long long)j * H + 8 * q : 0);
-    const unsigned adst = kFusedWeightBytes + ((q >> 2) * 8 + j) * 64 + (q & 3) * 16;
-    const unsigned base = smem_u32(smem);
-    const unsigned long long pol = evict_first_policy();
-    const int sc_tile = (lane >> 3) & 1, sc_off = 1024 + 16 * (lane & 7);
-
-    auto issue = [&](int step, int stage) {
-      const unsigned sb = base + stage * kFusedStageBytes;
-      const unsigned char* src;
-      long long stride;
-      if (step < s1) {
-        src = w13e + ((long long)tile_a * kb13 + step) * kBlockBytes;
-        stride = kb13 * kBlockBytes;
-        if (copies_act) cp_async_zfill(sb + adst, asrc + (abytes ? step * kStepK : 0), abytes);
-      } else {
-        const int tile = (step - s1) * kFusedTiles + warp * kTilesPerWarp;
-        if (tile >= h_tiles) return;  // H is a multiple of 32: a warp has both tiles or none
-        src = w2e + ((long long)tile * kb2 + slice) * kBlockBytes;
-        stride = kb2 * kBlockBytes;
-      }
-      const unsigned d = sb + warp * kWarpStageBytes;
-#pragma unroll
-      for (int r = 0; r < kTilesPerWarp; ++r) {
-        cp_async_weights(d + r * kBlockBytes + 16 * lane, src + r * stride + 16 * lane, pol);
-        cp_async_weights(d + r * kBlockBytes + 512 + 16 * lane, src + r * stride + 512 + 16 * lane, pol);
-      }
-      if (lane < 16) cp_async_weights(d + sc_tile * kBlockBytes + sc_off, src + sc_tile * stride + sc_off, pol);
-    };
-
-    float acc[kTilesPerWarp][1][4];
-#pragma unroll
-    for (int r = 0; r < kTilesPerWarp; ++r)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[r][0][i] = 0.f;
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < steps) issue(s, s);
-      cp_async_commit();
-    }
-    int stage = 0;
-    for (int step = 0; step < steps; ++step) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();
-      const int next = step + kStages - 1;
-      if (next < steps) issue(next, stage == 0 ? kStages - 1 : stage - 1);
-      cp_async_commit();
-      const unsigned char* sw = smem + stage * kFusedStageBytes + warp * kWarpStageBytes;
-      const int tile_d = (step - s1) * kFusedTiles + warp * kTilesPerWarp;
-      if (step < s1 || tile_d < h_tiles) {
-        uint4 buf[kTilesPerWarp][3];
-        load_weight_blocks(buf, sw, lane, g);
-        if (step < s1) {
-          const unsigned char* xs = smem + stage * kFusedStageBytes + kFusedWeightBytes;
-          stage_chunk<1, 0>(acc, buf, xs, 1, g, t);
-          stage_chunk<1, 1>(acc, buf, xs, 1, g, t);
-          stage_chunk<1, 2>(acc, buf, xs, 1, g, t);
-          stage_chunk<1, 3>(acc, buf, xs, 1, g, t);
-          if (step == s1 - 1) {
-            // h of slice index il = 16 warp + 8 r + g (tile rows g / g + 8 = gate / up), token
-            // 2t + c, stored as the down GEMM's B operand: [k32 chunk][token][32 k] bf16; read
-            // after the barrier at the top of the next step
-#pragma unroll
-            for (int r = 0; r < kTilesPerWarp; ++r)
-#pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int il = warp * 16 + r * 8 + g;
-                *reinterpret_cast<bf16*>(hbuf + ((il >> 5) * 8 + 2 * t + c) * 64 + (il & 31) * 2) =
-                    to_bf16(silu(acc[r][0][c]) * acc[r][0][2 + c]);
-              }
-          }
-        } else {
-          float d[kTilesPerWarp][1][4];
-#pragma unroll
-          for (int r = 0; r < kTilesPerWarp; ++r)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) d[r][0][i] = 0.f;
-          stage_chunk<1, 0>(d, buf, hbuf, 1, g, t);
-          stage_chunk<1, 1>(d, buf, hbuf, 1, g, t);
-          stage_chunk<1, 2>(d, buf, hbuf, 1, g, t);
-          stage_chunk<1, 3>(d, buf, hbuf, 1, g, t);
-          // C fragment: d[r][0] = {row g col 2t, row g col 2t+1, row g+8 col 2t, row g+8 col 2t+1}
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int tok = 2 * t + c;
-            if (!((mask >> tok) & 1u)) continue;
-            const float wt = s_w[tok];
-#pragma unroll
-            for (int r = 0; r < kTilesPerWarp; ++r) {
-              float* dst = acc_out + (long long)tok * H + (tile_d + r) * 16 + g;
-              red_add(dst, wt * d[r][0][c]);
-              red_add(dst + 8, wt * d[r][0][2 + c]);
-            }
-          }
-        }
-      }
-      stage = stage + 1 == kStages ? 0 : stage + 1;
-    }
-  }
-  // Check in; the last CTA writes y. The fence orders this thread's atomics before the counter.
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) s_last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  // loads of kBatch float4 per thread issued before any use: one L2 round trip per batch
-  constexpr int kBatch = 8;
-  const int n4 = M * H / 4;
-  float4* acc4 = reinterpret_cast<float4*>(acc_out);
-  for (int i0 = tid; i0 < n4; i0 += kBatch * kFusedThreads) {
-    float4 v[kBatch];
-    uint2 sh[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int i = i0 + b * kFusedThreads;
-      v[b] = i < n4 ? __ldcg(acc4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-      sh[b] = i < n4 && shared ? *reinterpret_cast<const uint2*>(shared + 4LL * i) : make_uint2(0u, 0u);
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int i = i0 + b * kFusedThreads;
-      if (i >= n4) break;
-      __stcg(acc4 + i, make_float4(0.f, 0.f, 0.f, 0.f));
-      const bf16* sb = reinterpret_cast<const bf16*>(&sh[b]);
-      float a[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
-      if (shared) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) a[c] += to_f32(sb[c]);
-      }
-      if (f32_out)
-        store4(reinterpret_cast<float*>(y) + 4LL * i, a);
-      else
-        store4(reinterpret_cast<bf16*>(y) + 4LL * i, a);
-    }
-  }
-  if (tid == 0) *counter = 0u;
 }

@@ -16,7 +16,7 @@
 //
 // After the loop all THREADS threads write the outputs, including every unused slot up to max_budget.
 //
-// The prune variant (tree_build_prune_j*, the default) first tries a parallel build that is exact
+// The entries (tree_build_prune_j*) first try a parallel build that is exact
 // whenever the scores it meets are monotone (every generated child / next sibling scores <= its
 // predecessor, as sorted log-probs <= 0 give up to rounding). It grows a pool of candidates depth by
 // depth: at depth d every pool node of depth d-1 walks its child chain (first child, then siblings)
@@ -26,8 +26,7 @@
 // not kept scores below all kept ones (it was cut below a tau <= the final budget-th score, or it
 // is in the pool and ranks later), so the heap, popping its minimum, pops exactly those in sorted
 // order. A non-monotone step or a full pool sets a flag and the request falls back to the heap
-// loop above, so the result is exact either way. (The level variant, tau the exact budget-th score
-// by a quadratic count, was last in commit 6fb308e; its H200 timings: benchmarks/variants_h200.txt.)
+// loop above, so the result is exact either way. (Variants tried and dropped: benchmarks/README.md.)
 
 #ifndef TREE_PROFILE
 #define TREE_PROFILE 0
@@ -137,9 +136,8 @@ __device__ __forceinline__ bool slot_less(const Smem& s, int a, int b) {  // equ
 // tuple codes); the winner lane records the node, moves slot p on to its next sibling and opens
 // the new node's slot with its first child (both scores in the reference's exact operation
 // order), then rescans its J slots; the new node's lane compares the new slot with its best.
-// One warp runs alone, so a pop costs its dependent chain: ~1000 SM cycles on the H200 (J = 3), where
-// one dependent REDUX, SHFL, VOTE or LDS step of a lone warp measured 110-145 cycles; preparing each
-// lane's pop ahead of time (the loads off the chain) measured 10% slower.
+// One warp runs alone, so a pop costs its dependent chain of warp reductions and shared loads; that
+// latency is why the prune build runs first (the cycle counts: benchmarks/README.md, tree_build).
 template <int J>
 __device__ void heap_loop(const Smem& s, const Limits& lim, int budget, int& n_out) {
   const int lane = threadIdx.x & 31;
@@ -622,7 +620,7 @@ __device__ __forceinline__ void write_slot(long long o, bool node, int token, in
   next_sibling[o] = node ? ns : -1;
 }
 
-template <int J, bool PRUNE>  // PRUNE: the prune build first (heap loop on fallback); else the heap loop
+template <int J>  // the prune build first, the heap loop on fallback
 __device__ __forceinline__ void build(const float* __restrict__ logq, const int* __restrict__ ids,
                                       int L, int K, const int* __restrict__ root_tokens,
                                       const int* __restrict__ budgets, const int* __restrict__ depths,
@@ -665,7 +663,7 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
   __syncthreads();
   TREE_STAMP(1);
   int n_pruned = -1;
-  if (PRUNE && budget > 0 && depth_limit > 0) {
+  if (budget > 0 && depth_limit > 0) {
     const int lcap = n_slots + PRUNE_LIST_EXTRA;
     const PrunePool q = carve_prune(reinterpret_cast<unsigned char*>(s.ids + L * ks), cap, lcap);
     n_pruned = prune_build(s, q, prune_sh, cap, lcap, kc, ks, depth_limit, budget);  // block-uniform
@@ -717,330 +715,19 @@ __device__ __forceinline__ void build(const float* __restrict__ logq, const int*
 // logq [B, L, K] fp32, ids [B, L, K] int32; root_tokens, budgets, depths, prefix_lens [B] int32.
 // Outputs [B, 1 + max_budget] (mask [B, 1 + max_budget, W]). Grid B, block TREE_THREADS, dynamic
 // shared memory (1 + max_budget) * 76 + L * ks * 8 bytes, ks = max(1, min(K, max_budget)), plus
-// cap * 36 + 8 + (max_budget + 64) * 24 for the prune one (cap is ignored by the heap-only one).
-#define TREE_BUILD_ENTRY(NAME, J, PRUNE)                                                           \
+// cap * 36 + 8 + (max_budget + 64) * 24 for the candidate pool.
+#define TREE_BUILD_ENTRY(NAME, J)                                                                  \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                    \
       const float* __restrict__ logq, const int* __restrict__ ids, int L, int K,                    \
       const int* __restrict__ root_tokens, const int* __restrict__ budgets,                         \
       const int* __restrict__ depths, const int* __restrict__ prefix_lens, int max_budget, int ks,  \
       int W, int cap, int* tokens, int* parents, int* node_depth, int* positions, int* num_nodes,   \
       unsigned long long* mask, int* first_child, int* next_sibling, double* scores) {              \
-    build<J, PRUNE>(logq, ids, L, K, root_tokens, budgets, depths, prefix_lens, max_budget, ks, W,  \
+    build<J>(logq, ids, L, K, root_tokens, budgets, depths, prefix_lens, max_budget, ks, W,  \
                     cap, tokens, parents, node_depth, positions, num_nodes, mask, first_child,      \
                     next_sibling, scores);                                                          \
   }
 
-TREE_BUILD_ENTRY(tree_build_j3, 3, false)
-TREE_BUILD_ENTRY(tree_build_j9, 9, false)
-TREE_BUILD_ENTRY(tree_build_j17, 17, false)
-TREE_BUILD_ENTRY(tree_build_prune_j3, 3, true)
-TREE_BUILD_ENTRY(tree_build_prune_j9, 9, true)
-TREE_BUILD_ENTRY(tree_build_prune_j17, 17, true)
-
-// ---------------------------------------------------------------- the warp variant
-//
-// tree_build_warp_j*: the heap loop of the reference with the heap in registers, one warp per request
-// and blockDim.x / 32 requests per block (no block barrier anywhere). As in heap_loop, the heap holds
-// at most one entry per node: "slot i" = node i's next unpopped child, owned by lane i % 32 as its
-// register j = i / 32 (J * 32 >= max_budget): score (double), order key ord64(score), rank-tuple
-// code, and rank / depth / node i's last popped child packed in one int. Slot `budget` would hold the
-// last node's first child, which is never popped, so it is never filled: J * 32 >= max_budget suffices.
-//
-// Order: larger key first; equal keys go to the smaller code. The code of a candidate holds its ranks
-// (not rank + 1) in fields of fb = bit_length(ks - 1) bits, depth 1 most significant, zeros after its
-// depth (fb * L <= 64). That is the tuple order for any two candidates on the heap at once: the popped
-// set is prefix-closed and a candidate's parent is popped, so no candidate on the heap is a proper
-// prefix of another (its ancestors are all popped); two such tuples differ at a position both have,
-// and the first one decides the codes too. So codes of distinct heap entries differ, and a rank-0
-// child's code is its parent's; a next sibling's is its predecessor's plus one unit at its depth.
-//
-// A pop: each lane takes the best of its J slots (a tournament in registers) and, off the chain, the
-// two successors of that best (next sibling (s - lq[d-1][r]) + lq[d-1][r+1], first child s + lq[d][0],
-// the reference's exact operation order); one warp max over the keys' high words, a ballot, and only
-// where several lanes share it the low words, then the codes. The winner records the node in shared
-// memory, turns its slot into the next sibling; the first child goes by shuffle to the lane that owns
-// slot `node`. Nothing but the next max depends on shared memory, so a pop is a short register chain
-// (vs heap_loop's ~1000 cycles of shared-memory rescans and two reductions per pop).
-namespace {
-
-constexpr int WARP_REQS = 4;  // requests (warps) per block at most; the wrapper may launch fewer
-
-#if TREE_PROFILE
-// Diagnostics build: request b's lane 0 stamps tree_prof[32 * b + i] (b < 1024) as the block kernels
-// do their block's: 0 start, 1 staged, 2 built, 3 written; 6 the nodes popped, 7 the warp max rounds
-// that needed the low key words, 8 those that needed the codes.
-#define WARP_STAMP(i, v) \
-  if (lane == 0 && b < 1024) tree_prof[32 * b + (i)] = (v)
-#else
-#define WARP_STAMP(i, v)
-#endif
-
-// Per-request shared memory, `stride` bytes per warp (see warp_stride in kernels/tree_build.py):
-// node score [N] (double), parent, depth << 16 | rank, first child, next sibling [N] (int), then the
-// staged [L, ks] log-probs and ids.
-struct WarpSmem {
-  double* score;
-  int* parent;
-  int* info;
-  int* first_child;
-  int* next_sibling;
-  float* lq;
-  int* ids;
-};
-
-__device__ __forceinline__ bool cand_before(unsigned long long ka, unsigned long long ca, unsigned long long kb,
-                                            unsigned long long cb) {
-  return ka > kb || (ka == kb && ca < cb);
-}
-
-// slot info: rank (10 bits) | candidate depth << 10 (5 bits) | (node's last popped child + 1) << 15
-__device__ __forceinline__ int pack_info(int rank, int depth, int last) { return rank | depth << 10 | (last + 1) << 15; }
-
-template <int J>
-__device__ __forceinline__ void warp_build(const float* __restrict__ logq, const int* __restrict__ ids, int L, int K,
-                                           const int* __restrict__ root_tokens, const int* __restrict__ budgets,
-                                           const int* __restrict__ depths, const int* __restrict__ prefix_lens,
-                                           int B, int max_budget, int ks, int W, int fb, int stride, int* tokens,
-                                           int* parents, int* node_depth, int* positions, int* num_nodes,
-                                           unsigned long long* mask, int* first_child, int* next_sibling,
-                                           double* scores) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int b = blockIdx.x * (blockDim.x >> 5) + warp;
-  if (b >= B) return;  // the whole warp leaves; nothing below synchronises the block
-  const int n_slots = max_budget + 1;
-  WarpSmem s;
-  s.score = reinterpret_cast<double*>(smem_raw + warp * stride);
-  s.parent = reinterpret_cast<int*>(s.score + n_slots);
-  s.info = s.parent + n_slots;
-  s.first_child = s.info + n_slots;
-  s.next_sibling = s.first_child + n_slots;
-  s.lq = reinterpret_cast<float*>(s.next_sibling + n_slots);
-  s.ids = reinterpret_cast<int*>(s.lq + L * ks);
-
-  WARP_STAMP(0, clock64());
-  const int budget = min(max(budgets[b], 0), max_budget);
-  const int depth_limit = min(max(depths[b], 0), L);
-  const int prefix = prefix_lens[b], root = root_tokens[b];
-  const int kc = min(K, max(budget, 1));  // ranks >= budget are never popped (kc <= ks)
-
-  // Stage the [L, ks] tiles, STAGE loads per lane in flight at once (one memory trip for L * ks <= 512),
-  // without branches: indices past the tile load its last element again and store nothing. Flat index
-  // i = d * ks + c sits at d * K + c = i + d * (K - ks), its row d = i * m >> 32 with
-  // m = (2^32 - 1) / ks + 1 (2^32 / ks for a power of two, else floor(2^32 / ks) + 1: exact while
-  // i * ks < 2^32; a 32-bit division, not the 64-bit library call).
-  constexpr int STAGE = 16;
-  const int total = L * ks;
-  const unsigned long long m_div = (unsigned long long)(0xffffffffu / (unsigned)ks) + 1ull;
-  const float* __restrict__ lq_in = logq + (long long)b * L * K;
-  const int* __restrict__ id_in = ids + (long long)b * L * K;
-  for (int i0 = 0; i0 < total; i0 += 32 * STAGE) {
-    float v[STAGE];
-    int t[STAGE];
-#pragma unroll
-    for (int u = 0; u < STAGE; ++u) {
-      const int i = min(i0 + lane + 32 * u, total - 1);
-      const int d = (int)(((unsigned long long)i * m_div) >> 32);
-      const long long g = i + (long long)d * (K - ks);
-      v[u] = lq_in[g];
-      t[u] = id_in[g];
-    }
-#pragma unroll
-    for (int u = 0; u < STAGE; ++u) {
-      const int i = i0 + lane + 32 * u;
-      if (i < total) {
-        s.lq[i] = v[u] != v[u] ? -FLT_MAX_F : fminf(fmaxf(v[u], -FLT_MAX_F), FLT_MAX_F);
-        s.ids[i] = t[u];
-      }
-    }
-  }
-  for (int i = lane; i < n_slots; i += 32) {
-    s.first_child[i] = -1;
-    s.next_sibling[i] = -1;
-  }
-  if (lane == 0) {
-    s.score[0] = 0.0;
-    s.parent[0] = -1;
-    s.info[0] = 0;
-  }
-  __syncwarp();
-  WARP_STAMP(1, clock64());
-#if TREE_PROFILE
-  long long lo_rounds = 0, code_rounds = 0;
-#endif
-
-  double sc[J];
-  unsigned long long ky[J], cd[J];
-  int inf[J];
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    sc[j] = 0.0;
-    ky[j] = 0ull;
-    cd[j] = 0ull;
-    inf[j] = 0;
-  }
-  if (lane == 0 && budget > 0 && depth_limit > 0) {  // (-lq[0][0], (0,), 0, 1, 0)
-    sc[0] = (double)s.lq[0];
-    ky[0] = ord64(sc[0]);
-    inf[0] = pack_info(0, 1, -1);
-  }
-  int n = 0;
-  while (n < budget) {
-    // this lane's best slot: a tournament over (key desc, code asc), then its score and info
-    unsigned long long tk[J], tc[J];
-    int tj[J];
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      tk[j] = ky[j];
-      tc[j] = cd[j];
-      tj[j] = j;
-    }
-#pragma unroll
-    for (int step = 1; step < J; step <<= 1) {
-#pragma unroll
-      for (int j = 0; j + step < J; j += 2 * step) {
-        if (cand_before(tk[j + step], tc[j + step], tk[j], tc[j])) {
-          tk[j] = tk[j + step];
-          tc[j] = tc[j + step];
-          tj[j] = tj[j + step];
-        }
-      }
-    }
-    const unsigned long long bk = tk[0], bc = tc[0];
-    const int bj = tj[0];
-    double bs = sc[0];
-    int binf = inf[0];
-#pragma unroll
-    for (int j = 1; j < J; ++j) {
-      if (bj == j) {
-        bs = sc[j];
-        binf = inf[j];
-      }
-    }
-    // its successors (used only if it wins): the next sibling and the first child
-    const int r = binf & 1023, d = max((binf >> 10) & 31, 1);
-    const float* row = s.lq + (d - 1) * ks;
-    const bool has_sib = r + 1 < kc;
-    const double a = (double)row[r], nb = (double)row[min(r + 1, ks - 1)];
-    const double c0 = (double)row[d < L ? ks : 0];
-    const double sib = __dadd_rn(__dsub_rn(bs, a), nb);
-    const double chd = __dadd_rn(bs, c0);
-
-    // the warp's best: high key words, then (rarely) low words, then codes
-    const unsigned hi = (unsigned)(bk >> 32), lo = (unsigned)bk;
-    const unsigned mh = __reduce_max_sync(FULL, hi);
-    if (mh == 0u) break;  // every slot is empty: the heap is exhausted
-    unsigned tied = __ballot_sync(FULL, hi == mh);
-    if (tied & (tied - 1u)) {
-#if TREE_PROFILE
-      ++lo_rounds;
-#endif
-      const unsigned ml = __reduce_max_sync(FULL, hi == mh ? lo : 0u);
-      tied = __ballot_sync(FULL, hi == mh && lo == ml);
-      if (tied & (tied - 1u)) {  // equal scores: the smallest code (distinct on the heap) wins
-#if TREE_PROFILE
-        ++code_rounds;
-#endif
-        const bool in = (tied >> lane) & 1u;
-        const unsigned ch = in ? (unsigned)(bc >> 32) : ~0u;
-        const unsigned mch = __reduce_min_sync(FULL, ch);
-        const bool in2 = in && ch == mch;
-        const unsigned mcl = __reduce_min_sync(FULL, in2 ? (unsigned)bc : ~0u);
-        tied = __ballot_sync(FULL, in2 && (unsigned)bc == mcl);
-      }
-    }
-    const int win = __ffs(tied) - 1;
-    const int node = ++n;
-    const double child_score = __shfl_sync(FULL, chd, win);
-    const unsigned long long child_code = __shfl_sync(FULL, bc, win);
-    const int wd = __shfl_sync(FULL, d, win);
-    const bool is_win = lane == win;
-    if (is_win) {  // the node's record and its parent's link: stores only
-      const int p = lane + 32 * bj;
-      s.score[node] = bs;
-      s.parent[node] = p;
-      s.info[node] = d << 16 | r;
-      if (r == 0) s.first_child[p] = node;
-      else s.next_sibling[(binf >> 15) - 1] = node;
-    }
-    // The slots, without branches: the winner's slot p = lane + 32 * bj offers p's next child (or
-    // nothing), slot `node` (its owner lane, register node / 32) the new node's first child; p < node,
-    // so the two are never the same register of the same lane.
-    const unsigned long long sib_key = has_sib ? ord64(sib) : 0ull;
-    const unsigned long long sib_code = bc + (fb ? 1ull << (64 - d * fb) : 0ull);
-    const int sib_inf = pack_info(r + 1, d, node);
-    const bool take_child = wd < depth_limit && node < budget && lane == (node & 31);
-    const unsigned long long child_key = ord64(child_score);
-    const int child_inf = pack_info(0, wd + 1, -1), jn = node >> 5;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const bool ws = is_win && bj == j, cs = take_child && jn == j;
-      sc[j] = ws ? sib : cs ? child_score : sc[j];
-      ky[j] = ws ? sib_key : cs ? child_key : ky[j];
-      cd[j] = ws ? sib_code : cs ? child_code : cd[j];
-      inf[j] = ws ? sib_inf : cs ? child_inf : inf[j];
-    }
-  }
-  __syncwarp();  // node records are visible to every lane
-  WARP_STAMP(2, clock64());
-  WARP_STAMP(6, n);
-  WARP_STAMP(7, lo_rounds);
-  WARP_STAMP(8, code_rounds);
-
-  // mask words: W = ceil(n_slots / 64) <= MW, as n_slots = max_budget + 1 <= 32 * J + 1
-  constexpr int MW = (32 * J + 64) / 64;
-  static_assert(MW <= MAX_WORDS, "mask words");
-  const int n_nodes = n + 1;
-  const long long row0 = (long long)b * n_slots;
-  for (int i = lane; i < n_slots; i += 32) {
-    const long long o = row0 + i;
-    unsigned long long words[MW];
-#pragma unroll
-    for (int w = 0; w < MW; ++w) words[w] = 0ull;
-    if (i < n_nodes) {
-      const int info = s.info[i], d = info >> 16;
-      write_slot(o, true, i == 0 ? root : s.ids[(d - 1) * ks + (info & 0xffff)], s.parent[i], d, prefix + d,
-                 s.score[i], s.first_child[i], s.next_sibling[i], tokens, parents, node_depth, positions, scores,
-                 first_child, next_sibling);
-      for (int a = i; a >= 0; a = s.parent[a]) {  // ancestors, self included (<= 17 steps)
-        const unsigned long long bit = 1ull << (a & 63);
-        const int aw = a >> 6;
-#pragma unroll
-        for (int w = 0; w < MW; ++w) words[w] |= aw == w ? bit : 0ull;
-      }
-    } else {
-      write_slot(o, false, 0, 0, 0, 0, 0.0, 0, 0, tokens, parents, node_depth, positions, scores, first_child,
-                 next_sibling);
-    }
-    unsigned long long* m = mask + o * W;
-#pragma unroll
-    for (int w = 0; w < MW; ++w)
-      if (w < W) m[w] = words[w];
-  }
-  if (lane == 0) num_nodes[b] = n_nodes;
-  WARP_STAMP(3, clock64());
-}
-
-}  // namespace
-
-// Same arrays as tree_build_*; B requests, blockDim.x / 32 <= WARP_REQS of them per block (grid
-// ceil(B / that)), fb = bit_length(ks - 1) with fb * L <= 64, dynamic shared memory stride bytes per warp
-// (N * 24 + L * ks * 8, rounded up to 16).
-#define TREE_BUILD_WARP_ENTRY(J)                                                                    \
-  extern "C" __global__ void __launch_bounds__(32 * WARP_REQS, 1) tree_build_warp_j##J(            \
-      const float* __restrict__ logq, const int* __restrict__ ids, int L, int K,                    \
-      const int* __restrict__ root_tokens, const int* __restrict__ budgets,                         \
-      const int* __restrict__ depths, const int* __restrict__ prefix_lens, int B, int max_budget,   \
-      int ks, int W, int fb, int stride, int* tokens, int* parents, int* node_depth, int* positions, \
-      int* num_nodes, unsigned long long* mask, int* first_child, int* next_sibling, double* scores) { \
-    warp_build<J>(logq, ids, L, K, root_tokens, budgets, depths, prefix_lens, B, max_budget, ks, W, fb, \
-                  stride, tokens, parents, node_depth, positions, num_nodes, mask, first_child,       \
-                  next_sibling, scores);                                                            \
-  }
-
-TREE_BUILD_WARP_ENTRY(1)
-TREE_BUILD_WARP_ENTRY(2)
-TREE_BUILD_WARP_ENTRY(3)
-TREE_BUILD_WARP_ENTRY(4)
-TREE_BUILD_WARP_ENTRY(8)
-TREE_BUILD_WARP_ENTRY(16)
+TREE_BUILD_ENTRY(tree_build_prune_j3, 3)
+TREE_BUILD_ENTRY(tree_build_prune_j9, 9)
+TREE_BUILD_ENTRY(tree_build_prune_j17, 17)

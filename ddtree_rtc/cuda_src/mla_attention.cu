@@ -15,8 +15,6 @@
 // part of its tile's positions writes an fp32 partial normalised by its own sum plus its
 // log2-sum-exp; mla_attention_merge_kernel combines them. The schedule lives in device memory, so a
 // captured graph replays any later plan written into the same buffers.
-// The *_fused_kernel entries (plan merge="fused") merge in the same launch instead: see "One-launch
-// split-K merge" below.
 //
 // Tensor cores: mma.sync m16n8k16, bf16 in, fp32 accumulate. Fragments (g = lane/4, tq = lane%4):
 //   A 16x16 (row-major)  a0 = (g, 2tq..2tq+1)  a1 = (g+8, 2tq..)  a2 = (g, 8+2tq..)  a3 = (g+8, 8+2tq..)
@@ -112,150 +110,6 @@ __device__ __forceinline__ bool visible(int pos, const Item& it, bool row_ok, in
   return (word >> (j & 63)) & 1ull;
 }
 
-// ---- One-launch split-K merge (the *_fused_kernel entries). A partial item writes its partial as
-// usual, then counts it in done[g] of its merge item g (release: every thread fences its stores
-// before the count). The merge of g is cut into `units` row ranges; a unit is merged by whoever
-// claims it (claim[g]), with the merge kernel's math. After all its items, a CTA
-//   - claims every unit still unclaimed of each item whose partial count it completed (waiting on
-//     nothing: all of that item's partials are in);
-//   - then, only when every CTA of the launch has started (started == grid), helps with the other
-//     items it wrote partials of, one unit at a time, waiting until their counts are complete: every
-//     writer is then resident and runs its items without waiting on anyone (helping comes after a
-//     CTA's items), so the wait ends. Otherwise it leaves those units to the completing CTA.
-// So an item's merge (splits x rows x 2 KB of fp32 partials) is spread over up to `splits` SMs
-// instead of funnelled through one SM's L2 bandwidth. The merge code runs after the item loop, so it
-// does not share registers with the tile pipeline. The last CTA to exit zeroes every counter: they
-// are zero between launches, and a captured graph replays with no host memset.
-// counters [2 * grid + 2] int32: done[grid], claim[grid], started, exited. The plan gives a CTA at
-// most two partial items (its first and its last), so two registers remember the completed ones.
-constexpr int MERGE_BATCH = 16;  // partial loads in flight per thread in the fused merge
-
-// Rows [r_begin, r_end) of merge item m (first partial, splits, first flattened row, rows), THREADS/128
-// rows at a time, 4 columns per thread: mla_attention_merge_kernel's math in its order. The partials
-// were written by other CTAs of this launch: read through L2 (ld.global.cg), never L1.
-template <int THREADS, int BM>
-__device__ __forceinline__ void merge_rows(const int* __restrict__ m, int r_begin, int r_end,
-                                           const float* o_part, const float* lse_part, bf16* __restrict__ out,
-                                           float* __restrict__ lse) {
-  static_assert(THREADS % (DV / 4) == 0, "whole rows per pass");
-  const int col = (threadIdx.x % (DV / 4)) * 4;
-  const int p0 = m[0], splits = m[1];
-  for (int row = r_begin + threadIdx.x / (DV / 4); row < r_end; row += THREADS / (DV / 4)) {
-    const long long g_row = (long long)m[2] + row;
-    float top = neg_inf();
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) top = fmaxf(top, __ldcg(lse_part + (long long)(p0 + s) * BM + row));
-    float sum = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s0 = 0; s0 < splits; s0 += MERGE_BATCH) {
-      float ls[MERGE_BATCH];
-      float4 v[MERGE_BATCH];
-#pragma unroll
-      for (int k = 0; k < MERGE_BATCH; ++k) {
-        if (s0 + k < splits) {
-          const long long pr = (long long)(p0 + s0 + k) * BM + row;
-          ls[k] = __ldcg(lse_part + pr);
-          v[k] = __ldcg(reinterpret_cast<const float4*>(o_part + pr * DV + col));
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < MERGE_BATCH; ++k) {
-        if (s0 + k < splits) {
-          const float wgt = ls[k] == neg_inf() ? 0.f : exp2f(ls[k] - top);
-          sum += wgt;
-          o[0] += wgt * v[k].x;
-          o[1] += wgt * v[k].y;
-          o[2] += wgt * v[k].z;
-          o[3] += wgt * v[k].w;
-        }
-      }
-    }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    uint2 packed;
-    packed.x = pack_bf16(o[0] * inv, o[1] * inv);
-    packed.y = pack_bf16(o[2] * inv, o[3] * inv);
-    *reinterpret_cast<uint2*>(out + g_row * DV + col) = packed;
-    if (col == 0) lse[g_row] = sum > 0.f ? (top + log2f(sum)) * LN2 : neg_inf();
-  }
-}
-
-// Claim units of merge item g and merge them until none is left; the first claimed unit waits
-// until all of g's partials are counted (acquire), which the CTA completing g finds at once.
-// Called by the whole CTA (uniform control flow).
-template <int THREADS, int BM>
-__device__ __forceinline__ void claim_and_merge(int g, const int* __restrict__ merge, int* counters,
-                                             const float* o_part, const float* lse_part,
-                                             bf16* __restrict__ out, float* __restrict__ lse) {
-  __shared__ int s_unit;
-  const int* m = merge + g * MERGE_INTS;
-  const int splits = m[1], rows = m[3];
-  const int per = (rows + splits - 1) / splits, units = (rows + per - 1) / per;  // unit u: rows u*per ..
-  bool ready = false;
-  for (;;) {
-    if (threadIdx.x == 0) s_unit = atomicAdd(counters + gridDim.x + g, 1);
-    __syncthreads();
-    const int u = s_unit;
-    __syncthreads();  // everyone has read s_unit before it is written again
-    if (u >= units) return;
-    if (!ready) {
-      if (threadIdx.x == 0) {
-        const volatile int* done = counters + g;
-        while (*done < splits) __nanosleep(200);
-        __threadfence();
-      }
-      __syncthreads();
-      ready = true;
-    }
-    merge_rows<THREADS, BM>(m, u * per, min(rows, (u + 1) * per), o_part, lse_part, out, lse);
-  }
-}
-
-// A partial of merge item g is written (by every thread): count it. True in every thread of the CTA
-// whose count completes g.
-__device__ __forceinline__ bool fused_arrive(int g, const int* __restrict__ merge, int* counters) {
-  __shared__ int s_last;
-  __threadfence();  // this thread's partial stores, before the count
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(counters + g, 1) == merge[g * MERGE_INTS + 1] - 1;
-  __syncthreads();
-  return s_last;  // (read by everyone before the next item's first barrier, the next write after it)
-}
-
-__device__ __forceinline__ void fused_start(int* counters) {
-  if (threadIdx.x == 0) atomicAdd(counters + 2 * gridDim.x, 1);
-}
-
-// After a CTA's items: merge the items it completed (g0, g1; -1: none), help with its other partial
-// items when every CTA has started, then count the exit; the last CTA out zeroes the counters.
-template <int THREADS, int BM>
-__device__ __forceinline__ void fused_finish(int g0, int g1, const int* __restrict__ work,
-                                             const int* __restrict__ cta_work, const int* __restrict__ merge,
-                                             int* counters, const float* o_part, const float* lse_part,
-                                             bf16* __restrict__ out, float* __restrict__ lse) {
-  __shared__ int s_flag;
-  if (g0 >= 0) claim_and_merge<THREADS, BM>(g0, merge, counters, o_part, lse_part, out, lse);
-  if (g1 >= 0) claim_and_merge<THREADS, BM>(g1, merge, counters, o_part, lse_part, out, lse);
-  __syncthreads();
-  if (threadIdx.x == 0) s_flag = *(const volatile int*)(counters + 2 * gridDim.x) == (int)gridDim.x;
-  __syncthreads();
-  if (s_flag) {
-    const int w_end = cta_work[blockIdx.x + 1];
-    for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
-      const int g = work[w * WORK_INTS + 6];
-      if (work[w * WORK_INTS + 5] >= 0 && g != g0 && g != g1)
-        claim_and_merge<THREADS, BM>(g, merge, counters, o_part, lse_part, out, lse);
-    }
-  }
-  __syncthreads();  // everyone has read s_flag; this CTA is done with the counters
-  if (threadIdx.x == 0) {
-    __threadfence();
-    s_flag = atomicAdd(counters + 2 * gridDim.x + 1, 1) == (int)gridDim.x - 1;
-    if (s_flag) __threadfence();
-  }
-  __syncthreads();
-  if (s_flag)
-    for (int i = threadIdx.x; i < 2 * (int)gridDim.x + 2; i += THREADS) counters[i] = 0;
-}
-
 // Tile shape: BM query rows x BN cache rows per step, NW warps; O split into OM row groups.
 template <int BM_, int BN_, int NW_, int OM_>
 struct Cfg {
@@ -292,14 +146,13 @@ __device__ __forceinline__ void load_kv_tile(unsigned dst, const bf16* __restric
   }
 }
 
-// FUSED: the *_fused_kernel entries (merge and counters non-null); otherwise both are null.
-template <class C, bool FUSED>
+template <class C>
 __device__ __forceinline__ void attention_body(
     const bf16* __restrict__ q, const bf16* __restrict__ cache, const int* __restrict__ page_table,
     int pt_stride, int page_size, int num_heads, const int* __restrict__ work, const int* __restrict__ cta_work,
     const int* __restrict__ req_info, const unsigned long long* __restrict__ mask, int mask_words,
     bf16* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
-    float scale_log2, const int* __restrict__ merge, int* counters) {
+    float scale_log2) {
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* q_s = reinterpret_cast<bf16*>(smem);
   bf16* kv_s = q_s + C::BM * ROW;
@@ -315,8 +168,6 @@ __device__ __forceinline__ void attention_body(
   const unsigned q_base = smem_u32(q_s), kv_base = smem_u32(kv_s), p_base = smem_u32(p_s);
   unsigned* p_words = reinterpret_cast<unsigned*>(p_s);
 
-  if constexpr (FUSED) fused_start(counters);
-  int done0 = -1, done1 = -1;  // FUSED: merge items whose partial count this CTA completed
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
     const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
@@ -507,11 +358,7 @@ __device__ __forceinline__ void attention_body(
         }
       }
     }
-    if constexpr (FUSED)
-      if (it.part >= 0 && fused_arrive(it.group, merge, counters)) (done0 < 0 ? done0 : done1) = it.group;
   }
-  if constexpr (FUSED)
-    fused_finish<C::THREADS, C::BM>(done0, done1, work, cta_work, merge, counters, o_part, lse_part, out, lse);
 }
 
 
@@ -570,13 +417,13 @@ __device__ __forceinline__ void copy_stage(unsigned dst, const bf16* __restrict_
   }
 }
 
-template <class C, bool FUSED>
+template <class C>
 __device__ __forceinline__ void split_body(
     const bf16* __restrict__ q, const bf16* __restrict__ cache, const int* __restrict__ page_table,
     int pt_stride, int page_size, int num_heads, const int* __restrict__ work, const int* __restrict__ cta_work,
     const int* __restrict__ req_info, const unsigned long long* __restrict__ mask, int mask_words,
     bf16* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
-    float scale_log2, const int* __restrict__ merge, int* counters) {
+    float scale_log2) {
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* q_s = reinterpret_cast<bf16*>(smem);
   bf16* kv_s = q_s + C::BM * ROW;
@@ -587,8 +434,6 @@ __device__ __forceinline__ void split_body(
   const int k0 = warp * C::KPW, o_col0 = warp * C::OCOLS;
   const unsigned q_base = smem_u32(q_s), kv_base = smem_u32(kv_s);
 
-  if constexpr (FUSED) fused_start(counters);
-  int done0 = -1, done1 = -1;  // FUSED: merge items whose partial count this CTA completed
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
     const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
@@ -766,11 +611,7 @@ __device__ __forceinline__ void split_body(
         if (warp == 0 && tq == 0) lse_part[(long long)it.part * C::BM + r] = lse2;
       }
     }
-    if constexpr (FUSED)
-      if (it.part >= 0 && fused_arrive(it.group, merge, counters)) (done0 < 0 ? done0 : done1) = it.group;
   }
-  if constexpr (FUSED)
-    fused_finish<C::THREADS, C::BM>(done0, done1, work, cta_work, merge, counters, o_part, lse_part, out, lse);
 }
 
 // ---- sm_90a variant (wgmma): 64 query rows x 64 cache rows per stage, two warpgroups of 128.
@@ -894,49 +735,30 @@ __device__ __forceinline__ void load_rows_kv(unsigned dst, const bf16* __restric
   q, cache, page_table, pt_stride, page_size, num_heads, work, cta_work, req_info, mask, mask_words, out, lse, \
       o_part, lse_part, scale_log2
 
-// The fused entries take two more: merge [grid, 4] int32 (the plan's merge items) and counters
-// [2 * grid + 2] int32 (zero between launches; see "One-launch split-K merge").
-#define MLA_FUSED_PARAMS MLA_ATTENTION_PARAMS, const int *__restrict__ merge, int *counters
-#define MLA_FUSED_ARGS MLA_ATTENTION_ARGS, merge, counters
-
 extern "C" __global__ void __launch_bounds__(CfgM64::THREADS, 1) mla_attention_m64_kernel(MLA_ATTENTION_PARAMS) {
-  attention_body<CfgM64, false>(MLA_ATTENTION_ARGS, nullptr, nullptr);
+  attention_body<CfgM64>(MLA_ATTENTION_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(CfgM16::THREADS, 1) mla_attention_m16_kernel(MLA_ATTENTION_PARAMS) {
-  attention_body<CfgM16, false>(MLA_ATTENTION_ARGS, nullptr, nullptr);
+  attention_body<CfgM16>(MLA_ATTENTION_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(CfgSmall::THREADS, 1)
     mla_attention_small_kernel(MLA_ATTENTION_PARAMS) {
-  attention_body<CfgSmall, false>(MLA_ATTENTION_ARGS, nullptr, nullptr);
+  attention_body<CfgSmall>(MLA_ATTENTION_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(CfgD16::THREADS, 1) mla_attention_d16_kernel(MLA_ATTENTION_PARAMS) {
-  split_body<CfgD16, false>(MLA_ATTENTION_ARGS, nullptr, nullptr);
+  split_body<CfgD16>(MLA_ATTENTION_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(CfgM64::THREADS, 1) mla_attention_m64_fused_kernel(MLA_FUSED_PARAMS) {
-  attention_body<CfgM64, true>(MLA_FUSED_ARGS);
-}
 
-extern "C" __global__ void __launch_bounds__(CfgM16::THREADS, 1) mla_attention_m16_fused_kernel(MLA_FUSED_PARAMS) {
-  attention_body<CfgM16, true>(MLA_FUSED_ARGS);
-}
 
-extern "C" __global__ void __launch_bounds__(CfgSmall::THREADS, 1)
-    mla_attention_small_fused_kernel(MLA_FUSED_PARAMS) {
-  attention_body<CfgSmall, true>(MLA_FUSED_ARGS);
-}
 
-extern "C" __global__ void __launch_bounds__(CfgD16::THREADS, 1) mla_attention_d16_fused_kernel(MLA_FUSED_PARAMS) {
-  split_body<CfgD16, true>(MLA_FUSED_ARGS);
-}
 
 // The sm_90a wgmma variant (see namespace w64).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <bool FUSED>
-__device__ __forceinline__ void w64_body(MLA_FUSED_PARAMS) {
+__device__ __forceinline__ void w64_body(MLA_ATTENTION_PARAMS) {
   using namespace w64;
   extern __shared__ __align__(128) unsigned char smem[];
   const unsigned raw = smem_u32(smem), aligned = (raw + 1023u) & ~1023u;
@@ -947,8 +769,6 @@ __device__ __forceinline__ void w64_body(MLA_FUSED_PARAMS) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int g = lane >> 2, tq = lane & 3, r0 = 16 * (warp & 3) + g;  // this thread's rows: r0, r0 + 8
 
-  if constexpr (FUSED) fused_start(counters);
-  int done0 = -1, done1 = -1;  // FUSED: merge items whose partial count this CTA completed
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
     const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
@@ -1107,30 +927,19 @@ __device__ __forceinline__ void w64_body(MLA_FUSED_PARAMS) {
         else lse_part[(long long)it.part * BM + r] = lse2;
       }
     }
-    if constexpr (FUSED)
-      if (it.part >= 0 && fused_arrive(it.group, merge, counters)) (done0 < 0 ? done0 : done1) = it.group;
   }
-  if constexpr (FUSED)
-    fused_finish<THREADS, BM>(done0, done1, work, cta_work, merge, counters, o_part, lse_part, out, lse);
 }
 #endif
 
 // Built for other arches as a trap (never launched there).
 extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_kernel(MLA_ATTENTION_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  w64_body<false>(MLA_ATTENTION_ARGS, nullptr, nullptr);
+  w64_body(MLA_ATTENTION_ARGS);
 #else
   __trap();
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_fused_kernel(MLA_FUSED_PARAMS) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  w64_body<true>(MLA_FUSED_ARGS);
-#else
-  __trap();
-#endif
-}
 
 // Split-K merge: one CTA of 128 threads (4 columns each) per (merge item, row) pair, the pairs
 // strided over a fixed grid (a few CTAs per SM: one wave, whatever the plan). With partial

@@ -6,8 +6,7 @@
 // tree_accept_table_kernel: every load (num_nodes included) is issued at once into registers, so the
 // kernel makes one dependent trip to memory; each node v then offers itself to its parent u (u < v,
 // tokens[v] == choices[u]) by a shared atomicMin into next[u], and the walk is a chain of at most
-// max_depth shared loads. (The scan variant, a warp scan over the nodes per step, was last in commit
-// 6fb308e; its H200 timings: benchmarks/README.md.)
+// max_depth shared loads. (Variants tried and dropped: benchmarks/README.md.)
 namespace {
 
 constexpr int THREADS = 128;

@@ -3,18 +3,18 @@
 // +inf count as -inf, -0 as +0, lse = 0 for a row without a finite logit, log-probs clamped to
 // >= -FLT_MAX) are shared with ddtree_rtc/reference/topk.py.
 //
-// Two variants with identical results. The chunked one (topk_chunk_*, further down, the default)
-// reads every element once. The slices one (topk_bf16_kernel / topk_f32_kernel): each row is split
-// into S slices, one block of 512 threads per slice:
-//   pass 1 (one HBM read): online max / sum of exponentials, and every thread's best element;
-//   threshold: the K-th best of the 512 per-thread bests is a lower bound of the slice's K-th
-//     largest, so pass 2 keeps only elements at or above it (~1-8 K of them);
-//   pass 2 (re-read, mostly from L2): append those to a shared candidate buffer; on overflow the
-//     K-th best of the buffered ones raises the threshold and pass 2 runs again;
-//   radix select of exactly K candidates, bitonic sort, write.
+// This file holds the two kernels the default dispatch (ddtree_rtc/kernels/topk.py) picks between,
+// with identical results:
+//   stream (topk_stream_*, K <= 256, wide batches): one block per row chunk reads it once from
+//     HBM, keeping only the 16-byte vectors that reach a rising threshold; the row's last block
+//     merges the chunks' candidates;
+//   radix (topk_radix_hist_* then topk_radix_select_*, small batches and every K > 256): many
+//     blocks per row stream it once into a histogram of vector keys; one block per row then
+//     re-reads only the 128-byte groups that can hold the K best.
+// First the pieces both use (keys, block reductions, the exact radix select and bitonic sort of
+// candidate keys in shared memory, row output), then each variant, then the entries.
 // Elements are ordered by a unique 64-bit key (order-preserving float bits << 32 | ~id), so ties
-// need no special case. With S > 1 every slice writes its K best keys and (max, sum) to a
-// workspace and the last slice to finish (atomic counter, reset by that block) merges them.
+// need no special case. (Variants tried and dropped: benchmarks/README.md, topk.)
 #ifndef TOPK_CAP
 #define TOPK_CAP 8192
 #endif
@@ -35,10 +35,9 @@ __device__ long long topk_prof[8 * 8192];
 
 namespace {
 
-constexpr int THREADS = 512;
+constexpr int THREADS = 512;  // the largest block the shared reductions are sized for
 constexpr int WARPS = THREADS / 32;
 constexpr int MAX_K = 512;
-constexpr int UNROLL = 4;
 constexpr int CAP = TOPK_CAP;  // candidate buffer (keys); shared memory is (CAP + MAX_K) * 8 bytes
 static_assert(CAP >= 2 * MAX_K && CAP >= THREADS, "the candidate buffer must hold 2 K and the per-thread bests");
 constexpr unsigned FULL = 0xffffffffu;
@@ -67,40 +66,6 @@ __device__ __forceinline__ float unord32(unsigned o) {
 __device__ __forceinline__ unsigned long long make_key(unsigned o, int id) {
   return ((unsigned long long)o << 32) | (unsigned)~id;
 }
-
-// VEC consecutive elements as floats; VEC > 1 needs 16-byte aligned addresses.
-template <typename T, int VEC>
-struct Loader;
-template <>
-struct Loader<unsigned short, 8> {
-  using Raw = uint4;
-  static __device__ __forceinline__ Raw load(const unsigned short* p) { return *reinterpret_cast<const uint4*>(p); }
-  static __device__ __forceinline__ void unpack(const Raw& r, float (&x)[8]) {
-    const unsigned w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x[2 * i] = __uint_as_float(w[i] << 16);
-      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
-};
-template <>
-struct Loader<float, 4> {
-  using Raw = float4;
-  static __device__ __forceinline__ Raw load(const float* p) { return *reinterpret_cast<const float4*>(p); }
-  static __device__ __forceinline__ void unpack(const Raw& r, float (&x)[4]) {
-    x[0] = r.x;
-    x[1] = r.y;
-    x[2] = r.z;
-    x[3] = r.w;
-  }
-};
-template <typename T>
-struct Loader<T, 1> {
-  using Raw = T;
-  static __device__ __forceinline__ Raw load(const T* p) { return *p; }
-  static __device__ __forceinline__ void unpack(const Raw& r, float (&x)[1]) { x[0] = to_float(r); }
-};
 
 struct Shared {
   unsigned long long* cand;  // [CAP] candidate keys (first the per-thread bests)
@@ -270,103 +235,6 @@ __device__ void sort_top(int kk, const Shared& sh) {
   }
 }
 
-// Pass 1 over elements [lo, hi) of one row. Per thread ids increase, so a strict ">" keeps the
-// smaller id among equal values; a thread whose elements are all -inf reports none (a lower bound
-// is all the threshold needs).
-template <typename T, int VEC>
-__device__ void pass_stats(const T* row, int lo, int hi, float& m, float& s, float& best, int& best_id) {
-  using L = Loader<T, VEC>;
-  const int nv = (hi - lo) / VEC;
-  const T* base = row + lo;
-  for (int v0 = threadIdx.x; v0 < nv; v0 += THREADS * UNROLL) {
-    typename L::Raw raw[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u)
-      if (v0 + u * THREADS < nv) raw[u] = L::load(base + (long long)(v0 + u * THREADS) * VEC);
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int v = v0 + u * THREADS;
-      if (v >= nv) break;
-      float x[VEC];
-      L::unpack(raw[u], x);
-      float vmax = neg_inf();
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        x[e] = sanitize(x[e]);
-        vmax = fmaxf(vmax, x[e]);
-        if (x[e] > best) {
-          best = x[e];
-          best_id = lo + v * VEC + e;
-        }
-      }
-      if (vmax > m) {
-        s *= exp2f((m - vmax) * LOG2E);
-        m = vmax;
-      }
-      if (m != neg_inf()) {
-        const float ml = m * LOG2E;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) s += exp2f(fmaf(x[e], LOG2E, -ml));
-      }
-    }
-  }
-}
-
-// Pass 2: append every element with key >= thr to cand (warp-aggregated; the count goes on past
-// CAP). A vector is looked at element by element only if its max can reach the threshold (the
-// "+ 1" lets a -0 through, whose key is that of +0).
-template <typename T, int VEC>
-__device__ void pass_collect(const T* row, int lo, int hi, unsigned long long thr, const Shared& sh) {
-  using L = Loader<T, VEC>;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nv = (hi - lo) / VEC;
-  const T* base = row + lo;
-  const unsigned lt = (1u << lane) - 1u;
-  const unsigned thr_hi = (unsigned)(thr >> 32);
-  for (int vb = warp * 32; vb < nv; vb += THREADS * UNROLL) {  // warp-uniform trip count
-    typename L::Raw raw[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int v = vb + u * THREADS + lane;
-      if (v < nv) raw[u] = L::load(base + (long long)v * VEC);
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      if (vb + u * THREADS >= nv) break;  // uniform: no lane of this warp has more
-      const int v = vb + u * THREADS + lane;
-      float x[VEC];
-      float vmax = neg_inf();
-      if (v < nv) {
-        L::unpack(raw[u], x);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          x[e] = sanitize(x[e]);
-          vmax = fmaxf(vmax, x[e]);
-        }
-      }
-      if (!__any_sync(FULL, v < nv && ord32(vmax) + 1u >= thr_hi)) continue;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const unsigned long long k = v < nv ? make_key(ord32(canon(x[e])), lo + v * VEC + e) : 0ull;
-        const bool take = v < nv && k >= thr;
-        const unsigned bal = __ballot_sync(FULL, take);
-        if (bal) {
-          unsigned pos = 0u;
-          if (lane == 0) pos = atomicAdd(&sh.scalars[0], (unsigned)__popc(bal));
-          pos = __shfl_sync(FULL, pos, 0) + __popc(bal & lt);
-          if (take && pos < CAP) sh.cand[pos] = k;
-        }
-      }
-    }
-  }
-}
-
-__device__ __forceinline__ void slice_bounds(int V, int S, int slice, int& lo, int& hi) {
-  const int chunk = ((V + S - 1) / S + 7) & ~7;  // a multiple of 8 keeps 16-byte vectors aligned
-  lo = min(V, slice * chunk);
-  hi = min(V, lo + chunk);
-}
-
 __device__ __forceinline__ float row_lse(float m, float s) { return m == neg_inf() ? 0.f : m + logf(s); }
 
 template <int NT>
@@ -379,104 +247,12 @@ __device__ void write_row(int K, float m, float s, float* logq, int* ids, const 
   }
 }
 
-template <typename T, int VEC>
-__device__ void topk_block(const T* logits, int V, int K, int S, float* logq_out, int* ids_out,
-                           unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count, const Shared& sh) {
-  __shared__ int is_last;
-  const int tid = threadIdx.x;
-  const int row = blockIdx.x / S, slice = blockIdx.x - row * S;
-  int lo, hi;
-  slice_bounds(V, S, slice, lo, hi);
-  const int kk = min(K, hi - lo);
-  const T* rp = logits + (long long)row * V;
-
-  float m = neg_inf(), s = 0.f, best = neg_inf();
-  int best_id = -1;
-  pass_stats<T, VEC>(rp, lo, hi, m, s, best, best_id);
-  block_lse<THREADS>(m, s, sh);
-  sh.cand[tid] = best_id >= 0 ? make_key(ord32(canon(best)), best_id) : 0ull;
-  __syncthreads();
-  if (kk > 0) {
-    unsigned long long thr = radix_select<THREADS>(sh.cand, THREADS, kk, sh);
-    unsigned n;
-    while (true) {
-      __syncthreads();  // everyone is done with cand and the counter before they are reused
-      if (tid == 0) sh.scalars[0] = 0u;
-      __syncthreads();
-      pass_collect<T, VEC>(rp, lo, hi, thr, sh);
-      __syncthreads();
-      n = sh.scalars[0];
-      if (n <= (unsigned)CAP) break;
-      thr = radix_select<THREADS>(sh.cand, CAP, kk, sh);  // K-th best of those kept: strictly higher
-    }
-    gather<THREADS>(sh.cand, (int)n, radix_select<THREADS>(sh.cand, (int)n, kk, sh), sh);
-  }
-  const long long out_row = (long long)row * K;
-  if (S == 1) {
-    sort_top<THREADS>(kk, sh);
-    write_row<THREADS>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
-    return;
-  }
-  unsigned long long* my_keys = ws_keys + ((long long)row * S + slice) * K;
-  for (int i = tid; i < kk; i += THREADS) my_keys[i] = sh.top[i];
-  if (tid == 0) {
-    ws_ms[2 * (row * S + slice)] = m;
-    ws_ms[2 * (row * S + slice) + 1] = s;
-  }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) is_last = atomicAdd(&ws_count[row], 1u) == (unsigned)(S - 1);
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  // The last block of the row merges the slices' candidates (S * K <= CAP, checked by the host).
-  int n = 0;
-  m = neg_inf();
-  s = 0.f;
-  for (int j = 0; j < S; ++j) {
-    int jl, jh;
-    slice_bounds(V, S, j, jl, jh);
-    const int jk = min(K, jh - jl);
-    const unsigned long long* src = ws_keys + ((long long)row * S + j) * K;
-    for (int i = tid; i < jk; i += THREADS) sh.cand[n + i] = __ldcg(src + i);
-    lse_combine(m, s, __ldcg(ws_ms + 2 * (row * S + j)), __ldcg(ws_ms + 2 * (row * S + j) + 1));
-    n += jk;
-  }
-  if (tid == 0) ws_count[row] = 0u;  // ready for the next launch (and graph replay)
-  __syncthreads();
-  gather<THREADS>(sh.cand, n, radix_select<THREADS>(sh.cand, n, K, sh), sh);
-  sort_top<THREADS>(K, sh);
-  write_row<THREADS>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
-}
-
-// ---------------------------------------------------------------- chunked variant
-// Each row is cut into C chunks of `chunk` elements, one block of CT threads per chunk. A block
-// copies its chunk once from HBM into shared memory (cp.async, every 16-byte piece in flight at
-// once) and from there:
-//   stats: online max and sum of exponentials per thread; per 16-byte vector its largest key
-//     (value, then the smaller id), the "vector key";
-//   threshold: the kk-th largest vector key t (kk = min(K, chunk size)). Exactly kk vectors have a
-//     key >= t, so at least kk elements are >= t, and every element >= t lies in one of them:
-//     at most kk * VEC candidates, so the buffer cannot overflow;
-//   collect the candidates, radix select the kk-th, write the kk best keys and (max, sum) to the
-//   workspace; the last block of the row to finish merges the C * kk keys into the sorted top K.
-// NaN / +inf are rare: a thread first works on the raw values (the strict compares skip NaN) and
-// redoes its stats with sanitized ones only if its sum came out non-finite (a NaN, or an +inf max).
-constexpr int CT = 256;
-constexpr int NV = 8;
-constexpr int MAX_VECS = CT * NV;  // 16-byte vectors per chunk at most (32 KB)
-
+// ---------------------------------------------------------------- shared by the stream and radix variants
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // 16 bytes of logits as raw bits; elements past the end are -inf.
 template <typename T>
@@ -516,74 +292,6 @@ struct Vec16<float> {
   }
 };
 
-// Dynamic shared memory of a chunk block, in 8-byte keys: the chunk (2 * MAX_VECS) then the vector
-// keys, later the candidates over them; the merging block reuses all of it for every chunk's kk
-// keys: max(2 * MAX_VECS + max(MAX_VECS, VEC * K), C * K) keys (the host sizes it).
-
-// Thread stats of its vectors v = j * CT + tid < nvec, in one pass: online max m and sum s of
-// exp(x - m), and the vector keys. Returns whether s is not finite (only possible with NaN or
-// +inf when !SAN).
-template <typename T, bool SAN>
-__device__ __forceinline__ bool chunk_stats(const uint4* data, int lo, int nvec, unsigned long long* vkeys,
-                                            float& m, float& s) {
-  using W = Vec16<T>;
-  constexpr int VEC = W::N;
-  m = neg_inf();
-  s = 0.f;
-#pragma unroll 4
-  for (int j = 0; j < NV; ++j) {
-    const int v = j * CT + threadIdx.x;
-    if (v >= nvec) break;
-    float x[VEC];
-    W::unpack(data[v], x);
-    float vm = neg_inf();
-    int vi = 0;
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      x[e] = SAN ? sanitize(x[e]) : x[e];
-      if (x[e] > vm) {  // strict: the first of equal values, the smaller id
-        vm = x[e];
-        vi = e;
-      }
-    }
-    vkeys[v] = make_key(ord32(canon(vm)), lo + v * VEC + vi);
-    if (vm > m) {
-      s *= fast_exp2((m - vm) * LOG2E);
-      m = vm;
-    }
-    const float ml = m == neg_inf() ? 0.f : m * LOG2E;  // all -inf so far: every term is 0
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) s += fast_exp2(fmaf(x[e], LOG2E, -ml));
-  }
-  return !(s <= FLT_MAX_F);
-}
-
-// Candidates of this thread: the elements with key >= thr of its vectors flagged in pass. Counted
-// when out is null, else written to out[pos...].
-template <typename T>
-__device__ __forceinline__ unsigned chunk_collect(const uint4* data, unsigned pass, int lo, int n,
-                                                  unsigned long long thr, unsigned long long* out, unsigned pos) {
-  using W = Vec16<T>;
-  constexpr int VEC = W::N;
-  unsigned cnt = 0u;
-  while (pass) {
-    const int j = __ffs(pass) - 1;
-    pass &= pass - 1u;
-    const int v = j * CT + threadIdx.x;
-    float x[VEC];
-    W::unpack(data[v], x);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const unsigned long long k = make_key(ord32(canon(sanitize(x[e]))), lo + v * VEC + e);
-      if (v * VEC + e < n && k >= thr) {
-        if (out != nullptr) out[pos + cnt] = k;
-        ++cnt;
-      }
-    }
-  }
-  return cnt;
-}
-
 // Split rows: publish this block's (m, s) (its keys are in its slot ws_keys[row, c] already);
 // true in the last of the row's C blocks to arrive, which then holds every block's (m, s) in
 // (m, s) (for every thread) and its keys in a[0, *n) (chunk j has min(K, min(chunk, V - j * chunk));
@@ -621,91 +329,6 @@ __device__ bool gather_split(int V, int K, int C, int chunk, int row, int c, flo
   return true;
 }
 
-// The end of a chunk block whose kk best keys are in place (sh.top for C == 1, else its slot
-// ws_keys[row, c]): one chunk sorts and writes them; with C > 1 the last of the row's blocks to
-// finish merges every chunk's keys into the sorted top K.
-template <int NT>
-__device__ void finish_chunk(int V, int K, int C, int chunk, int row, int c, float m, float s, float* logq_out,
-                             int* ids_out, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count,
-                             const Shared& sh) {
-  const long long out_row = (long long)row * K;
-  if (C == 1) {  // kk = K: the chunk is the whole row
-    __syncthreads();
-    sort_top<NT>(K, sh);
-    write_row<NT>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
-    return;
-  }
-  int nm;
-  if (!gather_split<NT>(V, K, C, chunk, row, c, m, s, ws_keys, ws_ms, ws_count, sh.cand, &nm, sh)) return;
-  gather<NT>(sh.cand, nm, radix_select<NT>(sh.cand, nm, K, sh), sh);
-  sort_top<NT>(K, sh);
-  write_row<NT>(K, m, s, logq_out + out_row, ids_out + out_row, sh);
-}
-
-template <typename T, bool VL>
-__device__ void chunk_block(const T* logits, int V, int K, int C, int chunk, float* logq_out, int* ids_out,
-                            unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count, const Shared& sh) {
-  using W = Vec16<T>;
-  constexpr int VEC = W::N;
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int c = blockIdx.x, row = blockIdx.y;  // a row's chunks run side by side: merges spread out
-  const int lo = c * chunk;  // < V: the host launches ceil(V / chunk) chunks per row
-  const int n = min(chunk, V - lo);
-  const int nvec = (n + VEC - 1) / VEC;
-  const int kk = min(K, n);
-  const T* src = logits + (long long)row * V + lo;
-  uint4* data = reinterpret_cast<uint4*>(sh.cand);
-  unsigned long long* vkeys = sh.cand + 2 * MAX_VECS;
-  unsigned long long* cand = vkeys;  // once the threshold is known
-  if (tid == 0) {
-    sh.scalars[4] = 0u;
-    sh.scalars[5] = 0u;
-  }
-
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int v = j * CT + tid;
-    if (v < nvec) {
-      if (VL) cp_async16(data + v, src + v * VEC);
-      else data[v] = W::load_scalar(src + v * VEC, n - v * VEC);
-    }
-  }
-  if (VL) cp_async_wait_all();  // each thread reads back only its own vectors until the barrier
-  float m, s;
-  if (chunk_stats<T, false>(data, lo, nvec, vkeys, m, s)) chunk_stats<T, true>(data, lo, nvec, vkeys, m, s);
-  block_lse<CT>(m, s, sh);  // its barriers also publish vkeys and the zeroed counters
-
-  const unsigned long long thr = nvec > kk ? radix_select<CT>(vkeys, nvec, kk, sh) : 0ull;
-  unsigned pass = 0u;  // this thread's vectors that can hold candidates (at most kk in the block)
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int v = j * CT + tid;
-    if (v < nvec && vkeys[v] >= thr) pass |= 1u << j;
-  }
-  const unsigned cnt = chunk_collect<T>(data, pass, lo, n, thr, nullptr, 0u);
-  unsigned incl = cnt;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const unsigned t = __shfl_up_sync(FULL, incl, d);
-    if (lane >= d) incl += t;
-  }
-  unsigned base = 0u;
-  if (lane == 31) base = atomicAdd(&sh.scalars[4], incl);
-  base = __shfl_sync(FULL, base, 31);
-  __syncthreads();  // every thread is done with vkeys: the candidates go over them
-  chunk_collect<T>(data, pass, lo, n, thr, cand, base + incl - cnt);
-  __syncthreads();
-  const int nc = (int)sh.scalars[4];  // kk <= nc <= kk * VEC
-
-  const unsigned long long thr2 = nc > kk ? radix_select<CT>(cand, nc, kk, sh) : 0ull;
-  unsigned long long* dst = C == 1 ? sh.top : ws_keys + ((long long)row * C + c) * K;
-  for (int i = tid; i < nc; i += CT) {
-    const unsigned long long k = cand[i];
-    if (k >= thr2) dst[atomicAdd(&sh.scalars[5], 1u)] = k;  // exactly kk pass: keys are distinct
-  }
-  finish_chunk<CT>(V, K, C, chunk, row, c, m, s, logq_out, ids_out, ws_keys, ws_ms, ws_count, sh);
-}
-
 // ---------------------------------------------------------------- stream variant
 // Each row is cut into C chunks, one block of ST threads per chunk, reading it once from HBM in
 // steps of STEP 16-byte vectors (SU per thread, coalesced) and keeping no copy of it. Per step:
@@ -720,7 +343,7 @@ __device__ void chunk_block(const T* logits, int V, int K, int C, int chunk, flo
 // Invariant: the buffer holds every vector read so far whose key reaches T (and perhaps a few
 // below it), so the chunk's kk best elements all lie in it. At the end a last compaction, the
 // elements of the kept vectors that reach T (at most 8 per vector) are selected exactly, and the
-// chunk ends like the chunked variant (sort, or publish and let the row's last block merge).
+// chunk ends: sort, or publish its keys and let the row's last block merge (gather_split).
 // NaN / +inf: the first pass works on raw values; if any thread's sum came out non-finite the
 // block starts over with sanitized values (re-reading its chunk).
 constexpr int ST = 256;
@@ -909,8 +532,8 @@ __device__ unsigned long long shrink(int n, int kk, int most, const StreamShared
   return t;
 }
 
-// This thread's SU vectors of the step at vector `base` (-inf past the end). (A cp.async ring of
-// 2 or 3 steps in shared memory instead of registers was 3-20% slower on the H200.)
+// This thread's SU vectors of the step at vector `base` (-inf past the end), held in registers
+// (a cp.async ring in shared memory measured slower: benchmarks/README.md, topk).
 template <typename T, bool VL>
 __device__ __forceinline__ void stream_load(const T* src, int base, int n, int nvec, uint4 (&raw)[SU]) {
   using W = Vec16<T>;
@@ -976,8 +599,7 @@ __device__ void stream_pass(const T* src, int lo, int n, int kk, float& m, float
     }
     s += s2;
     // The step's takers, all SU vectors of the warp at once: one shared atomic and one shuffle per
-    // warp and step (an append per vector chained SU atomic / shuffle round trips: 5-10% slower at
-    // batch 8-64 on the H200).
+    // warp and step, not SU chained atomic / shuffle round trips (an append per vector).
     const int lane = tid & 31;
     unsigned bal[SU];
 #pragma unroll
@@ -1226,7 +848,7 @@ __device__ __forceinline__ Shared carve(int cand_keys, unsigned long long* top) 
 //     k = 512, counted with tests/test_topk.py's numpy model of this argument); their elements
 //     >= t go to a shared buffer.
 //     On overflow (heavy ties at t) the K-th best buffered key raises the threshold and the flagged
-//     groups are read again, as in the slices kernel. Then: rank directly (<= RADIX_RANK
+//     groups are read again. Then: rank directly (<= RADIX_RANK
 //     candidates), or a value-only select and rank, or the exact radix select + bitonic sort.
 //     The block also zeroes the row's histogram for the next launch (and graph replay).
 // NaN / +inf: a vector whose NaN-propagating max is not finite is sanitized in registers first.
@@ -1555,50 +1177,10 @@ __device__ void radix_select_block(const T* logits, int V, int K, int C, const f
 
 }  // namespace
 
-// logits [rows, V]; logq [rows, K] fp32, ids [rows, K] int32; grid rows * S, block 512, dynamic
-// shared memory (TOPK_CAP + 512) * 8 bytes. vec = 1: rows are 16-byte aligned and V % (16 / elem) == 0.
-// S > 1: ws_keys [rows, S, K], ws_ms [rows, S, 2], ws_count [rows] zeroed once (reset by the kernel).
-extern "C" __global__ void __launch_bounds__(THREADS, 1) topk_bf16_kernel(
-    const unsigned short* __restrict__ logits, int V, int K, int S, int vec, float* __restrict__ logq,
-    int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
-  const Shared sh = carve(CAP, nullptr);
-  if (vec) topk_block<unsigned short, 8>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
-  else topk_block<unsigned short, 1>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1) topk_f32_kernel(
-    const float* __restrict__ logits, int V, int K, int S, int vec, float* __restrict__ logq,
-    int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
-  const Shared sh = carve(CAP, nullptr);
-  if (vec) topk_block<float, 4>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
-  else topk_block<float, 1>(logits, V, K, S, logq, ids, ws_keys, ws_ms, ws_count, sh);
-}
-
-// Chunked variant. grid (C, rows), block 256, dynamic shared memory
-// max(4096 + max(2048, VEC * K), C * K) * 8 bytes, VEC = 16 / element size; chunk a multiple of VEC
-// (at most 2048 * VEC), C = ceil(V / chunk). vec = 1: rows are 16-byte aligned and V % VEC == 0.
-// C > 1: ws_keys [rows, >= C, K], ws_ms [rows, >= C, 2], ws_count [rows] zeroed once (reset by the kernel).
-extern "C" __global__ void __launch_bounds__(CT, 4) topk_chunk_bf16_kernel(
-    const unsigned short* __restrict__ logits, int V, int K, int C, int chunk, int vec, float* __restrict__ logq,
-    int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
-  __shared__ unsigned long long top[MAX_K];  // static: its address needs no register
-  const Shared sh = carve(0, top);
-  if (vec) chunk_block<unsigned short, true>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, sh);
-  else chunk_block<unsigned short, false>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, sh);
-}
-
-extern "C" __global__ void __launch_bounds__(CT, 4) topk_chunk_f32_kernel(
-    const float* __restrict__ logits, int V, int K, int C, int chunk, int vec, float* __restrict__ logq,
-    int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
-  __shared__ unsigned long long top[MAX_K];
-  const Shared sh = carve(0, top);
-  if (vec) chunk_block<float, true>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, sh);
-  else chunk_block<float, false>(logits, V, K, C, chunk, logq, ids, ws_keys, ws_ms, ws_count, sh);
-}
-
 // Stream variant. grid (C, rows), block 256, dynamic shared memory 2048 * 24 bytes (C * K <= 6144);
 // K <= 256, chunk a multiple of 8, C = ceil(V / chunk). vec = 1: rows are 16-byte aligned and
-// V % (16 / element size) == 0. C > 1: workspace as for the chunked variant.
+// V % (16 / element size) == 0. C > 1: ws_keys [rows, >= C, K], ws_ms [rows, >= C, 2], ws_count [rows]
+// zeroed once (reset by the kernel).
 extern "C" __global__ void __launch_bounds__(ST, TOPK_STREAM_BLOCKS) topk_stream_bf16_kernel(
     const unsigned short* __restrict__ logits, int V, int K, int C, int chunk, int vec, float* __restrict__ logq,
     int* __restrict__ ids, unsigned long long* ws_keys, float* ws_ms, unsigned* ws_count) {
