@@ -71,7 +71,7 @@ class ModelRunner:
             raise ValueError("CUDA graphs need the cuda backend")
         self.model, self.cache, self.max_context = model, cache, max_context
         self.graphs, self.hidden_layers = graphs, tuple(hidden_layers)
-        self.page_width = cache.pages_for(max_context)
+        self.page_width = cache.allocator.pages_for(max_context)
         self._shapes: dict[tuple, _Shape] = {}
         self.captures = 0
         self.replays = 0  # graph launches (the first of each shape included)
@@ -187,8 +187,8 @@ class ModelRunner:
         b = len(seq_ids)
         s = self._shape(b, n, True)
         num_new = np.full(b, n, np.int64)
-        slots = np.concatenate([cache.slots(r, np.arange(p, p + n)) for r, p in zip(seq_ids, prefix)])
-        plan = be.mla_attention_plan(prefix, num_new, cache.page_table(seq_ids, self.page_width),
+        slots = np.concatenate([cache.allocator.slots(r, np.arange(p, p + n)) for r, p in zip(seq_ids, prefix)])
+        plan = be.mla_attention_plan(prefix, num_new, cache.allocator.page_table(seq_ids, self.page_width),
                                      model.dims.num_heads, cache.page_size, cache.num_pages, s.mask,
                                      check_mask=False, into=s.inputs.plan)
         be.copy_in(s.inputs.slots, slots.astype(np.int32))

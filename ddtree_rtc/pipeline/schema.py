@@ -149,25 +149,6 @@ class DecodeSpec:
 
 
 @dataclass(frozen=True)
-class StageSpec:
-    name: str
-    kernel: str
-    params: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        from ..kernels.registry import SPECS
-
-        if self.kernel not in SPECS and self.kernel != "linear":
-            raise ValueError(f"stage {self.name!r}: unknown kernel {self.kernel!r}; "
-                             f"known: {', '.join(sorted(SPECS))}, linear")
-        if self.kernel in SPECS:
-            unknown = set(self.params) - set(SPECS[self.kernel].params)
-            if unknown:
-                raise ValueError(f"stage {self.name!r}: kernel {self.kernel!r} has no parameter(s) "
-                                 f"{sorted(unknown)} (it takes {sorted(SPECS[self.kernel].params)})")
-
-
-@dataclass(frozen=True)
 class SyntheticWorkload:
     count: int = 4
     prompt_len: int = 16
@@ -204,16 +185,18 @@ class Pipeline:
     model: ModelSpec
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
     decode: DecodeSpec = field(default_factory=DecodeSpec)
-    stages: tuple[StageSpec, ...] = ()
     workload: WorkloadSpec = field(default_factory=lambda: WorkloadSpec(synthetic=SyntheticWorkload()))
     output: OutputSpec = field(default_factory=OutputSpec)
     source: str = field(default="<pipeline>", compare=False)
 
-    def __post_init__(self):
-        names = [s.name for s in self.stages]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"duplicate stage name(s) {sorted(dup)}")
+
+# Top-level keys that pipelines no longer take, and why: an old file that still has one is told so
+# instead of reading "unknown key".
+REMOVED_KEYS = {
+    "stages": "was removed: it never chose what ran (the engine launches its own kernels, the MoE plan "
+              "and the tree sizes pick their variants, and stage timings carry the engine's names); "
+              "delete it",
+}
 
 
 def _type_name(t) -> str:
@@ -312,6 +295,9 @@ def parse_pipeline(text: str, file: str = "<pipeline>", overrides: dict | None =
         if dotted in _PATHS_FROM_YAML_DIR and isinstance(value, str) and not Path(value).is_absolute():
             value = str(Path(value).absolute())
         _apply_override(data, dotted, value)
+    for key, why in REMOVED_KEYS.items():
+        if key in data:
+            raise PipelineError(f"{data.where(key)}: key {key!r} {why}")
     if "model" not in data:
         raise PipelineError(f"{file}: missing required key 'model'")
     pipe = from_mapping(Pipeline, data)

@@ -147,7 +147,7 @@ class EngineLoop:
         eng = self.engine
         log.exception("engine step failed; failing the requests it held and serving on")
         self.metrics.step_failures.inc()
-        for req in list(eng.scheduler.running):
+        for req in eng.running_requests():
             eng.cancel(req.rid)
             if req.rid in self._clients:
                 self._send(req.rid, ("error", (500, f"request failed inside the engine: {err!r}")))
@@ -158,7 +158,7 @@ class EngineLoop:
         eng, m = self.engine, self.metrics
         try:
             while not self._stop.is_set():
-                block = not eng.scheduler.has_work()
+                block = not eng.has_work()
                 while True:
                     try:
                         kind, arg = self._inbox.get(block=block, timeout=0.5 if block else None)
@@ -166,10 +166,9 @@ class EngineLoop:
                         break
                     self._apply(kind, arg)
                     block = False
-                sched = eng.scheduler
-                if not sched.has_work():
+                if not eng.has_work():
                     continue
-                running_before = len(sched.running)
+                running_before = eng.num_running
                 t0 = time.perf_counter()
                 try:
                     done = {r.rid for r in eng.step()}
@@ -178,9 +177,8 @@ class EngineLoop:
                     continue
                 m.round_time.observe(time.perf_counter() - t0)
                 m.rounds.inc()
-                auto = getattr(eng.round, "auto", None)
-                if auto is not None:
-                    m.observe_budget(auto.stats)
+                if eng.budget_stats is not None:
+                    m.observe_budget(eng.budget_stats)
                 emitted = 0
                 for rid in list(self._clients):
                     req, _, _, sent = self._clients[rid]
@@ -201,7 +199,7 @@ class EngineLoop:
                 m.generated_tokens.inc(emitted)
                 if running_before:
                     m.tau.set(emitted / max(running_before, 1))
-                sched.finished.clear()
+                eng.take_finished()
         except BaseException as e:  # the loop is dead: every client hears why, new ones get 503
             self.error = e
             for rid in list(self._clients):

@@ -15,15 +15,20 @@
     commit  -> the accepted nodes' KV rows move to prefix, prefix + 1, ...; their hidden states
                (root first) join the drafter's context; the emitted tokens go to the requests
 
+Chain mode (DFlash's linear drafting) is the same round with k = 1 and budget = depth. The verify's
+host half (cache slots, attention plan, page table) is done before the draft is enqueued; the tree's
+tokens, positions and mask reach the verify forward on the device (engine.runner). From the top-k to
+the KV commit (``SpeculativeRound.device_half``) nothing waits for the host, so at T = 0 the bench
+(``bench round``) captures that half as one CUDA graph. The host then reads the accepted lengths and
+tokens, once per round.
+
+Stages are timed by name on the engine's StageClock (engine.clock): plan, draft, then
+DEVICE_STAGES; the host half of the commit adds to "commit".
+
 With ``decode.budget: auto`` (``auto``: engine/decode/budget.AutoBudget) the tree is built at the
 maximum budget, each request's is cut to the node count the cost-aware policy chooses, and the
-verify runs the shape of the bucket that holds the largest cut (engine/decode/auto.py); the plan
-then comes after the build, and the host reads the node values once before the verify.
-
-Chain mode (DFlash's linear drafting) is the same round with k = 1 and budget = depth. The verify's
-host half (cache slots, attention plan) is done before the draft is enqueued; the tree's tokens,
-positions and mask reach the verify forward on the device (engine.runner). The host reads the
-accepted lengths and tokens once per round.
+verify runs the shape of the bucket that holds the largest cut (engine/decode/auto.py): the plan then
+comes after the build, and the host reads the node values once before the verify (stage "budget").
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..engine.request import RequestError
+from ..request import RequestError
 from .tree import TreeBuffers, TreeShape
+
+DEVICE_STAGES = ("top-k", "build", "verify", "choose", "accept", "commit")
 
 
 @dataclass
@@ -68,27 +75,23 @@ class RoundStats:
 class SpeculativeRound:
     """The round's buffers and its ``run(requests)``; ``mode`` 'ddtree' or 'chain'."""
 
-    def __init__(self, model, cache, runner, drafter, mode: str, budget: int, timed, choose, output_for=None,
-                 auto=None):
-        """``runner``: the engine's ModelRunner (plans the verify forward, replays its graphs);
-        ``choose(logits, reqs, positions)``: the engine's token choice per row (Engine.choose);
-        ``output_for(reqs)``: 'argmax' where the verify forward returns the greedy tokens itself
-        (Engine.output_for), else 'logits'. ``auto``: an AutoBudget (decode.budget auto; ``budget``
-        is then its max_budget) or None."""
+    def __init__(self, model, cache, pages, runner, drafter, mode: str, budget: int, sampler, clock, auto=None):
+        """``cache``: the target's PagedKVCache, ``pages``: its PageAllocator; ``runner``: the
+        engine's ModelRunner (plans the verify forward, replays its graphs); ``sampler``: the
+        engine's token choice (engine.sampler); ``clock``: the StageClock the stages are timed on;
+        ``auto``: an AutoBudget (decode.budget auto; ``budget`` is then its max_budget) or None."""
         if mode not in ("ddtree", "chain"):
             raise ValueError(f"speculative mode must be 'ddtree' or 'chain', got {mode!r}")
-        self.model, self.cache, self.runner, self.drafter, self.mode = model, cache, runner, drafter, mode
+        self.model, self.cache, self.pages, self.runner, self.drafter = model, cache, pages, runner, drafter
+        self.mode, self.sampler, self.clock = mode, sampler, clock
         self.budget = drafter.depth if mode == "chain" else budget
         TreeShape(batch=1, budget=self.budget, depth=drafter.depth, vocab=model.cfg.vocab_size)  # checks ranges
-        self.timed, self.choose = timed, choose
-        self.output_for = output_for or (lambda reqs: "logits")
         self.hidden_layers = tuple(drafter.target_layer_ids)
         self.stats = RoundStats()
         self._buffers: dict[int, TreeBuffers] = {}
         self.auto = auto
-        self._auto_round = None
         if auto is not None:
-            from ..engine.decode.auto import AutoRound
+            from .auto import AutoRound
 
             if mode != "ddtree" or auto.max_budget != self.budget:
                 raise ValueError(f"budget auto needs mode 'ddtree' and max_budget {auto.max_budget} == the round's "
@@ -106,7 +109,8 @@ class SpeculativeRound:
             raise RequestError(f"request {req.rid}: budget {b} outside 0..{self.budget} (decode.budget)")
         return b
 
-    def _buffers_for(self, batch: int) -> TreeBuffers:
+    def buffers_for(self, batch: int) -> TreeBuffers:
+        """The tree buffers of a batch size (made at its first round, then reused)."""
         bufs = self._buffers.get(batch)
         if bufs is None:
             shape = TreeShape(batch=batch, budget=self.budget, depth=self.drafter.depth,
@@ -115,38 +119,32 @@ class SpeculativeRound:
         return bufs
 
     def release(self, rid) -> None:
+        """The request finished or was cancelled: the auto budget forgets it."""
         if self.auto is not None:
             self.auto.release(rid)
 
     def run(self, reqs, eos_id) -> None:
         if self.auto is not None:
             return self._run_auto(reqs, eos_id)
-        be, cache, timed, runner = self.model.backend, self.cache, self.timed, self.runner
+        be, pages, clock, runner = self.model.backend, self.pages, self.clock, self.runner
         rids = [r.rid for r in reqs]
         prefix = np.array([r.length - 1 for r in reqs], np.int32)  # the root (last token) has no KV yet
         roots = np.array([r.output[-1] for r in reqs], np.int32)
-        bufs = self._buffers_for(len(reqs))
+        bufs = self.buffers_for(len(reqs))
         bufs.set_limits(budgets=[self.budget_of(r) for r in reqs])
         n_slots = 1 + bufs.shape.max_budget
         for r, p in zip(reqs, prefix):
-            cache.reserve(r.rid, int(p) + n_slots)
+            pages.reserve(r.rid, int(p) + n_slots)
 
-        step = timed("plan", runner.plan_tree, rids, prefix, n_slots)  # host work, before the GPU's
-        logits = timed("draft", self.drafter.draft, rids, roots, prefix)
-        tree = timed("build", bufs.build, logits, be.asarray(roots), step.prefix_dev)
-        timed("verify", runner.fill_tree, step, tree)
-        output = self.output_for(reqs)
-        out = timed("verify", runner.verify, step, output)
+        step = clock.time("plan", runner.plan_tree, rids, prefix, n_slots)  # host work, before the GPU's
+        page_table, roots_dev = be.asarray(pages.page_table(rids)), be.asarray(roots)
+        logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
         row_reqs = [r for r in reqs for _ in range(n_slots)]  # node j of tree b: its token at position + 1
-        chosen = (lambda: out.tokens) if output == "argmax" else (
-            lambda: self.choose(out.logits, row_reqs, step.inputs.positions + 1))
-        choices = timed("sample", lambda: chosen().reshape(len(reqs), n_slots).astype(be.xp.int32))
-        acc = timed("accept", bufs.accept, choices)
+        out, _, acc = self.device_half(bufs, step, page_table, logits, roots_dev, row_reqs, clock)
         accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
         emitted = be.to_host(acc.emitted)
 
         def commit():
-            cache.commit(be.asarray(cache.page_table(rids)), step.prefix_dev, acc.accepted, acc.accept_len)
             if self.hidden_layers:
                 accepted = be.to_host(acc.accepted)
                 rows = np.concatenate([b * n_slots + accepted[b, :n].astype(np.int64)
@@ -156,39 +154,66 @@ class SpeculativeRound:
             for r, p, n, toks in zip(reqs, prefix, accept_len, emitted):
                 self.stats.add(int(n), r.rid)
                 r.extend(toks[:n].tolist(), eos_id)
-                cache.trim(r.rid, int(p) + int(n))  # the committed prefix; the bonus gets its row next round
+                pages.trim(r.rid, int(p) + int(n))  # the committed prefix; the bonus gets its row next round
 
-        timed("commit", commit)
+        clock.time("commit", commit)
+
+    def device_half(self, bufs: TreeBuffers, step, page_table, draft_logits, roots, row_reqs, clock):
+        """Top-k -> build -> verify -> choose -> accept -> KV commit for the verify ``step``
+        (``runner.plan_tree``), each stage timed on ``clock`` under its DEVICE_STAGES name.
+        ``page_table`` and ``roots`` are on the device; ``row_reqs``: the request of each verify row
+        (its node's token is chosen by the request's temperature, top-p and sampling stream).
+        Returns (verify output, choices [B, n] int32, accept arrays)."""
+        output = self.sampler.output_for(row_reqs)
+        clock.time("top-k", bufs.topk, draft_logits)
+        tree = clock.time("build", bufs.grow, roots, step.prefix_dev)
+        out = clock.time("verify", self._verify, step, tree, output)
+        choices = clock.time("choose", self._choose, out, output, row_reqs, step, len(row_reqs) // step.key[1])
+        acc = clock.time("accept", bufs.accept, choices)
+        clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
+        return out, choices, acc
+
+    def _verify(self, step, tree, output: str):
+        self.runner.fill_tree(step, tree)
+        return self.runner.verify(step, output)
+
+    def _choose(self, out, output: str, row_reqs, step, batch: int):
+        be = self.model.backend
+        tokens = out.tokens if output == "argmax" else self.sampler.choose(out.logits, row_reqs,
+                                                                           step.inputs.positions + 1)
+        return tokens.reshape(batch, -1).astype(be.xp.int32, copy=False)
 
     def _run_auto(self, reqs, eos_id) -> None:
         """The round with the cost-aware budget: draft and build at the maximum budget (or, when
         every request holds off drafting, the root alone), choose and cut, then plan and verify
         the chosen bucket's shape (engine/decode/auto.py)."""
-        from ..engine.decode.auto import tree_view
+        from .auto import tree_view
 
-        be, cache, timed, runner, auto, ar = (self.model.backend, self.cache, self.timed, self.runner,
-                                              self.auto, self._auto_round)
+        be, pages, clock, runner, auto, ar = (self.model.backend, self.pages, self.clock, self.runner, self.auto,
+                                              self._auto_round)
         t0 = time.perf_counter()
         rids, b = [r.rid for r in reqs], len(reqs)
         prefix = np.array([r.length - 1 for r in reqs], np.int32)
         roots = np.array([r.output[-1] for r in reqs], np.int32)
         caps = np.array([self.budget_of(r) for r in reqs], np.int64)
-        bufs = self._buffers_for(b)
+        bufs = self.buffers_for(b)
         bufs.set_limits(budgets=caps)
         for r, p in zip(reqs, prefix):
-            cache.reserve(r.rid, int(p) + 1 + self.budget)
+            pages.reserve(r.rid, int(p) + 1 + self.budget)
         roots_dev, prefix_dev, ctx = be.asarray(roots), be.asarray(prefix), float(prefix.mean())
-        output = self.output_for(reqs)
         drafted = auto.should_draft(rids)
-        raw = depth = draft_s = None
         measuring = drafted and ar.needs_measure(b)
+        raw = depth = draft_s = None
         if drafted:
-            logits = timed("draft", self.drafter.draft, rids, roots, prefix)
-            tree = timed("build", bufs.build, logits, roots_dev, prefix_dev)
-            values, raw, depth = timed("budget", ar.estimate, tree, rids)  # a host sync
+            logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
+            clock.time("top-k", bufs.topk, logits)
+            tree = clock.time("build", bufs.grow, roots_dev, prefix_dev)
+            values, raw, depth = clock.time("budget", ar.estimate, tree, rids)  # a host sync
             draft_s = time.perf_counter() - t0
             if measuring:
-                timed("budget", ar.measure, rids, prefix, tree, be.to_host(tree.num_nodes).astype(np.int64), output)
+                output = self.sampler.output_for(reqs)
+                clock.time("budget", ar.measure, rids, prefix, tree, be.to_host(tree.num_nodes).astype(np.int64),
+                           output)
             choice = auto.choose(values, caps, ctx)
             ar.cut(tree, choice.counts)
         else:
@@ -197,28 +222,27 @@ class SpeculativeRound:
             ar.root_only(tree, roots_dev, prefix_dev)
             choice = auto.ar_choice(b, ctx)
         n_slots = choice.slots
-        step = timed("plan", runner.plan_tree, rids, prefix, n_slots)
-        timed("verify", runner.fill_tree, step, tree_view(tree, n_slots))
-        out = timed("verify", runner.verify, step, output)
-        row_reqs = [r for r in reqs for _ in range(n_slots)]
-        chosen = (lambda: out.tokens) if output == "argmax" else (
-            lambda: self.choose(out.logits, row_reqs, step.inputs.positions + 1))
+        step = clock.time("plan", runner.plan_tree, rids, prefix, n_slots)
+        page_table = be.asarray(pages.page_table(rids))
+        row_reqs = [r for r in reqs for _ in range(n_slots)]  # node j of tree b: its token at position + 1
+        output = self.sampler.output_for(row_reqs)
+        out = clock.time("verify", self._verify, step, tree_view(tree, n_slots), output)
         full = self._choices.get(b)
         if full is None:
             full = self._choices[b] = be.empty((b, 1 + self.budget), "int32")
 
-        def pad():
+        def choose():
             full[...] = -1  # slots past the verify: no token (the walk stops within num_nodes anyway)
-            full[:, :n_slots] = chosen().reshape(b, n_slots).astype(be.xp.int32)
+            full[:, :n_slots] = self._choose(out, output, row_reqs, step, b)
             return full
 
-        choices = timed("sample", pad)
-        acc = timed("accept", bufs.accept, choices)
+        choices = clock.time("choose", choose)
+        acc = clock.time("accept", bufs.accept, choices)
+        clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
         accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
         emitted = be.to_host(acc.emitted)
 
         def commit():
-            cache.commit(be.asarray(cache.page_table(rids)), step.prefix_dev, acc.accepted, acc.accept_len)
             if self.hidden_layers:
                 accepted = be.to_host(acc.accepted)
                 rows = np.concatenate([i * n_slots + accepted[i, :n].astype(np.int64)
@@ -228,9 +252,9 @@ class SpeculativeRound:
             for r, p, n, toks in zip(reqs, prefix, accept_len, emitted):
                 self.stats.add(int(n), r.rid)
                 r.extend(toks[:n].tolist(), eos_id)
-                cache.trim(r.rid, int(p) + int(n))
+                pages.trim(r.rid, int(p) + int(n))
 
-        timed("commit", commit)
+        clock.time("commit", commit)
         auto.observe(rids, raw, depth, choice, accept_len, drafted)
         if not measuring:  # the measuring round's wall time holds the measurement
             ar.observe_times(b, draft_s, time.perf_counter() - t0, choice)
