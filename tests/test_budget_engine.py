@@ -10,7 +10,8 @@ from ddtree_rtc.engine.decode.budget import BudgetError, CostModel
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.request import Request
 from ddtree_rtc.model.target import TargetModel
-from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter, greedy_continuation
+from ddtree_rtc.pipeline.runner import greedy_continuation
+from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter
 
 DEPTH, MAX = 7, 16
 MOE = CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=2e-3, fixed_s=1e-3)
