@@ -40,7 +40,7 @@ def test_good_pipeline_parses():
     (GOOD.replace("model:\n  preset: tiny\n", "model:\n  seed: 1\n"), r"bad.yaml:2: model: give 'preset'"),
     # an invariant's error points at the line of the key it names, not at its mapping's first line
     (GOOD.replace("temperature: 0", "temperature: 0\n  top_p: 2"), r"bad.yaml:9: decode: top_p must be in"),
-    (GOOD.replace("concurrency: 2", "concurrency: 0"), r"bad.yaml:14: workload: concurrency must be >= 1"),
+    (GOOD.replace("concurrency: 2", "concurrency: 0"), r"bad.yaml:11: workload: concurrency must be >= 1"),
     ("model: [1, 2", r"bad.yaml:\d+: malformed YAML"),
     ("- 1\n- 2\n", "top level"),
     (GOOD + "extra: 1\n", r"bad.yaml:14: unknown key 'extra'"),

@@ -82,10 +82,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="ddtree-engine-loop", daemon=True)
         self.error: BaseException | None = None
         # read at scrape time from the HTTP thread: plain ints the engine thread updates, no lag
-        cache = engine.cache
         self.metrics.queue_depth.set_function(lambda: self._outstanding)
-        self.metrics.kv_pages_free.set_function(lambda: cache.num_free_pages)
-        self.metrics.kv_pages_used.set_function(lambda: cache.num_pages - cache.num_free_pages)
+        self.metrics.kv_pages_free.set_function(lambda: engine.pages.num_free_pages)
+        self.metrics.kv_pages_used.set_function(lambda: engine.pages_in_use)
 
     def start(self) -> None:
         self._thread.start()
