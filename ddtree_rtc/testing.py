@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from ml_dtypes import bfloat16
 
-from .engine.kv_cache import PagedKVCache
+from .engine.kv_cache import PageAllocator, PagedKVCache
 from .model.moe import MoELayerWeights
 from .model.target import ForwardBatch, TargetModel
 from .reference.moe_routing import descending, group_scores, limit_to_groups, selection_scores
@@ -91,9 +91,39 @@ def last_logits(model, tokens, page_size: int = 16) -> np.ndarray:
     fresh paged cache, the reference point tests use to judge a greedy divergence."""
     tokens = list(tokens)
     cache = PagedKVCache(model.backend, model.num_layers, -(-len(tokens) // page_size), page_size)
-    cache.reserve(0, len(tokens))
+    cache.allocator.reserve(0, len(tokens))
     out = model.forward(ForwardBatch.causal([0], [0], [tokens]), cache, output="logits").logits
     return model.backend.to_host(out).astype(np.float64).reshape(-1, model.cfg.vocab_size)[-1]
+
+
+def dflash_forward_once(dm, ctx_hidden: dict, block_tokens, start: int):
+    """A DFlashModel's block forward for one request without an engine: context rows (the target's
+    hidden states ``ctx_hidden``) at positions start-T .. start-1, the block at start ..
+    start+Bs-1 -> host fp32 (final hidden [Bs, H], logits [Bs-1, V])."""
+    be, c = dm.backend, dm.cfg
+    if len(block_tokens) != c.block_size:
+        raise ValueError(f"block_tokens: expected {c.block_size} ids, got {len(block_tokens)}")
+    hidden = {i: be.asarray(np.asarray(h).astype(np.float32).astype(bfloat16)) for i, h in ctx_hidden.items()}
+    t = int(next(iter(hidden.values())).shape[0])
+    if start < t:
+        raise ValueError(f"start {start} < {t} context rows")
+    page = 16
+    alloc = PageAllocator(max(1, -(-start // page)), page)
+    kc, vc = (PagedKVCache(be, len(dm.layers), alloc.num_pages, page, dm.kv_heads * c.head_dim, alloc)
+              for _ in range(2))
+    alloc.reserve(0, max(start, 1))
+    pos = np.arange(start - t, start, dtype=np.int32)
+    slots = be.asarray(alloc.slots(0, pos).astype(np.int32))
+    for i, (k, v) in enumerate(dm.context_kv(hidden, be.asarray(pos))):
+        kc.write(i, k, slots)
+        vc.write(i, v, slots)
+    layers = range(len(dm.layers))
+    logits, x = dm.block_forward(be.asarray(np.asarray(block_tokens, np.int32)),
+                                 be.asarray(np.arange(start, start + c.block_size, dtype=np.int32)),
+                                 [kc.layer(i) for i in layers], [vc.layer(i) for i in layers],
+                                 be.asarray(alloc.page_table([0])), be.asarray(np.array([start], np.int32)),
+                                 be.asarray(np.array([start - t], np.int32)))
+    return be.to_host(x).astype(np.float32), be.to_host(logits)[0].astype(np.float32)
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def _logits(directory):
 
     model = TargetModel.load(directory, Backend("numpy", quiet=True))
     cache = PagedKVCache(model.backend, model.num_layers, 4, 16)
-    cache.reserve(0, 9)
+    cache.allocator.reserve(0, 9)
     out = model.forward(ForwardBatch.causal([0], [0], [[3, 1, 4, 1, 5, 9, 2, 6, 5]], last_only=False), cache,
                         output="logits")
     return np.asarray(model.backend.to_host(out.logits)).astype(np.float32)
@@ -180,7 +180,7 @@ def test_decisive_head_keeps_greedy_choices_far_from_ties(tmp_path, head):
     model = TargetModel.load(tmp_path, Backend("numpy", quiet=True))
     seq = np.random.default_rng(1).integers(3, cfg.vocab_size, 60).tolist()
     cache = PagedKVCache(model.backend, model.num_layers, 16, 16)
-    cache.reserve(0, len(seq))
+    cache.allocator.reserve(0, len(seq))
     logits = model.forward(ForwardBatch.causal([0], [0], [seq], last_only=False), cache, output="logits").logits
     logits = np.asarray(logits, np.float32)
     top2 = np.sort(logits, axis=1)[:, -2:]

@@ -221,7 +221,7 @@ def test_serve_with_the_oracle_warns_and_answers(tmp_path):
 def test_the_oracle_keeps_only_its_most_recent_continuations(tiny_dir):
     from ddtree_rtc.backend import Backend
     from ddtree_rtc.model.target import TargetModel
-    from ddtree_rtc.speculative.drafters import greedy_continuation
+    from ddtree_rtc.pipeline.runner import greedy_continuation
 
     cont = greedy_continuation(TargetModel.load(tiny_dir, Backend("numpy")), 3, 16, max_cached=2)
     first = cont(0, [5, 6])

@@ -42,7 +42,7 @@ def test_graph_decode_equals_eager(tiny_dir, rng):
     prompts = {s: rng.integers(0, model.cfg.vocab_size, lens[s]).tolist() for s in seqs}
     for cache in (eager_cache, graph_cache):
         for s in seqs:
-            cache.reserve(s, max_ctx)
+            cache.allocator.reserve(s, max_ctx)
             model.forward(ForwardBatch.causal([s], [0], [prompts[s]]), cache, output="none")
     ctx = dict(lens)
     # batch sizes come and go (graphs are reused), contexts cross page boundaries

@@ -16,6 +16,7 @@ from ddtree_rtc.model.dflash import DFlashModel, load_dflash_config, make_dflash
 from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
 from ddtree_rtc.speculative.dflash import DFlashDrafter
+from ddtree_rtc.testing import dflash_forward_once
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_preset_is_zlab_format(pair):
 
 def _hidden(model, tokens, layers):
     cache = PagedKVCache(model.backend, model.num_layers, 8, 16)
-    cache.reserve(0, len(tokens))
+    cache.allocator.reserve(0, len(tokens))
     out = model.forward(ForwardBatch.causal([0], [0], [tokens], last_only=False), cache, output="none",
                         hidden_layers=layers)
     return {i: np.asarray(h, np.float32) for i, h in out.hidden.items()}
@@ -48,7 +49,7 @@ def _hidden(model, tokens, layers):
 
 def test_cached_rounds_equal_one_forward_from_scratch(pair):
     """Every draft of a chain run (context grown by prefill + accepted rows, paged) equals
-    forward_once over the target's hidden states of the whole committed sequence."""
+    dflash_forward_once over the target's hidden states of the whole committed sequence."""
     model, d = pair
     drafter = DFlashDrafter.load(d, model)
     seen = []
@@ -69,7 +70,7 @@ def test_cached_rounds_equal_one_forward_from_scratch(pair):
     for root, prefix, logits in seen[:3]:
         assert seq[prefix] == root
         ctx = _hidden(model, seq[:prefix], dm.cfg.target_layer_ids)
-        _, want = dm.forward_once(ctx, [root] + [dm.cfg.mask_token_id] * 7, prefix)
+        _, want = dflash_forward_once(dm, ctx, [root] + [dm.cfg.mask_token_id] * 7, prefix)
         np.testing.assert_allclose(logits, want, atol=2e-2 * np.abs(want).max())
 
 

@@ -30,7 +30,7 @@ from ddtree_rtc.engine.request import Request
 from ddtree_rtc.model.make_model import QUANTIZATION_CONFIG
 from ddtree_rtc.model.safetensors_io import write_file
 from ddtree_rtc.model.target import TargetModel
-from ddtree_rtc.testing import as_f64
+from ddtree_rtc.testing import as_f64, dflash_forward_once
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -260,11 +260,11 @@ def test_forward_matches_zlab(tmp_path, target, case):
     cfg = load_dflash_config(tmp_path)
     assert cfg.block_size == bs and cfg.mask_token_id == mask_id and tuple(cfg.target_layer_ids) == tuple(layer_ids)
     dm = DFlashModel.load(tmp_path, ours_target)
-    got_h, got_l = dm.forward_once(ctx, block, start)
+    got_h, got_l = dflash_forward_once(dm, ctx, block, start)
     assert got_h.dtype == np.float32 and got_h.shape == (bs, HIDDEN), (got_h.dtype, got_h.shape)
     assert got_l.dtype == np.float32 and got_l.shape == (bs - 1, VOCAB), (got_l.dtype, got_l.shape)
     # and the same with bf16 context rows
-    got_h16, _ = dm.forward_once({i: h.astype(bfloat16) for i, h in ctx.items()}, block, start)
+    got_h16, _ = dflash_forward_once(dm, {i: h.astype(bfloat16) for i, h in ctx.items()}, block, start)
     np.testing.assert_allclose(got_h16, got_h, rtol=0, atol=1e-2 * np.abs(ref_h).max())
 
     def err(a, ref):

@@ -31,7 +31,8 @@ from ddtree_rtc.model.checkpoint import CheckpointReader
 from ddtree_rtc.model.config import preset_config
 from ddtree_rtc.model.shard import Shard, ShardError
 from ddtree_rtc.model.target import TargetModel
-from ddtree_rtc.speculative.drafters import OracleDrafter, greedy_continuation
+from ddtree_rtc.pipeline.runner import greedy_continuation
+from ddtree_rtc.speculative.drafters import OracleDrafter
 from ddtree_rtc.testing import assert_close, last_logits
 
 CTX = mp.get_context("fork")

@@ -23,8 +23,8 @@ def tiny(tiny_dir):
 def test_incremental_decode_equals_full_prefill(tiny, rng):
     cache = PagedKVCache(tiny.backend, tiny.num_layers, 8, 16)
     prompt = rng.integers(0, tiny.cfg.vocab_size, 21).tolist()
-    cache.reserve("a", 21)
-    cache.reserve("b", 21)
+    cache.allocator.reserve("a", 21)
+    cache.allocator.reserve("b", 21)
     full = tiny.forward(ForwardBatch.causal(["a"], [0], [prompt], last_only=False), cache, output="logits")
     tiny.forward(ForwardBatch.causal(["b"], [0], [prompt[:17]]), cache, output="none")
     for j in range(17, 21):  # across a page boundary (page size 16)
@@ -36,7 +36,7 @@ def test_incremental_decode_equals_full_prefill(tiny, rng):
 
 def test_hidden_states_are_returned(tiny):
     cache = PagedKVCache(tiny.backend, tiny.num_layers, 4, 16)
-    cache.reserve(0, 5)
+    cache.allocator.reserve(0, 5)
     out = tiny.forward(ForwardBatch.causal([0], [0], [[1, 2, 3, 4, 5]]), cache, hidden_layers=(0, 2))
     assert sorted(out.hidden) == [0, 2] and out.hidden[2].shape == (5, tiny.cfg.hidden_size)
     assert out.tokens.shape == (1,)
@@ -103,7 +103,7 @@ def test_engine_stops_on_eos_and_frees_pages(tiny):
     eng2 = Engine(tiny, max_batch=2, page_size=16, max_context=64)
     r = eng2.run([Request(1, [5, 6, 7], 4, stop_ids=(probe[1],))])[0]
     assert r.output == probe[:2] and r.finish.value == "stop"
-    assert eng2.cache.num_free_pages == eng2.cache.num_pages
+    assert eng2.pages.num_free_pages == eng2.pages.num_pages
 
 
 def test_engine_rejects_bad_requests(tiny):

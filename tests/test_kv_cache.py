@@ -15,33 +15,34 @@ from ddtree_rtc.testing import assert_close, random_bf16
 def test_cache_bookkeeping():
     cache = PagedKVCache(Backend("numpy", quiet=True), num_layers=2, num_pages=6, page_size=4, row=16)
     assert cache.data.shape == (2, 6, 4, 16) and cache.data.dtype == bfloat16
-    cache.reserve("a", 5)
-    cache.reserve("b", 1)
-    assert cache.capacity("a") == 8 and cache.capacity("b") == 4 and cache.num_free_pages == 3
-    cache.reserve("a", 8)  # fits what it holds
-    assert cache.num_free_pages == 3
+    alloc = cache.allocator
+    alloc.reserve("a", 5)
+    alloc.reserve("b", 1)
+    assert alloc.capacity("a") == 8 and alloc.capacity("b") == 4 and alloc.num_free_pages == 3
+    alloc.reserve("a", 8)  # fits what it holds
+    assert alloc.num_free_pages == 3
     with pytest.raises(CacheFullError, match="needs 4 more pages"):
-        cache.reserve("b", 17)
-    assert cache.num_free_pages == 3 and cache.capacity("b") == 4, "a failed reservation allocates nothing"
-    pa = cache.pages("a")
-    slots = cache.slots("a", [0, 3, 4, 7])
+        alloc.reserve("b", 17)
+    assert alloc.num_free_pages == 3 and alloc.capacity("b") == 4, "a failed reservation allocates nothing"
+    pa = alloc.pages("a")
+    slots = alloc.slots("a", [0, 3, 4, 7])
     assert slots.dtype == np.int32
     assert slots.tolist() == [pa[0] * 4, pa[0] * 4 + 3, pa[1] * 4, pa[1] * 4 + 3]
     with pytest.raises(ValueError, match="outside its capacity 8"):
-        cache.slots("a", [8])
-    table = cache.page_table(["b", "a"], width=4)
-    assert table.shape == (2, 4) and table[0, 0] == cache.pages("b")[0]
+        alloc.slots("a", [8])
+    table = alloc.page_table(["b", "a"], width=4)
+    assert table.shape == (2, 4) and table[0, 0] == alloc.pages("b")[0]
     assert table[1, :2].tolist() == pa and (table[0, 1:] == PAGE_SENTINEL).all()
     with pytest.raises(ValueError, match="width 1 < 2"):
-        cache.page_table(["a"], width=1)
-    cache.trim("a", 3)
-    assert cache.pages("a") == pa[:1] and cache.num_free_pages == 4
-    cache.free("a")
-    assert "a" not in cache and cache.num_free_pages == 5
+        alloc.page_table(["a"], width=1)
+    alloc.trim("a", 3)
+    assert alloc.pages("a") == pa[:1] and alloc.num_free_pages == 4
+    alloc.free("a")
+    assert "a" not in alloc and alloc.num_free_pages == 5
     with pytest.raises(KeyError, match="no pages"):
-        cache.capacity("a")
-    cache.reserve("c", 20)
-    assert cache.num_free_pages == 0 and len(set(cache.pages("c")) | set(cache.pages("b"))) == 6
+        alloc.capacity("a")
+    alloc.reserve("c", 20)
+    assert alloc.num_free_pages == 0 and len(set(alloc.pages("c")) | set(alloc.pages("b"))) == 6
 
 
 def test_write_reference(rng):
@@ -184,10 +185,10 @@ def test_cache_object_on_gpu(rng):
     for kind in ("numpy", "cuda"):
         be = Backend(kind)
         cache = PagedKVCache(be, num_layers=3, num_pages=8, page_size=4)
-        cache.reserve(0, 9)
+        cache.allocator.reserve(0, 9)
         for layer in range(3):
-            cache.write(layer, be.asarray(rows), be.asarray(cache.slots(0, np.arange(3, 9))))
-        cache.commit(cache.page_table([0]), np.array([3], np.int32), np.array([[0, 2, 5]], np.int32),
+            cache.write(layer, be.asarray(rows), be.asarray(cache.allocator.slots(0, np.arange(3, 9))))
+        cache.commit(cache.allocator.page_table([0]), np.array([3], np.int32), np.array([[0, 2, 5]], np.int32),
                      np.array([3], np.int32))
         outs.append(be.to_host(cache.data).astype(np.float32))
     assert_close(outs[1], outs[0], "bf16", "cache")

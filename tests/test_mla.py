@@ -56,12 +56,13 @@ def run_model(be, host_w, seqs, page_size=8):
     scale = softmax_scale(DIMS.qk_head, K26_SCALING)
     cache = PagedKVCache(be, num_layers=1, num_pages=64, page_size=page_size, row=DIMS.row)
     for i, (xp, xn, _) in enumerate(seqs):
-        cache.reserve(i, len(xp) + len(xn))
-    width = max(len(cache.pages(i)) for i in range(len(seqs)))
+        cache.allocator.reserve(i, len(xp) + len(xn))
+    width = max(len(cache.allocator.pages(i)) for i in range(len(seqs)))
 
     def step(ids, ctx, xs, positions, slots, mask):
-        plan = be.mla_attention_plan(np.array(ctx), np.array([len(x) for x in xs]), cache.page_table(ids, width),
-                                     DIMS.num_heads, page_size, cache.num_pages, mask)
+        plan = be.mla_attention_plan(np.array(ctx), np.array([len(x) for x in xs]),
+                                     cache.allocator.page_table(ids, width), DIMS.num_heads, page_size,
+                                     cache.num_pages, mask)
         x = be.asarray(np.concatenate(xs))
         return mla_forward(be, x, w, DIMS, be.asarray(np.concatenate(positions).astype(np.int32)),
                            be.asarray(inv_freq), EPS, cache.layer(0), be.asarray(np.concatenate(slots)), plan, scale)
@@ -69,7 +70,7 @@ def run_model(be, host_w, seqs, page_size=8):
     pre = [i for i, s in enumerate(seqs) if len(s[0])]
     if pre:
         step(pre, [0] * len(pre), [seqs[i][0] for i in pre], [np.arange(len(seqs[i][0])) for i in pre],
-             [cache.slots(i, np.arange(len(seqs[i][0]))) for i in pre], None)
+             [cache.allocator.slots(i, np.arange(len(seqs[i][0]))) for i in pre], None)
     trees = seqs[0][2] is not None
     positions = []
     for xp, xn, parents in seqs:
@@ -79,7 +80,7 @@ def run_model(be, host_w, seqs, page_size=8):
         words = max(1, -(-max(len(s[1]) for s in seqs) // 64))
         mask = np.concatenate([tree_mask_from_parents(s[2], words) for s in seqs])
     out = step(range(len(seqs)), [len(s[0]) for s in seqs], [s[1] for s in seqs], positions,
-               [cache.slots(i, len(s[0]) + np.arange(len(s[1]))) for i, s in enumerate(seqs)], mask)
+               [cache.allocator.slots(i, len(s[0]) + np.arange(len(s[1]))) for i, s in enumerate(seqs)], mask)
     out = be.to_host(out).astype(np.float32)
     bounds = np.cumsum([0] + [len(s[1]) for s in seqs])
     return [out[a:b] for a, b in zip(bounds, bounds[1:])]

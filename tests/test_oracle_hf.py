@@ -126,7 +126,7 @@ def test_matches_hf_transformers(tmp_path, backend, case):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy().astype(np.float64)
     cache = PagedKVCache(be, ours.num_layers, 16, 16)
-    cache.reserve(0, SEQ)
+    cache.allocator.reserve(0, SEQ)
     got = be.to_host(ours.forward(ForwardBatch.causal([0], [0], [ids], last_only=False), cache,
                                   output="logits").logits).astype(np.float64)
     # bf16 activations against fp32: ~1% per position. A few positions jump further when a near-tied

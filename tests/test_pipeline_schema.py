@@ -13,9 +13,6 @@ runtime:
 decode:
   mode: autoregressive
   temperature: 0
-stages:
-  - name: norm
-    kernel: rmsnorm
 workload:
   synthetic: {count: 3, prompt_len: 5, output_len: 4}
   concurrency: 2
@@ -27,7 +24,7 @@ output:
 def test_good_pipeline_parses():
     p = parse_pipeline(GOOD, "good.yaml")
     assert p.model.preset == "tiny" and p.runtime.backend == "numpy" and p.decode.temperature == 0.0
-    assert p.stages[0].kernel == "rmsnorm" and p.workload.synthetic.count == 3
+    assert p.workload.synthetic.count == 3
     with pytest.raises(AttributeError):
         p.model.preset = "x"  # frozen
 
@@ -37,15 +34,16 @@ def test_good_pipeline_parses():
      r"bad.yaml:6: unknown key 'runtime.max_bach'"),
     (GOOD.replace("backend: numpy", "backend: tpu"), r"bad.yaml:4: key 'runtime.backend': must be one"),
     (GOOD.replace("max_batch: 4", "max_batch: four"), r"bad.yaml:5: key 'runtime.max_batch': expected"),
-    (GOOD.replace("kernel: rmsnorm", "kernel: warp_drive"), r"unknown kernel 'warp_drive'"),
+    (GOOD.replace("workload:", "stages:\n  - {name: norm, kernel: rmsnorm}\nworkload:"),
+     r"bad.yaml:9: key 'stages' was removed: .*delete it"),
     (GOOD.replace("concurrency: 2", "concurrency: 0"), r"concurrency must be >= 1"),
     (GOOD.replace("model:\n  preset: tiny\n", "model:\n  seed: 1\n"), r"bad.yaml:2: model: give 'preset'"),
     # an invariant's error points at the line of the key it names, not at its mapping's first line
     (GOOD.replace("temperature: 0", "temperature: 0\n  top_p: 2"), r"bad.yaml:9: decode: top_p must be in"),
-    (GOOD.replace("concurrency: 2", "concurrency: 0"), r"bad.yaml:14: workload: concurrency must be >= 1"),
+    (GOOD.replace("concurrency: 2", "concurrency: 0"), r"bad.yaml:11: workload: concurrency must be >= 1"),
     ("model: [1, 2", r"bad.yaml:\d+: malformed YAML"),
     ("- 1\n- 2\n", "top level"),
-    (GOOD + "extra: 1\n", r"bad.yaml:17: unknown key 'extra'"),
+    (GOOD + "extra: 1\n", r"bad.yaml:14: unknown key 'extra'"),
     (GOOD.replace("runtime:\n", "runtime:\n  arch: sm_80\n"), r"unsupported arch 'sm_80'"),
 ])
 def test_bad_pipelines_name_file_line_key(text, msg):
@@ -87,6 +85,20 @@ def test_decode_section():
             parse_pipeline(text, "bad.yaml")
 
 
+def test_decode_budget_auto():
+    dd = GOOD.replace("  mode: autoregressive\n  temperature: 0\n", "  mode: ddtree\n  budget: auto\n  max_budget: 32\n"
+                      "  drafter: {kind: oracle}\n")
+    p = parse_pipeline(dd, "auto.yaml")
+    assert (p.decode.budget, p.decode.max_budget, p.decode.cost_table) == ("auto", 32, None)
+    for text, msg in ((dd.replace("max_budget: 32", "max_budget: 0"), "max_budget 0 is outside 1..512"),
+                      (dd.replace("max_budget: 32", "max_budget: 513"), "max_budget 513 is outside 1..512"),
+                      (dd.replace("mode: ddtree", "mode: chain"), "budget 'auto' needs mode 'ddtree'"),
+                      (dd.replace("budget: auto", "budget: autoo"), "key 'decode.budget'.*'autoo'"),
+                      (dd.replace("budget: auto", "budget: 8\n  cost_table: c.json"), "cost_table is read only")):
+        with pytest.raises(PipelineError, match=msg):
+            parse_pipeline(text, "bad.yaml")
+
+
 @pytest.mark.parametrize("path", sorted(str(p) for p in Path("pipelines").glob("*.yaml")))
 def test_shipped_pipelines_parse(path):
     p = load_pipeline(path)
@@ -114,8 +126,8 @@ def test_k2_6_ddtree_pipeline_taus():
 
 
 def test_run_compiles_every_engine_kernel_but_not_the_benchmark_ones(monkeypatch):
-    """`ddtree-rtc run` builds the families an engine may launch before its loop, and each stage's
-    variant; bench_ceiling (benchmark-only) is left to `kernels build` and the benchmarks."""
+    """`ddtree-rtc run` builds the families an engine may launch before its loop; bench_ceiling
+    (benchmark-only) is left to `kernels build` and the benchmarks."""
     from types import SimpleNamespace
 
     from ddtree_rtc.kernels.registry import BENCHMARK_ONLY, SPECS
@@ -124,12 +136,16 @@ def test_run_compiles_every_engine_kernel_but_not_the_benchmark_ones(monkeypatch
 
     built = []
     monkeypatch.setattr(builder, "load", lambda spec, arch, **params: built.append((spec.name, arch, params)))
-    stage = SimpleNamespace(kernel="topk", params={"TOPK_STREAM_BLOCKS": 4})
-    compile_kernels(SimpleNamespace(is_cuda=True, arch="sm_90a"),
-                    SimpleNamespace(stages=[stage, SimpleNamespace(kernel="nope", params={"X": 1})]))
+    compile_kernels(SimpleNamespace(is_cuda=True, arch="sm_90a"))
     assert "bench_ceiling" in BENCHMARK_ONLY
-    assert sorted(n for n, _, p in built if not p) == sorted(set(SPECS) - BENCHMARK_ONLY)
-    assert [b for b in built if b[2]] == [("topk", "sm_90a", {"TOPK_STREAM_BLOCKS": 4})]
+    assert sorted(n for n, _, p in built) == sorted(set(SPECS) - BENCHMARK_ONLY)
+    assert all(not p for _, _, p in built)
+
+
+def test_every_pipeline_in_the_repository_parses():
+    """The shipped pipelines (none carries the removed stages: list)."""
+    for path in sorted(Path("pipelines").glob("*.yaml")):
+        load_pipeline(path)
 
 
 def test_model_head():

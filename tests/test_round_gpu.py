@@ -70,16 +70,16 @@ def run_engine(model, reqs, drafter=None, mode="autoregressive", budget=16, grap
     eng = Engine(model, max_batch=4, page_size=16, max_context=128, mode=mode, drafter=drafter, budget=budget,
                  cuda_graphs=graphs)
     if record is not None:
-        choose = eng.choose
+        choose = eng.sampler.choose
 
         def recording_choose(logits, rows, positions):
             host = eng.backend.to_host(logits).astype(np.float32)
-            keys = eng.sample_keys(rows, positions)
+            keys = eng.sampler.sample_keys(rows, positions)
             for row, r, p, k in zip(host, rows, np.asarray(positions).tolist(), keys):
                 record[(r.rid, int(p))] = (row, r.temperature, k)
             return choose(logits, rows, positions)
 
-        eng.choose = recording_choose
+        eng.sampler.choose = recording_choose
     out = eng.run(reqs)
     assert eng.pages.num_free_pages == eng.pages.num_pages and eng.pages.num_promised_pages == 0
     return eng, {r.rid: r.output for r in out}

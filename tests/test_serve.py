@@ -57,7 +57,7 @@ def _direct(model, prompt, n):
 def _all_free(engine, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if engine.cache.num_free_pages == engine.cache.num_pages and engine.pages.num_promised_pages == 0 \
+        if engine.pages.num_free_pages == engine.pages.num_pages and engine.pages.num_promised_pages == 0 \
                 and not engine.scheduler.has_work():
             return True
         time.sleep(0.02)
@@ -220,7 +220,7 @@ def test_engine_cancel_frees_pages_and_spares_the_others(model):
     while engine.scheduler.has_work():
         engine.step()
     assert keep.output == _direct(model, [5, 6, 7], 5)
-    assert engine.cache.num_free_pages == engine.cache.num_pages and engine.pages.num_promised_pages == 0
+    assert engine.pages.num_free_pages == engine.pages.num_pages and engine.pages.num_promised_pages == 0
 
 
 def test_chat_template_sources_and_errors(tmp_path):

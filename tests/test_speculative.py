@@ -11,8 +11,9 @@ from ddtree_rtc.engine.kv_cache import PagedKVCache
 from ddtree_rtc.engine.request import Request, RequestError
 from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
+from ddtree_rtc.pipeline.runner import greedy_continuation
 from ddtree_rtc.reference.mla_attention import tree_mask_from_parents
-from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter, greedy_continuation
+from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter
 
 DEPTH = 7
 
@@ -151,7 +152,7 @@ def test_t_positive_samples_follow_the_target_distribution(tmp_path):
 
     def target_probs(ctx):
         cache = PagedKVCache(be, model.num_layers, 4, 16)
-        cache.reserve(0, len(ctx))
+        cache.allocator.reserve(0, len(ctx))
         lg = be.to_host(model.forward(ForwardBatch.causal([0], [0], [ctx]), cache, output="logits").logits)
         z = lg[0].astype(np.float32) * np.float32(1 / temp)
         e = np.exp(z.astype(np.float64) - z.max())
@@ -194,7 +195,7 @@ def test_tree_verify_rows_equal_causal_forwards(tiny, rng):
     for p in parents[1:]:
         depth.append(depth[p] + 1)
     cache = PagedKVCache(be, tiny.num_layers, 16, 16)
-    cache.reserve("t", len(prompt) + len(parents))
+    cache.allocator.reserve("t", len(prompt) + len(parents))
     tiny.forward(ForwardBatch.causal(["t"], [0], [prompt]), cache, output="none")
     tree = ForwardBatch(["t"], [len(prompt)], [len(parents)], tokens, [len(prompt) + d for d in depth],
                         tree_mask_from_parents(np.array(parents)), None)
@@ -205,7 +206,7 @@ def test_tree_verify_rows_equal_causal_forwards(tiny, rng):
             path.append(tokens[u])
             u = parents[u]
         c2 = PagedKVCache(be, tiny.num_layers, 16, 16)
-        c2.reserve(0, len(prompt) + len(path))
+        c2.allocator.reserve(0, len(prompt) + len(path))
         want = be.to_host(tiny.forward(ForwardBatch.causal([0], [0], [prompt + path[::-1]]), c2,
                                        output="logits").logits)
         assert np.array_equal(got[i], want[0]), f"node {i}"

@@ -1,4 +1,4 @@
-"""The tree half of a round through ddtree_rtc.speculative.tree (top-k -> build -> accept) on both
+"""The tree half of a round through ddtree_rtc.engine.decode.tree (top-k -> build -> accept) on both
 backends, chain mode, and (GPU) capture of the whole step in a CUDA graph."""
 
 import numpy as np
@@ -6,10 +6,10 @@ import pytest
 from ml_dtypes import bfloat16
 
 from ddtree_rtc.backend import Backend
+from ddtree_rtc.engine.decode.tree import TreeBuffers, TreeShape
 from ddtree_rtc.reference.topk import topk_logprobs
 from ddtree_rtc.reference.tree_accept import tree_accept
 from ddtree_rtc.reference.tree_build import tree_build
-from ddtree_rtc.speculative.tree import TreeBuffers, TreeShape
 
 
 def drafter_logits(rng, batch, depth, vocab):

@@ -27,9 +27,9 @@ def main(argv=None) -> None:
 
     from ddtree_rtc.backend import Backend
     from ddtree_rtc.bench.tree import DEPTH, VOCAB, zipf_logits
+    from ddtree_rtc.engine.decode.tree import TreeBuffers, TreeShape
     from ddtree_rtc.kernels import registry
     from ddtree_rtc.kernels import tree_build as tb
-    from ddtree_rtc.speculative.tree import TreeBuffers, TreeShape
 
     tb.module = lambda name, **p: registry.module(name, TREE_PROFILE=1, **p)  # the diagnostics build
     be = Backend("cuda")

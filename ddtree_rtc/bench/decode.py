@@ -211,7 +211,7 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     cache = PagedKVCache(model.backend, model.num_layers, batch * per_seq, PAGE, model.dims.row)
     fill_random_bf16(cache.data, scale=1.0, seed=batch + ctx)
     for s in range(batch):
-        cache.reserve(s, ctx + 1)
+        cache.allocator.reserve(s, ctx + 1)
     rng = np.random.default_rng(batch * 7 + ctx)
     tokens = [[int(t)] for t in rng.integers(0, model.cfg.vocab_size, batch)]
     step = ForwardBatch.causal(list(range(batch)), [ctx] * batch, tokens)

@@ -252,7 +252,7 @@ def count_collectives(model, batch: int, nodes: int, last_only: bool) -> dict:
     be = model.backend
     cache = PagedKVCache(be, model.num_layers, batch * -(-nodes // PAGE), PAGE, model.dims.row)
     for s in range(batch):
-        cache.reserve(s, nodes)
+        cache.allocator.reserve(s, nodes)
     fb = ForwardBatch.causal(list(range(batch)), [0] * batch, [[1] * nodes for _ in range(batch)], last_only=last_only)
     saved, model.comm.stats = model.comm.stats, CommStats()
     model.forward(fb, cache, output="logits")
@@ -299,7 +299,7 @@ def step_inputs(model, batch: int, ctx: int, nodes: int):
     cache = PagedKVCache(model.backend, model.num_layers, batch * -(-(ctx + nodes) // PAGE), PAGE, model.dims.row)
     fill_random_bf16(cache.data, seed=batch + ctx + nodes)
     for s in range(batch):
-        cache.reserve(s, ctx + nodes)
+        cache.allocator.reserve(s, ctx + nodes)
     rng = np.random.default_rng(batch * 31 + nodes)
     toks = [rng.integers(0, model.cfg.vocab_size, nodes).tolist() for _ in range(batch)]
     fb = ForwardBatch.causal(list(range(batch)), [ctx] * batch, toks)

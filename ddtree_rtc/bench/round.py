@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from ..engine.decode.round import DEVICE_STAGES as STAGES
 from ..reference.tree_build import MAX_BUDGET
 from .harness import Row, capture_graph, fill_random_bf16, flush_l2, read_ceiling_gbs, report, time_gpu
 
@@ -46,7 +47,6 @@ BUDGETS = (16, 32, 64)
 CONTEXT = 1024
 ACCEPT_P = 0.77  # the oracle's rank-0 probability: tau ~ 5 at budget 32 (OracleDrafter.expected_tau)
 TAU_TOKENS = 64  # tokens per request in the engine run that measures tau
-STAGES = ("top-k", "build", "verify", "choose", "accept", "commit")
 
 
 def int_list(text: str, name: str, low: int, high: int) -> tuple[int, ...]:
@@ -166,19 +166,35 @@ def capture(fn):
     return capture_graph(fn, pool), pool
 
 
+class MarkClock:
+    """The StageClock the bench hands the round's device half: ``mark(stage)`` after each stage
+    is enqueued (the queued timing records an event there)."""
+
+    def __init__(self, mark):
+        self.mark = mark
+
+    def time(self, stage: str, fn, *args, **kw):
+        out = fn(*args, **kw)
+        self.mark(stage)
+        return out
+
+
 class DeviceRound:
-    """The device half of one DDTree round for ``batch`` requests, each with ``ctx`` committed rows
-    in its own cache (left as the caller fills it) and a bonus token: the oracle drafter's logits
-    (made once, bf16), top-k, build, fill_tree, verify, argmax, accept, commit, in the engine's
-    buffers (TreeBuffers; the ModelRunner's verify inputs, planned once). ``run`` enqueues it with
-    no host sync or host-to-device copy, so it can be queued behind a gate or captured as a graph;
-    it works on either backend (the numpy one tests it)."""
+    """The device half of one DDTree round (the engine's own: SpeculativeRound.device_half) for
+    ``batch`` greedy requests, each with ``ctx`` committed rows in its own cache (left as the
+    caller fills it) and a bonus token: the oracle drafter's logits (made once, bf16), top-k, build,
+    fill_tree + verify, choose (argmax), accept, commit, in the round's buffers and the verify
+    inputs planned once. ``run`` enqueues it with no host sync or host-to-device copy, so it can be
+    queued behind a gate or captured as a graph; it works on either backend (the numpy one tests it)."""
 
     def __init__(self, model, batch: int, budget: int, ctx: int, accept_p: float, seed: int = 0, chain: bool = False):
+        from ..engine.clock import StageClock
+        from ..engine.decode.round import SpeculativeRound
         from ..engine.kv_cache import PageAllocator, PagedKVCache
+        from ..engine.request import Request
         from ..engine.runner import ModelRunner
+        from ..engine.sampler import Sampler
         from ..speculative.drafters import OracleDrafter
-        from ..speculative.tree import TreeBuffers, TreeShape
 
         be, vocab = model.backend, model.cfg.vocab_size
         budget = DEPTH if chain else budget  # chain: the top-1 path of the drafter's block
@@ -198,10 +214,12 @@ class DeviceRound:
         self.prefix = np.full(batch, ctx, np.int64)
         self.logits = self.draft_bf16()
         self.runner = ModelRunner(model, self.cache, ctx + self.nodes)  # no graphs: the bench captures the round
-        self.bufs = TreeBuffers(be, TreeShape(batch=batch, budget=budget, depth=DEPTH, vocab=vocab,
-                                                       chain=chain))
+        self.round = SpeculativeRound(model, self.cache, self.alloc, self.runner, self.drafter,
+                                      "chain" if chain else "ddtree", budget, Sampler(be), StageClock(be))
+        self.bufs = self.round.buffers_for(batch)
+        self.row_reqs = [Request(r, [0], 1) for r in self.rids for _ in range(self.nodes)]  # greedy
         self.step = self.runner.plan_tree(self.rids, self.prefix, self.nodes)
-        self.roots_dev, self.page_table = be.asarray(self.roots), be.asarray(self.cache.page_table(self.rids))
+        self.roots_dev, self.page_table = be.asarray(self.roots), be.asarray(self.alloc.page_table(self.rids))
 
     def draft_bf16(self):
         """The oracle's logits for this round as bf16 on the backend (a DFlash drafter's lm_head dtype)."""
@@ -213,22 +231,8 @@ class DeviceRound:
     def run(self, mark=lambda name: None):
         """Enqueue the round; ``mark(stage)`` after each of STAGES. Returns (verify output, choices,
         accept arrays)."""
-        be, bufs, step, runner = self.model.backend, self.bufs, self.step, self.runner
-        be.topk_logprobs(self.logits, bufs.shape.k, out_logq=bufs.logq, out_ids=bufs.ids, workspace=bufs.workspace)
-        mark("top-k")
-        tree = be.tree_build(bufs.logq, bufs.ids, self.roots_dev, bufs.budgets, bufs.depths, step.prefix_dev,
-                             bufs.shape.max_budget, out=bufs.tree)
-        mark("build")
-        runner.fill_tree(step, tree)
-        out = runner.verify(step)
-        mark("verify")
-        choices = be.argmax(out.logits).reshape(self.batch, self.nodes)
-        mark("choose")
-        acc = bufs.accept(choices)
-        mark("accept")
-        self.cache.commit(self.page_table, step.prefix_dev, acc.accepted, acc.accept_len)
-        mark("commit")
-        return out, choices, acc
+        return self.round.device_half(self.bufs, self.step, self.page_table, self.logits, self.roots_dev,
+                                      self.row_reqs, MarkClock(mark))
 
 
 def bench_case(model, batch: int, budget: int, args, gate, weight_bytes, tau_stats, chain: bool = False) -> list[Row]:
@@ -317,7 +321,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import cupy
 
-    from ..speculative.drafters import greedy_continuation
+    from ..pipeline.runner import greedy_continuation
     from .decode import Gate, layer_weight_bytes, random_slice
 
     model = random_slice(args.moe_layers, head=args.head)

@@ -115,7 +115,7 @@ def bench_case(batch: int, budget: int, reps: int, iters: int, rng) -> list[Row]
     import cupy
 
     from ..backend import Backend
-    from ..speculative.tree import TreeBuffers, TreeShape
+    from ..engine.decode.tree import TreeBuffers, TreeShape
 
     be = Backend("cuda")
     bufs = TreeBuffers(be, TreeShape(batch=batch, budget=budget, depth=DEPTH, vocab=VOCAB))
@@ -207,9 +207,9 @@ def variant_rows(batch: int, budget: int, rng) -> list[Row]:
     import cupy
 
     from ..backend import Backend
+    from ..engine.decode.tree import TreeBuffers, TreeShape
     from ..kernels.tree_accept import tree_accept
     from ..kernels.tree_build import tree_build
-    from ..speculative.tree import TreeBuffers, TreeShape
 
     be = Backend("cuda")
     bufs = TreeBuffers(be, TreeShape(batch=batch, budget=budget, depth=DEPTH, vocab=VOCAB))

@@ -20,10 +20,6 @@ class CacheFullError(RuntimeError):
     """Not enough free pages for a reservation (nothing was allocated)."""
 
 
-_ALLOCATOR_API = frozenset({"num_free_pages", "num_promised_pages", "pages_for", "can_promise", "promise",
-                            "capacity", "pages", "reserve", "trim", "free", "slots", "page_table"})
-
-
 class PageAllocator:
     """The one owner of a run's KV pages. Every cache a request has (the target's latent cache, a
     drafter's context cache) is an array of the same ``num_pages`` pages and indexes them through
@@ -134,8 +130,9 @@ class PageAllocator:
 
 
 class PagedKVCache:
-    """One device array of pages; its bookkeeping is a PageAllocator, its own or shared
-    (``allocator=``) with the other caches of the same requests."""
+    """One device array of pages. Its bookkeeping is ``allocator``, a PageAllocator of its own or
+    shared (``allocator=``) with the other caches of the same requests: sequences reserve, trim and
+    free pages there, and slots and page tables come from there."""
 
     def __init__(self, backend, num_layers: int, num_pages: int, page_size: int, row: int = 576,
                  allocator: PageAllocator | None = None):
@@ -153,16 +150,7 @@ class PagedKVCache:
 
     def __repr__(self) -> str:
         return (f"PagedKVCache({self.num_layers} layers x {self.num_pages} pages x {self.page_size} rows x "
-                f"{self.row}, {self.num_free_pages} free, {len(self.allocator._pages)} sequences)")
-
-    # -- bookkeeping: the allocator's ----------------------------------------------------------
-    def __contains__(self, seq_id) -> bool:
-        return seq_id in self.allocator
-
-    def __getattr__(self, name: str):
-        if name in _ALLOCATOR_API:
-            return getattr(self.allocator, name)
-        raise AttributeError(name)
+                f"{self.row}, {self.allocator.num_free_pages} free, {len(self.allocator._pages)} sequences)")
 
     # -- device work ---------------------------------------------------------------------------
     def layer(self, i: int):

@@ -11,7 +11,7 @@ class RequestError(ValueError):
 
 
 # A request's sampling seed is a signed 64-bit integer, as in other OpenAI-compatible servers; its
-# sampling stream is 2 * seed + 1 taken modulo 2**64 (engine.Engine.sample_keys).
+# sampling stream is 2 * seed + 1 taken modulo 2**64 (engine.sampler.Sampler.sample_keys).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 

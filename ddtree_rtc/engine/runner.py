@@ -71,7 +71,7 @@ class ModelRunner:
             raise ValueError("CUDA graphs need the cuda backend")
         self.model, self.cache, self.max_context = model, cache, max_context
         self.graphs, self.hidden_layers = graphs, tuple(hidden_layers)
-        self.page_width = cache.pages_for(max_context)
+        self.page_width = cache.allocator.pages_for(max_context)
         self._shapes: dict[tuple, _Shape] = {}
         self.captures = 0
         self.replays = 0  # graph launches (the first of each shape included)
@@ -188,8 +188,8 @@ class ModelRunner:
         b = len(seq_ids)
         s = self._shape(b, n, True)
         num_new = np.full(b, n, np.int64)
-        slots = np.concatenate([cache.slots(r, np.arange(p, p + n)) for r, p in zip(seq_ids, prefix)])
-        plan = be.mla_attention_plan(prefix, num_new, cache.page_table(seq_ids, self.page_width),
+        slots = np.concatenate([cache.allocator.slots(r, np.arange(p, p + n)) for r, p in zip(seq_ids, prefix)])
+        plan = be.mla_attention_plan(prefix, num_new, cache.allocator.page_table(seq_ids, self.page_width),
                                      model.dims.num_heads, cache.page_size, cache.num_pages, s.mask,
                                      check_mask=False, into=s.inputs.plan)
         be.copy_in(s.inputs.slots, slots.astype(np.int32))
@@ -199,13 +199,14 @@ class ModelRunner:
 
     def fill_tree(self, step: TreeStep, tree) -> None:
         """Device copy of ``tree`` (TreeArrays with n slots per request) into the step's inputs.
-        Slots past a tree's nodes verify token 0 at the root's position seeing only themselves
-        (their rows are written past the prefix and never read)."""
+        Slots past a tree's nodes verify the root's token at the root's position seeing only
+        themselves (their rows are written past the prefix and never read): copies of the root, so
+        they route to the root's experts and add no MoE weight traffic (engine/decode/budget.py)."""
         s = self._shapes[step.key]
         xp = self.model.backend.xp
         b, n, _ = step.key
         used = xp.arange(n, dtype=xp.int32)[None, :] < tree.num_nodes[:, None]
-        s.inputs.tokens[...] = xp.where(used, tree.tokens, 0).reshape(-1)
+        s.inputs.tokens[...] = xp.where(used, tree.tokens, tree.tokens[:, :1]).reshape(-1)
         s.inputs.positions[...] = xp.where(used, tree.positions, step.prefix_dev[:, None]).reshape(-1)
         s.mask[...] = xp.where(used[:, :, None], tree.mask, s.self_bits[None]).reshape(b * n, -1)
 

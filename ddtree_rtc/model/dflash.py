@@ -297,36 +297,6 @@ class DFlashModel:
             logits = z.astype(logits.dtype)
         return logits.reshape(b, bs - 1, -1), x
 
-    def forward_once(self, ctx_hidden: dict, block_tokens, start: int):
-        """One request without an engine: context rows at positions start-T .. start-1, the block
-        at start .. start+Bs-1 -> host fp32 (final hidden [Bs, H], logits [Bs-1, V])."""
-        from ..engine.kv_cache import PageAllocator, PagedKVCache
-
-        be, c = self.backend, self.cfg
-        if len(block_tokens) != c.block_size:
-            raise ValueError(f"block_tokens: expected {c.block_size} ids, got {len(block_tokens)}")
-        hidden = {i: be.asarray(np.asarray(h).astype(np.float32).astype(_bf16())) for i, h in ctx_hidden.items()}
-        t = int(next(iter(hidden.values())).shape[0])
-        if start < t:
-            raise ValueError(f"start {start} < {t} context rows")
-        page = 16
-        alloc = PageAllocator(max(1, -(-start // page)), page)
-        kc = PagedKVCache(be, len(self.layers), alloc.num_pages, page, self.kv_heads * c.head_dim, alloc)
-        vc = PagedKVCache(be, len(self.layers), alloc.num_pages, page, self.kv_heads * c.head_dim, alloc)
-        alloc.reserve(0, max(start, 1))
-        pos = np.arange(start - t, start, dtype=np.int32)
-        slots = be.asarray(alloc.slots(0, pos).astype(np.int32))
-        for i, (k, v) in enumerate(self.context_kv(hidden, be.asarray(pos))):
-            kc.write(i, k, slots)
-            vc.write(i, v, slots)
-        logits, x = self.block_forward(be.asarray(np.asarray(block_tokens, np.int32)),
-                                       be.asarray(np.arange(start, start + c.block_size, dtype=np.int32)),
-                                       [kc.layer(i) for i in range(len(self.layers))],
-                                       [vc.layer(i) for i in range(len(self.layers))],
-                                       be.asarray(alloc.page_table([0])), be.asarray(np.array([start], np.int32)),
-                                       be.asarray(np.array([start - t], np.int32)))
-        return (be.to_host(x).astype(np.float32), be.to_host(logits)[0].astype(np.float32))
-
 
 def _bf16():
     from ml_dtypes import bfloat16

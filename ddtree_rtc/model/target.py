@@ -361,12 +361,12 @@ class TargetModel:
         if batch.tokens.size and (batch.tokens.min() < 0 or batch.tokens.max() >= cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), "
                              f"got {batch.tokens.min()}..{batch.tokens.max()}")
-        slots = np.concatenate([cache.slots(s, np.arange(c, c + n))
+        slots = np.concatenate([cache.allocator.slots(s, np.arange(c, c + n))
                                 for s, c, n in zip(batch.seq_ids, batch.ctx_lens, batch.num_new)])
         rows = None if batch.logit_rows is None else np.asarray(batch.logit_rows, dtype=np.int64)
-        plan = be.mla_attention_plan(batch.ctx_lens, batch.num_new, cache.page_table(batch.seq_ids, page_width),
-                                     self.dims.num_heads, cache.page_size, cache.num_pages, batch.tree_mask,
-                                     into=None if into is None else into.plan,
+        table = cache.allocator.page_table(batch.seq_ids, page_width)
+        plan = be.mla_attention_plan(batch.ctx_lens, batch.num_new, table, self.dims.num_heads, cache.page_size,
+                                     cache.num_pages, batch.tree_mask, into=None if into is None else into.plan,
                                      split=None if into is not None else self.attention_split(len(slots)))
         if into is None:
             return StepInputs(batch, be.asarray(batch.tokens), be.asarray(batch.positions), be.asarray(slots),

@@ -1,1 +1,1 @@
-"""Pipelines: a YAML file -> validated frozen dataclasses -> stage graph -> runner."""
+"""Pipelines: a YAML file -> validated frozen dataclasses -> runner (backend, kernels, model, engine, workload)."""

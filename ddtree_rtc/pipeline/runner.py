@@ -13,6 +13,7 @@ import os
 import statistics
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from ..model.config import preset_config
 from ..model.make_model import make_model
 from ..model.shard import Shard, ShardError
 from ..model.target import TargetModel
+from ..model.tokenizer import ByteTokenizer, TokenizerError, kimi_tokenizer
 from .schema import Pipeline, PipelineError
 
 
@@ -95,11 +97,11 @@ def _simulated_ranks(pipe: Pipeline, env: RankEnv) -> Ranks:
     return ranks
 
 
-def compile_kernels(backend: Backend, pipe: Pipeline) -> float:
-    """Build every kernel family an engine may launch (and each stage's variant) before the loop;
-    then any later build warns, or fails under DDTREE_RTC_NO_LATE_COMPILE=1. The benchmark-only
-    families (registry.BENCHMARK_ONLY) are not built here."""
-    from ..kernels.registry import SPECS, engine_specs
+def compile_kernels(backend: Backend) -> float:
+    """Build every kernel family an engine may launch before the loop; then any later build warns,
+    or fails under DDTREE_RTC_NO_LATE_COMPILE=1. The benchmark-only families
+    (registry.BENCHMARK_ONLY) are not built here."""
+    from ..kernels.registry import engine_specs
     from ..rtc import builder
 
     if not backend.is_cuda:
@@ -107,9 +109,6 @@ def compile_kernels(backend: Backend, pipe: Pipeline) -> float:
     t0 = time.perf_counter()
     for spec in engine_specs():
         builder.load(spec, backend.arch)
-    for st in pipe.stages:
-        if st.kernel in SPECS and st.params:
-            builder.load(SPECS[st.kernel], backend.arch, **st.params)
     return time.perf_counter() - t0
 
 
@@ -246,8 +245,6 @@ def _text_encoder(pipe: Pipeline, directory: Path | None, where: str):
     """Text prompts' tokenizer: Kimi's tiktoken in ``directory``, else a preset's byte tokenizer (the
     one ``serve`` uses for presets)."""
     if pipe.model.path is None and (directory is None or not (directory / "tiktoken.model").exists()):
-        from ..serve.text import ByteTokenizer
-
         return ByteTokenizer().encode
     try:
         return _tokenizer(directory)
@@ -278,30 +275,36 @@ def check_output(pipe: Pipeline) -> None:
         raise PipelineError(f"{what}: cannot write in {out.parent}: {e.strerror}") from None
 
 
-def tokenizer(directory: Path):
-    """Kimi's tiktoken encoding from ``directory/tiktoken.model`` (``PipelineError`` when absent)."""
-    model_file = directory / "tiktoken.model"
-    if not model_file.exists():
-        raise PipelineError(f"text prompts need Kimi's tokenizer: {model_file} not found (use {{\"ids\": [...]}})")
-    try:
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-    except ImportError:
-        raise PipelineError("text prompts need tiktoken: pip install tiktoken") from None
-    ranks = load_tiktoken_bpe(str(model_file))
-    pat = (r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&"
-           r"[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
-           r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-    enc = tiktoken.Encoding(name="kimi", pat_str=pat, mergeable_ranks=ranks, special_tokens={})
-    return enc
-
-
 def _tokenizer(directory: Path | None):
     if directory is None:
         raise PipelineError("text prompts need the checkpoint's tokenizer, and model.load: dummy has no checkpoint: "
                             "give {\"ids\": [...]} prompts or a synthetic workload")
-    return tokenizer(directory).encode
+    try:
+        return kimi_tokenizer(directory).encode
+    except TokenizerError as e:
+        raise PipelineError(str(e)) from None
+
+
+def greedy_continuation(model, horizon: int, page_size: int = 64, max_cached: int | None = None):
+    """``continuation(rid, prompt)`` for the oracle drafter: the target's own greedy decode of
+    ``horizon`` tokens after ``prompt`` (a plain autoregressive engine, one request at a time in a
+    private cache), cached per prompt; ``max_cached``: keep only that many most recently used
+    prompts' continuations (None: all, for a run whose prompts are known up front)."""
+    known: OrderedDict[tuple, list[int]] = OrderedDict()
+
+    def continuation(rid, prompt):
+        key = tuple(prompt)
+        if key in known:
+            known.move_to_end(key)
+        else:
+            eng = Engine(model, max_batch=1, page_size=page_size, max_context=len(prompt) + horizon)
+            known[key] = eng.run([Request(0, list(prompt), horizon)])[0].output
+            if max_cached is not None and len(known) > max_cached:
+                known.popitem(last=False)
+        return known[key]
+
+    continuation.cached = known  # for tests and metrics: the continuations held now
+    return continuation
 
 
 # prompts whose oracle continuations a server keeps (its prompts are not known up front)
@@ -313,7 +316,7 @@ def make_drafter(pipe: Pipeline, model: TargetModel, max_new: int, prompts: list
     greedy continuations are decoded here, before the timed run (every rank decodes them alike);
     without prompts (a server) each new prompt is decoded when it arrives, and only the
     ORACLE_SERVE_CACHE most recent are kept."""
-    from ..speculative.drafters import OracleDrafter, RandomDrafter, greedy_continuation
+    from ..speculative.drafters import OracleDrafter, RandomDrafter
 
     d = pipe.decode
     if d.mode == "autoregressive":
@@ -351,7 +354,7 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
     backend, log = ranks.backend, ranks.log
     ranks.echo(f"backend: {backend}" + (f", {ranks.comm.world_size} ranks ({ranks.comm.name})"
                                         if ranks.comm.world_size > 1 else ""))
-    compile_s = compile_kernels(backend, pipe)
+    compile_s = compile_kernels(backend)
     directory = model_dir(pipe, ranks)
     cfg = model_config(pipe, directory)
     n_layers = pipe.model.layers or cfg.num_hidden_layers
@@ -388,12 +391,29 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
     new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
     drafter = make_drafter(pipe, model, new, prompts or [], log)
     try:
+        from ..engine.decode.budget import CostModel
+
+        cost = CostModel.load(d.cost_table) if d.cost_table is not None else None
         engine = Engine(model, max_batch=max_batch, page_size=pipe.runtime.page_size,
                         max_context=pipe.runtime.max_context, seed=d.seed, profile=profile,
-                        cuda_graphs=pipe.runtime.cuda_graphs, mode=d.mode, drafter=drafter, budget=d.budget)
+                        cuda_graphs=pipe.runtime.cuda_graphs, mode=d.mode, drafter=drafter, budget=d.budget,
+                        max_budget=d.max_budget, cost=cost)
     except ValueError as e:
         raise PipelineError(f"{pipe.source}: {e}") from None
     return engine, {"dir": directory, "compile_s": compile_s, "load_s": load_s}
+
+
+def budget_rows(auto) -> tuple:
+    """Summary rows of decode.budget auto: the nodes it chose, predicted vs measured tau, tokens
+    per modelled verify second."""
+    st = auto.stats.summary()
+    top = sorted(st["nodes_hist"].items(), key=lambda kv: -kv[1])[:6]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    return (("budget auto: nodes chosen", ", ".join(f"{k}: {v}" for k, v in top) + f" (of {auto.max_budget})"),
+            ("budget auto: tau predicted / measured", f"{fmt(st['tau_predicted'], '.2f')} / "
+                                                      f"{fmt(st['tau_measured'], '.2f')} over drafted rounds"),
+            ("budget auto: tokens per verify s", f"{fmt(st['tokens_per_verify_s'], '.1f')} (modelled, "
+                                                 f"{auto.cost.source}); {st['skipped_drafts']} rounds without a draft"))
 
 
 def parallel_metrics(engine: Engine) -> dict | None:
@@ -481,7 +501,11 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
         "speculative": None if engine.round is None else {
             "tau": engine.round.stats.tau, "rounds": engine.round.stats.rounds,
             "tokens_per_round_hist": {str(k): v for k, v in sorted(engine.round.stats.accept_hist.items())},
-            "acceptance_by_depth": engine.round.stats.acceptance_by_depth(), "budget": engine.round.budget},
+            "acceptance_by_depth": engine.round.stats.acceptance_by_depth(),
+            "budget": "auto" if engine.round.auto is not None else engine.round.budget,
+            "auto": None if engine.round.auto is None else {
+                **engine.round.auto.stats.summary(), "max_budget": engine.round.auto.max_budget,
+                "buckets": list(engine.round.auto.buckets), "cost_model": engine.round.auto.cost.to_json()}},
         "cuda_graphs": None if engine.graphs is None else {"captured": engine.graphs.captures,
                                                            "replays": engine.graphs.replays},
         "parallel": parallel_metrics(engine),
@@ -493,6 +517,7 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
                   "load": pipe.model.load, "layers": model.num_layers, "hidden": model.cfg.hidden_size},
         "decode": {"mode": d.mode, "temperature": d.temperature, "top_p": d.top_p,
                    "budget": d.budget if d.mode == "ddtree" else None,
+                   "max_budget": d.max_budget if d.budget == "auto" else None,
                    "drafter": None if drafter is None else drafter.name},
         "metrics": metrics,
         "requests": [{"id": r.rid, "prompt": r.prompt, "output": r.output, "finish": r.finish.value}
@@ -511,11 +536,13 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
                  " / ".join(f"{metrics['latency_s'][k]:.3f}" for k in ("mean", "p50", "max")) + " s"),
                 ("time to first token mean", f"{metrics['ttft_s']['mean']:.3f} s"),
                 *(() if engine.round is None else (
-                    ("decode", f"{d.mode}, {drafter.name} drafter, budget {engine.round.budget}"),
+                    ("decode", f"{d.mode}, {drafter.name} drafter, budget "
+                               f"{'auto' if engine.round.auto is not None else engine.round.budget}"),
                     ("tau (tokens per round)", f"{engine.round.stats.tau:.2f} over {engine.round.stats.rounds} "
                                                f"request-rounds"),
                     ("acceptance by depth", " ".join(f"{a:.2f}" for a in engine.round.stats.acceptance_by_depth())),
                 )),
+                *(() if engine.round is None or engine.round.auto is None else budget_rows(engine.round.auto)),
                 *((f"stage {k}", f"{v:.3f} s ({100 * v / wall:.0f}%)") for k, v in st.stage_seconds.items()),
                 ("kernel compile / weight load", f"{compile_s:.1f} s / {load_s:.1f} s")]
         if engine.graphs is not None:

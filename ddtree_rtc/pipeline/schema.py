@@ -129,9 +129,11 @@ class DecodeSpec:
     mode: Literal["autoregressive", "ddtree", "chain"] = "autoregressive"
     temperature: float = 0.0
     top_p: float = 1.0
-    budget: int = 64  # tree nodes per round (ddtree), the root excluded
+    budget: int | Literal["auto"] = 64  # tree nodes per round (ddtree), the root excluded; auto: chosen per round
     drafter: DrafterSpec | None = None  # needed by ddtree and chain; autoregressive ignores it
     seed: int = 0
+    max_budget: int = 64  # budget auto: the most nodes a request's tree may have (the tree is built at this)
+    cost_table: str | None = None  # budget auto: a verify cost table (JSON); else measured at warm-up (CUDA)
 
     def __post_init__(self):
         from ..reference.tree_build import MAX_BUDGET
@@ -140,29 +142,17 @@ class DecodeSpec:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.budget <= MAX_BUDGET:
+        if self.budget != "auto" and not 0 <= self.budget <= MAX_BUDGET:
             raise ValueError(f"budget {self.budget} is outside 0..{MAX_BUDGET} (the tree buffers' maximum)")
+        if not 1 <= self.max_budget <= MAX_BUDGET:
+            raise ValueError(f"max_budget {self.max_budget} is outside 1..{MAX_BUDGET} (the tree buffers' maximum)")
+        if self.budget == "auto" and self.mode != "ddtree":
+            raise ValueError(f"budget 'auto' needs mode 'ddtree' (chain is one of the trees it chooses from), "
+                             f"got mode {self.mode!r}")
+        if self.cost_table is not None and self.budget != "auto":
+            raise ValueError("cost_table is read only with budget 'auto'")
         if self.mode != "autoregressive" and self.drafter is None:
             raise ValueError(f"mode {self.mode!r} needs a drafter (decode.drafter: {{kind: oracle | random | dflash}})")
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    name: str
-    kernel: str
-    params: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        from ..kernels.registry import SPECS
-
-        if self.kernel not in SPECS and self.kernel != "linear":
-            raise ValueError(f"stage {self.name!r}: unknown kernel {self.kernel!r}; "
-                             f"known: {', '.join(sorted(SPECS))}, linear")
-        if self.kernel in SPECS:
-            unknown = set(self.params) - set(SPECS[self.kernel].params)
-            if unknown:
-                raise ValueError(f"stage {self.name!r}: kernel {self.kernel!r} has no parameter(s) "
-                                 f"{sorted(unknown)} (it takes {sorted(SPECS[self.kernel].params)})")
 
 
 @dataclass(frozen=True)
@@ -202,16 +192,18 @@ class Pipeline:
     model: ModelSpec
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
     decode: DecodeSpec = field(default_factory=DecodeSpec)
-    stages: tuple[StageSpec, ...] = ()
     workload: WorkloadSpec = field(default_factory=lambda: WorkloadSpec(synthetic=SyntheticWorkload()))
     output: OutputSpec = field(default_factory=OutputSpec)
     source: str = field(default="<pipeline>", compare=False)
 
-    def __post_init__(self):
-        names = [s.name for s in self.stages]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"duplicate stage name(s) {sorted(dup)}")
+
+# Top-level keys that pipelines no longer take, and why: an old file that still has one is told so
+# instead of reading "unknown key".
+REMOVED_KEYS = {
+    "stages": "was removed: it never chose what ran (the engine launches its own kernels, the MoE plan "
+              "and the tree sizes pick their variants, and stage timings carry the engine's names); "
+              "delete it",
+}
 
 
 def _type_name(t) -> str:
@@ -310,6 +302,9 @@ def parse_pipeline(text: str, file: str = "<pipeline>", overrides: dict | None =
         if dotted in _PATHS_FROM_YAML_DIR and isinstance(value, str) and not Path(value).is_absolute():
             value = str(Path(value).absolute())
         _apply_override(data, dotted, value)
+    for key, why in REMOVED_KEYS.items():
+        if key in data:
+            raise PipelineError(f"{data.where(key)}: key {key!r} {why}")
     if "model" not in data:
         raise PipelineError(f"{file}: missing required key 'model'")
     pipe = from_mapping(Pipeline, data)

@@ -223,7 +223,7 @@ def create_app(engine, text: Text, model_name: str, defaults, max_queue: int = 2
             param = ("prompt" if "vocabulary" in msg or msg == "empty prompt" else
                      "seed" if msg.startswith("seed") else "max_tokens")
             raise APIError(400, msg, param=param) from None
-        pages = engine.scheduler.pages
+        pages = engine.pages
         if pages.pages_for(len(prompt) + req.max_new_tokens) > pages.num_pages:
             raise APIError(400, f"prompt + max_tokens needs more KV pages than the whole cache holds "
                            f"({pages.num_pages})", param="max_tokens")

@@ -43,6 +43,30 @@ class Metrics:
         self.ttft = Histogram("ddtree_time_to_first_token_seconds", "arrival to first token", registry=r)
         self.round_time = Histogram("ddtree_round_seconds", "one engine round", registry=r,
                                     buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
+        # decode.budget auto (engine/decode/budget.py)
+        self._budget_rounds = 0
+        self.budget_nodes = Histogram("ddtree_budget_nodes", "tree nodes verified per request-round (budget auto)",
+                                      registry=r, buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.tau_predicted = Gauge("ddtree_tau_predicted", "calibrated predicted tokens per drafted request-round, "
+                                   "mean so far (budget auto)", registry=r)
+        self.tau_measured = Gauge("ddtree_tau_measured", "measured tokens over the same request-rounds "
+                                  "(budget auto)", registry=r)
+        self.tokens_per_verify_second = Gauge("ddtree_tokens_per_verify_second", "tokens per second of "
+                                              "modelled verify (budget auto's cost model)", registry=r)
+
+    def observe_budget(self, stats) -> None:
+        """After a step: the auto budget's last round's nodes per request (once per round) and its
+        running figures."""
+        rounds = stats.drafted_rounds + stats.skipped_drafts
+        if rounds == self._budget_rounds:
+            return
+        self._budget_rounds = rounds
+        for n in stats.last_counts:
+            self.budget_nodes.observe(n)
+        for gauge, value in ((self.tau_predicted, stats.tau_predicted), (self.tau_measured, stats.tau_measured),
+                             (self.tokens_per_verify_second, stats.tokens_per_verify_s)):
+            if value is not None:
+                gauge.set(value)
 
 
 class EngineLoop:
@@ -58,10 +82,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="ddtree-engine-loop", daemon=True)
         self.error: BaseException | None = None
         # read at scrape time from the HTTP thread: plain ints the engine thread updates, no lag
-        cache = engine.cache
         self.metrics.queue_depth.set_function(lambda: self._outstanding)
-        self.metrics.kv_pages_free.set_function(lambda: cache.num_free_pages)
-        self.metrics.kv_pages_used.set_function(lambda: cache.num_pages - cache.num_free_pages)
+        self.metrics.kv_pages_free.set_function(lambda: engine.pages.num_free_pages)
+        self.metrics.kv_pages_used.set_function(lambda: engine.pages_in_use)
 
     def start(self) -> None:
         self._thread.start()
@@ -123,7 +146,7 @@ class EngineLoop:
         eng = self.engine
         log.exception("engine step failed; failing the requests it held and serving on")
         self.metrics.step_failures.inc()
-        for req in list(eng.scheduler.running):
+        for req in eng.running_requests():
             eng.cancel(req.rid)
             if req.rid in self._clients:
                 self._send(req.rid, ("error", (500, f"request failed inside the engine: {err!r}")))
@@ -134,7 +157,7 @@ class EngineLoop:
         eng, m = self.engine, self.metrics
         try:
             while not self._stop.is_set():
-                block = not eng.scheduler.has_work()
+                block = not eng.has_work()
                 while True:
                     try:
                         kind, arg = self._inbox.get(block=block, timeout=0.5 if block else None)
@@ -142,10 +165,9 @@ class EngineLoop:
                         break
                     self._apply(kind, arg)
                     block = False
-                sched = eng.scheduler
-                if not sched.has_work():
+                if not eng.has_work():
                     continue
-                running_before = len(sched.running)
+                running_before = eng.num_running
                 t0 = time.perf_counter()
                 try:
                     done = {r.rid for r in eng.step()}
@@ -154,6 +176,8 @@ class EngineLoop:
                     continue
                 m.round_time.observe(time.perf_counter() - t0)
                 m.rounds.inc()
+                if eng.budget_stats is not None:
+                    m.observe_budget(eng.budget_stats)
                 emitted = 0
                 for rid in list(self._clients):
                     req, _, _, sent = self._clients[rid]
@@ -174,7 +198,7 @@ class EngineLoop:
                 m.generated_tokens.inc(emitted)
                 if running_before:
                     m.tau.set(emitted / max(running_before, 1))
-                sched.finished.clear()
+                eng.take_finished()
         except BaseException as e:  # the loop is dead: every client hears why, new ones get 503
             self.error = e
             for rid in list(self._clients):

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import click
 
+from ..model.tokenizer import TokenizerError
 from ..pipeline.runner import ORACLE_SERVE_CACHE, build_engine
 from ..pipeline.schema import PipelineError
 from .app import create_app
@@ -41,8 +42,11 @@ def app_from_pipeline(pipe, max_queue: int = 256):
                    f"kept (README, 'Serving')", err=True)
     engine, info = build_engine(pipe, max_batch=pipe.runtime.max_batch)
     name = pipe.model.preset if pipe.model.path is None else str(info["dir"].name)
-    return create_app(engine, Text(info["dir"], preset=pipe.model.path is None), name, pipe.decode,
-                      max_queue=max_queue)
+    try:
+        text = Text(info["dir"], preset=pipe.model.path is None)
+    except TokenizerError as e:
+        raise PipelineError(f"{pipe.source}: {e}") from None
+    return create_app(engine, text, name, pipe.decode, max_queue=max_queue)
 
 
 def bounded_h11():

@@ -3,7 +3,7 @@
 A model directory with Kimi's ``tiktoken.model`` gets text through it; its chat template comes from
 ``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template`` (rendered with jinja2).
 Preset (random) models have neither, so they get a documented minimal pair instead:
-:class:`ByteTokenizer` (a token id below 256 is that UTF-8 byte) and :data:`MINIMAL_CHAT_TEMPLATE`.
+:class:`ByteTokenizer` (model.tokenizer: a token id below 256 is that UTF-8 byte) and :data:`MINIMAL_CHAT_TEMPLATE`.
 Any other directory without them takes token ids only and says so on text or chat input.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2.sandbox
 
-from ..pipeline.runner import tokenizer as kimi_tokenizer
+from ..model.tokenizer import ByteTokenizer, kimi_tokenizer
 
 MINIMAL_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -22,16 +22,6 @@ MINIMAL_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}
 
 class TextError(ValueError):
     pass
-
-
-class ByteTokenizer:
-    """Preset models' text: UTF-8 bytes are token ids 0-255; ids >= 256 decode to nothing."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
 
 
 class Text:

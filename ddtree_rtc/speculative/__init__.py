@@ -1,1 +1,1 @@
-"""Speculative decoding glue: tree build/accept, the DDTree round, drafters."""
+"""Drafters behind the round's Drafter interface: the oracle, random and DFlash drafters."""

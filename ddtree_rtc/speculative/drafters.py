@@ -1,9 +1,10 @@
 """Drafters behind one interface: each round, logits ``[B, depth, V]`` for the positions after every
 request's bonus token; after the target's verify, the accepted nodes' target hidden states.
 
-- ``OracleDrafter`` measures the engine's mechanics on random weights: it knows each request's
-  target greedy continuation (the engine's own autoregressive decode, computed once per request and
-  cached) and emits logits whose rank of the true token at each depth follows a configured profile
+- ``OracleDrafter`` measures the engine's mechanics on random weights: whoever builds it gives it
+  each request's target greedy continuation (the pipeline runner decodes it with a plain
+  autoregressive engine: pipeline.runner.greedy_continuation) and it emits logits whose rank of
+  the true token at each depth follows a configured profile
   (geometric: rank 0 with probability p, else rank r >= 1 with probability (1 - p) 2^-r; or an
   explicit per-depth table of rank-0 probabilities), over a Zipf-shaped tail. So tau is chosen by
   configuration, and the tree still has to find the path through the real top-k, build and accept.
@@ -179,31 +180,3 @@ class OracleDrafter(Drafter):
             out[at + (be.asarray(true),)] = be.asarray(o_val)  # the swap (nothing moves where true is other)
             out[at + (be.asarray(other),)] = be.asarray(t_val)
         return out
-
-
-def greedy_continuation(model, horizon: int, page_size: int = 64, eos: bool = True, max_cached: int | None = None):
-    """``continuation(rid, prompt)`` for the oracle: the target's own greedy decode of ``horizon``
-    tokens after ``prompt`` (the engine's autoregressive path, one request at a time in a private
-    cache), cached per prompt; ``max_cached``: keep only that many most recently used prompts'
-    continuations (None: all, for a run whose prompts are known up front)."""
-    from collections import OrderedDict
-
-    from ..engine.engine import Engine
-    from ..engine.request import Request
-
-    known: OrderedDict[tuple, list[int]] = OrderedDict()
-
-    def continuation(rid, prompt):
-        key = tuple(prompt)
-        if key in known:
-            known.move_to_end(key)
-        else:
-            ctx = len(prompt) + horizon
-            eng = Engine(model, max_batch=1, page_size=page_size, max_context=ctx)
-            known[key] = eng.run([Request(0, list(prompt), horizon)])[0].output
-            if max_cached is not None and len(known) > max_cached:
-                known.popitem(last=False)
-        return known[key]
-
-    continuation.cached = known  # for tests and metrics: the continuations held now
-    return continuation

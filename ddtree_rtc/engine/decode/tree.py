@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..reference.tree_accept import AcceptArrays, alloc_accept
-from ..reference.tree_build import MAX_BUDGET, MAX_DEPTH, TreeArrays, alloc_tree
+from ...reference.tree_accept import AcceptArrays, alloc_accept
+from ...reference.tree_build import MAX_BUDGET, MAX_DEPTH, TreeArrays, alloc_tree
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,20 @@ class TreeBuffers:
 
     def build(self, logits, root_tokens, prefix_lens) -> TreeArrays:
         """logits ``[B, depth, V]`` from the drafter (bf16 or fp32); root_tokens (the previous bonus
-        tokens) and prefix_lens (committed tokens) ``[B]`` int32."""
-        be, s = self.backend, self.shape
-        be.topk_logprobs(logits, s.k, out_logq=self.logq, out_ids=self.ids, workspace=self.workspace)
-        return be.tree_build(self.logq, self.ids, root_tokens, self.budgets, self.depths, prefix_lens,
-                             s.max_budget, out=self.tree)
+        tokens) and prefix_lens (committed tokens) ``[B]`` int32: ``topk`` then ``grow``."""
+        self.topk(logits)
+        return self.grow(root_tokens, prefix_lens)
+
+    def topk(self, logits) -> None:
+        """The per-depth top-k log-probs and ids of the drafter's logits, into ``logq`` / ``ids``."""
+        self.backend.topk_logprobs(logits, self.shape.k, out_logq=self.logq, out_ids=self.ids,
+                                   workspace=self.workspace)
+
+    def grow(self, root_tokens, prefix_lens) -> TreeArrays:
+        """The best-first tree of each request's budget over ``logq`` / ``ids`` (after ``topk``)."""
+        s = self.shape
+        return self.backend.tree_build(self.logq, self.ids, root_tokens, self.budgets, self.depths, prefix_lens,
+                                       s.max_budget, out=self.tree)
 
     def accept(self, choices) -> AcceptArrays:
         """choices ``[B, 1 + max_budget]`` int32: the target's token at every node (argmax at T=0,

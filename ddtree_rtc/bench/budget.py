@@ -1,0 +1,165 @@
+"""The cost-aware budget (``decode.budget: auto``) against fixed budgets, chain and autoregressive
+decoding, on a pipeline's model and workload, at several concurrencies.
+
+The model is loaded once (and the oracle's continuations decoded once); per (concurrency, setting)
+a fresh engine runs the workload twice: a warm-up pass of ``--warmup-tokens`` per request (CUDA
+graphs captured; auto without ``decode.cost_table`` times its verify buckets here) and the timed
+pass. Reported per row: tok/s per user (each request's tokens after the first over the time they
+took, averaged), total tok/s, tau, and for auto the nodes it chose, its predicted vs measured tau
+and tokens per modelled verify second. Per concurrency: auto over the best and the worst fixed
+budget (chain included), the issue's targets being >= 1.0x and >= 1.15x."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from ..engine.engine import Engine
+from ..engine.request import Request
+
+SETTINGS = ("autoregressive", "chain", "8", "16", "32", "64", "auto")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="ddtree-rtc bench budget", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pipeline", default="pipelines/k2_6_slice_ddtree_h200.yaml",
+                    help="a ddtree pipeline (model, drafter, workload)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="pipeline overrides, as `run --set` (repeatable)")
+    ap.add_argument("--concurrency", default="1,4,10", help="requests decoded at once (comma-separated)")
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help="autoregressive, chain, a fixed budget, or auto (comma-separated)")
+    ap.add_argument("--max-budget", type=int, default=None, help="auto's max_budget (default: decode.max_budget)")
+    ap.add_argument("--warmup-tokens", type=int, default=16, help="tokens per request in the untimed pass")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        args.concurrency = tuple(int(c) for c in args.concurrency.split(","))
+    except ValueError:
+        ap.error(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}")
+    args.settings = tuple(s.strip() for s in args.settings.split(","))
+    bad = [s for s in args.settings if s not in ("autoregressive", "chain", "auto") and not s.isdigit()]
+    if bad or any(c < 1 for c in args.concurrency) or args.warmup_tokens < 2:
+        ap.error(f"--settings: unknown {bad}" if bad else "--concurrency must be >= 1, --warmup-tokens >= 2")
+    return args
+
+
+def engine_for(pipe, model, drafter, setting: str, concurrency: int, max_budget: int, cost) -> Engine:
+    d, rt = pipe.decode, pipe.runtime
+    mode = setting if setting in ("autoregressive", "chain") else "ddtree"
+    budget = "auto" if setting == "auto" else (int(setting) if setting.isdigit() else d.drafter.depth)
+    return Engine(model, max_batch=concurrency, page_size=rt.page_size, max_context=rt.max_context,
+                  seed=d.seed, cuda_graphs=rt.cuda_graphs, mode=mode,
+                  drafter=None if mode == "autoregressive" else drafter, budget=budget, max_budget=max_budget,
+                  cost=cost if setting == "auto" else None)
+
+
+def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
+    d = pipe.decode
+    reqs = [Request(i, p, new, temperature=d.temperature, top_p=d.top_p) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    done = engine.run(reqs)
+    wall = time.perf_counter() - t0
+    per_user = [(len(r.output) - 1) / (r.t_done - r.t_first) for r in done
+                if len(r.output) > 1 and r.t_done > r.t_first]
+    gen = sum(len(r.output) for r in done)
+    out = {"tok_s": gen / wall, "tok_s_per_user": statistics.mean(per_user) if per_user else None,
+           "wall_s": wall, "outputs": [r.output for r in done]}
+    rnd = engine.round
+    if rnd is not None:
+        out["tau"] = rnd.stats.tau
+        if rnd.auto is not None:
+            out["budget"] = rnd.auto.stats.summary()
+    return out
+
+
+def main(argv=None) -> dict:
+    from ..engine.decode.budget import CostModel
+    from ..pipeline.runner import build_engine, load_prompts, model_config, model_dir, ranks_for
+    from ..pipeline.schema import load_pipeline, parse_set_options
+
+    args = parse_args(argv)
+    pipe = load_pipeline(args.pipeline, parse_set_options(tuple(args.overrides)))
+    if pipe.decode.mode == "autoregressive":
+        raise SystemExit(f"{args.pipeline}: needs decode.mode ddtree or chain and its decode.drafter")
+    ranks = ranks_for(pipe)
+    directory = model_dir(pipe, ranks)
+    prompts = load_prompts(pipe, model_config(pipe, directory).vocab_size, directory)
+    w = pipe.workload
+    new = w.synthetic.output_len if w.synthetic is not None else w.max_new_tokens
+    base, _ = build_engine(pipe, max_batch=1, prompts=prompts, ranks=ranks)  # the model and the drafter
+    model, drafter = base.model, base.drafter
+    del base
+    max_budget = args.max_budget or pipe.decode.max_budget
+    given = CostModel.load(pipe.decode.cost_table) if pipe.decode.cost_table else None
+    rows = []
+    for c in args.concurrency:
+        for s in args.settings:
+            cost = None if given is None else CostModel.from_dict(given.to_json(), source=given.source)
+            eng = engine_for(pipe, model, drafter, s, c, max_budget, cost)
+            run_once(eng, prompts, min(args.warmup_tokens, new), pipe)
+            eng.scheduler.finished.clear()
+            r = run_once(eng, prompts, new, pipe)
+            r.update(concurrency=c, setting=s)
+            rows.append(r)
+            print(f"c{c} {s}: {r['tok_s_per_user'] or 0:.1f} tok/s per user, {r['tok_s']:.1f} tok/s"
+                  + (f", tau {r['tau']:.2f}" if r.get("tau") else ""), flush=True)
+    summary = summarize(rows)
+    print_table(rows, summary)
+    doc = {"pipeline": args.pipeline, "overrides": args.overrides, "max_budget": max_budget,
+           "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows], "summary": summary,
+           "same_ids_as_autoregressive": same_ids(rows)}
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def summarize(rows) -> dict:
+    """Per concurrency: auto's tok/s per user over the best and the worst fixed budget or chain."""
+    out = {}
+    for c in sorted({r["concurrency"] for r in rows}):
+        fixed = {r["setting"]: r["tok_s_per_user"] for r in rows
+                 if r["concurrency"] == c and r["setting"] not in ("auto", "autoregressive") and r["tok_s_per_user"]}
+        auto = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "auto"), None)
+        ar = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "autoregressive"),
+                  None)
+        if not fixed or auto is None:
+            continue
+        best, worst = max(fixed, key=fixed.get), min(fixed, key=fixed.get)
+        out[str(c)] = {"auto": auto, "best_fixed": best, "best": fixed[best], "worst_fixed": worst,
+                       "worst": fixed[worst], "auto_over_best": auto / fixed[best],
+                       "auto_over_worst": auto / fixed[worst], "auto_over_ar": auto / ar if ar else None}
+    return out
+
+
+def same_ids(rows) -> dict:
+    """Per concurrency: whether every setting's outputs equal autoregressive decoding's (T = 0)."""
+    out = {}
+    for c in sorted({r["concurrency"] for r in rows}):
+        ar = next((r["outputs"] for r in rows if r["concurrency"] == c and r["setting"] == "autoregressive"), None)
+        if ar is not None:
+            out[str(c)] = {r["setting"]: r["outputs"] == ar for r in rows if r["concurrency"] == c}
+    return out
+
+
+def print_table(rows, summary) -> None:
+    print("\nconcurrency | setting | tok/s per user | total tok/s | tau | auto: nodes (most chosen), tau pred / meas")
+    for r in rows:
+        b = r.get("budget")
+        extra = ""
+        if b:
+            top = sorted(b["nodes_hist"].items(), key=lambda kv: -kv[1])[:3]
+            extra = (f"{', '.join(f'{k}x{v}' for k, v in top)}; {b['tau_predicted'] or 0:.2f} / "
+                     f"{b['tau_measured'] or 0:.2f}")
+        tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
+        print(f"{r['concurrency']} | {r['setting']} | {r['tok_s_per_user'] or 0:.1f} | {r['tok_s']:.1f} | "
+              f"{tau} | {extra}")
+    for c, s in summary.items():
+        print(f"c{c}: auto {s['auto']:.1f} tok/s per user = {s['auto_over_best']:.3f}x best fixed ({s['best_fixed']}, "
+              f"{s['best']:.1f}), {s['auto_over_worst']:.3f}x worst ({s['worst_fixed']}, {s['worst']:.1f})"
+              + (f", {s['auto_over_ar']:.3f}x AR" if s["auto_over_ar"] else ""))

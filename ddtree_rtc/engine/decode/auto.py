@@ -1,0 +1,125 @@
+"""The device half of ``decode.budget: auto`` in a DDTree round (the policy, calibration and cost
+model are in engine/decode/budget.py; docs/architecture.md, "Cost-aware budget").
+
+A round with the auto budget builds every tree at ``max_budget``, then:
+
+    estimate -> node values on the device (path probability x calibration) beside the raw ones and
+                the depths, read by the host in one copy (the round's first sync)
+    choose   -> per request the node count (AutoBudget.choose) and the bucket of verify slots
+    cut      -> ``num_nodes = 1 + count``: the first ``count`` pops are the best tree of that size
+                (the build is best-first), and no kernel after the build looks past ``num_nodes``
+    verify   -> the runner's shape of ``slots`` rows per request (its graph, captured per bucket)
+
+A batch whose requests all hold off drafting (their last drafted round got no node) skips the draft
+and the build: the tree is the root alone, one row per request, i.e. an autoregressive step that
+still hands the drafter its context. On CUDA without a cost table the verify of every bucket is
+timed at the first drafted round (``measure``: a few replays of the full tree and of the roots
+alone, which give the MoE fan-out slope); the draft and the round's other work are timed every
+drafted round."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from ...reference.tree_build import TreeArrays, mask_words
+from .budget import AutoBudget, Choice, fit_expert_s, node_values
+
+MEASURE_REPS = 3
+OVERHEAD_DECAY = 0.9  # weight of the running mean of the measured draft / other seconds per round
+
+
+def tree_view(tree: TreeArrays, slots: int) -> TreeArrays:
+    """The first ``slots`` node slots of ``tree`` (views): what a verify of that many rows reads."""
+    return replace(tree, tokens=tree.tokens[:, :slots], parents=tree.parents[:, :slots],
+                   node_depth=tree.node_depth[:, :slots], positions=tree.positions[:, :slots],
+                   mask=tree.mask[:, :slots, :mask_words(slots - 1)], first_child=tree.first_child[:, :slots],
+                   next_sibling=tree.next_sibling[:, :slots], scores=tree.scores[:, :slots], max_budget=slots - 1)
+
+
+class AutoRound:
+    """What a round does for the auto budget, on the round's backend and runner."""
+
+    def __init__(self, auto: AutoBudget, backend, runner):
+        self.auto, self.backend, self.runner = auto, backend, runner
+        self.measured_batches: set = set()
+        self._ones = {}
+
+    def estimate(self, tree: TreeArrays, rids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Host ``(values [B, M], raw [B, N], depth [B, N])``: calibrated node values of nodes
+        1..M, raw path probabilities and depths of every slot; computed on the device, one copy."""
+        be = self.backend
+        xp = be.xp
+        w = be.asarray(self.auto.weights(rids))
+        b = len(rids)
+        ones = self._ones.get(b)
+        if ones is None:
+            ones = self._ones[b] = be.asarray(np.ones((b, w.shape[1])))
+        vals = node_values(xp, tree.scores, tree.node_depth, tree.num_nodes, w)
+        raw = node_values(xp, tree.scores, tree.node_depth, tree.num_nodes, ones)
+        host = be.to_host(xp.stack([vals, raw, tree.node_depth.astype(xp.float64)]))
+        return host[0][:, 1:], host[1], host[2].astype(np.int64)
+
+    def cut(self, tree: TreeArrays, counts: np.ndarray) -> None:
+        self.backend.copy_in(tree.num_nodes, (1 + np.asarray(counts)).astype(np.int32))
+
+    def root_only(self, tree: TreeArrays, roots, prefix_dev) -> None:
+        """The tree of the root alone (no draft this round): slot 0 of every request."""
+        tree.tokens[:, 0] = roots
+        tree.parents[:, 0] = -1
+        tree.node_depth[:, 0] = 0
+        tree.positions[:, 0] = prefix_dev
+        tree.mask[:, 0, :] = 0
+        tree.mask[:, 0, 0] = 1
+        tree.num_nodes[...] = 1
+
+    def caps(self, budgets) -> np.ndarray:
+        return np.asarray(budgets, np.int64)
+
+    def measure(self, rids, prefix, tree: TreeArrays, num_nodes: np.ndarray, output: str) -> None:
+        """Time the verify of every bucket for this batch: the tree cut to the bucket (every row a
+        distinct node, as far as the tree has nodes) and the roots alone (one distinct node per
+        request); the cost model gets the first as a point and the fan-out slope from both."""
+        be, runner, cost = self.backend, self.runner, self.auto.cost
+        b = len(rids)
+        slopes = []
+        for k in self.auto.buckets:
+            slots = k + 1
+            step = runner.plan_tree(rids, prefix, slots)
+            secs = {}
+            for kind, counts in (("full", np.minimum(num_nodes - 1, k)), ("lean", np.zeros(b, np.int64))):
+                self.cut(tree, counts)
+                runner.fill_tree(step, tree_view(tree, slots))
+                runner.verify(step, output)  # captures the bucket's graph on first use
+                be.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(MEASURE_REPS):
+                    runner.verify(step, output)
+                be.synchronize()
+                secs[kind] = (time.perf_counter() - t0) / MEASURE_REPS
+            cost.add_verify(b * slots, secs["full"])
+            s = fit_expert_s(b, slots, secs["full"], secs["lean"])
+            if s is not None:
+                slopes.append(s)
+        if slopes:
+            cost.expert_s = float(np.median(slopes))
+        self.cut(tree, num_nodes - 1)
+        self.measured_batches.add(b)
+
+    def needs_measure(self, batch: int) -> bool:
+        """Measure at the first drafted round only: the table is over verified rows, so later batch
+        sizes read it between (or past) the rows measured."""
+        return self.auto.cost.measured and not self.measured_batches
+
+    def observe_times(self, batch: int, draft_s: float | None, round_s: float, choice: Choice) -> None:
+        """The measured draft (draft + top-k + build + estimate) and the rest of the round outside the
+        modelled verify, as running means per batch size (cost tables given are kept as they are)."""
+        cost = self.auto.cost
+        if not cost.measured:
+            return
+        other = max(round_s - (draft_s or 0.0) - choice.verify_s, 0.0)
+        old_d, old_f = dict(cost.draft).get(float(batch)), dict(cost.fixed).get(float(batch))
+        mix = lambda old, new: new if old is None else OVERHEAD_DECAY * old + (1 - OVERHEAD_DECAY) * new  # noqa: E731
+        cost.set_overheads(batch, draft_s=None if draft_s is None else mix(old_d, draft_s), fixed_s=mix(old_f, other))

@@ -1,0 +1,495 @@
+"""The cost-aware tree budget (``decode.budget: auto``; docs/architecture.md, "Cost-aware budget").
+
+Each round the tree is built at ``max_budget`` and then cut, per request, to the node count that
+maximises the batch's expected tokens per second of round time:
+
+- **Expected acceptance from the tree.** The best-first build pops nodes in non-increasing path
+  probability, so the first n nodes of every request's tree are the best n-node tree, and under the
+  drafter's marginals its expected tokens are ``1 + sum_{i <= n} P(path_i)`` (``node_values`` /
+  ``expected_tokens``: one elementwise pass and a cumsum over the build's scores, on the device).
+- **Calibration** (``Calibration``). The product of marginals is biased, so every node's P is scaled
+  by a per-depth factor (measured reach of depth d over predicted reach, the predicted reach of a
+  depth being the sum of P over its nodes, which are exclusive events) and a per-request factor
+  (measured over predicted accepted nodes), both online, decayed, and shrunk toward 1 with a prior.
+- **The cost of a round** (``CostModel``): fixed and draft seconds per batch size and the verify
+  as a function of the verified rows, the real nodes among them (the MoE fan-out: N distinct
+  tokens touch ``384 (1 - (1 - 8/384)^N)`` experts per layer) and the context. Given as a table
+  (JSON, or ``CostModel.fanout`` for CI), or measured on the device at warm-up.
+- **The policy** (``choose``). The verify runs the graph of the bucket of ``slots`` rows per request
+  that holds the largest cut; for every bucket the batch's nodes are taken greedily in order of
+  value (the global best-first order over all requests), and the (bucket, node count) with the
+  most expected tokens per second wins. Zero nodes for every request is autoregressive decoding;
+  a confident drafter's first pops are its top-1 path, so a deep narrow tree (the chain) is a point
+  of the same space. Output stays lossless: the cut only decides which nodes are verified.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+EXPERTS, EXPERTS_PER_TOKEN = 384, 8  # Kimi K2.6's routed experts (docs/architecture.md section 2)
+
+
+class BudgetError(ValueError):
+    """A bad ``decode.budget: auto`` setting or a cost model that cannot price a round."""
+
+
+def experts_touched(nodes, experts: int = EXPERTS, per_token: int = EXPERTS_PER_TOKEN):
+    """Expected distinct experts per MoE layer that ``nodes`` tokens route to (uniform routing)."""
+    return experts * (1.0 - (1.0 - per_token / experts) ** np.asarray(nodes, np.float64))
+
+
+# -- expected acceptance from the tree (device or host) ------------------------------------------
+
+
+def node_values(xp, scores, node_depth, num_nodes, weights):
+    """``[B, N]`` float64: node j's path probability ``exp(scores[b, j])`` times ``weights[b,
+    depth_j]`` (the calibration), 0 for the root and for slots past ``num_nodes``. ``xp``: numpy or
+    cupy (the arrays' module); ``weights``: ``[B, depth + 1]``."""
+    n = scores.shape[1]
+    j = xp.arange(n, dtype=xp.int32)[None, :]
+    used = (j >= 1) & (j < num_nodes[:, None])
+    d = xp.clip(node_depth, 0, weights.shape[1] - 1).astype(xp.int64)
+    w = xp.take_along_axis(xp.asarray(weights, dtype=xp.float64), d, axis=1)
+    return xp.where(used, xp.exp(xp.where(used, scores, 0.0)) * w, 0.0)
+
+
+def expected_tokens(xp, scores, node_depth, num_nodes, weights):
+    """``[B, N]``: column n is the expected tokens of the tree's first n nodes (bonus included),
+    ``1 + sum_{1 <= i <= n} value_i``; column 0 (the root alone) is 1."""
+    return 1.0 + xp.cumsum(node_values(xp, scores, node_depth, num_nodes, weights), axis=1)
+
+
+# -- calibration ---------------------------------------------------------------------------------
+
+
+class Calibration:
+    """Online per-depth and per-request correction of the drafter's path probabilities.
+
+    ``observe`` takes, per request-round, the raw P of the verified nodes (with their depths) and
+    the accepted length; depth d's factor is (decayed measured reach + prior) / (decayed predicted
+    reach + prior), the request's factor the same over depth-calibrated accepted nodes."""
+
+    def __init__(self, depth: int, decay: float = 0.998, prior: float = 64.0, request_decay: float = 0.995,
+                 request_prior: float = 512.0):
+        if not 0 < decay <= 1 or not 0 < request_decay <= 1:
+            raise BudgetError(f"calibration decay must be in (0, 1], got {decay}, {request_decay}")
+        self.depth, self.decay, self.prior = depth, decay, prior
+        self.request_decay, self.request_prior = request_decay, request_prior
+        self.pred = np.zeros(depth + 1)
+        self.meas = np.zeros(depth + 1)
+        self._req: dict = {}  # rid -> [predicted, measured] accepted nodes, depth-calibrated
+
+    def depth_factors(self) -> np.ndarray:
+        """``[depth + 1]``: the factor of each depth (index 0, the root, unused). The bias of a
+        product of marginals grows with depth, so the factors are ``exp(a + b d)``: ``b`` from a
+        least-squares line through log(measured / predicted reach) weighted by the evidence at
+        each depth, ``a`` so that the factors reproduce the measured accepted nodes in total. Two
+        parameters from all depths at once: a few unlucky rounds at one depth barely move them, and
+        a depth that is no longer verified follows the others instead of keeping a stale value."""
+        d = np.arange(1, self.depth + 1, dtype=np.float64)
+        pred, meas = self.pred[1:], self.meas[1:]
+        w = pred + 1e-12
+        y = np.log((meas + self.prior * 0.5) / (pred + self.prior * 0.5))
+        dm = (w * d).sum() / w.sum()
+        var = (w * (d - dm) ** 2).sum()
+        slope = float((w * (d - dm) * (y - (w * y).sum() / w.sum())).sum() / var) if var > 1e-9 else 0.0
+        slope = float(np.clip(slope, -1.0, 1.0))
+        shape = np.exp(slope * (d - dm))
+        scale = (meas.sum() + self.prior) / ((pred * shape).sum() + self.prior)
+        return np.concatenate([[0.0], np.clip(scale * shape, 1e-3, 1e3)])
+
+    def request_factor(self, rid) -> float:
+        p, m = self._req.get(rid, (0.0, 0.0))
+        return (m + self.request_prior) / (p + self.request_prior)
+
+    def weights(self, rids) -> np.ndarray:
+        """``[B, depth + 1]`` float64: depth factor times request factor."""
+        f = self.depth_factors()
+        return np.stack([f * self.request_factor(r) for r in rids]) if len(rids) else np.zeros((0, self.depth + 1))
+
+    def observe(self, rids, raw, node_depth, counts, accept_len) -> None:
+        """``raw``/``node_depth`` ``[B, N]`` host arrays of the built tree (pop order, root at 0),
+        ``counts`` ``[B]`` the verified nodes (the cut), ``accept_len`` ``[B]`` the walk's length
+        (root included)."""
+        f = self.depth_factors()
+        pred = np.zeros(self.depth + 1)
+        meas = np.zeros(self.depth + 1)
+        for b, rid in enumerate(rids):
+            n, a = int(counts[b]), int(accept_len[b])
+            if n <= 0:
+                continue  # nothing drafted was verified: no evidence
+            per_depth = np.bincount(node_depth[b, 1:n + 1].astype(np.int64), weights=raw[b, 1:n + 1],
+                                    minlength=self.depth + 1)[: self.depth + 1]
+            pred += per_depth
+            meas[1:a] += 1.0
+            p, m = self._req.get(rid, (0.0, 0.0))
+            rd = self.request_decay
+            self._req[rid] = (rd * p + float((per_depth * f).sum()), rd * m + (a - 1))
+        self.pred = self.decay * self.pred + pred
+        self.meas = self.decay * self.meas + meas
+
+    def release(self, rid) -> None:
+        self._req.pop(rid, None)
+
+
+# -- the cost of a round -------------------------------------------------------------------------
+
+
+def _interp(points: tuple, x):
+    """Piecewise-linear through ``points`` ((x, y), ... sorted by x), linear extrapolation past
+    the last two points and flat below the first."""
+    xs, ys = _arrays(points)
+    x = np.asarray(x, np.float64)
+    y = np.interp(x, xs, ys)
+    if len(xs) >= 2:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        y = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), y)
+    return y
+
+
+@functools.lru_cache(maxsize=64)
+def _arrays(points: tuple):
+    return np.array([p[0] for p in points], np.float64), np.array([p[1] for p in points], np.float64)
+
+
+@dataclass
+class CostModel:
+    """Seconds of one round. ``verify``: (rows, seconds) points of a verify whose every row is a
+    distinct drafted node (full MoE fan-out), at context ``ctx_ref``; ``expert_s``: seconds per
+    expert touched per layer (the fan-out term: a verify of ``rows`` rows holding ``nodes``
+    distinct nodes saves ``expert_s (E(rows) - E(nodes))``, E = ``experts_touched``); ``ctx_s``:
+    seconds per request per context token past ``ctx_ref``; ``draft`` and ``fixed``: (batch,
+    seconds) points of the drafter's forward and of the round's other work. ``measured``: costs
+    may be measured and added on the device (warm-up); a given table is kept as it is."""
+
+    verify: tuple = ()
+    expert_s: float = 0.0
+    ctx_ref: int = 0
+    ctx_s: float = 0.0
+    draft: tuple = ((1, 0.0),)
+    fixed: tuple = ((1, 0.0),)
+    measured: bool = False
+    source: str = "given"
+    _verify_points: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for name in ("verify", "draft", "fixed"):
+            pts = tuple(sorted((float(x), float(y)) for x, y in getattr(self, name)))
+            if any(x <= 0 or y < 0 for x, y in pts) or len({x for x, _ in pts}) != len(pts):
+                raise BudgetError(f"cost model {name!r}: points must have distinct positive sizes and "
+                                  f"non-negative seconds, got {list(getattr(self, name))}")
+            setattr(self, name, pts)
+        self._verify_points = dict(self.verify)
+        if self.expert_s < 0 or self.ctx_s < 0 or self.ctx_ref < 0:
+            raise BudgetError("cost model: expert_s, ctx_s and ctx_ref must be >= 0")
+
+    def ready(self) -> bool:
+        return bool(self.verify)
+
+    def verify_s(self, batch: int, slots: int, nodes, ctx: float = 0.0):
+        """Seconds of a verify of ``batch`` requests x ``slots`` rows holding ``nodes`` distinct
+        nodes (array-like), at mean context ``ctx``."""
+        if not self.verify:
+            raise BudgetError("decode.budget auto: the cost model has no verify costs yet (give "
+                              "decode.cost_table, or on CUDA let the warm-up measure them)")
+        rows = batch * slots
+        nodes = np.minimum(np.asarray(nodes, np.float64), rows)
+        t = _interp(self.verify, rows) - self.expert_s * (experts_touched(rows) - experts_touched(nodes))
+        t = t + self.ctx_s * batch * (float(ctx) - self.ctx_ref)
+        return np.maximum(t, 0.0)
+
+    def draft_s(self, batch: int) -> float:
+        """Seconds of the draft at this batch size (0 until one is given or measured)."""
+        return float(_interp(self.draft, batch)) if self.draft else 0.0
+
+    def fixed_s(self, batch: int) -> float:
+        """Seconds of the round's other work at this batch size (0 until given or measured)."""
+        return float(_interp(self.fixed, batch)) if self.fixed else 0.0
+
+    def add_verify(self, rows: int, seconds: float) -> None:
+        """A measured point (the warm-up's): the mean with an earlier point of the same rows."""
+        old = self._verify_points.get(float(rows))
+        self._verify_points[float(rows)] = seconds if old is None else 0.5 * (old + seconds)
+        self.verify = tuple(sorted(self._verify_points.items()))
+
+    def set_overheads(self, batch: int, draft_s: float | None = None, fixed_s: float | None = None) -> None:
+        for name, v in (("draft", draft_s), ("fixed", fixed_s)):
+            if v is not None:
+                pts = dict(getattr(self, name))
+                pts[float(batch)] = max(float(v), 0.0)
+                setattr(self, name, tuple(sorted(pts.items())))
+
+    @classmethod
+    def fanout(cls, base_s: float, row_s: float, expert_s: float, draft_s: float = 0.0, fixed_s: float = 0.0,
+               max_rows: int = 1 << 15, ctx_s: float = 0.0, ctx_ref: int = 0) -> CostModel:
+        """The MoE shape as a table: a verify of T distinct rows costs ``base_s + row_s T + expert_s
+        E(T)`` (E = experts touched per layer; ``expert_s``: seconds per touched expert summed over
+        the MoE layers), sampled at every T up to 256 and geometrically past it."""
+        rows = sorted(set(range(1, 257)) | {int(x) for x in np.geomspace(256, max_rows, 64)})
+        pts = [(r, base_s + row_s * r + expert_s * float(experts_touched(r))) for r in rows]
+        return cls(verify=pts, expert_s=expert_s, draft=((1, draft_s),), fixed=((1, fixed_s),),
+                   ctx_s=ctx_s, ctx_ref=ctx_ref, source="fanout")
+
+    @classmethod
+    def load(cls, path) -> CostModel:
+        """A cost table from JSON. Either this module's own format (``to_json``): ``{"verify":
+        [[rows, s], ...], "expert_s", "ctx_ref", "ctx_s", "draft": [[batch, s], ...], "fixed": [...]}``,
+        or ``{"rows": [...]}``: the JSON of ``ddtree-rtc bench round`` / ``bench node`` (the verify
+        stage's row per case: ``us`` with ``extra`` ``batch``, ``budget``, ``chain``, ``ctx``,
+        ``stage: "verify"``; the round summary's ``graph_us`` minus its verify gives the other work),
+        or flat rows ``{batch, budget ("chain": depth nodes), verify_us, fixed_us?, ctx?}``. A verify
+        of ``budget`` at ``batch`` is the point rows = batch x (1 + budget). Their drafts are not
+        timed (the oracle's host swaps), so the draft costs 0 unless the own format gives it."""
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise BudgetError(f"decode.cost_table {p}: cannot read it as JSON ({e})") from None
+        try:
+            return cls.from_dict(data, source=str(p))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BudgetError(f"decode.cost_table {p}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "given") -> CostModel:
+        if "verify" in data:
+            known = {"verify", "expert_s", "ctx_ref", "ctx_s", "draft", "fixed"}
+            unknown = set(data) - known - {"source", "device", "date", "commit"}
+            if unknown:
+                raise BudgetError(f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+            return cls(**{k: data[k] for k in known if k in data}, source=source)
+        rows = data.get("rows")
+        if not isinstance(rows, list):
+            raise BudgetError("expected 'verify' (a cost table) or 'rows' (bench round / bench node JSON)")
+        verify, fixed, ctxs, groups = {}, {}, set(), set()
+        for r in rows:
+            e = r.get("extra", r) if isinstance(r, dict) else {}
+            if "batch" not in e or "budget" not in e:
+                continue
+            nodes = int(e.get("depth", 7)) if e.get("chain") or e["budget"] == "chain" else int(e["budget"])
+            rows_n = int(e["batch"]) * (1 + nodes)
+            if "verify_us" in r:  # the flat form: one row per (batch, budget)
+                us, other = float(r["verify_us"]), r.get("fixed_us")
+            elif e.get("stage") == "verify" and "us" in r:  # bench round / bench node: the verify stage's row
+                us, other = float(r["us"]), None
+            elif "graph_us" in e and "stage_us" in e:  # their round summary: the rest of the device round
+                fixed.setdefault(int(e["batch"]), []).append((e["graph_us"] - e["stage_us"]["verify"]) * 1e-6)
+                continue
+            else:
+                continue
+            verify.setdefault(rows_n, []).append(us * 1e-6)
+            if other is not None:
+                fixed.setdefault(int(e["batch"]), []).append(float(other) * 1e-6)
+            ctxs.add(int(e.get("ctx", 0)))
+            groups.add((e.get("layout"), e.get("small_m")))
+        if not verify:
+            raise BudgetError("no verify row (a row with batch and budget, and verify_us or stage 'verify')")
+        if len(ctxs) > 1 or len(groups) > 1:
+            raise BudgetError(f"rows at several contexts {sorted(ctxs)} or layouts / small_m "
+                              f"{sorted(map(str, groups))}: keep one of each per cost table")
+        mean = lambda d: tuple((k, float(np.mean(v))) for k, v in d.items())  # noqa: E731
+        return cls(verify=mean(verify), draft=(), fixed=mean(fixed), ctx_ref=ctxs.pop(), source=source)
+
+    def to_json(self) -> dict:
+        return {"verify": [list(p) for p in self.verify], "expert_s": self.expert_s, "ctx_ref": self.ctx_ref,
+                "ctx_s": self.ctx_s, "draft": [list(p) for p in self.draft],
+                "fixed": [list(p) for p in self.fixed], "source": self.source}
+
+
+def fit_expert_s(batch: int, slots: int, full_s: float, lean_s: float) -> float | None:
+    """The fan-out slope from a full verify (every row a distinct node) and a lean one (the roots
+    and their copies: one distinct node per request) of the same shape."""
+    span = float(experts_touched(batch * slots) - experts_touched(batch))
+    return None if span <= 1e-9 else max(full_s - lean_s, 0.0) / span
+
+
+# -- the policy ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    counts: np.ndarray  # [B] nodes verified per request (the cut)
+    slots: int  # verify rows per request (1 + the bucket)
+    expected: np.ndarray  # [B] predicted tokens (bonus included)
+    seconds: float  # the modelled round (fixed + draft + verify)
+    verify_s: float
+
+
+def slot_buckets(max_budget: int) -> tuple[int, ...]:
+    """Node counts whose verify shapes exist (graphs captured per bucket): 0, the powers of two
+    below ``max_budget``, and ``max_budget``."""
+    out = {0, max_budget}
+    k = 1
+    while k < max_budget:
+        out.add(k)
+        k *= 2
+    return tuple(sorted(out))
+
+
+def choose(values: np.ndarray, caps, cost: CostModel, buckets, ctx: float = 0.0, drafted: bool = True) -> Choice:
+    """The batch's node counts. ``values`` ``[B, M]``: calibrated P of nodes 1..M of each request's
+    tree in pop order (0 past its nodes); ``caps`` ``[B]``: the most nodes each request may have;
+    ``buckets``: the node counts with verify shapes. Per bucket k the candidates are every request's
+    first min(k, cap) nodes, taken in decreasing value (a request's values are first made
+    non-increasing, so it always keeps a prefix of its pop order); every prefix of that order is
+    priced and the best (tokens per second, ties to more tokens) over all buckets wins."""
+    values = np.asarray(values, np.float64)
+    b, m = values.shape
+    caps = np.minimum(np.asarray(caps, np.int64), m)
+    over = cost.fixed_s(b) + (cost.draft_s(b) if drafted else 0.0)
+    col = np.broadcast_to(np.arange(m)[None, :], (b, m))
+    v = np.where(col < caps[:, None], values, -np.inf)
+    mono = np.minimum.accumulate(v, axis=1) if m else v
+    # one order for every bucket: bucket k takes the entries of columns < k, in the same order
+    order = np.argsort(-mono.ravel(), kind="stable")
+    keep = np.isfinite(mono.ravel()[order]) & (mono.ravel()[order] > 0)
+    order = order[keep]
+    o_req, o_col, o_val = order // max(m, 1), order % max(m, 1), values.ravel()[order]
+    best = None
+    for k in sorted({int(x) for x in buckets if 0 <= int(x) <= m}):
+        req = o_req[o_col < k]
+        gain = np.concatenate([[0.0], np.cumsum(o_val[o_col < k])])
+        # padding slots repeat the root (engine.runner.fill_tree): they route like it, no new experts
+        nodes = b + np.arange(len(req) + 1)
+        ver = cost.verify_s(b, k + 1, nodes, ctx)
+        rate = (b + gain) / (over + ver)
+        i = int(np.flatnonzero(rate >= rate.max() * (1 - 1e-12))[-1])
+        if best is None or rate[i] > best[0] * (1 + 1e-12) or (
+                rate[i] >= best[0] * (1 - 1e-12) and gain[i] > best[1]):
+            best = (float(rate[i]), float(gain[i]), k, np.bincount(req[:i], minlength=b), float(ver[i]))
+    _, _, k, counts, ver = best
+    cum = np.concatenate([np.zeros((b, 1)), np.cumsum(values, axis=1)], axis=1)
+    return Choice(counts.astype(np.int64), k + 1, 1.0 + cum[np.arange(b), counts], over + ver, ver)
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+@dataclass
+class BudgetStats:
+    """What the budget did: per request-round the nodes verified and the predicted tokens (auto
+    only), per round the modelled verify and round seconds (any mode, with a cost model)."""
+
+    counts_hist: dict = field(default_factory=dict)  # nodes verified per request-round -> count
+    slots_hist: dict = field(default_factory=dict)  # verify rows per request per round -> count
+    predicted: float = 0.0  # sum of predicted tokens over the request-rounds that had a prediction
+    measured: float = 0.0  # sum of emitted tokens over the same request-rounds
+    predicted_rounds: int = 0
+    tokens: int = 0  # every request-round's tokens (for tokens per cost)
+    verify_s: float = 0.0  # modelled verify seconds, summed over rounds
+    round_s: float = 0.0  # modelled round seconds
+    drafted_rounds: int = 0
+    skipped_drafts: int = 0
+    last_counts: tuple = ()  # the last round's nodes per request (for /metrics' histogram)
+
+    def add_round(self, counts, slots: int, tokens, expected=None, verify_s: float | None = None,
+                  round_s: float | None = None, drafted: bool = True) -> None:
+        self.last_counts = tuple(int(n) for n in np.asarray(counts).tolist())
+        for n in self.last_counts:
+            self.counts_hist[n] = self.counts_hist.get(n, 0) + 1
+        self.slots_hist[int(slots)] = self.slots_hist.get(int(slots), 0) + 1
+        tokens = np.asarray(tokens)
+        self.tokens += int(tokens.sum())
+        if expected is not None:
+            self.predicted += float(np.sum(expected))
+            self.measured += float(tokens.sum())
+            self.predicted_rounds += len(tokens)
+        self.verify_s += verify_s or 0.0
+        self.round_s += round_s or 0.0
+        self.drafted_rounds += bool(drafted)
+        self.skipped_drafts += not drafted
+
+    @property
+    def tau_predicted(self) -> float | None:
+        return self.predicted / self.predicted_rounds if self.predicted_rounds else None
+
+    @property
+    def tau_measured(self) -> float | None:
+        return self.measured / self.predicted_rounds if self.predicted_rounds else None
+
+    @property
+    def tokens_per_verify_s(self) -> float | None:
+        return self.tokens / self.verify_s if self.verify_s else None
+
+    @property
+    def tokens_per_round_s(self) -> float | None:
+        return self.tokens / self.round_s if self.round_s else None
+
+    def summary(self) -> dict:
+        return {"nodes_hist": {str(k): v for k, v in sorted(self.counts_hist.items())},
+                "slots_hist": {str(k): v for k, v in sorted(self.slots_hist.items())},
+                "tau_predicted": self.tau_predicted, "tau_measured": self.tau_measured,
+                "tokens_per_verify_s": self.tokens_per_verify_s, "tokens_per_round_s": self.tokens_per_round_s,
+                "drafted_rounds": self.drafted_rounds, "skipped_drafts": self.skipped_drafts}
+
+
+# -- the per-round driver ------------------------------------------------------------------------
+
+
+class AutoBudget:
+    """``decode.budget: auto`` for one engine: calibration, cost model, buckets and the choice of
+    whether to draft at all. A request whose last drafted round got no nodes decodes
+    autoregressively (no draft) for ``probe_every - 1`` rounds, then drafts again to re-measure."""
+
+    def __init__(self, max_budget: int, depth: int, cost: CostModel | None, buckets=None, probe_every: int = 8,
+                 explore_every: int = 32):
+        from ...reference.tree_build import MAX_BUDGET
+
+        if not 1 <= int(max_budget) <= MAX_BUDGET:
+            raise BudgetError(f"decode.max_budget {max_budget} is outside 1..{MAX_BUDGET} (the tree buffers' maximum)")
+        if probe_every < 1:
+            raise BudgetError(f"probe_every must be >= 1, got {probe_every}")
+        self.max_budget, self.depth = int(max_budget), depth
+        self.cost = cost if cost is not None else CostModel(draft=(), fixed=(), measured=True, source="warm-up")
+        self.buckets = tuple(buckets) if buckets is not None else tuple(range(self.max_budget + 1))
+        bad = [k for k in self.buckets if not 0 <= k <= self.max_budget]
+        if bad or 0 not in self.buckets:
+            raise BudgetError(f"budget buckets {list(self.buckets)} must hold 0 and lie in 0..{self.max_budget}")
+        self.calibration = Calibration(depth)
+        self.probe_every, self.explore_every = probe_every, explore_every
+        self.stats = BudgetStats()
+        self._drafted = 0
+        self._ar_rounds: dict = {}  # rid -> drafting-free rounds left
+
+    def should_draft(self, rids) -> bool:
+        return any(self._ar_rounds.get(r, 0) <= 0 for r in rids)
+
+    def skipped(self, rids) -> None:
+        for r in rids:
+            self._ar_rounds[r] = self._ar_rounds.get(r, 0) - 1
+
+    def weights(self, rids) -> np.ndarray:
+        """``[B, depth + 1]`` node-value weights for this round: the calibration's, except every
+        ``explore_every``-th drafted round, where no factor is below 1, so depths the calibration
+        has marked down (perhaps on a few unlucky rounds) are verified and measured again."""
+        w = self.calibration.weights(rids)
+        self._drafted += 1
+        if self._drafted % self.explore_every == 0:
+            w[:, 1:] = np.maximum(w[:, 1:], 1.0)
+        return w
+
+    def choose(self, values, caps, ctx: float) -> Choice:
+        return choose(values, caps, self.cost, self.buckets, ctx, drafted=True)
+
+    def ar_choice(self, batch: int, ctx: float) -> Choice:
+        return choose(np.zeros((batch, 0)), np.zeros(batch, np.int64), self.cost, (0,), ctx, drafted=False)
+
+    def observe(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool) -> None:
+        """After the accept: calibration, the AR hold of requests that got no nodes, the stats."""
+        if drafted:
+            self.calibration.observe(rids, raw, node_depth, choice.counts, accept_len)
+            for r, n in zip(rids, choice.counts):
+                self._ar_rounds[r] = self.probe_every - 1 if n == 0 else 0
+        self.stats.add_round(choice.counts, choice.slots, accept_len,
+                             expected=choice.expected if drafted else None,
+                             verify_s=choice.verify_s, round_s=choice.seconds, drafted=drafted)
+
+    def release(self, rid) -> None:
+        self.calibration.release(rid)
+        self._ar_rounds.pop(rid, None)

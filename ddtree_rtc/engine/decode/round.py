@@ -1,0 +1,260 @@
+"""One DDTree round for a batch of running requests, top to bottom as the algorithm
+(docs/architecture.md, "The DDTree round"):
+
+    draft   -> the drafter's logits [B, depth, V] after each request's bonus token (the root)
+    build   -> per-depth top-k log-probs and the best-first tree of each request's budget
+    verify  -> ONE target forward over [root, nodes] of every tree: node i at RoPE position
+               prefix + depth_i, written to cache position prefix + i, seeing the committed prefix
+               and its own ancestors only; hidden states at the drafter's target layers
+    choose  -> the target's token at every node: argmax at T = 0; at T > 0 one sample per node
+               from the target's (temperature, top-p) distribution, keyed by (request, position)
+               like the autoregressive step that node stands for
+    accept  -> walk from the root along children that match the target's choice; the first
+               unmatched choice is the bonus token (so every emitted token is the target's own
+               choice given the tokens before it: the output equals autoregressive decoding's)
+    commit  -> the accepted nodes' KV rows move to prefix, prefix + 1, ...; their hidden states
+               (root first) join the drafter's context; the emitted tokens go to the requests
+
+Chain mode (DFlash's linear drafting) is the same round with k = 1 and budget = depth. The verify's
+host half (cache slots, attention plan, page table) is done before the draft is enqueued; the tree's
+tokens, positions and mask reach the verify forward on the device (engine.runner). From the top-k to
+the KV commit (``SpeculativeRound.device_half``) nothing waits for the host, so at T = 0 the bench
+(``bench round``) captures that half as one CUDA graph. The host then reads the accepted lengths and
+tokens, once per round.
+
+Stages are timed by name on the engine's StageClock (engine.clock): plan, draft, then
+DEVICE_STAGES; the host half of the commit adds to "commit".
+
+With ``decode.budget: auto`` (``auto``: engine/decode/budget.AutoBudget) the tree is built at the
+maximum budget, each request's is cut to the node count the cost-aware policy chooses, and the
+verify runs the shape of the bucket that holds the largest cut (engine/decode/auto.py): the plan then
+comes after the build, and the host reads the node values once before the verify (stage "budget").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..request import RequestError
+from .tree import TreeBuffers, TreeShape
+
+DEVICE_STAGES = ("top-k", "build", "verify", "choose", "accept", "commit")
+
+
+@dataclass
+class RoundStats:
+    rounds: int = 0  # request-rounds
+    tokens: int = 0  # emitted (bonus included)
+    accept_hist: dict = field(default_factory=dict)  # tokens per request-round -> count
+    depth_hits: list = field(default_factory=list)  # [d]: request-rounds whose walk reached depth d+1
+    trace: list = field(default_factory=list)  # (rid, emitted) per request-round, in order
+
+    def add(self, emitted: int, rid=None) -> None:
+        self.trace.append((rid, emitted))
+        self.rounds += 1
+        self.tokens += emitted
+        self.accept_hist[emitted] = self.accept_hist.get(emitted, 0) + 1
+        while len(self.depth_hits) < emitted - 1:
+            self.depth_hits.append(0)
+        for d in range(emitted - 1):
+            self.depth_hits[d] += 1
+
+    @property
+    def tau(self) -> float | None:
+        """Mean tokens per round, the bonus token included."""
+        return self.tokens / self.rounds if self.rounds else None
+
+    def acceptance_by_depth(self) -> list[float]:
+        """Fraction of request-rounds whose accepted path reached depth d + 1."""
+        return [h / self.rounds for h in self.depth_hits] if self.rounds else []
+
+
+class SpeculativeRound:
+    """The round's buffers and its ``run(requests)``; ``mode`` 'ddtree' or 'chain'."""
+
+    def __init__(self, model, cache, pages, runner, drafter, mode: str, budget: int, sampler, clock, auto=None):
+        """``cache``: the target's PagedKVCache, ``pages``: its PageAllocator; ``runner``: the
+        engine's ModelRunner (plans the verify forward, replays its graphs); ``sampler``: the
+        engine's token choice (engine.sampler); ``clock``: the StageClock the stages are timed on;
+        ``auto``: an AutoBudget (decode.budget auto; ``budget`` is then its max_budget) or None."""
+        if mode not in ("ddtree", "chain"):
+            raise ValueError(f"speculative mode must be 'ddtree' or 'chain', got {mode!r}")
+        self.model, self.cache, self.pages, self.runner, self.drafter = model, cache, pages, runner, drafter
+        self.mode, self.sampler, self.clock = mode, sampler, clock
+        self.budget = drafter.depth if mode == "chain" else budget
+        TreeShape(batch=1, budget=self.budget, depth=drafter.depth, vocab=model.cfg.vocab_size)  # checks ranges
+        self.hidden_layers = tuple(drafter.target_layer_ids)
+        self.stats = RoundStats()
+        self._buffers: dict[int, TreeBuffers] = {}
+        self.auto = auto
+        if auto is not None:
+            from .auto import AutoRound
+
+            if mode != "ddtree" or auto.max_budget != self.budget:
+                raise ValueError(f"budget auto needs mode 'ddtree' and max_budget {auto.max_budget} == the round's "
+                                 f"budget {self.budget}")
+            self._auto_round = AutoRound(auto, model.backend, runner)
+            self._choices: dict = {}  # batch -> [B, 1 + max_budget] int32: the verify's choices, padded
+
+    def tail(self, req) -> int:
+        """Cache rows a round writes past the committed prefix: the root and every node slot."""
+        return 1 + self.budget
+
+    def budget_of(self, req) -> int:
+        b = self.budget if req.budget is None or self.mode == "chain" else req.budget
+        if not 0 <= b <= self.budget:
+            raise RequestError(f"request {req.rid}: budget {b} outside 0..{self.budget} (decode.budget)")
+        return b
+
+    def buffers_for(self, batch: int) -> TreeBuffers:
+        """The tree buffers of a batch size (made at its first round, then reused)."""
+        bufs = self._buffers.get(batch)
+        if bufs is None:
+            shape = TreeShape(batch=batch, budget=self.budget, depth=self.drafter.depth,
+                              vocab=self.model.cfg.vocab_size, chain=self.mode == "chain")
+            bufs = self._buffers[batch] = TreeBuffers(self.model.backend, shape)
+        return bufs
+
+    def release(self, rid) -> None:
+        """The request finished or was cancelled: the auto budget forgets it."""
+        if self.auto is not None:
+            self.auto.release(rid)
+
+    def run(self, reqs, eos_id) -> None:
+        if self.auto is not None:
+            return self._run_auto(reqs, eos_id)
+        be, pages, clock, runner = self.model.backend, self.pages, self.clock, self.runner
+        rids = [r.rid for r in reqs]
+        prefix = np.array([r.length - 1 for r in reqs], np.int32)  # the root (last token) has no KV yet
+        roots = np.array([r.output[-1] for r in reqs], np.int32)
+        bufs = self.buffers_for(len(reqs))
+        bufs.set_limits(budgets=[self.budget_of(r) for r in reqs])
+        n_slots = 1 + bufs.shape.max_budget
+        for r, p in zip(reqs, prefix):
+            pages.reserve(r.rid, int(p) + n_slots)
+
+        step = clock.time("plan", runner.plan_tree, rids, prefix, n_slots)  # host work, before the GPU's
+        page_table, roots_dev = be.asarray(pages.page_table(rids)), be.asarray(roots)
+        logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
+        row_reqs = [r for r in reqs for _ in range(n_slots)]  # node j of tree b: its token at position + 1
+        out, _, acc = self.device_half(bufs, step, page_table, logits, roots_dev, row_reqs, clock)
+        accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
+        emitted = be.to_host(acc.emitted)
+
+        def commit():
+            if self.hidden_layers:
+                accepted = be.to_host(acc.accepted)
+                rows = np.concatenate([b * n_slots + accepted[b, :n].astype(np.int64)
+                                       for b, n in enumerate(accept_len)])
+                idx = be.asarray(rows)
+                self.drafter.extend_context(rids, {i: out.hidden[i][idx] for i in self.hidden_layers}, accept_len)
+            for r, p, n, toks in zip(reqs, prefix, accept_len, emitted):
+                self.stats.add(int(n), r.rid)
+                r.extend(toks[:n].tolist(), eos_id)
+                pages.trim(r.rid, int(p) + int(n))  # the committed prefix; the bonus gets its row next round
+
+        clock.time("commit", commit)
+
+    def device_half(self, bufs: TreeBuffers, step, page_table, draft_logits, roots, row_reqs, clock):
+        """Top-k -> build -> verify -> choose -> accept -> KV commit for the verify ``step``
+        (``runner.plan_tree``), each stage timed on ``clock`` under its DEVICE_STAGES name.
+        ``page_table`` and ``roots`` are on the device; ``row_reqs``: the request of each verify row
+        (its node's token is chosen by the request's temperature, top-p and sampling stream).
+        Returns (verify output, choices [B, n] int32, accept arrays)."""
+        output = self.sampler.output_for(row_reqs)
+        clock.time("top-k", bufs.topk, draft_logits)
+        tree = clock.time("build", bufs.grow, roots, step.prefix_dev)
+        out = clock.time("verify", self._verify, step, tree, output)
+        choices = clock.time("choose", self._choose, out, output, row_reqs, step, len(row_reqs) // step.key[1])
+        acc = clock.time("accept", bufs.accept, choices)
+        clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
+        return out, choices, acc
+
+    def _verify(self, step, tree, output: str):
+        self.runner.fill_tree(step, tree)
+        return self.runner.verify(step, output)
+
+    def _choose(self, out, output: str, row_reqs, step, batch: int):
+        be = self.model.backend
+        tokens = out.tokens if output == "argmax" else self.sampler.choose(out.logits, row_reqs,
+                                                                           step.inputs.positions + 1)
+        return tokens.reshape(batch, -1).astype(be.xp.int32, copy=False)
+
+    def _run_auto(self, reqs, eos_id) -> None:
+        """The round with the cost-aware budget: draft and build at the maximum budget (or, when
+        every request holds off drafting, the root alone), choose and cut, then plan and verify
+        the chosen bucket's shape (engine/decode/auto.py)."""
+        from .auto import tree_view
+
+        be, pages, clock, runner, auto, ar = (self.model.backend, self.pages, self.clock, self.runner, self.auto,
+                                              self._auto_round)
+        t0 = time.perf_counter()
+        rids, b = [r.rid for r in reqs], len(reqs)
+        prefix = np.array([r.length - 1 for r in reqs], np.int32)
+        roots = np.array([r.output[-1] for r in reqs], np.int32)
+        caps = np.array([self.budget_of(r) for r in reqs], np.int64)
+        bufs = self.buffers_for(b)
+        bufs.set_limits(budgets=caps)
+        for r, p in zip(reqs, prefix):
+            pages.reserve(r.rid, int(p) + 1 + self.budget)
+        roots_dev, prefix_dev, ctx = be.asarray(roots), be.asarray(prefix), float(prefix.mean())
+        drafted = auto.should_draft(rids)
+        measuring = drafted and ar.needs_measure(b)
+        raw = depth = draft_s = None
+        if drafted:
+            logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
+            clock.time("top-k", bufs.topk, logits)
+            tree = clock.time("build", bufs.grow, roots_dev, prefix_dev)
+            values, raw, depth = clock.time("budget", ar.estimate, tree, rids)  # a host sync
+            draft_s = time.perf_counter() - t0
+            if measuring:
+                output = self.sampler.output_for(reqs)
+                clock.time("budget", ar.measure, rids, prefix, tree, be.to_host(tree.num_nodes).astype(np.int64),
+                           output)
+            choice = auto.choose(values, caps, ctx)
+            ar.cut(tree, choice.counts)
+        else:
+            auto.skipped(rids)
+            tree = bufs.tree
+            ar.root_only(tree, roots_dev, prefix_dev)
+            choice = auto.ar_choice(b, ctx)
+        n_slots = choice.slots
+        step = clock.time("plan", runner.plan_tree, rids, prefix, n_slots)
+        page_table = be.asarray(pages.page_table(rids))
+        row_reqs = [r for r in reqs for _ in range(n_slots)]  # node j of tree b: its token at position + 1
+        output = self.sampler.output_for(row_reqs)
+        out = clock.time("verify", self._verify, step, tree_view(tree, n_slots), output)
+        full = self._choices.get(b)
+        if full is None:
+            full = self._choices[b] = be.empty((b, 1 + self.budget), "int32")
+
+        def choose():
+            full[...] = -1  # slots past the verify: no token (the walk stops within num_nodes anyway)
+            full[:, :n_slots] = self._choose(out, output, row_reqs, step, b)
+            return full
+
+        choices = clock.time("choose", choose)
+        acc = clock.time("accept", bufs.accept, choices)
+        clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
+        accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
+        emitted = be.to_host(acc.emitted)
+
+        def commit():
+            if self.hidden_layers:
+                accepted = be.to_host(acc.accepted)
+                rows = np.concatenate([i * n_slots + accepted[i, :n].astype(np.int64)
+                                       for i, n in enumerate(accept_len)])
+                idx = be.asarray(rows)
+                self.drafter.extend_context(rids, {i: out.hidden[i][idx] for i in self.hidden_layers}, accept_len)
+            for r, p, n, toks in zip(reqs, prefix, accept_len, emitted):
+                self.stats.add(int(n), r.rid)
+                r.extend(toks[:n].tolist(), eos_id)
+                pages.trim(r.rid, int(p) + int(n))
+
+        clock.time("commit", commit)
+        auto.observe(rids, raw, depth, choice, accept_len, drafted)
+        if not measuring:  # the measuring round's wall time holds the measurement
+            ar.observe_times(b, draft_s, time.perf_counter() - t0, choice)

@@ -1,0 +1,382 @@
+"""The cost-aware budget (ddtree_rtc.engine.decode.budget) against simulated rounds: the oracle's
+rounds (its tree of ranks is the same every round; the walk reaches a node when the drawn true
+ranks follow its path) and the random drafter's (fresh random logits, a uniform true token)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ddtree_rtc.engine.decode.budget import (
+    AutoBudget,
+    BudgetError,
+    Calibration,
+    CostModel,
+    choose,
+    expected_tokens,
+    experts_touched,
+    node_values,
+    slot_buckets,
+)
+from ddtree_rtc.reference.topk import topk_logprobs
+from ddtree_rtc.reference.tree_build import tree_build
+from ddtree_rtc.speculative.drafters import OracleDrafter
+
+DEPTH, VOCAB, MAX = 7, 97, 64
+
+
+def build(logits, budget=MAX):
+    b = logits.shape[0]
+    logq, ids = topk_logprobs(logits, max(1, min(budget, logits.shape[-1])))
+    one = np.ones(b, np.int32)
+    return tree_build(logq, ids, 0 * one, budget * one, DEPTH * one, 0 * one, budget)
+
+
+class OracleSim:
+    """One request's oracle rounds: its tree (the template's) and, per round, which nodes the walk
+    reaches (a reached node's ancestors are reached; at most one node per depth)."""
+
+    def __init__(self, p=None, table=None, seed=0):
+        self.od = OracleDrafter(None, VOCAB, DEPTH, None, accept_p=p, table=table, seed=seed)
+        self.tree = build(self.od._template[None])
+        rank = np.empty_like(self.od._order)
+        for d in range(DEPTH):
+            rank[d, self.od._order[d]] = np.arange(VOCAB)
+        n = int(self.tree.num_nodes[0])
+        self.depth = self.tree.node_depth[0, :n].astype(np.int64)
+        self.parent = self.tree.parents[0, :n].astype(np.int64)
+        self.rank = np.array([-1] + [rank[self.depth[j] - 1, self.tree.tokens[0, j]] for j in range(1, n)])
+        self.rng = np.random.default_rng(seed + 1)
+        self.ptrue = np.ones(n)  # the oracle law's probability that the walk reaches node j
+        for j in range(1, n):
+            self.ptrue[j] = self.ptrue[self.parent[j]] * self.od.rank_probability(self.depth[j] - 1, self.rank[j])
+        self.etrue = 1 + np.concatenate([[0.0], np.cumsum(self.ptrue[1:])])  # [n]: exact tau of a cut at n
+
+    def reached(self, rounds: int) -> np.ndarray:
+        """[rounds, N] bool: node j reached in that round (the oracle's rank law)."""
+        probs = self.od.probs
+        u = self.rng.random((rounds, DEPTH))
+        tail = self.rng.geometric(0.5, (rounds, DEPTH))
+        true = np.where(u < probs[None], 0, tail)
+        acc = np.zeros((rounds, len(self.depth)), bool)
+        acc[:, 0] = True
+        for j in range(1, len(self.depth)):
+            acc[:, j] = acc[:, self.parent[j]] & (true[:, self.depth[j] - 1] == self.rank[j])
+        return acc
+
+
+def random_round(rng, batch):
+    """A random drafter's round: its trees and [B, N] reached nodes (a uniform true token)."""
+    tree = build(rng.standard_normal((batch, DEPTH, VOCAB)).astype(np.float32))
+    true = rng.integers(0, VOCAB, (batch, DEPTH))
+    acc = np.zeros(tree.tokens.shape, bool)
+    acc[:, 0] = True
+    for j in range(1, MAX + 1):
+        d = tree.node_depth[:, j]
+        ok = (j < tree.num_nodes) & (tree.tokens[:, j] == true[np.arange(batch), np.maximum(d - 1, 0)])
+        acc[:, j] = acc[np.arange(batch), np.maximum(tree.parents[:, j], 0)] & ok
+    return tree, acc
+
+
+def moe_cost(draft=2e-3, fixed=1e-3):
+    """The MoE fan-out shape: ~25 us per touched expert summed over 60 layers, a small per-row term."""
+    return CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=draft, fixed_s=fixed)
+
+
+def run_oracle(sims, rounds, budget="auto", cost=None, buckets=None):
+    """Tokens, modelled seconds, and per-round (predicted, measured) tokens over ``rounds``
+    rounds of the batch ``sims`` (one OracleSim per request), at a fixed budget or auto; ``.exact``
+    on the returned auto (or the 6th value): the exact expected tokens of the cuts made (the oracle
+    law, no sampling noise)."""
+    cost = cost or moe_cost()
+    b = len(sims)
+    reached = [s.reached(rounds) for s in sims]
+    n_max = max(len(s.depth) for s in sims)
+    raw = np.zeros((b, n_max))
+    depth = np.zeros((b, n_max), np.int64)
+    for i, s in enumerate(sims):
+        n = len(s.depth)
+        raw[i, 1:n] = np.exp(s.tree.scores[0, 1:n])
+        depth[i, :n] = s.depth
+    auto = AutoBudget(MAX, DEPTH, cost, buckets=buckets) if budget == "auto" else None
+    tokens = seconds = exact = 0.0
+    pred, meas = [], []
+    rids = list(range(b))
+    for r in range(rounds):
+        if auto is None:
+            k = DEPTH if budget == "chain" else budget
+            counts = np.full(b, k)
+            slots, drafted = k + 1, True
+            sec = cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b, slots, b * slots))
+        elif auto.should_draft(rids):
+            w = auto.weights(rids)
+            vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth,
+                               np.array([len(s.depth) for s in sims]), w)
+            choice = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
+            counts, drafted, sec = choice.counts, True, choice.seconds
+        else:
+            choice, drafted = auto.ar_choice(b, 0), False
+            counts, sec = choice.counts, choice.seconds
+            auto.skipped(rids)
+        if budget == "chain":  # the top-1 path: node j of the chain is the rank-0 node at depth j
+            acc = [np.cumprod([reached[i][r, j] for j in chain_nodes(s)]).sum() + 1 for i, s in enumerate(sims)]
+            exact += sum(1 + s.ptrue[chain_nodes(s)].sum() for s in sims)
+        else:
+            acc = [reached[i][r, : int(counts[i]) + 1].sum() for i in range(b)]
+            exact += sum(s.etrue[min(int(n), len(s.etrue) - 1)] for s, n in zip(sims, counts))
+        if auto is not None:
+            auto.observe(rids, raw, depth, choice, np.array(acc), drafted)
+            if drafted:
+                pred.append(choice.expected.sum())
+                meas.append(sum(acc))
+        tokens += sum(acc)
+        seconds += sec
+    return tokens, seconds, np.array(pred), np.array(meas), auto, exact
+
+
+def chain_nodes(sim):
+    out, u = [], 0
+    for _ in range(DEPTH):
+        kids = [j for j in range(1, len(sim.depth)) if sim.parent[j] == u and sim.rank[j] == 0]
+        if not kids:
+            break
+        u = kids[0]
+        out.append(u)
+    return out
+
+
+PROFILES = {"p0.9": dict(p=0.9), "p0.7": dict(p=0.7), "p0.4": dict(p=0.4),
+            "falling": dict(table=(0.95, 0.9, 0.8, 0.6, 0.4, 0.3, 0.2))}
+
+
+def test_experts_touched_is_the_fanout():
+    assert experts_touched(1) == pytest.approx(8)
+    assert experts_touched(0) == 0
+    assert experts_touched(10_000) == pytest.approx(384, rel=1e-6)
+    assert experts_touched(64) == pytest.approx(384 * (1 - (1 - 8 / 384) ** 64))
+
+
+def test_expected_tokens_is_one_plus_the_path_probabilities_in_pop_order(rng):
+    tree = build(rng.standard_normal((3, DEPTH, VOCAB)).astype(np.float32), budget=20)
+    tree.num_nodes[1] = 5  # a cut tree: slots past its nodes count nothing
+    w = np.ones((3, DEPTH + 1))
+    w[2, 3] = 0.5
+    e = expected_tokens(np, tree.scores, tree.node_depth, tree.num_nodes, w)
+    for b in range(3):
+        p = np.exp(tree.scores[b, 1:tree.num_nodes[b]]) * w[b, tree.node_depth[b, 1:tree.num_nodes[b]]]
+        want = 1 + np.concatenate([[0], np.cumsum(p)])
+        np.testing.assert_allclose(e[b, :tree.num_nodes[b]], want, rtol=1e-12)
+        assert (e[b, tree.num_nodes[b]:] == want[-1]).all()
+        assert np.all(np.diff(np.exp(tree.scores[b, 1:tree.num_nodes[b]])) <= 1e-12)  # best-first order
+
+
+def test_the_oracles_expected_tokens_is_its_expected_tau():
+    for prof in PROFILES.values():
+        s = OracleSim(**prof)
+        for n in (1, 8, 33, MAX):
+            e = expected_tokens(np, s.tree.scores, s.tree.node_depth, np.array([n + 1]), np.ones((1, DEPTH + 1)))
+            # the softmax marginals equal the oracle's law at rank 0 only: exact for the top-1 path
+            if n <= DEPTH and all(s.rank[j] == 0 for j in range(1, n + 1)):
+                assert e[0, n] == pytest.approx(s.od.expected_tau(n), rel=1e-6)  # fp32 logits
+
+
+def test_free_nodes_give_max_budget_and_dear_nodes_give_a_chain_or_ar(rng):
+    free = CostModel(verify=((1, 1e-3), (10**6, 1e-3)))
+    confident = OracleSim(p=0.95)
+    vals = np.exp(confident.tree.scores[0, 1:])[None].repeat(3, 0)
+    c = choose(vals, np.full(3, MAX), free, slot_buckets(MAX))
+    assert c.counts.tolist() == [MAX] * 3 and c.slots == MAX + 1
+    # nodes dear (each row costs as much as the fixed work): a confident drafter gets its top-1 path
+    dear = CostModel(verify=((1, 1e-3), (2, 2e-3)), fixed=((1, 1e-3),))
+    c = choose(vals, np.full(3, MAX), dear, range(MAX + 1))
+    assert 1 <= c.counts.min() and c.counts.max() <= DEPTH
+    n = int(c.counts[0])
+    assert confident.depth[1:n + 1].tolist() == list(range(1, n + 1))  # a chain
+    assert all(confident.rank[j] == 0 for j in range(1, n + 1))
+    # an uncertain drafter under the same costs: nothing pays, autoregressive
+    tree = build(rng.standard_normal((3, DEPTH, VOCAB)).astype(np.float32))
+    c = choose(np.exp(tree.scores[:, 1:]), np.full(3, MAX), dear, range(MAX + 1))
+    assert c.counts.tolist() == [0, 0, 0] and c.slots == 1
+    # caps hold
+    c = choose(vals, np.array([0, 5, MAX]), free, slot_buckets(MAX))
+    assert c.counts.tolist() == [0, 5, MAX]
+
+
+def test_mixed_batch_confident_requests_get_more_nodes():
+    sims = [OracleSim(p=0.9), OracleSim(p=0.3, seed=4)]
+    vals = np.stack([np.exp(s.tree.scores[0, 1:]) for s in sims])
+    c = choose(vals, np.full(2, MAX), moe_cost(), range(MAX + 1))
+    assert c.counts[0] > c.counts[1]
+    assert c.expected[0] > c.expected[1]
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_calibrated_tau_tracks_measured_tau_over_2000_oracle_rounds(name):
+    cheap = CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 1e-6, draft_s=1e-3)  # trees pay at p=0.4
+    tokens, seconds, pred, meas, auto, _ = run_oracle([OracleSim(**PROFILES[name], seed=i) for i in range(2)], 1000,
+                                                      cost=cheap, buckets=slot_buckets(MAX))
+    assert len(pred) >= 1000 and 2 * len(pred) >= 2000  # request-rounds with a prediction
+    err = abs(pred.sum() - meas.sum()) / meas.sum()
+    assert err < 0.05, (name, pred.sum() / len(pred) / 2, meas.sum() / len(meas) / 2)
+    s = auto.stats.summary()
+    assert s["tau_predicted"] == pytest.approx(pred.sum() / (2 * len(pred)))
+    assert s["tau_measured"] == pytest.approx(meas.sum() / (2 * len(meas)))
+
+
+FIXED = (*range(10), 12, 16, 32, 64, "chain")
+
+
+def compare(mk, rounds=300):
+    """Auto's and every fixed budget's tokens per modelled second: exactly (the expected tokens of
+    the cuts made, under the oracle's law) and as sampled (the same draws for every run, so sampled
+    figures differ by the choices alone)."""
+    tok, sec, *_, exact = run_oracle(mk(), rounds, buckets=range(MAX + 1))
+    runs = {k: run_oracle(mk(), rounds, budget=k) for k in FIXED}
+    return (exact / sec, max(r[5] / r[1] for r in runs.values()),
+            tok / sec, max(r[0] / r[1] for r in runs.values()))
+
+
+def test_auto_beats_every_fixed_budget_on_a_mixed_batch():
+    """Requests of four acceptance profiles in one batch: every fixed budget is wrong for some."""
+    names = sorted(PROFILES)
+    auto, best, auto_s, best_s = compare(lambda: [OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)])
+    assert auto >= best and auto_s >= best_s, (auto, best, auto_s, best_s)
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_auto_matches_the_best_fixed_budget_on_one_profile(name):
+    """A batch of one profile: every round looks the same, so the best fixed budget is the most
+    auto can reach; auto ties it up to what its estimates cost while they settle (< 1%)."""
+    auto, best, auto_s, best_s = compare(lambda: [OracleSim(**PROFILES[name], seed=10 + i) for i in range(4)])
+    assert auto >= 0.995 * best and auto_s >= 0.99 * best_s, (name, auto, best, auto_s, best_s)
+
+
+def test_auto_beats_every_fixed_budget_with_the_random_drafter():
+    cost, b, rounds = moe_cost(), 4, 60
+    rng = np.random.default_rng(5)
+    trees = [random_round(rng, b) for _ in range(rounds)]
+    fixed = {}
+    for k in (0, 1, 4, 16, 64):
+        tok = sum(int(acc[i, :k + 1].sum()) for t, acc in trees for i in range(b)
+                  if True) if k else rounds * b
+        sec = rounds * (cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b, k + 1, b * (k + 1))))
+        fixed[k] = tok / sec
+    auto = AutoBudget(MAX, DEPTH, cost, buckets=slot_buckets(MAX))
+    tok = sec = 0.0
+    rids = list(range(b))
+    for t, acc in trees:
+        if auto.should_draft(rids):
+            vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids))
+            ch = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
+            got = np.array([acc[i, :ch.counts[i] + 1].sum() for i in range(b)])
+            auto.observe(rids, np.exp(np.nan_to_num(t.scores, nan=-np.inf)), t.node_depth, ch, got, True)
+        else:
+            ch = auto.ar_choice(b, 0)
+            auto.skipped(rids)
+            got = np.ones(b, int)
+            auto.observe(rids, None, None, ch, got, False)
+        tok += got.sum()
+        sec += ch.seconds
+    assert tok / sec >= max(fixed.values()), (tok / sec, fixed)
+    assert auto.stats.skipped_drafts > auto.stats.drafted_rounds  # mostly plain AR, with probes
+
+
+def test_cost_model_json_and_bench_rows(tmp_path):
+    m = moe_cost()
+    p = tmp_path / "cost.json"
+    p.write_text(json.dumps(m.to_json()))
+    back = CostModel.load(p)
+    assert float(back.verify_s(4, 9, 20)) == pytest.approx(float(m.verify_s(4, 9, 20)))
+    assert back.draft_s(3) == m.draft_s(3)
+    rows = {"rows": [{"batch": 1, "budget": 8, "verify_us": 900.0, "fixed_us": 300.0, "ctx": 1024},
+                     {"batch": 4, "budget": 16, "verify_us": 2000.0, "ctx": 1024},
+                     {"batch": 4, "budget": "chain", "depth": 7, "verify_us": 1200.0, "ctx": 1024},
+                     {"batch": 1, "mode": "autoregressive", "us": 500.0}]}
+    p.write_text(json.dumps(rows))
+    b = CostModel.load(p)
+    assert b.verify == ((9.0, 900e-6), (32.0, 1200e-6), (68.0, 2000e-6)) and b.ctx_ref == 1024
+    assert b.fixed_s(1) == pytest.approx(300e-6) and b.draft_s(1) == 0
+    # bench round's report: the verify stage's row and the round summary (harness.Row as JSON)
+    common = {"batch": 2, "budget": 32, "chain": False, "ctx": 1024}
+    bench = {"rows": [{"case": "b2 budget32 ctx1024 verify", "us": 3000.0, "extra": {**common, "stage": "verify"}},
+                      {"case": "b2 budget32 ctx1024 top-k", "us": 40.0, "extra": {**common, "stage": "top-k"}},
+                      {"case": "round (CUDA graph)", "us": 3500.0,
+                       "extra": {**common, "graph_us": 3500.0, "stage_us": {"verify": 3000.0}}}]}
+    p.write_text(json.dumps(bench))
+    b = CostModel.load(p)
+    assert b.verify == ((66.0, 3000e-6),) and b.fixed_s(2) == pytest.approx(500e-6)
+    two = {"rows": bench["rows"] + [{"case": "x", "us": 1.0, "extra": {**common, "stage": "verify", "layout": "ep"}}]}
+    p.write_text(json.dumps(two))
+    with pytest.raises(BudgetError, match="several contexts"):
+        CostModel.load(p)
+
+
+def test_bad_input_is_named(tmp_path):
+    with pytest.raises(BudgetError, match="max_budget 0 is outside 1..512"):
+        AutoBudget(0, DEPTH, moe_cost())
+    with pytest.raises(BudgetError, match="max_budget 513"):
+        AutoBudget(513, DEPTH, moe_cost())
+    with pytest.raises(BudgetError, match="no verify costs yet"):
+        AutoBudget(8, DEPTH, None).choose(np.ones((1, 8)), [8], 0)
+    with pytest.raises(BudgetError, match="'verify'"):
+        CostModel(verify=((0, 1.0),))
+    p = tmp_path / "c.json"
+    p.write_text("{not json")
+    with pytest.raises(BudgetError, match="c.json"):
+        CostModel.load(p)
+    p.write_text(json.dumps({"verify": [[1, 1e-3]], "expert": 1}))
+    with pytest.raises(BudgetError, match="unknown key"):
+        CostModel.load(p)
+    with pytest.raises(BudgetError, match="buckets"):
+        AutoBudget(8, DEPTH, moe_cost(), buckets=(1, 2, 9))
+
+
+def test_calibration_learns_a_depth_bias():
+    cal = Calibration(DEPTH, decay=1.0)
+    raw = np.zeros((1, 3))
+    raw[0, 1:] = [0.5, 0.5]  # two nodes at depth 1 predicted 0.5 each, reach measured 0.5 of the time
+    depth = np.array([[0, 1, 1]])
+    for i in range(10000):
+        cal.observe([0], raw, depth, [2], [1 + i % 2])
+    assert cal.depth_factors()[1] == pytest.approx(0.5, rel=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,budget", [(1, 1), (5, 64), (13, 37)])
+def test_device_expected_tokens_match_numpy(rng, batch, budget):
+    """The round's on-device pass over the CUDA build's output (scores NaN past each tree, cut
+    trees, odd sizes) against the same numpy code on the host copy."""
+    import cupy as cp
+
+    from ddtree_rtc.backend import Backend
+
+    be = Backend("cuda")
+    logits = rng.standard_normal((batch, DEPTH, 1001)).astype(np.float32) * 3
+    logq, ids = be.topk_logprobs(be.asarray(logits), max(1, min(budget, 1001)))
+    one = np.ones(batch, np.int32)
+    depths = rng.integers(1, DEPTH + 1, batch).astype(np.int32)
+    tree = be.tree_build(logq, ids, be.asarray(0 * one), be.asarray(budget * one), be.asarray(depths),
+                         be.asarray(0 * one), budget)
+    tree.num_nodes[...] = cp.minimum(tree.num_nodes, cp.asarray(rng.integers(1, budget + 2, batch), cp.int32))
+    w = rng.uniform(0.5, 2.0, (batch, DEPTH + 1))
+    got = expected_tokens(cp, tree.scores, tree.node_depth, tree.num_nodes, cp.asarray(w)).get()
+    want = expected_tokens(np, tree.scores.get(), tree.node_depth.get(), tree.num_nodes.get(), w)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+
+
+def test_metrics_export_the_budget():
+    """/metrics (serve.loop.Metrics): the nodes histogram once per round, predicted and measured tau,
+    tokens per modelled verify second."""
+    prom = pytest.importorskip("prometheus_client")
+    from ddtree_rtc.engine.decode.budget import BudgetStats
+    from ddtree_rtc.serve.loop import Metrics
+
+    m, st = Metrics(), BudgetStats()
+    st.add_round([0, 3, 16], 17, [1, 3, 6], expected=np.array([1.0, 3.5, 5.5]), verify_s=0.01, round_s=0.02)
+    m.observe_budget(st)
+    m.observe_budget(st)  # a step without a round: nothing observed twice
+    text = prom.generate_latest(m.registry).decode()
+    assert "ddtree_budget_nodes_count 3.0" in text and 'ddtree_budget_nodes_bucket{le="2.0"} 1.0' in text
+    assert "ddtree_tau_predicted 3.3333" in text and "ddtree_tau_measured 3.3333" in text
+    assert "ddtree_tokens_per_verify_second 1000.0" in text

@@ -1,0 +1,205 @@
+"""decode.budget auto in the engine on the numpy backend (a given cost table): lossless against the
+engine's own autoregressive decode (T = 0 and T > 0; oracle, random and DFlash drafters; mixed
+batches), the extremes of the cost table, and the errors. The policy itself: tests/test_budget.py."""
+
+import numpy as np
+import pytest
+
+from ddtree_rtc.backend import Backend
+from ddtree_rtc.engine.decode.budget import BudgetError, CostModel
+from ddtree_rtc.engine.engine import Engine
+from ddtree_rtc.engine.request import Request
+from ddtree_rtc.model.target import TargetModel
+from ddtree_rtc.pipeline.runner import greedy_continuation
+from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter
+
+DEPTH, MAX = 7, 16
+MOE = CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=2e-3, fixed_s=1e-3)
+FREE = CostModel(verify=((1, 1e-3), (10**6, 1e-3)))
+DEAR = CostModel(verify=((1, 1e-3), (2, 2e-3)), fixed=((1, 1e-3),), draft=((1, 1e-4),))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return TargetModel.load(tiny_dir, Backend("numpy"))
+
+
+@pytest.fixture(scope="module")
+def cont(tiny):
+    return greedy_continuation(tiny, 40, 16)
+
+
+def prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 1000, n).tolist() for n in lengths]
+
+
+def run(tiny, ps, new, drafter=None, cost=MOE, max_batch=4, mode_budget="auto", **req):
+    mode = "autoregressive" if drafter is None else "ddtree"
+    cost = None if cost is None else CostModel.from_dict(cost.to_json())  # a fresh copy per engine
+    eng = Engine(tiny, max_batch=max_batch, page_size=16, max_context=128, mode=mode, drafter=drafter,
+                 budget=mode_budget if drafter is not None else 64, max_budget=MAX, cost=cost)
+    reqs = [Request(i, p, new[i] if isinstance(new, list) else new, **{k: v[i] for k, v in req.items()})
+            for i, p in enumerate(ps)]
+    out = eng.run(reqs)
+    assert eng.pages.num_free_pages == eng.pages.num_pages and eng.pages.num_promised_pages == 0
+    return eng, [r.output for r in out]
+
+
+def oracle(tiny, cont, **kw):
+    return OracleDrafter(tiny.backend, tiny.cfg.vocab_size, DEPTH, cont, **kw)
+
+
+@pytest.mark.parametrize("profile", [{"accept_p": 0.9}, {"accept_p": None, "table": (1, 1, 0.9, 0.5, 0.2, 0.1, 0.0)}])
+def test_auto_is_lossless_at_t0_with_the_oracle_on_a_mixed_batch(tiny, cont, profile):
+    """Prompts of several lengths, max_new_tokens ending inside rounds, per-request caps (0: never a
+    tree), requests joining as others finish (three slots for five requests)."""
+    ps = prompts(31, (4, 9, 17, 6, 11))
+    new = [10, 5, 9, 3, 8]
+    _, want = run(tiny, ps, new, max_batch=3)
+    eng, got = run(tiny, ps, new, oracle(tiny, cont, **profile), max_batch=3, budget=[None, 0, 3, None, 16])
+    assert got == want
+    st = eng.round.auto.stats
+    assert st.drafted_rounds + st.skipped_drafts > 0
+    assert max(st.counts_hist) <= MAX
+    if profile.get("accept_p") == 0.9:
+        assert len(st.counts_hist) > 1  # the capped requests get other counts than the rest
+
+
+def test_auto_is_lossless_with_the_random_drafter(tiny):
+    ps = prompts(3, (5, 8, 11, 3))
+    _, want = run(tiny, ps, 8)
+    eng, got = run(tiny, ps, 8, RandomDrafter(tiny.backend, tiny.cfg.vocab_size, DEPTH, seed=2))
+    assert got == want
+    st = eng.round.auto.stats
+    assert set(st.counts_hist) == {0} and st.skipped_drafts > 0  # nothing pays: autoregressive, with probes
+
+
+def test_auto_is_lossless_at_t_positive(tiny, cont):
+    ps = prompts(41, (5, 9, 4, 12))
+    kw = dict(temperature=[0.0, 0.7, 1.0, 1.4], top_p=[1.0, 0.9, 1.0, 0.8], seed=[None, 3, None, 11])
+    new = [9, 6, 10, 7]
+    _, want = run(tiny, ps, new, **kw)
+    _, got = run(tiny, ps, new, oracle(tiny, cont, accept_p=0.9), **kw)
+    assert got == want
+
+
+def test_auto_is_lossless_with_the_dflash_drafter(tmp_path_factory):
+    from ddtree_rtc.model.config import preset_config
+    from ddtree_rtc.model.dflash import make_dflash
+    from ddtree_rtc.model.make_model import make_model
+    from ddtree_rtc.speculative.dflash import DFlashDrafter
+
+    t, d = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("drafter")
+    make_model(preset_config("tiny"), t, seed=0)
+    make_dflash("dflash-tiny", d, seed=1)
+    model = TargetModel.load(t, Backend("numpy"))
+    ps = [list(range(3, 15)), list(range(40, 49)), list(range(100, 105))]
+    kw = dict(temperature=[0.0, 0.9, 0.0], top_p=[1.0, 0.9, 1.0], seed=[None, 5, None])  # T = 0 beside T > 0
+    _, want = run(model, ps, 8, **kw)
+    eng, got = run(model, ps, 8, DFlashDrafter.load(d, model, window=6), cost=FREE, **kw)
+    assert got == want and eng.round.auto.stats.drafted_rounds > 0
+
+
+def test_free_nodes_give_max_budget_dear_nodes_a_chain_or_autoregressive(tiny, cont):
+    ps = prompts(7, (6, 9))
+    _, want = run(tiny, ps, 12)
+    eng, got = run(tiny, ps, 12, oracle(tiny, cont, accept_p=0.9), cost=FREE)
+    assert got == want and set(eng.round.auto.stats.counts_hist) == {MAX}
+    eng, got = run(tiny, ps, 12, oracle(tiny, cont, accept_p=1.0), cost=DEAR)
+    assert got == want
+    hist = eng.round.auto.stats.counts_hist
+    assert max(hist) <= DEPTH and sum(v for k, v in hist.items() if k > 0) > 0  # chains (a certain drafter)
+    eng, got = run(tiny, ps, 12, RandomDrafter(tiny.backend, tiny.cfg.vocab_size, DEPTH, seed=9), cost=DEAR)
+    assert got == want and set(eng.round.auto.stats.counts_hist) == {0}  # autoregressive
+
+
+def test_predicted_and_measured_tau_are_reported(tiny, cont):
+    ps = prompts(12, (5, 7, 9))
+    eng, _ = run(tiny, ps, 24, oracle(tiny, cont, accept_p=0.8))
+    s = eng.round.auto.stats.summary()
+    assert s["tau_predicted"] > 1 and s["tau_measured"] > 1 and s["tokens_per_verify_s"] > 0
+    assert abs(s["tau_predicted"] - s["tau_measured"]) / s["tau_measured"] < 0.3  # few rounds: loose
+
+
+def test_warm_up_measures_the_costs_it_chooses_by(tiny, cont):
+    """The CUDA warm-up path, run on numpy (a cost model marked measured and empty): at the first
+    drafted round every bucket's verify is timed (full tree and roots alone) and the draft and the
+    rest of the round are timed afterwards; the ids stay autoregressive decoding's."""
+    ps = prompts(7, (6, 9))  # the prompts of the free / dear test (their continuations are cached)
+    _, want = run(tiny, ps, 10)
+    cost = CostModel(draft=(), fixed=(), measured=True, source="warm-up")
+    eng = Engine(tiny, max_batch=2, page_size=16, max_context=128, mode="ddtree", drafter=oracle(tiny, cont),
+                 budget="auto", max_budget=4, cost=cost)
+    got = [r.output for r in eng.run([Request(i, p, 10) for i, p in enumerate(ps)])]
+    assert got == want
+    auto = eng.round.auto
+    assert auto.cost is cost and [x for x, _ in cost.verify] == [2.0 * (k + 1) for k in range(5)]
+    assert all(t > 0 for _, t in cost.verify) and cost.draft_s(2) > 0 and cost.expert_s >= 0
+    assert auto.stats.drafted_rounds > 0
+
+
+def test_bad_input_is_named(tiny, cont):
+    with pytest.raises(BudgetError, match="numpy backend needs decode.cost_table"):
+        run(tiny, prompts(1, (4,)), 4, oracle(tiny, cont), cost=None)
+    for bad in (0, 513):
+        with pytest.raises(BudgetError, match=f"decode.max_budget {bad} is outside 1..512"):
+            Engine(tiny, 2, 16, 128, mode="ddtree", drafter=oracle(tiny, cont), budget="auto", max_budget=bad,
+                   cost=MOE)
+    with pytest.raises(BudgetError, match="needs mode 'ddtree'"):
+        Engine(tiny, 2, 16, 128, mode="chain", drafter=oracle(tiny, cont), budget="auto", cost=MOE)
+    with pytest.raises(ValueError, match="a node count or 'auto'"):
+        Engine(tiny, 2, 16, 128, mode="ddtree", drafter=oracle(tiny, cont), budget="autoo")
+
+
+def test_bench_budget_compares_settings_on_the_tiny_pipeline(tmp_path):
+    """`ddtree-rtc bench budget` end to end on the numpy backend: every setting's ids equal
+    autoregressive decoding's, and auto is compared with the best and worst fixed budgets."""
+    import json
+
+    from ddtree_rtc.bench.budget import main
+
+    table = tmp_path / "cost.json"
+    table.write_text(json.dumps(MOE.to_json()))
+    doc = main(["--pipeline", "pipelines/tiny_ddtree.yaml", "--set", "decode.budget=auto",
+                "--set", f"decode.cost_table={table}", "--set", "decode.max_budget=8",
+                "--set", "workload.synthetic.count=2", "--set", "workload.synthetic.output_len=6",
+                "--concurrency", "2", "--settings", "autoregressive,chain,4,auto", "--warmup-tokens", "2",
+                "--json", str(tmp_path / "b.json")])
+    assert doc["same_ids_as_autoregressive"] == {"2": {"autoregressive": True, "chain": True, "4": True, "auto": True}}
+    s = doc["summary"]["2"]
+    assert {s["best_fixed"], s["worst_fixed"]} <= {"chain", "4"} and s["auto_over_best"] > 0
+    assert json.loads((tmp_path / "b.json").read_text())["rows"][-1]["budget"]["nodes_hist"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs,table", [(False, None), (True, None), (True, MOE)])
+def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, graphs, table):
+    """budget auto on the CUDA backend (eager or CUDA graphs; the verify costs measured at the first
+    drafted round, or a given table) gives CUDA autoregressive ids up to the first near-tie of the
+    autoregressive run's own logits (tests/test_round_gpu.py explains the comparison); with graphs,
+    every verify shape captured is a bucket's."""
+    from test_round_gpu import assert_agree, copies, dense_tiny_config, oracle_of, pick_clear, pool_requests, run_engine
+
+    from ddtree_rtc.engine.decode.budget import slot_buckets
+    from ddtree_rtc.model.make_model import make_model
+
+    d = tmp_path_factory.mktemp("tiny_dense_auto")
+    make_model(dense_tiny_config(), d, seed=5)
+    cuda = TargetModel.load(d, Backend("cuda"))
+    pool, record = pool_requests(0.0, seed=2), {}
+    _, ref = run_engine(cuda, copies(pool), record=record)
+    chosen, clear = pick_clear(pool, ref, record)
+    eng = Engine(cuda, max_batch=4, page_size=16, max_context=128, mode="ddtree", drafter=oracle_of(cuda, ref),
+                 budget="auto", max_budget=MAX, cost=None if table is None else CostModel.from_dict(table.to_json()),
+                 cuda_graphs=graphs)
+    got = {r.rid: r.output for r in eng.run(copies(chosen))}
+    assert_agree(got, {r.rid: ref[r.rid] for r in chosen}, clear, f"CUDA auto (graphs={graphs}) vs CUDA AR")
+    auto = eng.round.auto
+    assert auto.stats.drafted_rounds > 0 and auto.cost.verify
+    assert (auto.cost.source == "warm-up") == (table is None)
+    if table is None:  # every bucket measured, the fan-out slope and the draft's seconds too
+        assert len(auto.cost.verify) >= len(slot_buckets(MAX) if graphs else range(MAX + 1)) - 1
+        assert auto.cost.draft_s(4) > 0
+    if graphs:
+        assert {key[1] - 1 for key in eng.runner._shapes if key[2]} <= set(slot_buckets(MAX))
