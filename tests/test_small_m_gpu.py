@@ -116,7 +116,7 @@ def _decode_cache(model, n_seq, rng, max_ctx=4200):
     cache = PagedKVCache(model.backend, model.num_layers, n_seq * per, page, model.dims.row)
     cache.data[...] = random_bf16_device(cache.data.shape, scale=1.0, seed=int(rng.integers(1 << 30)))
     for s in range(n_seq):
-        cache.reserve(s, int(ctx[s]) + 20)
+        cache.allocator.reserve(s, int(ctx[s]) + 20)
     return cache, ctx
 
 

@@ -79,7 +79,7 @@ def recorded(tiny_dir):
 
 def _forward(model, tokens):
     cache = PagedKVCache(model.backend, model.num_layers, 8, 16)
-    cache.reserve("a", len(tokens))
+    cache.allocator.reserve("a", len(tokens))
     model.backend.calls.clear()
     out = model.forward(ForwardBatch.causal(["a"], [0], [tokens], last_only=False), cache, output="logits")
     return model.backend.to_host(out.logits), dict(model.backend.calls)
@@ -124,7 +124,7 @@ def test_numpy_output_is_the_same_on_both_paths(tiny_dir, rng):
     outs = []
     for model in (on, off):
         cache = PagedKVCache(model.backend, model.num_layers, 8, 16)
-        cache.reserve("a", len(tokens))
+        cache.allocator.reserve("a", len(tokens))
         outs.append(model.forward(ForwardBatch.causal(["a"], [0], [tokens], last_only=False), cache,
                                   output="logits").logits)
     assert np.array_equal(np.asarray(outs[0]).view(np.uint16), np.asarray(outs[1]).view(np.uint16))
