@@ -25,9 +25,10 @@ import threading
 import time
 
 from .comm import DistError
-from .launch import RankEnv, _stop, _tail, free_port
+from .launch import RankEnv, _tail, free_port
 
 DEFAULT_DEADLINE_S = 5.0
+_FOLLOWERS_AFTER_MAIN_S = 3.0  # after rank 0 exits, before the supervisor kills the ranks left
 
 
 def control_port(env: RankEnv) -> int:
@@ -242,16 +243,19 @@ def supervise(command: list[str], nproc: int, grace_s: float, env: dict | None =
                         first_failed = r
                 if codes[0] is not None or first_failed is not None or stopping:
                     kill_at = kill_at or time.monotonic() + grace_s
+                if codes[0] is not None:  # the server is gone: followers hear it at once and exit
+                    kill_at = min(kill_at, time.monotonic() + _FOLLOWERS_AFTER_MAIN_S)
                 if all(c is not None for c in codes):
                     break
                 if kill_at is not None and time.monotonic() > kill_at:
                     if codes[0] is None:
-                        print(f"ddtree-rtc serve: rank 0 did not exit within {grace_s:g} s of rank "
-                              f"{first_failed}'s failure; killing every rank", file=sys.stderr)
+                        why = "being stopped" if first_failed is None else f"rank {first_failed}'s failure"
+                        print(f"ddtree-rtc serve: rank 0 did not exit within {grace_s:g} s of {why}; "
+                              f"killing every rank", file=sys.stderr)
                     break
                 time.sleep(poll_s)
         finally:
-            _stop(procs)
+            _end(procs)
             _unlink(segment_name(job_id(base)))
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -260,6 +264,22 @@ def supervise(command: list[str], nproc: int, grace_s: float, env: dict | None =
                   f"{_tail(logs[first_failed]).strip() or '(no error text)'}", file=sys.stderr)
     code = procs[0].returncode
     return code if code else (1 if first_failed is not None else 0)
+
+
+def _end(procs, wait_s: float = 3.0) -> None:
+    """SIGTERM every rank still running (and SIGCONT, so a stopped one can act on it); SIGKILL what is
+    left after ``wait_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            p.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _unlink(name: str) -> None:
