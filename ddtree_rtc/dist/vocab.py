@@ -94,7 +94,7 @@ def _merge_pairs(xp, pairs):
     (-1 where none has one), as ``argmax`` over the whole row picks."""
     vals, ids = pairs[..., 0], pairs[..., 1]
     best = xp.argmax(vals, axis=0)
-    first_valid = xp.argmax(ids >= 0, axis=0)
+    first_valid = xp.argmax((ids >= 0).astype(xp.int8), axis=0)
     pick = xp.where(vals.max(axis=0) == -xp.inf, first_valid, best)
     return xp.take_along_axis(ids, pick[None], 0)[0].astype(xp.int64)
 
