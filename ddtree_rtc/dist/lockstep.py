@@ -53,6 +53,7 @@ class Leader:
         self._closing = threading.Event()
         self._failed = False
         end = time.monotonic() + setup_timeout
+        files = {}
         with socket.create_server((env.master_addr, control_port(env))) as srv:
             while len(self._socks) < self.world - 1:
                 left = end - time.monotonic()
@@ -66,11 +67,18 @@ class Leader:
                 except TimeoutError:
                     continue
                 conn.settimeout(setup_timeout)
-                hello = json.loads(conn.makefile("rb").readline() or b"{}")
-                self._socks[int(hello["rank"])] = conn
+                f = conn.makefile("rb")  # the monitor reads on from this buffer
+                try:
+                    rank = int(json.loads(f.readline())["rank"])
+                except (ValueError, KeyError, OSError) as e:
+                    conn.close()
+                    raise DistError(f"rank 0: a peer opened the control channel without a valid hello ({e})") from None
+                self._socks[rank], files[rank] = conn, f
+        self._files = files
         for r, s in self._socks.items():
             s.settimeout(deadline)
-            threading.Thread(target=self._monitor, args=(r, s), name=f"ddtree-rank{r}-monitor", daemon=True).start()
+            threading.Thread(target=self._monitor, args=(r, files[r]), name=f"ddtree-rank{r}-monitor",
+                             daemon=True).start()
         threading.Thread(target=self._beat, name="ddtree-leader-beat", daemon=True).start()
 
     def _fail(self, rank: int, text: str) -> None:
@@ -80,8 +88,7 @@ class Leader:
             self._failed = True
         self.on_failure(rank, text)
 
-    def _monitor(self, rank: int, sock: socket.socket) -> None:
-        f = sock.makefile("rb")
+    def _monitor(self, rank: int, f) -> None:
         while not self._closing.is_set():
             try:
                 line = f.readline()
@@ -89,14 +96,18 @@ class Leader:
                 self._fail(rank, f"no heartbeat for {self.deadline:g} s (hung?)"
                            + (f"; its last error: {self.last_error[rank]}" if rank in self.last_error else ""))
                 return
-            except OSError as e:
+            except (OSError, ValueError) as e:  # ValueError: close() closed the file under us
                 line = b""
                 self.last_error.setdefault(rank, f"connection error: {e}")
             if not line:
                 if not self._closing.is_set():
                     self._fail(rank, f"exited ({self.last_error.get(rank, 'no error text: killed?')})")
                 return
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                self._fail(rank, f"sent a malformed control message {line[:80]!r}")
+                return
             if msg.get("op") == "error":
                 self.last_error[rank] = msg.get("text", "")
             elif msg.get("op") == "beat" and "pages_used" in msg:
@@ -124,9 +135,9 @@ class Leader:
         self.broadcast({"op": "stop", "failed": failed})
         self._closing.set()
         with self._lock:
-            for s in self._socks.values():
+            for c in [*self._files.values(), *self._socks.values()]:  # a socket closes with its file
                 try:
-                    s.close()
+                    c.close()
                 except OSError:
                     pass
             self._socks.clear()
@@ -191,10 +202,11 @@ class Follower:
 
     def close(self) -> None:
         self._closed.set()
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        for c in (self._file, self._sock):  # the socket closes once its file is closed too
+            try:
+                c.close()
+            except OSError:
+                pass
 
 
 def supervise(command: list[str], nproc: int, grace_s: float, env: dict | None = None, poll_s: float = 0.05) -> int:

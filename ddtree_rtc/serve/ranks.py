@@ -87,7 +87,14 @@ class LockstepEngine:
         self.loop = loop
 
     def __getattr__(self, name):
-        return getattr(self.engine, name)  # model, scheduler, pages, cache, max_context, stats ...
+        """The engine's state for the loop and the app to read (model, scheduler, pages, max_context,
+        stats ...). Its other methods are refused: one that changed this rank's engine alone would
+        put the ranks out of step, so each such call must be added here and sent to every rank."""
+        value = getattr(self.engine, name)
+        if callable(value) and getattr(value, "__self__", None) is self.engine:
+            raise AttributeError(f"LockstepEngine: Engine.{name} is not sent to the other ranks; add it "
+                                 f"to serve/ranks.py (LockstepEngine and follow) before the serve loop calls it")
+        return value
 
     def _check(self) -> None:
         if self.state.failure is not None:
