@@ -295,3 +295,39 @@ def test_soak_500_mixed_requests_over_16_clients(ar2):
     assert len(greedy) >= 5
     _wait_pages_free(ar2)
     print(f"500 requests served: {too_many[0]} 429s retried, {len(greedy)} distinct greedy requests")
+
+
+def test_ranks_started_by_a_launcher():
+    """Two ``ddtree-rtc serve`` processes with torchrun's variables (no --nproc, no supervisor):
+    rank 0 serves the 1-rank answers; a SIGTERM to rank 0 stops both cleanly."""
+    port, master = free_port(), free_port()
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
+               TORCHELASTIC_RUN_ID=f"t{master}")
+    cmd = [sys.executable, "-m", "ddtree_rtc.cli", "serve", AR, "--port", str(port), "--rank-timeout", "5",
+           *[a for s in DENSE + ("runtime.backend=numpy", "runtime.tensor_parallel=2") for a in ("--set", s)]]
+    logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
+    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=logs[r],
+                              stderr=subprocess.STDOUT) for r in range(2)]
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+        while True:
+            assert all(p.poll() is None for p in procs), "a rank exited before serving"
+            assert time.monotonic() < deadline
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
+        assert _ask(c, PROMPTS[0], 0.8, True) == _one_rank(AR, DENSE)[1]
+        procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(30) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for log in logs:
+        log.seek(0)
+    assert codes == [0, 0], [log.read()[-2000:] for log in logs]
+    assert not (Path("/dev/shm") / segment_name(job_id(env))).exists()

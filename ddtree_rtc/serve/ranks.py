@@ -212,6 +212,11 @@ def serve_ranks(pipe, host: str, port: int, max_queue: int, deadline: float, rea
                       ["rank"], registry=loop.metrics.registry)
         for r in range(1, env.world_size):
             pages.labels(str(r)).set_function(lambda r=r: leader.pages_used.get(r, 0))
+        sent = Gauge("ddtree_collective_bytes", "bytes rank 0 handed to collectives, by kind (no logits: "
+                     "sampling and the drafter's top-k exchange (value, id) pairs)", ["kind"],
+                     registry=loop.metrics.registry)
+        for kind in ("all_reduce", "all_gather", "broadcast"):
+            sent.labels(kind).set_function(lambda kind=kind: engine.model.comm.stats.bytes.get(kind, 0))
         config = uvicorn_config(app, host, port, max_queue, read_timeout_s)
         config.timeout_graceful_shutdown = int(deadline) + 5  # in-flight requests hear of a failed rank
         server = uvicorn.Server(config)
