@@ -84,7 +84,7 @@ def _local_argmax(xp, l):
     valid = ~xp.isnan(l)
     m = xp.where(valid, l, -xp.inf).max(axis=1)
     hit = valid & (l == m[:, None])
-    idx = xp.where(hit.any(axis=1), hit.argmax(axis=1), -1)
+    idx = xp.where(hit.any(axis=1), hit.astype(xp.int8).argmax(axis=1), -1)
     return m.astype(xp.float32), idx
 
 
@@ -141,7 +141,7 @@ def sample_steps(xp, logits, offset: int, temperature, top_p, keys):
             below = xp.stack([xp.where(key <= ends[:, d:d + 1], mass, 0).sum(axis=1)
                               for d in range(1 << RADIX_BITS)], 1)  # [B, 16] prefix masses
             cum = (yield below).sum(axis=0)
-            digit = xp.argmax(cum >= want_d[:, None], axis=1).astype(xp.uint32)  # the first reaching it
+            digit = xp.argmax((cum >= want_d[:, None]).astype(xp.int8), axis=1).astype(xp.uint32)  # first to reach
             prefix = prefix | (digit << xp.uint32(shift))
         cut = xp.asarray(filt_h)[:, None] & (key > prefix[:, None])
         in_nucleus &= ~cut
