@@ -246,6 +246,25 @@ def test_a_failed_rank_takes_the_server_down_loudly(fault):
     srv.assert_nothing_left()
 
 
+def test_killing_rank_0_ends_the_job():
+    """Rank 0 (the HTTP server) SIGKILLed mid-stream: the client loses the connection, the other
+    rank exits, the supervisor exits non-zero and removes the segment rank 0 could not."""
+    srv = Server(AR, 2, DENSE, rank_timeout=3.0)
+    try:
+        stream = srv.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=200, stream=True)
+        next(iter(stream))
+        os.kill(srv.ranks[0], signal.SIGKILL)
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        code = srv.proc.wait(60)
+    finally:
+        srv.stop()
+    assert code != 0
+    assert "rank 0 failed" in srv.text()
+    srv.assert_nothing_left()
+
+
 @pytest.mark.soak
 def test_soak_500_mixed_requests_over_16_clients(ar2):
     """Bounded (2-5 token prompts, 1-2 new tokens): 500 requests served, completions and chat,

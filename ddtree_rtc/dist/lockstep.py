@@ -271,7 +271,9 @@ def supervise(command: list[str], nproc: int, grace_s: float, env: dict | None =
             _unlink(segment_name(job_id(base)))
             for s, h in handlers.items():
                 signal.signal(s, h)
-        if first_failed is not None and first_failed != 0:
+        if first_failed == 0 and procs[0].returncode < 0:  # rank 0 could not say so itself
+            print(f"ddtree-rtc serve: rank 0 failed (killed by signal {-procs[0].returncode})", file=sys.stderr)
+        elif first_failed is not None and first_failed != 0:
             print(f"ddtree-rtc serve: rank {first_failed} failed (exit code {procs[first_failed].returncode}): "
                   f"{_tail(logs[first_failed]).strip() or '(no error text)'}", file=sys.stderr)
     code = procs[0].returncode
