@@ -1,7 +1,7 @@
 """Sampling and the drafter's top-k over a vocabulary split across ranks (docs/architecture.md,
 "Parallelism"): each rank works on its own slice of the logits and only (value, id) pairs and
-per-row scalars cross ranks, never the logits. Both give exactly what one rank computes over the
-whole row.
+per-row scalars cross ranks, never the logits. The sampled tokens and the top-k ids are exactly one
+rank's over the whole row; the top-k log-probs are too on the numpy backend (conditions below).
 
 - ``sample_steps``: ddtree_rtc.reference.sampling.sample's rules, split. The Gumbel noise of token
   t is keyed by (row key, t) with t the global id, so each rank draws its slice's noise exactly as
@@ -11,12 +11,13 @@ whole row.
   rank's best (z + g, id) in the nucleus. The winner is the largest score, ties to the smaller id.
 - ``topk_steps``: ddtree_rtc.reference.topk.topk_logprobs split. Each rank takes its slice's top-k
   with the public top-k op (``backend.topk_logprobs``, for the ids), sends the k (logit, id) pairs
-  and its max; the lse is max + log(sum exp(x - max)) with the global max and the per-rank sums
-  combined in the order numpy's pairwise summation adds a whole row, so on the numpy backend the
-  log-probs are bit-identical to one rank's whenever each shard is a whole block of that summation
-  (power-of-two rank counts with shards of a multiple of 8 tokens above 128: K2.6's 163840 / 8 and
-  the tiny preset's 1024 / 2 or 4). Elsewhere they agree to float64 rounding before the fp32
-  cast; the ids, and the order, are always exact.
+  and its max, then its sum of exp(x - max) with the global max; the merge sorts the N k candidates
+  (value descending, then id), and the per-rank sums are added in the order numpy's pairwise
+  summation adds a whole row (it halves a part, rounded down to a multiple of 8, while the part is
+  longer than 128). Where every shard boundary is one of those split points (power-of-two rank
+  counts over K2.6's 163840 or the tiny preset's 1024 tokens) the lse, and so the log-probs, are
+  one numpy rank's bit for bit; elsewhere, and against the CUDA top-k kernel (which sums in fp32),
+  they agree to rounding.
 
 Each is a generator: it yields the array this rank contributes to an all-gather and receives every
 rank's ([world, ...]), so ``run`` drives it on a communicator and ``simulate`` drives N of them in
