@@ -87,7 +87,7 @@ class LocalCommunicator(Communicator):
         while True:
             try:
                 shm = shared_memory.SharedMemory(self.seg_name)
-            except FileNotFoundError:
+            except (FileNotFoundError, ValueError):  # ValueError: created, not yet sized (empty)
                 shm = None
             if shm is not None:
                 # attaching registers the segment with this process's resource tracker, which would
