@@ -94,7 +94,7 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=timeout, max_retries=0)
 
     def metric(self, name: str) -> float:
-        """One sample of /metrics by its full name, labels included (e.g. 'ddtree_kv_pages{state="used"}')."""
+        """One sample of /metrics by its full name, labels included (e.g. 'ddtree_rank_kv_pages_used{rank="1"}')."""
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
             key, _, value = line.rpartition(" ")
             if key == name:
@@ -178,7 +178,7 @@ def ar2():
 
 
 def _pages_used(srv) -> tuple[float, float]:
-    return srv.metric('ddtree_kv_pages{state="used"}'), srv.metric('ddtree_rank_kv_pages_used{rank="1"}')
+    return srv.metric('ddtree_kv_pages_used'), srv.metric('ddtree_rank_kv_pages_used{rank="1"}')
 
 
 def _wait_pages_free(srv, timeout: float = 20) -> None:
