@@ -86,12 +86,16 @@ class LockstepEngine:
     def attach_loop(self, loop) -> None:
         self.loop = loop
 
+    # the engine's methods the serve loop may call on rank 0 alone: they only read, or (take_finished)
+    # hand over rank 0's own bookkeeping
+    LOCAL = frozenset({"has_work", "running_requests", "take_finished"})
+
     def __getattr__(self, name):
-        """The engine's state for the loop and the app to read (model, scheduler, pages, max_context,
-        stats ...). Its other methods are refused: one that changed this rank's engine alone would
-        put the ranks out of step, so each such call must be added here and sent to every rank."""
+        """The engine's state for the loop and the app to read (model, pages, max_context, stats ...).
+        Its other methods are refused: one that changed this rank's engine alone would put the ranks
+        out of step, so each such call must be added here and sent to every rank."""
         value = getattr(self.engine, name)
-        if callable(value) and getattr(value, "__self__", None) is self.engine:
+        if name not in self.LOCAL and callable(value) and getattr(value, "__self__", None) is self.engine:
             raise AttributeError(f"LockstepEngine: Engine.{name} is not sent to the other ranks; add it "
                                  f"to serve/ranks.py (LockstepEngine and follow) before the serve loop calls it")
         return value
@@ -157,10 +161,10 @@ def follow(engine, follower, rank: int) -> int:
                     raise
                 except Exception:  # noqa: BLE001 - rank 0's step raised too: it cancels the step's requests
                     log.exception("rank %d: engine step %d failed", rank, msg["n"])
-                engine.scheduler.finished.clear()
+                engine.take_finished()
             elif op == "stop":
                 return 1 if msg.get("failed") else 0
-            follower.pages_used = int(engine.pages.num_pages - engine.pages.num_free_pages)
+            follower.pages_used = int(engine.pages_in_use)
         return 0
     except BaseException as e:
         follower.report(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
