@@ -314,6 +314,7 @@ def serve_cmd(pipeline, host, port, max_queue, overrides, nproc, rank_timeout):
     from .pipeline.schema import PipelineError, load_pipeline, parse_set_options
 
     try:
+        from .serve.ranks import serve_ranks
         from .serve.server import serve
     except ImportError as e:
         raise click.ClickException(f"serve needs its extra: pip install '.[serve]' ({e})") from None
@@ -327,7 +328,11 @@ def serve_cmd(pipeline, host, port, max_queue, overrides, nproc, rank_timeout):
             args = ["serve", pipeline, "--host", host, "--port", str(port), "--max-queue", str(max_queue),
                     "--rank-timeout", str(rank_timeout), *[a for o in overrides for a in ("--set", o)]]
             sys.exit(_supervise_ranks(pipe, args, nproc, rank_timeout))
-        code = serve(pipe, host, port, max_queue, deadline=rank_timeout)
+        if pipe.runtime.tensor_parallel > 1:  # this process is one of the ranks (a launcher started it)
+            code = serve_ranks(pipe, host, port, max_queue, rank_timeout)
+        else:
+            serve(pipe, host, port, max_queue)
+            code = 0
     except (PipelineError, ConfigError, CheckpointError, BackendUnavailableError, DistError) as e:
         raise click.ClickException(str(e)) from None
     if code:

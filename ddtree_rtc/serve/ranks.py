@@ -177,7 +177,8 @@ def _exit_later(seconds: float, code: int) -> None:
     t.start()
 
 
-def serve_ranks(pipe, host: str, port: int, max_queue: int, deadline: float, read_timeout_s: float) -> int:
+def serve_ranks(pipe, host: str, port: int, max_queue: int, deadline: float,
+                read_timeout_s: float | None = None) -> int:
     """This rank's part of a multi-rank server: rank 0 serves HTTP on ``host:port`` until stopped or
     until a peer fails (then it returns 1); the others follow rank 0. Returns the exit code."""
     import sys
@@ -188,7 +189,7 @@ def serve_ranks(pipe, host: str, port: int, max_queue: int, deadline: float, rea
     from ..dist.comm import timeout_s
     from ..dist.lockstep import Follower, Leader
     from ..pipeline.runner import build_engine, ranks_for
-    from .server import app_for, uvicorn_config, warn_oracle
+    from .server import READ_TIMEOUT_S, app_for, uvicorn_config, warn_oracle
 
     ranks = ranks_for(pipe)
     env, comm = ranks.env, ranks.comm
@@ -221,7 +222,8 @@ def serve_ranks(pipe, host: str, port: int, max_queue: int, deadline: float, rea
                      registry=loop.metrics.registry)
         for kind in ("all_reduce", "all_gather", "broadcast"):
             sent.labels(kind).set_function(lambda kind=kind: engine.model.comm.stats.bytes.get(kind, 0))
-        config = uvicorn_config(app, host, port, max_queue, read_timeout_s)
+        read_s = READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s
+        config = uvicorn_config(app, host, port, max_queue, read_s)
         config.timeout_graceful_shutdown = int(deadline) + 5  # in-flight requests hear of a failed rank
         server = uvicorn.Server(config)
 

@@ -116,21 +116,12 @@ def uvicorn_config(app, host: str, port: int, max_queue: int = 256, read_timeout
                           h11_max_incomplete_event_size=64 * 1024)
 
 
-def serve(pipe, host: str, port: int, max_queue: int = 256, read_timeout_s: float = READ_TIMEOUT_S,
-          deadline: float | None = None) -> int:
-    """Serve until stopped; returns the exit code. Several ranks (runtime.tensor_parallel N, this
-    process one of N ranks): serve/ranks.py, ``deadline`` seconds to notice a failed rank."""
-    if pipe.runtime.tensor_parallel > 1:
-        from ..dist.lockstep import DEFAULT_DEADLINE_S
-        from .ranks import serve_ranks
-
-        return serve_ranks(pipe, host, port, max_queue, DEFAULT_DEADLINE_S if deadline is None else deadline,
-                           read_timeout_s)
+def serve(pipe, host: str, port: int, max_queue: int = 256, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+    """One rank's server, until stopped (several ranks: serve/ranks.py, ``serve_ranks``)."""
     import uvicorn
 
     app = app_from_pipeline(pipe, max_queue)
     uvicorn.Server(uvicorn_config(app, host, port, max_queue, read_timeout_s)).run()
-    return 0
 
 
 @contextmanager
