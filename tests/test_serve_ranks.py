@@ -225,6 +225,7 @@ def test_a_failed_rank_takes_the_server_down_loudly(fault):
             for _ in stream:
                 pass
         waited = time.monotonic() - t0
+        print(f"{fault}: the 503 naming rank 1 came {waited:.2f} s after it (deadline {deadline:g} s)")
         assert "rank 1" in str(err.value), err.value
         assert isinstance(err.value.body, dict) and err.value.body.get("code") == 503, err.value.body
         assert waited < deadline + 3, f"the 503 came {waited:.1f} s after the {fault}"

@@ -61,6 +61,9 @@ class LocalCommunicator(Communicator):
         self._slots = np.ndarray((world_size, slot_bytes), np.uint8, buf, offset=self._header_bytes)
         self._gen = 0
         self._closed = False
+        # a callable that returns a reason (str) once waiting is pointless, e.g. a peer known dead;
+        # checked while a collective waits, so the wait ends then instead of at the deadline
+        self.abort = None
         try:
             self._sync("joining", _OPS["barrier"], 0)  # everyone attached before any collective
         except DistError:
@@ -145,6 +148,9 @@ class LocalCommunicator(Communicator):
             if time.monotonic() > deadline:
                 raise DistError(f"rank {self.rank}: timed out after {self.timeout:g} s {what}: rank(s) "
                                 f"{behind.tolist()} never arrived (failed, stuck or never started)")
+            reason = self.abort() if self.abort is not None and spins % 64 == 63 else None
+            if reason:
+                raise DistError(f"rank {self.rank}: gave up waiting {what} for rank(s) {behind.tolist()}: {reason}")
             spins += 1
             time.sleep(0 if spins < 100 else 2e-4)
         ops, sizes = self._op_of[half].copy(), self._size_of[half].copy()

@@ -207,6 +207,8 @@ def serve_ranks(pipe, host: str, port: int, max_queue: int, deadline: float,
             finally:
                 follower.close()
         state = RankState()
+        if hasattr(comm, "abort"):  # a collective waiting on a peer known dead ends at once
+            comm.abort = lambda: None if state.failure is None else str(state.failure)
         leader = Leader(env, deadline, timeout_s(), state.fail)
         lockstep = LockstepEngine(engine, leader, state)
         warn_oracle(pipe)
