@@ -296,15 +296,25 @@ def _spawn_ranks(pipe, pipeline: str, overrides, quiet: bool, nproc: int) -> Non
 @click.option("--max-queue", default=256, show_default=True, type=int,
               help="Requests held (waiting + running) before new ones get 429.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a pipeline field.")
-def serve_cmd(pipeline, host, port, max_queue, overrides):
-    """Serve a pipeline's engine behind the OpenAI API (needs `pip install .[serve]`).
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Spawn this many local ranks (runtime.tensor_parallel must match); rank 0 serves HTTP.")
+@click.option("--rank-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+              help="Several ranks: seconds within which a dead or hung rank is noticed (then in-flight "
+                   "requests get a 503 naming it and the server exits non-zero).")
+def serve_cmd(pipeline, host, port, max_queue, overrides, nproc, rank_timeout):
+    """Serve a pipeline's engine behind the OpenAI API (needs `pip install .[serve]`). On several ranks
+    (--nproc N, or N processes started by torchrun / mpirun / srun) rank 0 serves and every rank runs
+    the engine loop in lockstep.
 
     \b
     ddtree-rtc serve pipelines/tiny.yaml --port 8000
+    ddtree-rtc serve pipelines/tiny.yaml --nproc 2 --set runtime.tensor_parallel=2
     """
+    from .dist.comm import DistError
     from .pipeline.schema import PipelineError, load_pipeline, parse_set_options
 
     try:
+        from .serve.ranks import serve_ranks
         from .serve.server import serve
     except ImportError as e:
         raise click.ClickException(f"serve needs its extra: pip install '.[serve]' ({e})") from None
@@ -313,9 +323,38 @@ def serve_cmd(pipeline, host, port, max_queue, overrides):
     from .model.config import ConfigError
 
     try:
-        serve(load_pipeline(pipeline, parse_set_options(overrides)), host, port, max_queue)
-    except (PipelineError, ConfigError, CheckpointError, BackendUnavailableError) as e:
+        pipe = load_pipeline(pipeline, parse_set_options(overrides))
+        if nproc is not None:
+            args = ["serve", pipeline, "--host", host, "--port", str(port), "--max-queue", str(max_queue),
+                    "--rank-timeout", str(rank_timeout), *[a for o in overrides for a in ("--set", o)]]
+            sys.exit(_supervise_ranks(pipe, args, nproc, rank_timeout))
+        if pipe.runtime.tensor_parallel > 1:  # this process is one of the ranks (a launcher started it)
+            code = serve_ranks(pipe, host, port, max_queue, rank_timeout)
+        else:
+            serve(pipe, host, port, max_queue)
+            code = 0
+    except (PipelineError, ConfigError, CheckpointError, BackendUnavailableError, DistError) as e:
         raise click.ClickException(str(e)) from None
+    if code:
+        sys.exit(code)
+
+
+def _supervise_ranks(pipe, args: list[str], nproc: int, rank_timeout: float) -> int:
+    """``serve --nproc N``: N copies of this serve command as ranks 0..N-1 (dist/lockstep.supervise)."""
+    import os
+
+    from .dist.launch import LAUNCHERS, rank_command
+    from .dist.lockstep import supervise
+    from .pipeline.schema import PipelineError
+
+    inside = [r for _, r, _, _ in LAUNCHERS if r in os.environ]
+    if inside:
+        raise PipelineError(f"--nproc {nproc}: this process is already a rank ({inside[0]} is set); "
+                            f"let the launcher start the ranks, or drop --nproc")
+    if pipe.runtime.tensor_parallel != nproc:
+        raise PipelineError(f"--nproc {nproc} but {pipe.source} has runtime.tensor_parallel "
+                            f"{pipe.runtime.tensor_parallel}: add --set runtime.tensor_parallel={nproc}")
+    return supervise(rank_command(args), nproc, grace_s=2 * rank_timeout + 10)
 
 
 @main.command("make-model")

@@ -3,12 +3,12 @@ through one POSIX shared-memory segment (used by the numpy backend and CI).
 
 Segment layout: a header (magic, world size, slot bytes, per-rank generation counter, and per rank
 the payload size and op code of the last two generations: a rank may publish generation g + 1
-while a slower one still checks g), then one fixed-size slot per rank. A collective is a sequence of steps over chunks of
-at most one slot: each rank writes its chunk into its slot and publishes the next generation; once
-every rank has published it, each reads what it needs and publishes once more, so no slot is
-overwritten before everyone has read it. Sums run over ranks 0..N-1 in that order on every rank (bf16
-in fp32, rounded once), so every rank gets bit-identical results. Every wait has a deadline and names
-the ranks that did not arrive.
+while a slower one still checks g), then one fixed-size slot per rank. A collective is a sequence
+of steps over chunks of at most one slot: each rank writes its chunk into its slot and publishes the
+next generation; once every rank has published it, each reads what it needs and publishes once
+more, so no slot is overwritten before everyone has read it. Sums run over ranks 0..N-1 in that
+order on every rank (bf16 in fp32, rounded once), so every rank gets bit-identical results. Every
+wait has a deadline and names the ranks that did not arrive.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ class LocalCommunicator(Communicator):
         self._slots = np.ndarray((world_size, slot_bytes), np.uint8, buf, offset=self._header_bytes)
         self._gen = 0
         self._closed = False
+        # a callable that returns a reason (str) once waiting is pointless, e.g. a peer known dead;
+        # checked while a collective waits, so the wait ends then instead of at the deadline
+        self.abort = None
         try:
             self._sync("joining", _OPS["barrier"], 0)  # everyone attached before any collective
         except DistError:
@@ -87,7 +90,7 @@ class LocalCommunicator(Communicator):
         while True:
             try:
                 shm = shared_memory.SharedMemory(self.seg_name)
-            except FileNotFoundError:
+            except (FileNotFoundError, ValueError):  # ValueError: created, not yet sized (empty)
                 shm = None
             if shm is not None:
                 # attaching registers the segment with this process's resource tracker, which would
@@ -145,6 +148,9 @@ class LocalCommunicator(Communicator):
             if time.monotonic() > deadline:
                 raise DistError(f"rank {self.rank}: timed out after {self.timeout:g} s {what}: rank(s) "
                                 f"{behind.tolist()} never arrived (failed, stuck or never started)")
+            reason = self.abort() if self.abort is not None and spins % 64 == 63 else None
+            if reason:
+                raise DistError(f"rank {self.rank}: gave up waiting {what} for rank(s) {behind.tolist()}: {reason}")
             spins += 1
             time.sleep(0 if spins < 100 else 2e-4)
         ops, sizes = self._op_of[half].copy(), self._size_of[half].copy()
@@ -220,9 +226,9 @@ class LocalCommunicator(Communicator):
         self._sync("in barrier", _OPS["barrier"], 0)
 
 
-def job_id() -> str:
+def job_id(environ=None) -> str:
     """The job's name for the segment: DDTREE_RTC_JOB (set by ``--nproc``), else the launcher's run id,
-    plus MASTER_PORT so two jobs of one machine do not meet."""
-    job = (os.environ.get("DDTREE_RTC_JOB") or os.environ.get("TORCHELASTIC_RUN_ID")
-           or os.environ.get("SLURM_JOB_ID") or "job")
-    return f"{job}_{os.environ.get('MASTER_PORT', '0')}"
+    plus MASTER_PORT so two jobs of one machine do not meet (of ``environ``, default this process's)."""
+    env = os.environ if environ is None else environ
+    job = env.get("DDTREE_RTC_JOB") or env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "job"
+    return f"{job}_{env.get('MASTER_PORT', '0')}"

@@ -66,7 +66,7 @@ class Engine:
         self.profile = profile
         self.clock = StageClock(self.backend, sync=profile)
         self.stats = EngineStats(stage_seconds=self.clock.seconds)
-        self.sampler = Sampler(self.backend, seed, model.shard.world)
+        self.sampler = Sampler(self.backend, seed, model.shard.world, model=model if model.shard.world > 1 else None)
         self.drafter = drafter
         if drafter is not None:
             drafter.check_target(model.cfg)

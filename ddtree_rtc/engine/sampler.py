@@ -18,8 +18,12 @@ class Sampler:
     """Token choice for one engine: its backend, its seed and the number of ranks the logits are
     sliced over (``world``)."""
 
-    def __init__(self, backend, seed: int = 0, world: int = 1):
-        self.backend, self.seed, self.world = backend, seed, world
+    def __init__(self, backend, seed: int = 0, world: int = 1, model=None):
+        """``model``: on several ranks, the tensor-parallel target whose vocabulary slice the logits
+        are (its communicator and vocabulary offset: ddtree_rtc.dist.vocab samples across ranks)."""
+        if world > 1 and model is None:
+            raise ValueError(f"a sampler over {world} ranks needs the model (its communicator and vocabulary slice)")
+        self.backend, self.seed, self.world, self.model = backend, seed, world, model
 
     def sample_keys(self, reqs: list[Request], positions) -> np.ndarray:
         """uint64 row keys of the draws that give request b its token at ``positions[b]`` (host
@@ -34,9 +38,11 @@ class Sampler:
 
     def output_for(self, reqs: list[Request]) -> str:
         """What a forward for ``reqs`` returns: on several ranks, when every request is greedy, the
-        argmax merged across the vocabulary slices (no logits gathered); else the logits."""
-        if self.world > 1 and not any(r.temperature for r in reqs):
-            return "argmax"
+        argmax merged across the vocabulary slices, else this rank's slice of the logits, which
+        ``choose`` samples exchanging only (value, id) pairs (no logits gathered either way); on
+        one rank the logits."""
+        if self.world > 1:
+            return "shard" if any(r.temperature for r in reqs) else "argmax"
         return "logits"
 
     def choose(self, logits, reqs: list[Request], positions):
@@ -48,5 +54,10 @@ class Sampler:
             return be.argmax(logits)
         top_p = np.array([r.top_p for r in reqs], dtype=np.float32)
         keys = self.sample_keys(reqs, positions)  # on the device when positions are
+        if self.world > 1:  # ``logits`` is this rank's vocabulary slice (output 'shard')
+            from ..dist import vocab
+
+            return vocab.sample(self.model, logits, temps, top_p,
+                                be.asarray(keys) if isinstance(keys, np.ndarray) else keys)
         return be.sample(logits, be.asarray(temps), be.asarray(top_p), self.seed,
                          keys=be.asarray(keys) if isinstance(keys, np.ndarray) else keys)

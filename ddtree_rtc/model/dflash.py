@@ -263,9 +263,12 @@ class DFlashModel:
         return [(self._heads(ctx, layer.wk, layer.k_norm, positions, kv).reshape(t, kv * c.head_dim),
                  be.linear(ctx, layer.wv)) for layer in self.layers]
 
-    def block_forward(self, tokens, positions, k_caches, v_caches, page_table, context_lens, context_starts):
+    def block_forward(self, tokens, positions, k_caches, v_caches, page_table, context_lens, context_starts,
+                      whole: bool = True):
         """Block rows (backend int32 tokens / positions [B*Bs]) over the paged context K/V
-        (per layer ``[pages, page_size, Hkv*D]``) -> logits [B, Bs-1, V] and final hidden [B*Bs, H]."""
+        (per layer ``[pages, page_size, Hkv*D]``) -> logits [B, Bs-1, V] and final hidden [B*Bs, H].
+        ``whole=False``: on several ranks, this rank's vocabulary slice of the logits [B, Bs-1, V/N]
+        (the round's top-k then exchanges only (value, id) pairs)."""
         be, c = self.backend, self.cfg
         bs, hq, kv, d = c.block_size, self.q_heads, self.kv_heads, c.head_dim
         n = int(tokens.shape[0])
@@ -288,7 +291,7 @@ class DFlashModel:
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x, h = be.rmsnorm(m, nxt, c.rms_norm_eps, residual=h)
         rows = be.xp.ascontiguousarray(x.reshape(b, bs, -1)[:, 1:]).reshape(b * (bs - 1), -1)
-        logits = self.target.head_logits(rows)
+        logits = self.target.head_logits(rows) if whole else self.target.head_shard(rows)
         if c.output_multiplier != 1.0 or c.final_logit_softcapping:
             z = logits.astype(be.xp.float32) * np.float32(c.output_multiplier)
             if c.final_logit_softcapping:

@@ -327,6 +327,16 @@ class TargetModel:
     def _head_impl(self, rows) -> str:
         return self.linear_impl(int(rows.shape[0]))
 
+    def head_shard(self, rows):
+        """bf16 [R, V / N]: this rank's vocabulary slice of the logits (ids ``vocab_offset`` on), for
+        the samplers that exchange only (value, id) pairs (ddtree_rtc.dist.vocab)."""
+        return self.backend.linear(rows, self.lm_head, impl=self._head_impl(rows))
+
+    @property
+    def vocab_offset(self) -> int:
+        """The global id of this rank's first lm_head row."""
+        return self.shard.part(self.cfg.vocab_size, "vocab_size (lm_head)")[0]
+
     def head_argmax(self, rows):
         """int32 [R]: the argmax of the full logits (``backend.argmax``'s rule: ties to the smallest
         id, NaN ignored, -1 where a row has no number) without gathering them: each rank's best
@@ -382,7 +392,8 @@ class TargetModel:
 
     def forward(self, batch: ForwardBatch, cache, output: str = "argmax", hidden_layers=()) -> ForwardOutput:
         """Run the new tokens of ``batch`` through every layer, writing their KV rows into ``cache``
-        (a PagedKVCache with room reserved for them). ``output``: 'argmax', 'logits' or 'none'."""
+        (a PagedKVCache with room reserved for them). ``output``: 'argmax', 'logits', 'shard' (this
+        rank's vocabulary slice of the logits) or 'none'."""
         return self.run(self.prepare(batch, cache), cache, output, hidden_layers)
 
     def moe_plan(self, num_tokens: int):
@@ -408,8 +419,8 @@ class TargetModel:
         'mlp', 'head'; x = the stage's input activations) — the decode benchmark times stages with
         it."""
         mark = mark or (lambda stage, layer, x: None)
-        if output not in ("argmax", "logits", "none"):
-            raise ValueError(f"output must be 'argmax', 'logits' or 'none', got {output!r}")
+        if output not in ("argmax", "logits", "shard", "none"):
+            raise ValueError(f"output must be 'argmax', 'logits', 'shard' or 'none', got {output!r}")
         be, cfg = self.backend, self.cfg
         if moe_plan is None:
             moe_plan = self.moe_plan(int(inputs.tokens.shape[0]))
@@ -435,6 +446,8 @@ class TargetModel:
         rows = x if inputs.logit_rows is None else be.xp.ascontiguousarray(x[inputs.logit_rows])
         if output == "logits":
             out.logits = self.head_logits(rows)
+        elif output == "shard":
+            out.logits = self.head_shard(rows)
         else:
             out.tokens = self.head_argmax(rows)
         mark("head", -1, rows)

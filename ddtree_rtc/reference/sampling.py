@@ -92,18 +92,26 @@ def position_keys(seed: int, streams, positions) -> np.ndarray:
         return mix64(stream + (pos.astype(np.uint64) + np.uint64(1)) * np.uint64(GAMMA))
 
 
+def _arr(a, dtype):
+    """``a`` as ``dtype``: numpy arrays and scalars on the host, cupy arrays left on the device (the
+    vocabulary-sharded sampler, ddtree_rtc.dist.vocab, runs these helpers on either)."""
+    if hasattr(a, "__cuda_array_interface__"):
+        return a.astype(dtype, copy=False)
+    return np.asarray(a, dtype)
+
+
 def uniforms(row_key, tokens) -> np.ndarray:
     """u = (2k + 1) / 2^24 with k the top 23 bits of mix64(row_key + (token + 1) * GAMMA); in (0, 1)."""
     with np.errstate(over="ignore"):
-        h = mix64(np.asarray(row_key, np.uint64)
-                  + (np.asarray(tokens, np.int64).astype(np.uint64) + np.uint64(1)) * np.uint64(GAMMA))
+        h = mix64(_arr(row_key, np.uint64)
+                  + (_arr(tokens, np.int64).astype(np.uint64) + np.uint64(1)) * np.uint64(GAMMA))
     k = (h >> np.uint64(41)).astype(np.uint32)
     return (2 * k + 1).astype(np.float32) * np.float32(2.0**-24)
 
 
 def log_pos(v) -> np.ndarray:
     """Natural log of positive normal fp32 values, exactly as the kernel computes it."""
-    v = np.asarray(v, dtype=np.float32)
+    v = _arr(v, np.float32)
     bits = v.view(np.uint32)
     e = (bits >> 23).astype(np.int32) - 127
     fb = (bits & np.uint32(0x7FFFFF)) | np.uint32(0x3F800000)
@@ -127,7 +135,7 @@ def gumbel(row_key, tokens) -> np.ndarray:
 
 def fixed_exp_neg(x) -> np.ndarray:
     """floor(exp(-x) * 2^32) as uint64 for fp32 x >= 0 (0 for x >= 32, inf or NaN)."""
-    x = np.asarray(x, dtype=np.float32)
+    x = _arr(x, np.float32)
     ok = x < np.float32(32.0)
     xs = np.where(ok, x, np.float32(0.0))
     nf = np.rint(xs * _C["C_LOG2E"])

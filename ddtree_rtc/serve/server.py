@@ -27,11 +27,7 @@ KEEP_ALIVE_S = 5
 EXTRA_CONNECTIONS = 64
 
 
-def app_from_pipeline(pipe, max_queue: int = 256):
-    if pipe.runtime.tensor_parallel != 1:
-        # every rank must see the same requests in the same order; the server does not send them yet
-        raise PipelineError(f"{pipe.source}: serve runs one rank (runtime.tensor_parallel 1); multi-rank "
-                            f"serving is not in this build (ddtree-rtc run --nproc N runs multi-rank pipelines)")
+def warn_oracle(pipe) -> None:
     d = pipe.decode
     if d.mode != "autoregressive" and d.drafter is not None and d.drafter.kind == "oracle":
         new = pipe.workload.synthetic.output_len if pipe.workload.synthetic else pipe.workload.max_new_tokens
@@ -40,13 +36,26 @@ def app_from_pipeline(pipe, max_queue: int = 256):
                    f"client waits meanwhile), only {new + d.drafter.depth} tokens are known ahead (past them tau "
                    f"falls to about 1), and only the {ORACLE_SERVE_CACHE} most recent prompts' continuations are "
                    f"kept (README, 'Serving')", err=True)
-    engine, info = build_engine(pipe, max_batch=pipe.runtime.max_batch)
+
+
+def app_for(pipe, engine, info: dict, max_queue: int = 256):
+    """The app over ``engine``: one rank's, or rank 0's lockstep engine (serve/ranks.py)."""
     name = pipe.model.preset if pipe.model.path is None else str(info["dir"].name)
     try:
         text = Text(info["dir"], preset=pipe.model.path is None)
     except TokenizerError as e:
         raise PipelineError(f"{pipe.source}: {e}") from None
     return create_app(engine, text, name, pipe.decode, max_queue=max_queue)
+
+
+def app_from_pipeline(pipe, max_queue: int = 256):
+    """One rank's app (runtime.tensor_parallel 1; several ranks: ``serve``, serve/ranks.py)."""
+    if pipe.runtime.tensor_parallel != 1:
+        raise PipelineError(f"{pipe.source}: app_from_pipeline builds a one-rank server; runtime.tensor_parallel "
+                            f"{pipe.runtime.tensor_parallel} is served by `ddtree-rtc serve --nproc N`")
+    warn_oracle(pipe)
+    engine, info = build_engine(pipe, max_batch=pipe.runtime.max_batch)
+    return app_for(pipe, engine, info, max_queue)
 
 
 def bounded_h11():
@@ -108,6 +117,7 @@ def uvicorn_config(app, host: str, port: int, max_queue: int = 256, read_timeout
 
 
 def serve(pipe, host: str, port: int, max_queue: int = 256, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+    """One rank's server, until stopped (several ranks: serve/ranks.py, ``serve_ranks``)."""
     import uvicorn
 
     app = app_from_pipeline(pipe, max_queue)

@@ -72,7 +72,9 @@ class DFlashDrafter(Drafter):
         layers = range(c.num_hidden_layers)
         logits, _ = self.model.block_forward(
             be.asarray(tokens.reshape(-1)), be.asarray(positions), [self.k.layer(i) for i in layers],
-            [self.v.layer(i) for i in layers], be.asarray(pt), be.asarray(lens), be.asarray(starts))
+            [self.v.layer(i) for i in layers], be.asarray(pt), be.asarray(lens), be.asarray(starts),
+            whole=self.model.target.shard.world == 1)  # on several ranks, this rank's vocabulary slice
+        # (the round's top-k merges the slices' (value, id) pairs)
         return logits
 
     def release(self, rid) -> None:

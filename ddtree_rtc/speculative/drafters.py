@@ -46,7 +46,8 @@ class Drafter:
 
     def draft(self, rids: list, roots: np.ndarray, prefix_lens: np.ndarray):
         """Backend logits ``[B, depth, V]`` for positions prefix+1 .. prefix+depth; root b (the
-        bonus token, no hidden state yet) sits at position prefix_lens[b]."""
+        bonus token, no hidden state yet) sits at position prefix_lens[b]. On several ranks a drafter
+        may return this rank's vocabulary slice ``[B, depth, V / N]`` instead (DFlash does)."""
         raise NotImplementedError
 
     def extend_context(self, rids: list, hidden: dict, counts: np.ndarray) -> None:

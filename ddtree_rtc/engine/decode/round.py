@@ -123,6 +123,29 @@ class SpeculativeRound:
         if self.auto is not None:
             self.auto.release(rid)
 
+    def _split_topk(self):
+        """On several ranks, the top-k over vocabulary slices (ddtree_rtc.dist.vocab.topk): a drafter
+        whose logits are already this rank's slice (DFlash's head) hands them on, one whose logits are
+        whole and replicated (oracle, random) has its slice cut out first; on one rank None (the
+        backend's top-k)."""
+        model = self.model
+        if model.shard.world == 1:
+            return None
+        from ...dist import vocab
+
+        vocab_size, lo = model.cfg.vocab_size, model.vocab_offset
+        part = vocab_size // model.shard.world
+
+        def topk(logits, k):
+            if logits.shape[-1] == vocab_size:
+                logits = model.backend.xp.ascontiguousarray(logits[..., lo:lo + part])
+            elif logits.shape[-1] != part:
+                raise ValueError(f"drafter logits of width {logits.shape[-1]}: expected the vocabulary "
+                                 f"({vocab_size}) or this rank's slice of it ({part})")
+            return vocab.topk(model, logits, k)
+
+        return topk
+
     def run(self, reqs, eos_id) -> None:
         if self.auto is not None:
             return self._run_auto(reqs, eos_id)
@@ -165,7 +188,7 @@ class SpeculativeRound:
         (its node's token is chosen by the request's temperature, top-p and sampling stream).
         Returns (verify output, choices [B, n] int32, accept arrays)."""
         output = self.sampler.output_for(row_reqs)
-        clock.time("top-k", bufs.topk, draft_logits)
+        clock.time("top-k", bufs.topk, draft_logits, self._split_topk())
         tree = clock.time("build", bufs.grow, roots, step.prefix_dev)
         out = clock.time("verify", self._verify, step, tree, output)
         choices = clock.time("choose", self._choose, out, output, row_reqs, step, len(row_reqs) // step.key[1])
@@ -206,7 +229,7 @@ class SpeculativeRound:
         raw = depth = draft_s = None
         if drafted:
             logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
-            clock.time("top-k", bufs.topk, logits)
+            clock.time("top-k", bufs.topk, logits, self._split_topk())
             tree = clock.time("build", bufs.grow, roots_dev, prefix_dev)
             values, raw, depth = clock.time("budget", ar.estimate, tree, rids)  # a host sync
             draft_s = time.perf_counter() - t0

@@ -85,8 +85,13 @@ class TreeBuffers:
         self.topk(logits)
         return self.grow(root_tokens, prefix_lens)
 
-    def topk(self, logits) -> None:
-        """The per-depth top-k log-probs and ids of the drafter's logits, into ``logq`` / ``ids``."""
+    def topk(self, logits, split=None) -> None:
+        """The per-depth top-k log-probs and ids of the drafter's logits, into ``logq`` / ``ids``.
+        ``split(logits, k) -> (logq, ids)`` replaces the backend's top-k (on several ranks:
+        ddtree_rtc.dist.vocab.topk over this rank's vocabulary slice of ``logits``)."""
+        if split is not None:
+            self.logq[...], self.ids[...] = split(logits, self.shape.k)
+            return
         self.backend.topk_logprobs(logits, self.shape.k, out_logq=self.logq, out_ids=self.ids,
                                    workspace=self.workspace)
 
