@@ -245,10 +245,10 @@ def run_cmd(pipeline, overrides, quiet, nproc):
     ddtree-rtc run pipelines/tiny.yaml --nproc 2 --set runtime.tensor_parallel=2
     """
     from .backend import BackendUnavailableError
-    from .dist.comm import DistError
     from .engine.request import RequestError
     from .model.checkpoint import CheckpointError
     from .model.config import ConfigError
+    from .parallel.comm import DistError
     from .pipeline.runner import ranks_for, run_pipeline
     from .pipeline.schema import PipelineError, load_pipeline, parse_set_options
 
@@ -275,7 +275,7 @@ def _spawn_ranks(pipe, pipeline: str, overrides, quiet: bool, nproc: int) -> Non
     """``run --nproc N``: N copies of this run command as ranks 0..N-1 of one local job."""
     import os
 
-    from .dist.launch import LAUNCHERS, rank_command, spawn
+    from .parallel.launch import LAUNCHERS, rank_command, spawn
     from .pipeline.schema import PipelineError
 
     inside = [r for _, r, _, _ in LAUNCHERS if r in os.environ]
@@ -310,7 +310,7 @@ def serve_cmd(pipeline, host, port, max_queue, overrides, nproc, rank_timeout):
     ddtree-rtc serve pipelines/tiny.yaml --port 8000
     ddtree-rtc serve pipelines/tiny.yaml --nproc 2 --set runtime.tensor_parallel=2
     """
-    from .dist.comm import DistError
+    from .parallel.comm import DistError
     from .pipeline.schema import PipelineError, load_pipeline, parse_set_options
 
     try:
@@ -340,11 +340,11 @@ def serve_cmd(pipeline, host, port, max_queue, overrides, nproc, rank_timeout):
 
 
 def _supervise_ranks(pipe, args: list[str], nproc: int, rank_timeout: float) -> int:
-    """``serve --nproc N``: N copies of this serve command as ranks 0..N-1 (dist/lockstep.supervise)."""
+    """``serve --nproc N``: N copies of this serve command as ranks 0..N-1 (parallel/lockstep.supervise)."""
     import os
 
-    from .dist.launch import LAUNCHERS, rank_command
-    from .dist.lockstep import supervise
+    from .parallel.launch import LAUNCHERS, rank_command
+    from .parallel.lockstep import supervise
     from .pipeline.schema import PipelineError
 
     inside = [r for _, r, _, _ in LAUNCHERS if r in os.environ]

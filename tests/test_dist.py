@@ -22,15 +22,15 @@ import pytest
 from ml_dtypes import bfloat16
 
 from ddtree_rtc.backend import Backend
-from ddtree_rtc.dist.comm import DistError, SingleRank
-from ddtree_rtc.dist.launch import RankFailed, make_communicator, rank_env, spawn
-from ddtree_rtc.dist.local import LocalCommunicator
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.request import Request
 from ddtree_rtc.model.checkpoint import CheckpointReader
 from ddtree_rtc.model.config import preset_config
 from ddtree_rtc.model.shard import Shard, ShardError
 from ddtree_rtc.model.target import TargetModel
+from ddtree_rtc.parallel.comm import DistError, SingleRank
+from ddtree_rtc.parallel.launch import RankFailed, make_communicator, rank_env, spawn
+from ddtree_rtc.parallel.local import LocalCommunicator
 from ddtree_rtc.pipeline.runner import greedy_continuation
 from ddtree_rtc.speculative.drafters import OracleDrafter
 from ddtree_rtc.testing import assert_close, last_logits
@@ -315,7 +315,7 @@ def test_missing_peer_times_out():
 
 _FAILING_RANK = """
 import numpy as np
-from ddtree_rtc.dist.launch import make_communicator, rank_env
+from ddtree_rtc.parallel.launch import make_communicator, rank_env
 env = rank_env()
 comm = make_communicator(env, cuda=False)
 if env.rank == 1:
@@ -355,8 +355,8 @@ def test_rank_env_reads_every_launcher():
 def test_nccl_id_store_hands_rank_0s_id_to_every_peer():
     import threading
 
-    from ddtree_rtc.dist.launch import free_port
-    from ddtree_rtc.dist.nccl import exchange_unique_id
+    from ddtree_rtc.parallel.launch import free_port
+    from ddtree_rtc.parallel.nccl import exchange_unique_id
 
     port, got = free_port(), {}
     uid = bytes(np.random.default_rng(3).integers(0, 256, 128, dtype=np.uint8))
@@ -380,8 +380,8 @@ def test_nccl_id_store_hands_rank_0s_id_to_every_peer():
 def test_nccl_single_rank_collectives():
     import cupy
 
-    from ddtree_rtc.dist.launch import free_port
-    from ddtree_rtc.dist.nccl import NcclCommunicator
+    from ddtree_rtc.parallel.launch import free_port
+    from ddtree_rtc.parallel.nccl import NcclCommunicator
 
     comm = NcclCommunicator(0, 1, 0, "127.0.0.1", free_port(), timeout=30)
     try:
@@ -404,7 +404,7 @@ def test_nccl_single_rank_collectives():
 
 _NCCL_RANK = """
 import cupy, numpy as np
-from ddtree_rtc.dist.launch import make_communicator, rank_env
+from ddtree_rtc.parallel.launch import make_communicator, rank_env
 env = rank_env()
 comm = make_communicator(env, cuda=True)
 x = cupy.full(1000, env.rank + 1, dtype=cupy.float32)
@@ -482,7 +482,7 @@ def test_cli_two_gpus_match_one(tmp_path, pipeline, extra):
     intermediate cannot split into the GPU kernels' 128-wide k blocks). Ranks sum fp32 partials in
     another order than one GPU's kernels, so a near-tie of the random model could flip a token: on
     a mismatch, look at the two runs' logits before blaming the transport. At T = 0.8 the verify
-    samples over vocabulary slices and the drafter's top-k merges them (dist/vocab.py over NCCL)."""
+    samples over vocabulary slices and the drafter's top-k merges them (parallel/vocab.py over NCCL)."""
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
     one = _run_cli(tmp_path, "one", pipeline, *extra, backend="cuda")

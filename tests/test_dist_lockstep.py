@@ -1,4 +1,4 @@
-"""The serve control channel (ddtree_rtc.dist.lockstep) in one process: messages arrive in order,
+"""The serve control channel (ddtree_rtc.parallel.lockstep) in one process: messages arrive in order,
 a follower that closes is named at once with its last error, a silent one after the deadline, and a
 follower notices a silent or vanished rank 0."""
 
@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from ddtree_rtc.dist.comm import DistError
-from ddtree_rtc.dist.launch import RankEnv, free_port
-from ddtree_rtc.dist.lockstep import Follower, Leader
 from ddtree_rtc.engine.request import Request
+from ddtree_rtc.parallel.comm import DistError
+from ddtree_rtc.parallel.launch import RankEnv, free_port
+from ddtree_rtc.parallel.lockstep import Follower, Leader
 from ddtree_rtc.serve.ranks import decode, encode
 
 

@@ -1,4 +1,4 @@
-"""Sampling and the drafter's top-k over vocabulary slices (ddtree_rtc.dist.vocab): the token and the
+"""Sampling and the drafter's top-k over vocabulary slices (ddtree_rtc.parallel.vocab): the token and the
 (log-prob, id) lists equal one rank's over the whole row bit for bit, and only (value, id) pairs and
 per-row scalars cross ranks (the byte count of a round is checked exactly)."""
 
@@ -10,9 +10,9 @@ from ml_dtypes import bfloat16
 from test_dist import NEW, _load, run_ranks
 
 from ddtree_rtc.backend import Backend
-from ddtree_rtc.dist import vocab as dv
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.request import Request
+from ddtree_rtc.parallel import vocab as dv
 from ddtree_rtc.pipeline.runner import greedy_continuation
 from ddtree_rtc.reference.sampling import position_keys, sample
 from ddtree_rtc.reference.topk import topk_logprobs

@@ -13,13 +13,13 @@ import pytest
 from ml_dtypes import bfloat16
 
 from ddtree_rtc.backend import Backend
-from ddtree_rtc.dist.simulated import SimulatedRank
 from ddtree_rtc.model import random_weights as rw
 from ddtree_rtc.model.config import load_config, preset_config
 from ddtree_rtc.model.dummy import shard_nbytes
 from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.shard import Shard
 from ddtree_rtc.model.target import DenseMLP, TargetModel
+from ddtree_rtc.parallel.simulated import SimulatedRank
 from ddtree_rtc.pipeline.schema import PipelineError, parse_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]

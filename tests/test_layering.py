@@ -18,7 +18,7 @@ ROOT = Path(ddtree_rtc.__file__).parent
 # higher layer). The top-level name of a module picks its layer.
 LAYERS = {
     "__init__": 0, "reference": 0, "rtc": 0,
-    "kernels": 1, "dist": 1,
+    "kernels": 1, "parallel": 1,
     "backend": 2,
     "model": 3,
     "engine": 4,

@@ -21,8 +21,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from ddtree_rtc.dist.launch import free_port  # noqa: E402
-from ddtree_rtc.dist.local import job_id, segment_name  # noqa: E402
+from ddtree_rtc.parallel.launch import free_port  # noqa: E402
+from ddtree_rtc.parallel.local import job_id, segment_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AR, DDTREE = str(ROOT / "pipelines" / "tiny.yaml"), str(ROOT / "pipelines" / "tiny_ddtree.yaml")

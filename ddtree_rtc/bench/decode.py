@@ -321,7 +321,7 @@ def main(argv=None) -> dict:
 
     if args.moe_layers < 0:
         ap.error("--moe-layers must be >= 0")
-    from ..dist.launch import make_communicator, rank_env
+    from ..parallel.launch import make_communicator, rank_env
 
     env = rank_env()
     comm = make_communicator(env, cuda=True) if env.world_size > 1 else None  # selects LOCAL_RANK's GPU

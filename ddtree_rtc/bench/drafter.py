@@ -80,9 +80,9 @@ def random_drafter(seed: int = 0, target=None):
     from ml_dtypes import bfloat16
 
     from ..backend import Backend
-    from ..dist.comm import SingleRank
     from ..model.dflash import DFlashLayer, DFlashModel
     from ..model.shard import Shard
+    from ..parallel.comm import SingleRank
 
     c = k26_config()
     be = Backend("cuda") if target is None else target.backend

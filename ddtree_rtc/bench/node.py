@@ -4,7 +4,7 @@ shard, and the projected tok/s per user of the node.
 
 The rank's weights are made in device memory (``model.load: dummy``, model/dummy.py: the rank's
 shard only, nothing written) and every collective is a stand-in moving the same bytes (one device
-copy of the message, dist/simulated.py): the numerics are NOT the model's (partial sums unreduced),
+copy of the message, parallel/simulated.py): the numerics are NOT the model's (partial sums unreduced),
 the time and the bytes are rank R's. Layouts (``--layouts``):
   * ``tp``: TP8, attention heads, dense / shared intermediate, lm_head rows and every routed
     expert's intermediate split 8 ways;
@@ -245,9 +245,9 @@ class ProfileTau:
 def count_collectives(model, batch: int, nodes: int, last_only: bool) -> dict:
     """Collective calls and bytes of one forward of ``batch`` requests x ``nodes`` new tokens with
     logits (every row, or each request's last: an AR step), counted by the communicator."""
-    from ..dist.comm import CommStats
     from ..engine.kv_cache import PagedKVCache
     from ..model.target import ForwardBatch
+    from ..parallel.comm import CommStats
 
     be = model.backend
     cache = PagedKVCache(be, model.num_layers, batch * -(-nodes // PAGE), PAGE, model.dims.row)
@@ -265,7 +265,7 @@ def count_collectives(model, batch: int, nodes: int, last_only: bool) -> dict:
 def count_drafter_collectives(drafter, batch: int) -> dict:
     """Collective calls and bytes of one DFlash block forward of ``batch`` requests (its o / down
     all-reduces per layer and the head's all-gather), counted on a one-page context."""
-    from ..dist.comm import CommStats
+    from ..parallel.comm import CommStats
     from .drafter import Context
 
     comm = drafter.target.comm
@@ -473,10 +473,10 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
     import click
 
     from ..backend import Backend
-    from ..dist.simulated import SimulatedRank
     from ..model.config import preset_config
     from ..model.shard import Shard
     from ..model.target import TargetModel
+    from ..parallel.simulated import SimulatedRank
     from ..speculative.drafters import OracleDrafter
     from . import decode
     from . import round as round_bench

@@ -140,7 +140,7 @@ class ModelRunner:
         if output not in s.graphs:
             import cupy
 
-            from ..dist.comm import CommStats
+            from ..parallel.comm import CommStats
 
             stream = cupy.cuda.Stream(non_blocking=True)
             cupy.cuda.get_current_stream().synchronize()  # the inputs were written on the caller's stream

@@ -20,7 +20,7 @@ class Sampler:
 
     def __init__(self, backend, seed: int = 0, world: int = 1, model=None):
         """``model``: on several ranks, the tensor-parallel target whose vocabulary slice the logits
-        are (its communicator and vocabulary offset: ddtree_rtc.dist.vocab samples across ranks)."""
+        are (its communicator and vocabulary offset: ddtree_rtc.parallel.vocab samples across ranks)."""
         if world > 1 and model is None:
             raise ValueError(f"a sampler over {world} ranks needs the model (its communicator and vocabulary slice)")
         self.backend, self.seed, self.world, self.model = backend, seed, world, model
@@ -55,7 +55,7 @@ class Sampler:
         top_p = np.array([r.top_p for r in reqs], dtype=np.float32)
         keys = self.sample_keys(reqs, positions)  # on the device when positions are
         if self.world > 1:  # ``logits`` is this rank's vocabulary slice (output 'shard')
-            from ..dist import vocab
+            from ..parallel import vocab
 
             return vocab.sample(self.model, logits, temps, top_p,
                                 be.asarray(keys) if isinstance(keys, np.ndarray) else keys)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dist.comm import Communicator, SingleRank
+from ..parallel.comm import Communicator, SingleRank
 from ..reference.moe_small import check_small_shape
 from ..reference.rope import rope_inv_freq
 from .checkpoint import CheckpointReader, expected_tensors
@@ -329,7 +329,7 @@ class TargetModel:
 
     def head_shard(self, rows):
         """bf16 [R, V / N]: this rank's vocabulary slice of the logits (ids ``vocab_offset`` on), for
-        the samplers that exchange only (value, id) pairs (ddtree_rtc.dist.vocab)."""
+        the samplers that exchange only (value, id) pairs (ddtree_rtc.parallel.vocab)."""
         return self.backend.linear(rows, self.lm_head, impl=self._head_impl(rows))
 
     @property

@@ -2,7 +2,7 @@
 workload (progress bar) -> summary table and JSON (written atomically: nothing half-written).
 
 On several ranks (``runtime.tensor_parallel``; rank and world size from the launcher's variables,
-ddtree_rtc/dist/launch.py) every rank runs this same code on its shard of the model and makes the
+ddtree_rtc/parallel/launch.py) every rank runs this same code on its shard of the model and makes the
 same scheduling decisions; rank 0 alone prints, shows progress and writes the JSON."""
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import click
 import numpy as np
 
 from ..backend import Backend
-from ..dist.comm import CommStats, Communicator, DistError
-from ..dist.launch import RankEnv, make_communicator, rank_env
 from ..engine.engine import Engine
 from ..engine.request import Request
 from ..model.config import preset_config
@@ -30,6 +28,8 @@ from ..model.make_model import make_model
 from ..model.shard import Shard, ShardError
 from ..model.target import TargetModel
 from ..model.tokenizer import ByteTokenizer, TokenizerError, kimi_tokenizer
+from ..parallel.comm import CommStats, Communicator, DistError
+from ..parallel.launch import RankEnv, make_communicator, rank_env
 from .schema import Pipeline, PipelineError
 
 
@@ -83,8 +83,8 @@ def ranks_for(pipe: Pipeline, env: RankEnv | None = None) -> Ranks:
 
 def _simulated_ranks(pipe: Pipeline, env: RankEnv) -> Ranks:
     """``runtime.simulate_rank``: this single process runs that rank's share alone, every collective a
-    stand-in (dist/simulated.py); it says plainly that its numerics are not the model's."""
-    from ..dist.simulated import SimulatedRank
+    stand-in (parallel/simulated.py); it says plainly that its numerics are not the model's."""
+    from ..parallel.simulated import SimulatedRank
 
     rt = pipe.runtime
     if env.world_size > 1:

@@ -61,7 +61,7 @@ class RuntimeSpec:
     page_size: int = 64
     max_context: int = 4096
     # run rank R of tensor_parallel alone on one device, collectives as stand-ins moving the same
-    # bytes (ddtree_rtc.dist.simulated): time and bytes of that rank, numerics not the model's
+    # bytes (ddtree_rtc.parallel.simulated): time and bytes of that rank, numerics not the model's
     simulate_rank: int | None = None
     simulate_collective_us: float = 0.0  # each stand-in also holds this long
     small_m_path: bool = True

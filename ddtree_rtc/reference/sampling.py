@@ -94,7 +94,7 @@ def position_keys(seed: int, streams, positions) -> np.ndarray:
 
 def _arr(a, dtype):
     """``a`` as ``dtype``: numpy arrays and scalars on the host, cupy arrays left on the device (the
-    vocabulary-sharded sampler, ddtree_rtc.dist.vocab, runs these helpers on either)."""
+    vocabulary-sharded sampler, ddtree_rtc.parallel.vocab, runs these helpers on either)."""
     if hasattr(a, "__cuda_array_interface__"):
         return a.astype(dtype, copy=False)
     return np.asarray(a, dtype)

@@ -3,7 +3,7 @@ mpirun / srun): rank 0 holds the HTTP server, every rank runs the same engine lo
 
 Rank 0's serve loop (serve/loop.py, unchanged) drives a ``LockstepEngine``: each admitted request
 (with its sampling parameters), each cancellation and each step goes to the followers over the
-control channel (ddtree_rtc.dist.lockstep) before rank 0 applies it, and every follower applies the
+control channel (ddtree_rtc.parallel.lockstep) before rank 0 applies it, and every follower applies the
 same sequence to its own engine (``follow``), so the collectives inside a step meet and every rank
 holds the same requests and pages. Continuous batching, streaming, /metrics, 429 and 400 are rank
 0's loop as on one rank; a client that goes away is cancelled on every rank.
@@ -24,8 +24,8 @@ import threading
 import time
 import traceback
 
-from ..dist.comm import DistError
 from ..engine.request import Request
+from ..parallel.comm import DistError
 
 log = logging.getLogger("ddtree_rtc.serve")
 
@@ -186,8 +186,8 @@ def serve_ranks(pipe, host: str, port: int, max_queue: int, deadline: float,
     import uvicorn
     from prometheus_client import Gauge
 
-    from ..dist.comm import timeout_s
-    from ..dist.lockstep import Follower, Leader
+    from ..parallel.comm import timeout_s
+    from ..parallel.lockstep import Follower, Leader
     from ..pipeline.runner import build_engine, ranks_for
     from .server import READ_TIMEOUT_S, app_for, uvicorn_config, warn_oracle
 

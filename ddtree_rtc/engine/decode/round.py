@@ -124,14 +124,14 @@ class SpeculativeRound:
             self.auto.release(rid)
 
     def _split_topk(self):
-        """On several ranks, the top-k over vocabulary slices (ddtree_rtc.dist.vocab.topk): a drafter
+        """On several ranks, the top-k over vocabulary slices (ddtree_rtc.parallel.vocab.topk): a drafter
         whose logits are already this rank's slice (DFlash's head) hands them on, one whose logits are
         whole and replicated (oracle, random) has its slice cut out first; on one rank None (the
         backend's top-k)."""
         model = self.model
         if model.shard.world == 1:
             return None
-        from ...dist import vocab
+        from ...parallel import vocab
 
         vocab_size, lo = model.cfg.vocab_size, model.vocab_offset
         part = vocab_size // model.shard.world

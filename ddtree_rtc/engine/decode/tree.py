@@ -88,7 +88,7 @@ class TreeBuffers:
     def topk(self, logits, split=None) -> None:
         """The per-depth top-k log-probs and ids of the drafter's logits, into ``logq`` / ``ids``.
         ``split(logits, k) -> (logq, ids)`` replaces the backend's top-k (on several ranks:
-        ddtree_rtc.dist.vocab.topk over this rank's vocabulary slice of ``logits``)."""
+        ddtree_rtc.parallel.vocab.topk over this rank's vocabulary slice of ``logits``)."""
         if split is not None:
             self.logq[...], self.ids[...] = split(logits, self.shape.k)
             return
