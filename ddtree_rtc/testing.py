@@ -86,6 +86,20 @@ def to_device_bf16(a: np.ndarray):
     return cupy.asarray(np.ascontiguousarray(a).astype(bfloat16).view(np.uint16))
 
 
+def check_rows_invariant(run, reference, x: np.ndarray, rng: np.random.Generator, t: int, kinds) -> None:
+    """A small-M kernel on ``t`` random rows of ``x`` (a batch of ``len(x)`` tokens) against its
+    reference, and each of those rows the same bits as in the whole batch. ``run(idx)``: the kernel
+    on rows ``idx`` into NaN-prefilled outputs, returning them on the host; ``reference(rows)``: the
+    same outputs from numpy; ``kinds``: (tolerance kind, name) of each output."""
+    idx = rng.permutation(len(x))[:t]
+    got = run(idx)
+    for g, w, (kind, name) in zip(got, reference(x[idx]), kinds, strict=True):
+        assert_close(g, w, kind, name)
+    for g, f, (_, name) in zip(got, run(np.arange(len(x))), kinds, strict=True):
+        if not np.array_equal(g, f[idx]):
+            raise AssertionError(f"{name}: {t} rows differ from the same rows in a batch of {len(x)}")
+
+
 def last_logits(model, tokens, page_size: int = 16) -> np.ndarray:
     """A TargetModel's logits (float64, host) at the last of ``tokens``: one causal prefill on a
     fresh paged cache, the reference point tests use to judge a greedy divergence."""

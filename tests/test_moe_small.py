@@ -275,7 +275,7 @@ def test_dense_vs_reference_and_invariant(m, dims):
 
     from ddtree_rtc.kernels.moe_small import moe_small_dense as gpu_dense
     from ddtree_rtc.reference.moe_small import moe_small_dense as ref_dense
-    from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
+    from ddtree_rtc.testing import check_rows_invariant, nan_bf16_bits, to_device_bf16
 
     e, h, inter = dims
     rng = _seeded(f"dense {m} {dims}")
@@ -290,13 +290,8 @@ def test_dense_vs_reference_and_invariant(m, dims):
         assert out[0] is logits and out[1] is hs
         return logits.get(), hs.get()
 
-    idx = rng.permutation(64)[:m]
-    logits, hs = run(idx)
-    want_l, want_h = ref_dense(x[idx], gate, w13)
-    assert_close(logits, want_l, "fp32_accum", "logits")
-    assert_close(hs, want_h, "bf16_accum", "hs")
-    full_l, full_h = run(np.arange(64))
-    assert np.array_equal(logits, full_l[idx]) and np.array_equal(hs, full_h[idx])
+    check_rows_invariant(run, lambda rows: ref_dense(rows, gate, w13), x, rng, m,
+                         [("fp32_accum", "logits"), ("bf16_accum", "hs")])
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 // The INT4 W4A16 mma pieces the expert kernels share (moe_gemm, moe_small): the m16n8k16 bf16 MMA
-// with fp32 accumulation in scalar-register form, and the one-LOP3 unpack of the "mma" INT4 layout
-// (ddtree_rtc/model/int4_repack.py) to bf16x2 128 + u, whose offset the -136 constant undoes.
+// with fp32 accumulation in scalar-register form (the skinny bf16 linears' too: skinny_mma.cuh), and
+// the one-LOP3 unpack of the "mma" INT4 layout (ddtree_rtc/model/int4_repack.py) to bf16x2 128 + u,
+// whose offset the -136 constant undoes.
 #pragma once
 
 namespace ddt {

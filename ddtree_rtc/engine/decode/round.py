@@ -164,6 +164,16 @@ class SpeculativeRound:
         logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
         row_reqs = [r for r in reqs for _ in range(n_slots)]  # node j of tree b: its token at position + 1
         out, _, acc = self.device_half(bufs, step, page_table, logits, roots_dev, row_reqs, clock)
+        self._commit(reqs, prefix, n_slots, out, acc, eos_id)
+
+    def _commit(self, reqs, prefix, n_slots: int, out, acc, eos_id) -> np.ndarray:
+        """The round's host sync (accept lengths and emitted tokens), then the host commit, timed as
+        "commit": the accepted rows' hidden states to the drafter's context, the tokens to each request,
+        each request's pages trimmed to its committed prefix (the bonus token gets its row next round).
+        ``prefix``: each request's KV length before the round; verify row ``b * n_slots + j`` is node
+        ``j`` of tree ``b``. Returns the accept lengths [B] int64."""
+        be, pages = self.model.backend, self.pages
+        rids = [r.rid for r in reqs]
         accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
         emitted = be.to_host(acc.emitted)
 
@@ -177,9 +187,10 @@ class SpeculativeRound:
             for r, p, n, toks in zip(reqs, prefix, accept_len, emitted):
                 self.stats.add(int(n), r.rid)
                 r.extend(toks[:n].tolist(), eos_id)
-                pages.trim(r.rid, int(p) + int(n))  # the committed prefix; the bonus gets its row next round
+                pages.trim(r.rid, int(p) + int(n))
 
-        clock.time("commit", commit)
+        self.clock.time("commit", commit)
+        return accept_len
 
     def device_half(self, bufs: TreeBuffers, step, page_table, draft_logits, roots, row_reqs, clock):
         """Top-k -> build -> verify -> choose -> accept -> KV commit for the verify ``step``
@@ -262,22 +273,7 @@ class SpeculativeRound:
         choices = clock.time("choose", choose)
         acc = clock.time("accept", bufs.accept, choices)
         clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
-        accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
-        emitted = be.to_host(acc.emitted)
-
-        def commit():
-            if self.hidden_layers:
-                accepted = be.to_host(acc.accepted)
-                rows = np.concatenate([i * n_slots + accepted[i, :n].astype(np.int64)
-                                       for i, n in enumerate(accept_len)])
-                idx = be.asarray(rows)
-                self.drafter.extend_context(rids, {i: out.hidden[i][idx] for i in self.hidden_layers}, accept_len)
-            for r, p, n, toks in zip(reqs, prefix, accept_len, emitted):
-                self.stats.add(int(n), r.rid)
-                r.extend(toks[:n].tolist(), eos_id)
-                pages.trim(r.rid, int(p) + int(n))
-
-        clock.time("commit", commit)
+        accept_len = self._commit(reqs, prefix, n_slots, out, acc, eos_id)
         auto.observe(rids, raw, depth, choice, accept_len, drafted)
         if not measuring:  # the measuring round's wall time holds the measurement
             ar.observe_times(b, draft_s, time.perf_counter() - t0, choice)

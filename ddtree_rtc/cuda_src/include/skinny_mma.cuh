@@ -1,0 +1,171 @@
+// The skinny-M mma scheme of the small-M bf16 linears (linear.cu; skinny_pair.cuh, two linears in one
+// launch): y[M, N] = x[M, K] . W[N, K]^T with M <= 64, fp32 accumulate. Weight-bandwidth bound, so W
+// is streamed once with 16-byte loads, several in flight per thread, and everything else is arranged
+// around keeping those loads busy.
+//
+// mma.m16n8k16 with the tokens on the 16-row A side (rows >= M are zeros) and 8 weight rows on the
+// n8 B side, so the weight tile is 8 rows and even N = 576 makes enough tiles. k is permuted inside a
+// k32 chunk (the sum does not care): lane (g = lane / 4, t = lane % 4) holds the 16-byte piece
+// k = 8t..8t+7 of weight row g (B fragments of both k16 steps: words x, y then z, w) and the same
+// piece of token rows g and g + 8 (the matching A fragments), so every operand is one 16-byte load.
+//
+// CTA = kWarps warps = warps_n row tiles x warps_k k-ranges (runtime split). Warps of one k-range read
+// the same x pieces (from L1 after the first); x is tiny and L2-resident. A cluster of S CTAs splits K
+// further. Reductions are fixed-order, so results are bitwise deterministic: warps_k partials through
+// shared memory in warp order, then rank 0 of the cluster adds the S CTA partials in rank order
+// through distributed shared memory. A token row's sums depend only on (warps_n, S, K), never on M
+// or on the other rows.
+#pragma once
+#include "common.cuh"
+#include "int4_mma.cuh"
+
+namespace ddt {
+namespace skinny {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+using int4_mma::mma_bf16;  // the m16n8k16 bf16 MMA in scalar-register form
+
+// Weights are read exactly once: keep them out of L1 (which holds x) and fetch 256 B DRAM runs.
+__device__ __forceinline__ uint4 ld_weight(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster; release/acquire orders the shared-memory partials.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
+// Same rendezvous without the memory ordering (no fence): only keeps the CTAs alive.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
+// `p` in this CTA's shared memory, read at the same offset in cluster CTA `rank`.
+__device__ __forceinline__ float4 ld_cluster(const float4* p, unsigned rank) {
+  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void add4(float4& s, const float4& v) {
+  s.x += v.x;
+  s.y += v.y;
+  s.z += v.z;
+  s.w += v.w;
+}
+
+// Worker `worker` of `workers` (rank * warps_k + wk of S * warps_k): its k32 chunks [c_begin, c_end)
+// of a row's `pieces` 16-byte pieces (the last chunk may be partial), contiguous in worker order.
+__device__ __forceinline__ void k_chunks(int pieces, int workers, int worker, int& c_begin, int& c_end) {
+  const int chunks = (pieces + 3) >> 2;
+  c_begin = static_cast<int>(static_cast<long long>(worker) * chunks / workers);
+  c_end = static_cast<int>(static_cast<long long>(worker + 1) * chunks / workers);
+}
+
+// Under PDL, before the wait: the weight row's pieces of chunks [c_begin, c_end) go to L2 (they do not
+// depend on the previous kernel). `lead`: one lane (t = 0) of a row that exists.
+__device__ __forceinline__ void prefetch_chunks(const uint4* wrow, int c_begin, int c_end, int pieces, bool lead) {
+  const int p0 = c_begin * 4, p1 = min(c_end * 4, pieces);
+  if (lead && p1 > p0) prefetch_l2(wrow + p0, static_cast<unsigned>(p1 - p0) * 16u);
+}
+
+// Lane g's token rows of m16 tile mt of x [m, k]: 16 mt + g (a) and 16 mt + g + 8 (b, only when
+// `upper`: M <= 8 leaves A rows 8..15 zero, never loaded). A row past m points at row 0, never read.
+template <int MT>
+__device__ __forceinline__ void x_rows(const bf16* x, int m, int pieces, int g, bool upper, bool (&a_ok)[MT],
+                                       bool (&b_ok)[MT], const uint4* (&a_row)[MT], const uint4* (&b_row)[MT]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int ra = 16 * mt + g, rb = ra + 8;
+    a_ok[mt] = ra < m;
+    b_ok[mt] = upper && rb < m;
+    a_row[mt] = reinterpret_cast<const uint4*>(x) + static_cast<size_t>(a_ok[mt] ? ra : 0) * pieces;
+    b_row[mt] = reinterpret_cast<const uint4*>(x) + static_cast<size_t>(b_ok[mt] ? rb : 0) * pieces;
+  }
+}
+
+// acc[mt] = this lane's share of x . W^T over chunks [c_begin, c_end), kU chunks (one 16-byte weight
+// load each) in flight: D[token 16 mt + g][B rows 2t, 2t + 1], D[token 16 mt + g + 8][B rows 2t, 2t + 1]
+// of the warp's 8 weight rows. w_ok: the lane's weight row exists (else its B operand is zero).
+template <int MT, int kU>
+__device__ __forceinline__ void k_sum(float (&acc)[MT][4], const uint4* wrow, bool w_ok, const bool (&a_ok)[MT],
+                                      const bool (&b_ok)[MT], const uint4* const (&a_row)[MT],
+                                      const uint4* const (&b_row)[MT], int c_begin, int c_end, int pieces, int t) {
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  for (int c = c_begin; c < c_end; c += kU) {
+    uint4 wv[kU], xa[kU][MT], xb[kU][MT];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int p = (c + u) * 4 + t;
+      // Pieces past the range or past K are zero in both operands, so they add exactly +0.
+      const bool ok = c + u < c_end && p < pieces;
+      wv[u] = ok && w_ok ? ld_weight(wrow + p) : zero;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        xa[u][mt] = ok && a_ok[mt] ? __ldg(a_row[mt] + p) : zero;
+        xb[u][mt] = ok && b_ok[mt] ? __ldg(b_row[mt] + p) : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_bf16(acc[mt], xa[u][mt].x, xb[u][mt].x, xa[u][mt].y, xb[u][mt].y, wv[u].x, wv[u].y);
+        mma_bf16(acc[mt], xa[u][mt].z, xb[u][mt].z, xa[u][mt].w, xb[u][mt].w, wv[u].z, wv[u].w);
+      }
+  }
+}
+
+// The fixed-order sum of the partials acc over the warps_k warps of row tile wn (shared memory, warp
+// order), then over the S CTAs of the cluster (rank order). True on the threads left holding the
+// sum s (wk == 0 of cluster rank 0); every thread of the CTA must call it (barriers).
+template <int MT, int S>
+__device__ __forceinline__ bool reduce(float4 (&red)[kWarps][MT][32], const float (&acc)[MT][4], float4 (&s)[MT],
+                                       int warp, int lane, int wn, int wk, int warps_n, int warps_k, int rank) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) red[warp][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    s[mt] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (wk == 0) {
+      s[mt] = red[wn][mt][lane];
+      for (int j = 1; j < warps_k; ++j) add4(s[mt], red[j * warps_n + wn][mt][lane]);
+      if (S > 1) red[wn][mt][lane] = s[mt];  // read back only by this thread (j = 0) and by rank 0 below
+    }
+  }
+  if (S > 1) {
+    cluster_sync();
+    if (rank == 0 && wk == 0) {
+      for (int r = 1; r < S; ++r)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) add4(s[mt], ld_cluster(&red[wn][mt][lane], r));
+    }
+    cluster_sync_relaxed();  // the other CTAs' shared memory must outlive rank 0's reads
+    if (rank != 0) return false;
+  }
+  return wk == 0;
+}
+
+}  // namespace skinny
+}  // namespace ddt
