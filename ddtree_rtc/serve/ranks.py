@@ -76,7 +76,7 @@ class RankState:
 
 class LockstepEngine:
     """Rank 0's engine as the serve loop sees it: ``submit``, ``cancel`` and ``step`` are sent to
-    every follower first (in order), then run here. Everything else is the engine's own."""
+    every follower first (in order), then run here; the rest are rank 0's reads."""
 
     def __init__(self, engine, leader, state: RankState):
         self.engine, self.leader, self.state = engine, leader, state
@@ -86,19 +86,50 @@ class LockstepEngine:
     def attach_loop(self, loop) -> None:
         self.loop = loop
 
-    # the engine's methods the serve loop may call on rank 0 alone: they only read, or (take_finished)
-    # hand over rank 0's own bookkeeping
-    LOCAL = frozenset({"has_work", "running_requests", "take_finished"})
+    # What the serve loop and the app read of rank 0's engine, named one by one (no dispatch by
+    # name): reads, and take_finished, which hands over rank 0's own bookkeeping. A method that changed
+    # this rank's engine alone would put the ranks out of step, so such a method is added below only
+    # with its broadcast (submit, cancel, step) and its replay in ``follow``.
+    @property
+    def model(self):
+        return self.engine.model
 
-    def __getattr__(self, name):
-        """The engine's state for the loop and the app to read (model, pages, max_context, stats ...).
-        Its other methods are refused: one that changed this rank's engine alone would put the ranks
-        out of step, so each such call must be added here and sent to every rank."""
-        value = getattr(self.engine, name)
-        if name not in self.LOCAL and callable(value) and getattr(value, "__self__", None) is self.engine:
-            raise AttributeError(f"LockstepEngine: Engine.{name} is not sent to the other ranks; add it "
-                                 f"to serve/ranks.py (LockstepEngine and follow) before the serve loop calls it")
-        return value
+    @property
+    def pages(self):
+        return self.engine.pages
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def context_limit(self) -> int:
+        return self.engine.context_limit
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.engine.pages_in_use
+
+    @property
+    def budget_stats(self):
+        return self.engine.budget_stats
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def running_requests(self):
+        return self.engine.running_requests()
+
+    def take_finished(self):
+        return self.engine.take_finished()
 
     def _check(self) -> None:
         if self.state.failure is not None:
