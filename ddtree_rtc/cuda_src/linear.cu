@@ -1,7 +1,7 @@
 // Skinny-M dense bf16 linear for decode: y[M, N] = x[M, K] . W[N, K]^T with M <= 64, fp32 accumulate,
 // rounded once to bf16 (or written fp32: the *_f32 entries). The scheme (tokens on the mma's A side,
 // 8 weight rows a warp, K split over warps and a cluster of S CTAs with fixed-order reductions):
-// include/skinny_mma.cuh. S = 1, 2, 4, 8: the LINEAR_ENTRY list below.
+// include/skinny_mma.cuh. S = 1, 2, 4, 8: the LINEAR_ENTRIES list below.
 // Preconditions (checked by the wrapper): K % 8 == 0, x and W 16-byte aligned, x and y contiguous.
 #include "common.cuh"
 #include "skinny_mma.cuh"
@@ -93,35 +93,18 @@ __device__ __forceinline__ void linear_skinny(const bf16* __restrict__ x, const 
     linear_skinny<MH, S, OUT>(x, w, y, m, n, k, warps_n, early);                                          \
   }
 
-LINEAR_ENTRY(linear_m8_s1, 1, 1, , bf16)
-LINEAR_ENTRY(linear_m8_s2, 1, 2, __cluster_dims__(2, 1, 1), bf16)
-LINEAR_ENTRY(linear_m8_s4, 1, 4, __cluster_dims__(4, 1, 1), bf16)
-LINEAR_ENTRY(linear_m8_s8, 1, 8, __cluster_dims__(8, 1, 1), bf16)
-LINEAR_ENTRY(linear_m16_s1, 2, 1, , bf16)
-LINEAR_ENTRY(linear_m16_s2, 2, 2, __cluster_dims__(2, 1, 1), bf16)
-LINEAR_ENTRY(linear_m16_s4, 2, 4, __cluster_dims__(4, 1, 1), bf16)
-LINEAR_ENTRY(linear_m16_s8, 2, 8, __cluster_dims__(8, 1, 1), bf16)
-LINEAR_ENTRY(linear_m32_s1, 4, 1, , bf16)
-LINEAR_ENTRY(linear_m32_s2, 4, 2, __cluster_dims__(2, 1, 1), bf16)
-LINEAR_ENTRY(linear_m32_s4, 4, 4, __cluster_dims__(4, 1, 1), bf16)
-LINEAR_ENTRY(linear_m32_s8, 4, 8, __cluster_dims__(8, 1, 1), bf16)
-LINEAR_ENTRY(linear_m64_s1, 8, 1, , bf16)
-LINEAR_ENTRY(linear_m64_s2, 8, 2, __cluster_dims__(2, 1, 1), bf16)
-LINEAR_ENTRY(linear_m64_s4, 8, 4, __cluster_dims__(4, 1, 1), bf16)
-LINEAR_ENTRY(linear_m64_s8, 8, 8, __cluster_dims__(8, 1, 1), bf16)
-LINEAR_ENTRY(linear_m8_f32_s1, 1, 1, , float)
-LINEAR_ENTRY(linear_m8_f32_s2, 1, 2, __cluster_dims__(2, 1, 1), float)
-LINEAR_ENTRY(linear_m8_f32_s4, 1, 4, __cluster_dims__(4, 1, 1), float)
-LINEAR_ENTRY(linear_m8_f32_s8, 1, 8, __cluster_dims__(8, 1, 1), float)
-LINEAR_ENTRY(linear_m16_f32_s1, 2, 1, , float)
-LINEAR_ENTRY(linear_m16_f32_s2, 2, 2, __cluster_dims__(2, 1, 1), float)
-LINEAR_ENTRY(linear_m16_f32_s4, 2, 4, __cluster_dims__(4, 1, 1), float)
-LINEAR_ENTRY(linear_m16_f32_s8, 2, 8, __cluster_dims__(8, 1, 1), float)
-LINEAR_ENTRY(linear_m32_f32_s1, 4, 1, , float)
-LINEAR_ENTRY(linear_m32_f32_s2, 4, 2, __cluster_dims__(2, 1, 1), float)
-LINEAR_ENTRY(linear_m32_f32_s4, 4, 4, __cluster_dims__(4, 1, 1), float)
-LINEAR_ENTRY(linear_m32_f32_s8, 4, 8, __cluster_dims__(8, 1, 1), float)
-LINEAR_ENTRY(linear_m64_f32_s1, 8, 1, , float)
-LINEAR_ENTRY(linear_m64_f32_s2, 8, 2, __cluster_dims__(2, 1, 1), float)
-LINEAR_ENTRY(linear_m64_f32_s4, 8, 4, __cluster_dims__(4, 1, 1), float)
-LINEAR_ENTRY(linear_m64_f32_s8, 8, 8, __cluster_dims__(8, 1, 1), float)
+// The four cluster sizes S = 1, 2, 4, 8 of one (M, out type): PREFIX_s1 .. PREFIX_s8.
+#define LINEAR_ENTRIES(PREFIX, MH, OUT)                                 \
+  LINEAR_ENTRY(PREFIX##_s1, MH, 1, , OUT)                               \
+  LINEAR_ENTRY(PREFIX##_s2, MH, 2, __cluster_dims__(2, 1, 1), OUT)      \
+  LINEAR_ENTRY(PREFIX##_s4, MH, 4, __cluster_dims__(4, 1, 1), OUT)      \
+  LINEAR_ENTRY(PREFIX##_s8, MH, 8, __cluster_dims__(8, 1, 1), OUT)
+
+LINEAR_ENTRIES(linear_m8, 1, bf16)
+LINEAR_ENTRIES(linear_m16, 2, bf16)
+LINEAR_ENTRIES(linear_m32, 4, bf16)
+LINEAR_ENTRIES(linear_m64, 8, bf16)
+LINEAR_ENTRIES(linear_m8_f32, 1, float)
+LINEAR_ENTRIES(linear_m16_f32, 2, float)
+LINEAR_ENTRIES(linear_m32_f32, 4, float)
+LINEAR_ENTRIES(linear_m64_f32, 8, float)
