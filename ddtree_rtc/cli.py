@@ -271,11 +271,12 @@ def run_cmd(pipeline, overrides, quiet, nproc):
         raise click.ClickException(str(e)) from None
 
 
-def _spawn_ranks(pipe, pipeline: str, overrides, quiet: bool, nproc: int) -> None:
-    """``run --nproc N``: N copies of this run command as ranks 0..N-1 of one local job."""
+def _check_nproc(pipe, nproc: int) -> None:
+    """``--nproc N`` spawns the ranks itself: refuse it inside a launcher's rank, or when the pipeline's
+    tensor_parallel is not N."""
     import os
 
-    from .parallel.launch import LAUNCHERS, rank_command, spawn
+    from .parallel.launch import LAUNCHERS
     from .pipeline.schema import PipelineError
 
     inside = [r for _, r, _, _ in LAUNCHERS if r in os.environ]
@@ -285,6 +286,13 @@ def _spawn_ranks(pipe, pipeline: str, overrides, quiet: bool, nproc: int) -> Non
     if pipe.runtime.tensor_parallel != nproc:
         raise PipelineError(f"--nproc {nproc} but {pipe.source} has runtime.tensor_parallel "
                             f"{pipe.runtime.tensor_parallel}: add --set runtime.tensor_parallel={nproc}")
+
+
+def _spawn_ranks(pipe, pipeline: str, overrides, quiet: bool, nproc: int) -> None:
+    """``run --nproc N``: N copies of this run command as ranks 0..N-1 of one local job."""
+    from .parallel.launch import rank_command, spawn
+
+    _check_nproc(pipe, nproc)
     args = ["run", pipeline, *[a for o in overrides for a in ("--set", o)], *(["--quiet"] if quiet else [])]
     spawn(rank_command(args), nproc)
 
@@ -341,19 +349,10 @@ def serve_cmd(pipeline, host, port, max_queue, overrides, nproc, rank_timeout):
 
 def _supervise_ranks(pipe, args: list[str], nproc: int, rank_timeout: float) -> int:
     """``serve --nproc N``: N copies of this serve command as ranks 0..N-1 (parallel/lockstep.supervise)."""
-    import os
-
-    from .parallel.launch import LAUNCHERS, rank_command
+    from .parallel.launch import rank_command
     from .parallel.lockstep import supervise
-    from .pipeline.schema import PipelineError
 
-    inside = [r for _, r, _, _ in LAUNCHERS if r in os.environ]
-    if inside:
-        raise PipelineError(f"--nproc {nproc}: this process is already a rank ({inside[0]} is set); "
-                            f"let the launcher start the ranks, or drop --nproc")
-    if pipe.runtime.tensor_parallel != nproc:
-        raise PipelineError(f"--nproc {nproc} but {pipe.source} has runtime.tensor_parallel "
-                            f"{pipe.runtime.tensor_parallel}: add --set runtime.tensor_parallel={nproc}")
+    _check_nproc(pipe, nproc)
     return supervise(rank_command(args), nproc, grace_s=2 * rank_timeout + 10)
 
 

@@ -224,3 +224,9 @@ class RouteRecorder(TargetModel):
         out = super().run(inputs, cache, output, hidden_layers, moe_plan, record)
         self.picks.update(zip(keys, rows))
         return out
+
+
+def random_prompts(seed: int, lengths) -> list[list[int]]:
+    """Prompts of the given lengths, token ids drawn from [3, 1000) with ``seed``."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 1000, n).tolist() for n in lengths]

@@ -41,3 +41,20 @@ def tiny_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_seed5")
     make_model(preset_config("tiny"), d, seed=5)
     return d
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """The tiny preset's model on the numpy backend (one per test module)."""
+    from ddtree_rtc.backend import Backend
+    from ddtree_rtc.model.target import TargetModel
+
+    return TargetModel.load(tiny_dir, Backend("numpy"))
+
+
+@pytest.fixture(scope="module")
+def cont(tiny):
+    """The tiny model's greedy continuation of every prompt (the oracle drafter's input)."""
+    from ddtree_rtc.pipeline.runner import greedy_continuation
+
+    return greedy_continuation(tiny, 40, 16)

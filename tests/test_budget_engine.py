@@ -2,7 +2,6 @@
 engine's own autoregressive decode (T = 0 and T > 0; oracle, random and DFlash drafters; mixed
 batches), the extremes of the cost table, and the errors. The policy itself: tests/test_budget.py."""
 
-import numpy as np
 import pytest
 
 from ddtree_rtc.backend import Backend
@@ -10,28 +9,13 @@ from ddtree_rtc.engine.decode.budget import BudgetError, CostModel
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.request import Request
 from ddtree_rtc.model.target import TargetModel
-from ddtree_rtc.pipeline.runner import greedy_continuation
 from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter
+from ddtree_rtc.testing import random_prompts as prompts
 
 DEPTH, MAX = 7, 16
 MOE = CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=2e-3, fixed_s=1e-3)
 FREE = CostModel(verify=((1, 1e-3), (10**6, 1e-3)))
 DEAR = CostModel(verify=((1, 1e-3), (2, 2e-3)), fixed=((1, 1e-3),), draft=((1, 1e-4),))
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return TargetModel.load(tiny_dir, Backend("numpy"))
-
-
-@pytest.fixture(scope="module")
-def cont(tiny):
-    return greedy_continuation(tiny, 40, 16)
-
-
-def prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 1000, n).tolist() for n in lengths]
 
 
 def run(tiny, ps, new, drafter=None, cost=MOE, max_batch=4, mode_budget="auto", **req):

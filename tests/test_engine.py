@@ -6,18 +6,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ddtree_rtc.backend import Backend, cuda_available
+from ddtree_rtc.backend import cuda_available
 from ddtree_rtc.cli import main
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.kv_cache import PagedKVCache
 from ddtree_rtc.engine.request import Request, RequestError
-from ddtree_rtc.model.target import ForwardBatch, TargetModel
+from ddtree_rtc.model.target import ForwardBatch
 from ddtree_rtc.testing import RouteRecorder, assert_close, last_logits
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return TargetModel.load(tiny_dir, Backend("numpy"))
 
 
 def test_incremental_decode_equals_full_prefill(tiny, rng):

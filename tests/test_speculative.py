@@ -11,26 +11,11 @@ from ddtree_rtc.engine.kv_cache import PagedKVCache
 from ddtree_rtc.engine.request import Request, RequestError
 from ddtree_rtc.model.make_model import make_model
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
-from ddtree_rtc.pipeline.runner import greedy_continuation
 from ddtree_rtc.reference.mla_attention import tree_mask_from_parents
 from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter
+from ddtree_rtc.testing import random_prompts as prompts
 
 DEPTH = 7
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return TargetModel.load(tiny_dir, Backend("numpy"))
-
-
-@pytest.fixture(scope="module")
-def cont(tiny):
-    return greedy_continuation(tiny, 40, 16)
-
-
-def prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 1000, n).tolist() for n in lengths]
 
 
 def run(tiny, ps, new, drafter=None, mode="autoregressive", max_budget=16, max_batch=3, num_pages=None, **req):

@@ -211,13 +211,8 @@ def _aligned(name: str, a) -> None:
                          f"16-byte aligned (pass a fresh array, not an offset view)")
 
 
-def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan: MoEPlan | None = None,
-                check_ids: bool = True):
-    """x [M, H] bf16, topk_ids int32 [M, k], topk_weights fp32 [M, k], experts (layout 'mma'),
-    shared bf16 [M, H] or None (added to the output) -> y bf16 [M, H] (or fp32, unrounded, when
-    ``out`` is an fp32 array: a tensor-parallel partial sum).
-    ``check_ids`` validates the ids on the host (one sync); pass False for ids from ``moe_route``
-    (always in range) and for graph capture; out-of-range pairs then contribute nothing."""
+def check_expert_inputs(x, topk_ids, topk_weights, experts, shared) -> tuple[int, int, int]:
+    """The checks every expert kernel's wrapper makes on its inputs; returns (M, H, top_k)."""
     _check_experts(experts)
     check("x", x, BF16, ndim=2)
     m, h = x.shape
@@ -231,6 +226,17 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan:
     check("topk_weights", topk_weights, np.float32, shape=(m, top_k))
     if shared is not None:
         check("shared", shared, BF16, shape=(m, h))
+    return m, h, top_k
+
+
+def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan: MoEPlan | None = None,
+                check_ids: bool = True):
+    """x [M, H] bf16, topk_ids int32 [M, k], topk_weights fp32 [M, k], experts (layout 'mma'),
+    shared bf16 [M, H] or None (added to the output) -> y bf16 [M, H] (or fp32, unrounded, when
+    ``out`` is an fp32 array: a tensor-parallel partial sum).
+    ``check_ids`` validates the ids on the host (one sync); pass False for ids from ``moe_route``
+    (always in range) and for graph capture; out-of-range pairs then contribute nothing."""
+    m, h, top_k = check_expert_inputs(x, topk_ids, topk_weights, experts, shared)
     _aligned("x", x)
     e, inter = experts.num_experts, experts.intermediate
     if plan is None:

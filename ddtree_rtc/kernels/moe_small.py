@@ -20,7 +20,7 @@ from ..reference.moe_small import check_small_shape
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported, sm_count
 from .linear import skinny_plan
-from .moe_gemm import _check_experts
+from .moe_gemm import check_expert_inputs
 from .moe_routing import check_ids_in_range
 from .registry import module, spec
 
@@ -96,18 +96,8 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
     are taken as they come, no subtraction launch); pairs outside the shard contribute nothing
     (``check_ids`` raises on them instead, with one host sync). Every row's value is independent
     of M and of the other rows."""
-    check("x", x, BF16, ndim=2)
-    m, h = x.shape
-    _check_experts(experts)
+    m, h, top_k = check_expert_inputs(x, topk_ids, topk_weights, experts, shared)
     e, inter = experts.num_experts, experts.intermediate
-    if h != experts.hidden:
-        raise ValueError(f"x: expected [M, {experts.hidden}], got {tuple(x.shape)}")
-    check("topk_ids", topk_ids, np.int32, ndim=2)
-    top_k = topk_ids.shape[1]
-    check("topk_ids", topk_ids, np.int32, shape=(m, top_k))
-    check("topk_weights", topk_weights, np.float32, shape=(m, top_k))
-    if shared is not None:
-        check("shared", shared, BF16, shape=(m, h))
     f32_out = out is not None and out.dtype == np.float32
     y = out_array("out", out, (m, h), np.float32 if f32_out else BF16)
     if plan is None:

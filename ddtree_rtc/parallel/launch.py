@@ -11,6 +11,7 @@ soon as one rank fails, with that rank's own error text.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -138,19 +139,22 @@ def spawn(command: list[str], nproc: int, poll_s: float = 0.05, env: dict | None
                         continue
                     running.discard(r)
                     if code != 0:
-                        _stop(procs)
+                        stop_ranks(procs)
                         raise RankFailed(r, code, _tail(logs[r]) if logs[r] else
                                          "(its error is printed above)")
                 time.sleep(poll_s)
         finally:
-            _stop(procs)
+            stop_ranks(procs)
 
 
-def _stop(procs) -> None:
+def stop_ranks(procs, wait_s: float = 5.0) -> None:
+    """SIGTERM every rank still running (and SIGCONT, so a stopped one can act on it); SIGKILL what is
+    left after ``wait_s``."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
-    deadline = time.monotonic() + 5
+            p.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + wait_s
     for p in procs:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))

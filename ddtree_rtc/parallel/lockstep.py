@@ -25,7 +25,7 @@ import threading
 import time
 
 from .comm import DistError
-from .launch import RankEnv, _tail, free_port
+from .launch import RankEnv, _tail, free_port, stop_ranks
 
 DEFAULT_DEADLINE_S = 5.0
 _FOLLOWERS_AFTER_MAIN_S = 3.0  # after rank 0 exits, before the supervisor kills the ranks left
@@ -267,7 +267,7 @@ def supervise(command: list[str], nproc: int, grace_s: float, env: dict | None =
                     break
                 time.sleep(poll_s)
         finally:
-            _end(procs)
+            stop_ranks(procs, wait_s=3.0)
             _unlink(segment_name(job_id(base)))
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -278,22 +278,6 @@ def supervise(command: list[str], nproc: int, grace_s: float, env: dict | None =
                   f"{_tail(logs[first_failed]).strip() or '(no error text)'}", file=sys.stderr)
     code = procs[0].returncode
     return code if code else (1 if first_failed is not None else 0)
-
-
-def _end(procs, wait_s: float = 3.0) -> None:
-    """SIGTERM every rank still running (and SIGCONT, so a stopped one can act on it); SIGKILL what is
-    left after ``wait_s``."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-            p.send_signal(signal.SIGCONT)
-    deadline = time.monotonic() + wait_s
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _unlink(name: str) -> None:
