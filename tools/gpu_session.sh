@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One session's GPU run in device calls of under 10 minutes each, from the repository root on one
+# H100/H200 with the CUDA 13 stack: `PART=tests bash tools/gpu_session.sh`, then bench, then lossless.
+#   tests     the whole `pytest -m gpu`, the files never run on a GPU before first (small-M, budget, dummy
+#             weights, vocabulary slices, single-rank NCCL), then the rest, as far as the time allows
+#   bench     `bench node` (K2.6 at 61 layers as rank 0 of TP8, small-M path on and off) and `bench budget`
+#             (auto against AR, chain and fixed budgets at concurrency 1 / 4 / 10)
+#   lossless  tools/k2_6_lossless.py (random head: DDTree / chain ids against AR at concurrency 1 and 10;
+#             the oracle's tau against its expected value), then the small-M rows of `bench decode`
+# Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.
+set -uo pipefail
+O=${OUT:-gpu_out}; mkdir -p "$O"
+T0=$(date +%s); el() { echo $(( $(date +%s)-T0 ))s; }
+left() { echo $(( ${1:-560} - ($(date +%s)-T0) )); }
+export PYTHONUNBUFFERED=1 DDTREE_RTC_CACHE_DIR=${DDTREE_RTC_CACHE_DIR:-/tmp/ddtree_rtc_cache}
+export DDTREE_RTC_COMMIT=${DDTREE_RTC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$O/install.log" 2>&1 || tail -5 "$O/install.log"
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+case "${PART:-tests}" in
+tests)
+  first="tests/test_small_m_gpu.py tests/test_mla_small.py tests/test_moe_small.py tests/test_budget.py
+    tests/test_budget_engine.py tests/test_dummy_load.py tests/test_dist_vocab.py tests/test_dist.py"
+  rest=$(ls tests/test_*.py | grep -v -F -x -f <(printf '%s\n' $first))
+  timeout "$(left 575)" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --durations=15 $first $rest \
+    >"$O/pytest_gpu.txt" 2>&1
+  echo "== pytest -m gpu rc=$? $(el) (124: stopped at the time limit)"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$O/pytest_gpu.txt" | cut -c1-220 | tail -30
+  tail -c 300 "$O/pytest_gpu.txt" ;;
+bench)
+  timeout "$(left 290)" ddtree-rtc bench node --quick --layouts tp --small-m on,off \
+    --json "$O/node.json" >"$O/node.txt" 2>&1
+  echo "== bench node rc=$? $(el)"; tail -30 "$O/node.txt" | cut -c1-220
+  timeout "$(left 570)" ddtree-rtc bench budget --pipeline pipelines/k2_6_slice_ddtree_h200.yaml \
+    --set model.load=dummy --concurrency 1,4,10 --settings autoregressive,chain,8,16,32,64,auto \
+    --json "$O/budget.json" >"$O/budget.txt" 2>&1
+  echo "== bench budget rc=$? $(el)"; tail -24 "$O/budget.txt" | cut -c1-220 ;;
+lossless)
+  timeout "$(left 420)" python3 tools/k2_6_lossless.py --out "$O" --timeout 120 >"$O/lossless.txt" 2>&1
+  echo "== lossless rc=$? $(el)"; tail -16 "$O/lossless.txt" | cut -c1-220
+  TTMO=0 BENCH_START_MAX="$(left 470)" OUT="$O" bash tools/small_m_gpu.sh >"$O/small_m_bench.txt" 2>&1
+  echo "== small-M bench decode $(el)"; tail -12 "$O/small_m_bench.txt" | cut -c1-200 ;;
+*) echo "PART must be tests, bench or lossless"; exit 2 ;;
+esac
