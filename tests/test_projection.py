@@ -1,7 +1,6 @@
 """The projection (ddtree_rtc/projection/): its self-check against the measured slice, tau's bound, the MoE
 table, the calibration, the levers and the page. CPU only, reads the committed benchmarks/*.json."""
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,9 +16,6 @@ from ddtree_rtc.projection.answer import (
     calibration,
     ddtree_point,
     levers,
-    node_rows,
-    node_scale,
-    project,
 )
 from ddtree_rtc.projection.inputs import SMALL_R, moe_table, rows
 from ddtree_rtc.projection.model import Device, Options, device_for, moe_terms
@@ -166,35 +162,6 @@ def test_large_m_compute_follows_the_mma_rate(built):
     assert b3["int8"]["moe_compute_us"] == pytest.approx(30 * b2["int8"]["moe_compute_us"], rel=1e-6)
     assert b3["fp4"]["moe_compute_us"] == pytest.approx(b2["fp4"]["moe_compute_us"] * 9000 / 15000, rel=1e-6)
     assert b3["bf16"]["moe_stream_us"] == b3["fp4"]["moe_stream_us"] > 0   # NVFP4 bytes = INT4 g32 bytes
-
-
-def test_node_file_is_preferred(tmp_path, monkeypatch):
-    for f in data.benchmark_dir().glob("*.json"):
-        shutil.copy(f, tmp_path / f.name)
-    monkeypatch.setattr(data, "benchmark_dir", lambda: tmp_path)
-    node_rows.cache_clear()
-    assert node_scale("tp8", "ar", 1, 0) == (1.0, None)
-    pfs = load_platforms()
-    dev = device_for(pfs["h200"], pfs["h200"])
-    plain = project(["h200"])["h200"]["c1"]["ar"]
-    from ddtree_rtc.projection.model import forward, k26_dims
-    model_us = sum(v for k, v in forward(k26_dims(), pfs["h200"], dev, 1, 1, 1024, ENGINE).items()
-                   if k != "collectives")
-    (tmp_path / "node_h200.json").write_text(json.dumps({
-        "device": "NVIDIA H200", "ceilings": {"read_gbs": dev.bw_gbs}, "rows": [
-            {"case": "tp8 ar b1 ctx1k", "us": 2 * model_us + 100.0, "extra": {
-                "layout": "tp8", "mode": "ar", "batch": 1, "ctx": 1024, "budget": 0, "layers": 61,
-                "collective_us": 100.0}}]}))
-    node_rows.cache_clear()
-    try:
-        s, src = node_scale("tp8", "ar", 1, 0)
-        assert s == pytest.approx(2.0) and "node_h200.json" in src
-        scaled = project(["h200"])["h200"]["c1"]["ar"]
-        sp, pp = scaled["split_us_per_token"], plain["split_us_per_token"]
-        assert sp["collectives"] == pytest.approx(pp["collectives"])
-        assert sp["MoE weight stream"] == pytest.approx(2 * pp["MoE weight stream"])
-    finally:
-        node_rows.cache_clear()
 
 
 def test_platform_file_errors(tmp_path):

@@ -29,6 +29,7 @@ case "${STAGE:-1}" in
   timeout "$(left 380)" ddtree-rtc bench node --quick --layouts tp --small-m on,off \
     --json "$O/node.json" >"$O/node.txt" 2>&1
   echo "== bench node rc=$? $(el)"; tail -30 "$O/node.txt" | cut -c1-220
+  [ -s "$O/node.json" ] && python3 tools/node_summary.py "$O/node.json" | tee -a "$O/node.txt"
   TTMO=0 BENCH_START_MAX="$(left 480)" OUT="$O" bash tools/small_m_gpu.sh >"$O/small_m_bench.txt" 2>&1
   echo "== small-M bench decode $(el)"; tail -12 "$O/small_m_bench.txt" | cut -c1-200 ;;
 3)

@@ -321,8 +321,10 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def report(title: str, rows: list[Row], json_path: str | None = None, notes: dict | None = None) -> dict:
-    """Print ``case | µs | GB/s | TFLOP/s | % of ceiling | peer`` and write the same rows as JSON."""
+def report(title: str, rows: list[Row], json_path: str | None = None, notes: dict | None = None,
+           device: dict | None = None) -> dict:
+    """Print ``case | µs | GB/s | TFLOP/s | % of ceiling | peer`` and write the same rows as JSON.
+    ``device``: what ran them, when not this process's GPU (``device_info``)."""
     ceilings = {"read_gbs": read_ceiling_gbs()}
     if any(r.ceiling == "matmul" for r in rows):
         ceilings["matmul_tflops"] = matmul_ceiling_tflops()
@@ -347,7 +349,7 @@ def report(title: str, rows: list[Row], json_path: str | None = None, notes: dic
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "host": platform.node(),
-        **device_info(),
+        **(device or device_info()),
         "ceilings": ceilings,
         "notes": notes or {},
         "rows": [dict(asdict(r), gbs=r.gbs, tflops=r.tflops, fraction_of_ceiling=r.fraction()) for r in rows],

@@ -577,8 +577,9 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
     del drafter, model
     free_blocks(be)
     return rows, {"layout": layout, "expert_parallel": LAYOUTS[layout], "rank": args.rank, "world": args.world,
-                  "layers": n_layers, "scaled_to_full_depth": scaled, "memory": memory, "cases": cases,
-                  "numerics": comm.note(), "collective_stand_in_hold_us": args.hold_us, "make_weights_s": make_s,
+                  "preset": preset, "layers": n_layers, "scaled_to_full_depth": scaled, "memory": memory,
+                  "cases": cases, "numerics": comm.note(), "collective_stand_in_hold_us": args.hold_us,
+                  "make_weights_s": make_s,
                   "layout_s": time.perf_counter() - t0}
 
 
@@ -594,10 +595,14 @@ def ar_summary(rows: list[Row], model, batch: int, n_layers: int) -> dict:
                                                               "experts_touched": x.get("experts_touched")}
     moe_layers = [v for k, v in per_layer.items() if "moe" in v]
     moe_us = statistics.mean(v["attention"]["us"] + v["moe"]["us"] for v in moe_layers) if moe_layers else 0.0
+    moe_floor = statistics.mean(v["attention"]["floor_us"] + v["moe"]["floor_us"] for v in moe_layers) \
+        if moe_layers else 0.0
+    floor = sum(r.extra["floor_us"] for r in rows if "stage" in r.extra and "floor_us" in r.extra)
     head = next((r.us for r in rows if r.extra.get("stage") == "head"), None)
     return {"step_us": e["graph_us"], "queued_us": e["queued_us"], "eager_us": e["eager_us"],
             "mean_stage_us": e["mean_stage_us"], "mean_stage_floor_us": e["mean_stage_floor_us"],
-            "head_us": head, "mean_moe_layer_us": moe_us,
+            "head_us": head, "mean_moe_layer_us": moe_us, "floor_us": floor,
+            "floor_us_61": floor + (FULL_LAYERS - n_layers) * moe_floor,
             "step_us_61": e["graph_us"] + (FULL_LAYERS - n_layers) * moe_us,
             "experts_touched_per_layer": {k: v["moe"]["experts_touched"] for k, v in per_layer.items() if "moe" in v},
             "per_layer": per_layer}
@@ -622,12 +627,14 @@ def project_case(case: dict, args, n_layers: int) -> dict:
     ar = case["ar"]
     ar_rank = ar["step_us_61"] + moe_layers * ar.get("ep_ranks", {}).get("slowest_minus_this_us", 0.0)
     ar_calls = ar["collectives"]["calls"] + 2 * missing
+    ar["rank_us"], ar["collective_calls_61"] = ar_rank, ar_calls
     drafter = case.get("drafter_us", 0.0)
     drafter_calls = case.get("drafter_collectives", {}).get("calls", 0)
     for rd in case["rounds"]:
         ep = (rd.get("ep_ranks") or {}).get("slowest_minus_this_us", 0.0)
         rd["round_us_61"] = rd["round_us"] + missing * rd["stage_us"]["verify"] / n_layers
         rd["rank_us"] = rd["round_us_61"] + moe_layers * ep
+        rd["collective_calls_61"] = rd["collectives"]["calls"] + 2 * missing  # the drafter's not included
     proj = []
     for lat in args.collective_us:
         ar_us = ar_rank + lat * ar_calls
@@ -635,7 +642,7 @@ def project_case(case: dict, args, n_layers: int) -> dict:
                                               "collective_total_us": lat * ar_calls, "per_token_us": ar_us,
                                               "tok_s_per_user": 1e6 / ar_us}, "rounds": []}
         for rd in case["rounds"]:
-            calls = rd["collectives"]["calls"] + 2 * missing + drafter_calls
+            calls = rd["collective_calls_61"] + drafter_calls
             total = rd["rank_us"] + drafter + lat * calls
             r = {"budget": rd["budget"], "chain": rd["chain"], "rank_us": rd["rank_us"], "drafter_us": drafter,
                  "collective_calls": calls, "collective_total_us": lat * calls, "round_total_us": total,
@@ -695,13 +702,16 @@ def print_summary(layouts: list[dict], log) -> None:
 def summary_doc(layouts: list[dict], args) -> dict:
     """The JSON's ``summary`` (what ``projection`` reads):
       layouts: one per --layouts entry:
-        layout, expert_parallel, rank, world, layers (made), scaled_to_full_depth, numerics (the
-        simulated-rank note), collective_stand_in_hold_us,
+        layout, expert_parallel, rank, world, preset (k2.6; tests run smaller ones), layers (made),
+        scaled_to_full_depth, numerics (the simulated-rank note), collective_stand_in_hold_us,
         memory {free_bytes, weights_bytes, kv_bytes_largest_case, margin_bytes, needed_bytes,
                 full_depth_weights_bytes},
         cases: one per (small_m, ctx, batch):
           layout, small_m, batch, ctx, layers,
-          ar: step_us (CUDA graph, this rank, ``layers`` layers), step_us_61, queued_us, eager_us,
+          ar: step_us (CUDA graph, this rank, ``layers`` layers), step_us_61, rank_us (step_us_61 +
+              under EP the slowest rank's extra routed-expert time per MoE layer: the node's per-rank
+              AR step, collective latency excluded), collective_calls_61, floor_us (the made
+              layers' stage floors, embed and head included), floor_us_61, queued_us, eager_us,
               mean_stage_us / mean_stage_floor_us {attention, dense, moe, head, embed}, head_us,
               mean_moe_layer_us, per_layer {layer: {stage: {us, floor_us, experts_touched}}},
               experts_touched_per_layer {layer: distinct experts of all ranks},
@@ -710,7 +720,8 @@ def summary_doc(layouts: list[dict], args) -> dict:
                              slowest_minus_this_us},
               collectives {calls, bytes, by_kind {calls, bytes}},
           drafter_us, drafter_floor_us, drafter_collectives {calls, bytes, by_kind},
-          rounds: [{budget, chain, round_us (CUDA graph), round_us_61, rank_us, queued_us, eager_us,
+          rounds: [{budget, chain, round_us (CUDA graph, drafter excluded), round_us_61, rank_us (as the
+                    AR's), collective_calls_61 (drafter's excluded), queued_us, eager_us,
                     stage_us {top-k, build, verify, choose, accept, commit}, verify_floor_us, ar_step_us,
                     tau_oracle, experts_touched, ep_ranks (ep, at 1 + budget tokens per request),
                     collectives}],
@@ -724,6 +735,45 @@ def summary_doc(layouts: list[dict], args) -> dict:
     return {"layouts": layouts, "published_acceptance": PUBLISHED_TAU, "published_source": PUBLISHED_SOURCE,
             "collective_us": list(args.collective_us), "collective_source": COLLECTIVE_SOURCE,
             "accept_p": args.accept_p, "full_layers": FULL_LAYERS}
+
+
+def host_device() -> dict:
+    """The JSON's device fields for a run on the numpy backend: named as the host CPU, never a GPU, so
+    that ``projection`` (which reads ``device``) cannot take its figures for a GPU's."""
+    import platform
+
+    return {"device": f"numpy backend on the host CPU ({platform.machine() or 'unknown'}), not a GPU",
+            "backend": "numpy"}
+
+
+def document(rows: list[Row], layouts: list[dict], args, be=None) -> dict:
+    """The JSON written by ``--json``: bench/harness.report's rows with device, date and commit, the
+    notes and the ``summary``. ``be``: the backend the layouts ran on (None: this process's GPU; on
+    numpy the device is named by ``host_device``)."""
+    preset = layouts[0]["preset"] if layouts else "k2.6"
+    notes = {"model": f"{'Kimi K2.6' if preset == 'k2.6' else 'preset ' + preset} dims, one simulated rank of "
+                      f"{args.world} (dummy weights, collectives as device copies of the message)",
+             "tau": f"the oracle profile's expected tau at p={args.accept_p} (OracleDrafter.expected_tau); "
+                    f"published: {PUBLISHED_SOURCE}",
+             "collectives": COLLECTIVE_SOURCE,
+             "floor": "bench decode / round floors (weights read, routed experts: touched ones, KV rows, logits) "
+                      "over the read ceiling",
+             "ep_floor": "the AR / round floors count the experts touched over all 384; an EP rank reads only its "
+                         "own touched ones (the per-rank rows give those)",
+             "timing": "median, L2 flushed before each run; steps and rounds replayed as one CUDA graph"}
+    doc = report("K2.6 node: one simulated rank on one GPU", rows, None, notes=notes,
+                 device=None if be is None or be.is_cuda else host_device())
+    doc["summary"] = summary_doc(layouts, args)
+    return doc
+
+
+def write_json(doc: dict, path) -> None:
+    """``doc`` to ``path``, atomically (a temporary file beside it, then renamed)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=_json_default))
+    tmp.replace(out)
 
 
 def main(argv=None) -> dict:
@@ -746,26 +796,11 @@ def main(argv=None) -> dict:
         r, lay = run_layout(layout, args, gate, log)
         rows += r
         layouts.append(lay)
-    notes = {"model": f"Kimi K2.6 dims, one simulated rank of {args.world} (dummy weights, collectives as device "
-                      f"copies of the message)",
-             "tau": f"the oracle profile's expected tau at p={args.accept_p} (OracleDrafter.expected_tau); "
-                    f"published: {PUBLISHED_SOURCE}",
-             "collectives": COLLECTIVE_SOURCE,
-             "floor": "bench decode / round floors (weights read, routed experts: touched ones, KV rows, logits) "
-                      "over the read ceiling",
-             "ep_floor": "the AR / round floors count the experts touched over all 384; an EP rank reads only its "
-                         "own touched ones (the per-rank rows give those)",
-             "timing": "median, L2 flushed before each run; steps and rounds replayed as one CUDA graph"}
-    doc = report("K2.6 node: one simulated rank on one GPU", rows, None, notes=notes)
-    doc["summary"] = summary_doc(layouts, args)
+    doc = document(rows, layouts, args)
     print_summary(layouts, log)
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, default=_json_default))
-        tmp.replace(out)
-        log(f"wrote {out}")
+        write_json(doc, args.json)
+        log(f"wrote {args.json}")
     return doc
 
 

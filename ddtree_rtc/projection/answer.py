@@ -6,7 +6,7 @@ from dataclasses import replace
 from functools import cache
 
 from . import tau as taus
-from .data import ProjectionError, load_benchmark, node_files
+from .data import ProjectionError
 from .inputs import reference
 from .model import (
     R1_DIMS,
@@ -22,13 +22,13 @@ from .model import (
     round_terms,
     stage_fits,
 )
+from .node import pick_point
 from .platforms import ANSWER_PLATFORMS, load_platforms, pick
 
 BUDGETS = (4, 8, 16, 24, 32, 48, 64, 96, 128)
 FIXED_BUDGET = 64   # pipelines/k2_6_tp8.yaml's budget: the cost-aware lever's baseline
 CONCURRENCY = (1, 10)
 ENGINE = Options(layout="tp8", collective="nccl_graph")
-NODE_FIELDS = ("layout", "mode", "batch", "ctx", "layers", "collective_us")
 
 
 def experts_for(batch, budget):
@@ -41,39 +41,33 @@ def experts_for(batch, budget):
 
 
 @cache
-def node_rows() -> tuple:
-    """Rows of benchmarks/node_<device>.json (`bench node`, issue 44). Fields used, in each row's extra:
-    layout (tp8 / ep8 / tp_attn_ep_moe), mode (ar / ddtree), batch, ctx, budget (ddtree), layers (61) and
-    collective_us (the stand-in collectives' time inside `us`); `us` is the per-rank step or round from one
-    CUDA graph and the file's `device` and `ceilings.read_gbs` name the GPU."""
-    out = []
-    for name in node_files():
-        d = load_benchmark(name)
-        for r in d["rows"]:
-            ex = r.get("extra") or {}
-            if all(k in ex for k in NODE_FIELDS) and ex["layers"] == 61:
-                out.append((name, d.get("device", ""), d["ceilings"]["read_gbs"], r["us"], ex))
-    return tuple(out)
-
-
-def node_scale(layout, mode, batch, budget):
-    """measured / modelled per-rank time (collectives excluded) at the nearest node point, or (1, None)."""
-    pts = [p for p in node_rows() if p[4]["layout"] == layout and p[4]["mode"] == mode]
-    if not pts:
+def node_scale(pf, opt: Options, batch: int, budget: int, ctx: int):
+    """(measured / modelled per-rank time, its source) at the `bench node` point node.pick_point chooses
+    for this platform, or (1, None) without one; a layout that was not measured takes the TP8 point's
+    ratio (so a lever changing the layout compares like with like). Collectives are left out of both sides: the
+    measurement's are stand-ins (a device copy of each message, no latency), and the projection adds its
+    own per platform. The model of the point runs on the file's GPU (its read ceiling, its datasheet
+    rates) with the engine's options as measured (W4A16 experts, the small-M path as the case ran) and
+    the case's own expert counts; a round without a measured drafter leaves the drafter out."""
+    want = "on" if opt.fused else "off"
+    p = pick_point(pf.key, opt.layout, budget == 0, want, batch, budget, ctx) or \
+        pick_point(pf.key, ENGINE.layout, budget == 0, want, batch, budget, ctx)
+    if p is None:
         return 1.0, None
-    name, device, read, us, ex = min(pts, key=lambda p: (abs(p[4]["batch"] - batch),
-                                                          abs(p[4].get("budget", 0) - budget)))
     pfs = load_platforms()
-    pf = next((pfs[k] for k in ("h200", "h100", "b300", "b200") if k in device.lower()), pfs["h200"])
-    dev = measured_device(device, read, pf, pfs["h200"])
-    opt = replace(ENGINE, layout=layout)
-    if mode == "ar":
-        t = forward(k26_dims(), pf, dev, ex["batch"], 1, ex["ctx"], opt)
+    mpf = pfs[p.platform]
+    dev = measured_device(p.device, p.read_gbs, mpf, pfs["h200"])
+    mopt = replace(ENGINE, layout=p.layout, fused=p.small_m == "on")
+    if p.budget == 0:
+        t = forward(k26_dims(), mpf, dev, p.batch, 1, p.ctx, mopt, p.experts)
     else:
-        t = round_terms(k26_dims(), pf, dev, ex["batch"], ex["budget"], ex["ctx"], opt)
+        t = round_terms(k26_dims(), mpf, dev, p.batch, p.budget, p.ctx, mopt, p.experts)
+        if not p.drafter:
+            t.pop("drafter")
     model = sum(v for k, v in t.items() if k != "collectives")
-    return (us - ex["collective_us"]) / model, f"{name} ({mode} b{ex['batch']}): measured / model = " \
-                                                  f"{(us - ex['collective_us']) / model:.2f}"
+    s = p.rank_us / model
+    carried = "" if p.layout == opt.layout else f" (carried to {opt.layout}: no point of that layout)"
+    return s, f"{p.label()}: measured {p.rank_us:.0f} us / model {model:.0f} us = {s:.2f}{carried}"
 
 
 def _scaled(t, s):
@@ -84,7 +78,7 @@ def ar_point(pf, dev, batch, ctx, opt, dims=None):
     dims = dims or k26_dims()
     E, esrc = experts_for(batch, 0) if dims is not None and dims.experts == 384 else (None, "uniform formula")
     t = forward(dims, pf, dev, batch, 1, ctx, opt, E)
-    s, nsrc = node_scale(opt.layout, "ar", batch, 0) if dims.name == "Kimi K2.6" else (1.0, None)
+    s, nsrc = node_scale(pf, opt, batch, 0, ctx) if dims.name == "Kimi K2.6" else (1.0, None)
     t = _scaled(t, s)
     us = sum(t.values())
     return {"us": us, "tok_s_user": 1e6 / us, "split_us_per_token": t, "experts": esrc, "node": nsrc}
@@ -95,7 +89,7 @@ def ddtree_point(pf, dev, batch, ctx, opt, tau, budgets=BUDGETS):
     for b in tau.budgets(budgets):
         E, esrc = experts_for(batch, b)
         t = round_terms(k26_dims(), pf, dev, batch, b, ctx, opt, E)
-        s, nsrc = node_scale(opt.layout, "ddtree", batch, b)
+        s, nsrc = node_scale(pf, opt, batch, b, ctx)
         t = _scaled(t, s)
         us = sum(t.values())
         lo, hi = tau.band(b)

@@ -370,7 +370,8 @@ def drafter_fits():
 def dflash_us(dims: Dims, pf, dev: Device, batch: int, opt: Options) -> float:
     """DFlash drafter per round on one rank at TP `opt.tp`: 6 layers over the block (batch x 8 rows) plus the
     context extend of the accepted rows; each layer pays the target attention block's measured latency
-    (unsure: the drafter layer's own latency at TP8 is not measured yet); the target's lm_head for 7 rows."""
+    (unsure: the drafter layer's own latency at TP8 is not measured yet); the target's lm_head for 7 rows.
+    Its collectives are `dflash_collectives_us` (in the round's "collectives" term)."""
     fits, df, ref = stage_fits(), drafter_fits(), reference()
     tp, d = opt.tp, DRAFTER
     h, q, kv = d["hidden"], d["q_heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
@@ -383,10 +384,14 @@ def dflash_us(dims: Dims, pf, dev: Device, batch: int, opt: Options) -> float:
     t += (ref.launch_us if opt.fused else df["extend"].latency_us) + ework
     hw = dims.vocab * dims.hidden / tp
     hl, hwork = fits["head"].us(hw * 2, 2 * hw, batch * (d["block"] - 1), dev, opt.fused)
-    t += hl + hwork
-    if tp > 1:
-        t += (2 * d["layers"] + 2) * collective_us(pf, opt, rows_ * h * 2)
-    return t
+    return t + hl + hwork
+
+
+def dflash_collectives_us(pf, batch: int, opt: Options) -> float:
+    """The drafter's all-reduces per round at TP `opt.tp` (two per layer, the fc and the head's gather)."""
+    if opt.tp == 1:
+        return 0.0
+    return (2 * DRAFTER["layers"] + 2) * collective_us(pf, opt, batch * DRAFTER["block"] * DRAFTER["hidden"] * 2)
 
 
 def round_terms(dims: Dims, pf, dev: Device, batch: int, budget: int, ctx: int, opt: Options,
@@ -394,5 +399,7 @@ def round_terms(dims: Dims, pf, dev: Device, batch: int, budget: int, ctx: int, 
     """One DDTree round on one rank: drafter + tree step + the verify forward of 1 + budget rows per request."""
     t = forward(dims, pf, dev, batch, 1 + budget, ctx, opt, experts)
     t["drafter"] = dflash_us(dims, pf, dev, batch, opt)
+    if opt.tp > 1:
+        t["collectives"] = t.get("collectives", 0.0) + dflash_collectives_us(pf, batch, opt)
     t["tree step"] = tree_step_us(batch, budget, dev)
     return t

@@ -1,6 +1,7 @@
 """Platform facts (platforms.yaml): every number with its source."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,3 +104,13 @@ def pick(platforms: dict[str, Platform], keys) -> list[Platform]:
     if bad:
         raise ProjectionError(f"unknown platform {bad}; known: {', '.join(platforms)}")
     return [platforms[k] for k in keys]
+
+
+def platform_of(device: str, platforms: dict[str, Platform]) -> Platform | None:
+    """The platform whose GPU a benchmark file's ``device`` names ("NVIDIA H100 80GB HBM3" -> h100): its
+    key, letters and digits only, inside the name's; where several are, the one named first ("NVIDIA H100
+    ... (lent for kind nvidia-h200)" is an H100). None for anything else (a CPU, the numpy backend)."""
+    name = re.sub(r"[^a-z0-9]", "", device.lower())
+    at = {key: name.find(re.sub(r"[^a-z0-9]", "", key.lower())) for key in platforms}
+    hits = [k for k, i in at.items() if i >= 0]
+    return platforms[min(hits, key=at.get)] if hits else None

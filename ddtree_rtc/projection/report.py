@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from . import tau as taus
-from .answer import BUDGETS, ENGINE, calibration, large_m, levers, node_rows, project
+from .answer import BUDGETS, ENGINE, calibration, large_m, levers, project
 from .inputs import moe_table, reference
 from .model import TERMS, drafter_fits, stage_fits
+from .node import node_points
 from .platforms import ANSWER_PLATFORMS, load_platforms
 from .selfcheck import TOLERANCE, end_to_end, selfcheck
 
@@ -28,8 +29,11 @@ def sources() -> dict:
     s["tree step"] = "tree_h200.json top-k and build+accept (graph) rows; commit from round_h100.json"
     df = drafter_fits()
     s["drafter"] = f"{df['forward'].source} (stream at {df['forward'].eta_mem:.0%} of read); {df['extend'].source}"
-    s["node"] = ", ".join(sorted({p[0] for p in node_rows()})) or \
-        "no benchmarks/node_<device>.json yet: per-rank times built from the slice's stages (decode/round JSON)"
+    nf = node_points()
+    s["node"] = (f"{', '.join(nf.used)}: {len(nf.points)} measured points (bench node, per-rank time at 61 layers)"
+                 if nf.used else "no benchmarks/node_<device>.json from a GPU yet: per-rank times built from the "
+                                 "slice's stages (decode/round JSON)")
+    s["node"] += "".join(f"; left out {f}: {why}" for f, why in nf.left_out)
     return s
 
 
@@ -96,8 +100,13 @@ committed measurements (`benchmarks/*.json`, read through `projection/data.py: b
 - **tau**: the published chain acceptance of z-lab's Kimi-K2.5-DFlash, or the oracle profile, or `--tau-from`
   a run JSON. It is bounded by `min(budget + 1, depth + 1)`. The DDTree band runs from the chain (no gain) to
   the oracle tree at the chain's acceptance, capped at +35%.
-- **Per-rank time from `bench node`**: where `benchmarks/node_<device>.json` exists, its per-rank AR step and
-  round at full depth (61 layers) rescale the modelled per-rank terms.
+- **Per-rank time from `bench node`** (`projection/node.py` reads its JSON): where
+  `benchmarks/node_<device>.json` was measured on a GPU of `platforms.yaml` (its `device` field; the numpy
+  backend's files are left out), the measured per-rank AR step or round at 61 layers (collective latency
+  excluded, the drafter's forward included) over the model of the same case on that GPU gives a ratio. Every
+  modelled term but the collectives is multiplied by it. The case is taken from the platform's own GPU's file,
+  else the H200's, else any GPU's; at the nearest batch, budget and context; with the small-M path off for the
+  engine as modelled and on for the fused-layer lever, where both were measured.
 
 A time measured on the reference H200 carries to another GPU as follows. Latencies stay unchanged, memory parts
 scale by read bandwidth, and compute parts by tensor rate, each taken as the datasheet figure times the fraction

@@ -7,21 +7,13 @@ from dataclasses import replace
 
 from .data import benchmark_dir, load_benchmark
 from .model import Options, forward, k26_dims, measured_device, measured_union, tree_step_us
-from .platforms import load_platforms
+from .platforms import load_platforms, platform_of
 
 TOLERANCE = 0.15
 
 
 def slice_dims(layers: int = 3):
     return replace(k26_dims(), name=f"K2.6 slice ({layers} layers)", layers=layers, dense_layers=1)
-
-
-def _device_platform(device: str, platforms):
-    d = device.lower()
-    for key in ("h200", "h100", "b300", "b200"):
-        if key in d:
-            return platforms[key]
-    return None
 
 
 def selfcheck() -> list[dict]:
@@ -32,7 +24,7 @@ def selfcheck() -> list[dict]:
         sorted(p.name for p in benchmark_dir().glob("round_*.json"))
     for name in files:
         d = load_benchmark(name)
-        pf = _device_platform(d.get("device", ""), pfs)
+        pf = platform_of(d.get("device", ""), pfs)
         if pf is None or "quick" in name:
             continue
         dev = measured_device(f"{d['device']} ({name})", d["ceilings"]["read_gbs"], pf, pfs["h200"])
@@ -85,7 +77,7 @@ def end_to_end() -> list[dict]:
     out = []
     for p in sorted(benchmark_dir().glob("k2_6_slice_*.json")):
         d = load_benchmark(p.name)
-        pf = _device_platform(d.get("device", ""), pfs)
+        pf = platform_of(d.get("device", ""), pfs)
         if pf is None:
             continue
         ref_read = {"h200": "decode_h200.json", "h100": "round_h100.json"}.get(pf.key)
