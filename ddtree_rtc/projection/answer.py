@@ -44,11 +44,12 @@ def experts_for(batch, budget):
 def node_scale(pf, opt: Options, batch: int, budget: int, ctx: int):
     """(measured / modelled per-rank time, its source) at the `bench node` point node.pick_point chooses
     for this platform, or (1, None) without one; a layout that was not measured takes the TP8 point's
-    ratio (so a lever changing the layout compares like with like). Collectives are left out of both sides: the
-    measurement's are stand-ins (a device copy of each message, no latency), and the projection adds its
-    own per platform. The model of the point runs on the file's GPU (its read ceiling, its datasheet
-    rates) with the engine's options as measured (W4A16 experts, the small-M path as the case ran) and
-    the case's own expert counts; a round without a measured drafter leaves the drafter out."""
+    ratio (so a lever changing the layout compares like with like). The modelled collectives are left
+    out: the measurement has none of their latency (its collectives are stand-ins, one device copy of
+    each message, whose copy time stays in the measured time), and the projection adds its own per
+    platform. The model of the point runs on the file's GPU (its read ceiling, its datasheet rates) with
+    the engine's options as measured (W4A16 experts; fused = the small-M path as the case ran) and the
+    case's own expert counts; a round without a measured drafter leaves the drafter out."""
     want = "on" if opt.fused else "off"
     p = pick_point(pf.key, opt.layout, budget == 0, want, batch, budget, ctx) or \
         pick_point(pf.key, ENGINE.layout, budget == 0, want, batch, budget, ctx)
