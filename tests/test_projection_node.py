@@ -172,8 +172,8 @@ def test_gpu_node_file_scales_the_projection(node_doc, bench_dir):
     # the fused-layer lever takes the small-M path's measured cases; a layout not measured carries TP8's ratio
     dev = device_for(h100, pfs["h200"])
     assert "small-M on b1" in ar_point(h100, dev, 1, 64, replace(ENGINE, fused=True))["node"]
-    assert "tp_attn_ep_moe small-M on b1" in ar_point(h100, dev, 1, 64, replace(ENGINE, layout="tp_attn_ep_moe"))[
-        "node"]
+    ep = ar_point(h100, dev, 1, 64, replace(ENGINE, layout="tp_attn_ep_moe"))["node"]
+    assert "tp_attn_ep_moe small-M on b1" in ep and "(standing for small-M off: not measured)" in ep
     assert "carried to ep8" in ddtree_point(h100, dev, 1, 64, replace(ENGINE, layout="ep8"), taus.published())["node"]
     inputs = report.sources()["node"]
     assert inputs.startswith("node_h100.json: 14 measured points")

@@ -48,8 +48,9 @@ def node_scale(pf, opt: Options, batch: int, budget: int, ctx: int):
     out: the measurement has none of their latency (its collectives are stand-ins, one device copy of
     each message, whose copy time stays in the measured time), and the projection adds its own per
     platform. The model of the point runs on the file's GPU (its read ceiling, its datasheet rates) with
-    the engine's options as measured (W4A16 experts; fused = the small-M path as the case ran) and the
-    case's own expert counts; a round without a measured drafter leaves the drafter out."""
+    the engine's W4A16 experts, the case's own expert counts and `opt.fused`: where only the other
+    small-M setting was measured, its time stands for this one's (a measured engine, not the ratio to
+    the idealised fused model carried over). A round without a measured drafter leaves the drafter out."""
     want = "on" if opt.fused else "off"
     p = pick_point(pf.key, opt.layout, budget == 0, want, batch, budget, ctx) or \
         pick_point(pf.key, ENGINE.layout, budget == 0, want, batch, budget, ctx)
@@ -58,7 +59,7 @@ def node_scale(pf, opt: Options, batch: int, budget: int, ctx: int):
     pfs = load_platforms()
     mpf = pfs[p.platform]
     dev = measured_device(p.device, p.read_gbs, mpf, pfs["h200"])
-    mopt = replace(ENGINE, layout=p.layout, fused=p.small_m == "on")
+    mopt = replace(ENGINE, layout=p.layout, fused=opt.fused)
     if p.budget == 0:
         t = forward(k26_dims(), mpf, dev, p.batch, 1, p.ctx, mopt, p.experts)
     else:
@@ -67,7 +68,8 @@ def node_scale(pf, opt: Options, batch: int, budget: int, ctx: int):
             t.pop("drafter")
     model = sum(v for k, v in t.items() if k != "collectives")
     s = p.rank_us / model
-    carried = "" if p.layout == opt.layout else f" (carried to {opt.layout}: no point of that layout)"
+    carried = "" if p.small_m == want else f" (standing for small-M {want}: not measured)"
+    carried += "" if p.layout == opt.layout else f" (carried to {opt.layout}: no point of that layout)"
     return s, f"{p.label()}: measured {p.rank_us:.0f} us / model {model:.0f} us = {s:.2f}{carried}"
 
 

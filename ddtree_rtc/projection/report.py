@@ -106,7 +106,7 @@ committed measurements (`benchmarks/*.json`, read through `projection/data.py: b
   excluded, the drafter's forward included) over the model of the same case on that GPU gives a ratio. Every
   modelled term but the collectives is multiplied by it. The case is taken from the platform's own GPU's file,
   else the H200's, else any GPU's; at the nearest batch, budget and context; with the small-M path off for the
-  engine as modelled and on for the fused-layer lever, where both were measured.
+  engine as modelled and on for the fused-layer lever (where only one was measured, it stands for both).
 
 A time measured on the reference H200 carries to another GPU as follows. Latencies stay unchanged, memory parts
 scale by read bandwidth, and compute parts by tensor rate, each taken as the datasheet figure times the fraction
