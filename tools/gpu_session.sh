@@ -30,6 +30,7 @@ bench)
   timeout "$(left 290)" ddtree-rtc bench node --quick --layouts tp --small-m on,off \
     --json "$O/node.json" >"$O/node.txt" 2>&1
   echo "== bench node rc=$? $(el)"; tail -30 "$O/node.txt" | cut -c1-220
+  [ -s "$O/node.json" ] && python3 tools/node_summary.py "$O/node.json" | tee -a "$O/node.txt"
   timeout "$(left 570)" ddtree-rtc bench budget --pipeline pipelines/k2_6_slice_ddtree_h200.yaml \
     --set model.load=dummy --concurrency 1,4,10 --settings autoregressive,chain,8,16,32,64,auto \
     --json "$O/budget.json" >"$O/budget.txt" 2>&1
