@@ -12,15 +12,17 @@ maximises the batch's expected tokens per second of round time:
   depth being the sum of P over its nodes, which are exclusive events) and a per-request factor
   (measured over predicted accepted nodes), both online, decayed, and shrunk toward 1 with a prior.
 - **The cost of a round** (``CostModel``): fixed and draft seconds per batch size and the verify
-  as a function of the verified rows, the real nodes among them (the MoE fan-out: N distinct
-  tokens touch ``384 (1 - (1 - 8/384)^N)`` experts per layer) and the context. Given as a table
-  (JSON, or ``CostModel.fanout`` for CI), or measured on the device at warm-up.
-- **The policy** (``choose``). The verify runs the graph of the bucket of ``slots`` rows per request
-  that holds the largest cut; for every bucket the batch's nodes are taken greedily in order of
-  value (the global best-first order over all requests), and the (bucket, node count) with the
-  most expected tokens per second wins. Zero nodes for every request is autoregressive decoding;
-  a confident drafter's first pops are its top-1 path, so a deep narrow tree (the chain) is a point
-  of the same space. Output stays lossless: the cut only decides which nodes are verified.
+  as a function of the batch's verified rows in all, the distinct nodes among them (the MoE
+  fan-out: N distinct tokens touch ``384 (1 - (1 - 8/384)^N)`` experts per layer) and the context.
+  Given as a table (JSON, or ``CostModel.fanout`` for CI), or measured on the device at warm-up.
+- **The policy** (``choose``). The batch's nodes are taken greedily in order of value (the global
+  best-first order over all requests); every prefix of that order is priced at the verify of the
+  smallest row bucket (``row_buckets``: the verify graphs) that holds its rows, the roots included,
+  and the prefix with the most expected tokens per second wins. The verify packs each request's
+  chosen nodes after one another (engine.runner), so nothing is paid for nodes not verified. Zero
+  nodes for every request is autoregressive decoding; a confident drafter's first pops are its
+  top-1 path, so a deep narrow tree (the chain) is a point of the same space. Output stays
+  lossless: the cut only decides which nodes are verified.
 """
 
 from __future__ import annotations
@@ -192,13 +194,13 @@ class CostModel:
     def ready(self) -> bool:
         return bool(self.verify)
 
-    def verify_s(self, batch: int, slots: int, nodes, ctx: float = 0.0):
-        """Seconds of a verify of ``batch`` requests x ``slots`` rows holding ``nodes`` distinct
-        nodes (array-like), at mean context ``ctx``."""
+    def verify_s(self, rows, nodes, batch: int = 1, ctx: float = 0.0):
+        """Seconds of a verify of ``rows`` rows in all (array-like) holding ``nodes`` distinct nodes
+        (array-like; the rest repeat the roots), for ``batch`` requests at mean context ``ctx``."""
         if not self.verify:
             raise BudgetError("decode.budget auto: the cost model has no verify costs yet (give "
                               "decode.cost_table, or on CUDA let the warm-up measure them)")
-        rows = batch * slots
+        rows = np.asarray(rows, np.float64)
         nodes = np.minimum(np.asarray(nodes, np.float64), rows)
         t = _interp(self.verify, rows) - self.expert_s * (experts_touched(rows) - experts_touched(nodes))
         t = t + self.ctx_s * batch * (float(ctx) - self.ctx_ref)
@@ -302,10 +304,10 @@ class CostModel:
                 "fixed": [list(p) for p in self.fixed], "source": self.source}
 
 
-def fit_expert_s(batch: int, slots: int, full_s: float, lean_s: float) -> float | None:
-    """The fan-out slope from a full verify (every row a distinct node) and a lean one (the roots
-    and their copies: one distinct node per request) of the same shape."""
-    span = float(experts_touched(batch * slots) - experts_touched(batch))
+def fit_expert_s(batch: int, rows: int, full_s: float, lean_s: float) -> float | None:
+    """The fan-out slope from a full verify of ``rows`` rows (every row a distinct node) and a lean
+    one (the roots and their copies: one distinct node per request) of the same shape."""
+    span = float(experts_touched(rows) - experts_touched(batch))
     return None if span <= 1e-9 else max(full_s - lean_s, 0.0) / span
 
 
@@ -315,57 +317,63 @@ def fit_expert_s(batch: int, slots: int, full_s: float, lean_s: float) -> float 
 @dataclass
 class Choice:
     counts: np.ndarray  # [B] nodes verified per request (the cut)
-    slots: int  # verify rows per request (1 + the bucket)
+    rows: int  # the verify's rows in all (its bucket: the roots, the nodes and padding)
     expected: np.ndarray  # [B] predicted tokens (bonus included)
     seconds: float  # the modelled round (fixed + draft + verify)
     verify_s: float
 
 
-def slot_buckets(max_budget: int) -> tuple[int, ...]:
-    """Node counts whose verify shapes exist (graphs captured per bucket): 0, the powers of two
-    below ``max_budget``, and ``max_budget``."""
-    out = {0, max_budget}
-    k = 1
-    while k < max_budget:
-        out.add(k)
-        k *= 2
+ROW_BUCKETS_SMALL = 8  # verify rows: every multiple of this up to 32, then two buckets per octave
+
+
+def row_buckets(batch: int, width: int) -> tuple[int, ...]:
+    """Verify row counts (graphs captured per bucket) for ``batch`` requests of at most ``width``
+    rows each: the roots alone (``batch``), the multiples of 8 to 32, then 48, 64, 96, 128, 192, ...
+    (padding below a third of the rows), and all of them (``batch * width``)."""
+    most = batch * width
+    out, t = {batch, most}, ROW_BUCKETS_SMALL
+    while t < most:
+        if t > batch:
+            out.add(t)
+        if t < 32:
+            t += ROW_BUCKETS_SMALL
+        else:
+            p = 1 << (t.bit_length() - 1)  # t is 2^k or 1.5 x 2^k
+            t = p + p // 2 if t == p else 2 * p
     return tuple(sorted(out))
 
 
 def choose(values: np.ndarray, caps, cost: CostModel, buckets, ctx: float = 0.0, drafted: bool = True) -> Choice:
     """The batch's node counts. ``values`` ``[B, M]``: calibrated P of nodes 1..M of each request's
     tree in pop order (0 past its nodes); ``caps`` ``[B]``: the most nodes each request may have;
-    ``buckets``: the node counts with verify shapes. Per bucket k the candidates are every request's
-    first min(k, cap) nodes, taken in decreasing value (a request's values are first made
+    ``buckets``: the verify row counts there are shapes for (``row_buckets``; the largest bounds the
+    rows). The candidates are taken in decreasing value (a request's values are first made
     non-increasing, so it always keeps a prefix of its pop order); every prefix of that order is
-    priced and the best (tokens per second, ties to more tokens) over all buckets wins."""
+    priced at the smallest bucket that holds its rows (B roots + its nodes) and the best (tokens per
+    second, ties to more tokens) wins."""
     values = np.asarray(values, np.float64)
     b, m = values.shape
     caps = np.minimum(np.asarray(caps, np.int64), m)
+    buckets = np.array(sorted({int(x) for x in buckets if int(x) >= b}), np.int64)
+    if not len(buckets):
+        raise BudgetError(f"no verify row bucket holds the {b} roots of the batch (buckets {list(buckets)})")
     over = cost.fixed_s(b) + (cost.draft_s(b) if drafted else 0.0)
     col = np.broadcast_to(np.arange(m)[None, :], (b, m))
     v = np.where(col < caps[:, None], values, -np.inf)
     mono = np.minimum.accumulate(v, axis=1) if m else v
-    # one order for every bucket: bucket k takes the entries of columns < k, in the same order
     order = np.argsort(-mono.ravel(), kind="stable")
     keep = np.isfinite(mono.ravel()[order]) & (mono.ravel()[order] > 0)
-    order = order[keep]
-    o_req, o_col, o_val = order // max(m, 1), order % max(m, 1), values.ravel()[order]
-    best = None
-    for k in sorted({int(x) for x in buckets if 0 <= int(x) <= m}):
-        req = o_req[o_col < k]
-        gain = np.concatenate([[0.0], np.cumsum(o_val[o_col < k])])
-        # padding slots repeat the root (engine.runner.fill_tree): they route like it, no new experts
-        nodes = b + np.arange(len(req) + 1)
-        ver = cost.verify_s(b, k + 1, nodes, ctx)
-        rate = (b + gain) / (over + ver)
-        i = int(np.flatnonzero(rate >= rate.max() * (1 - 1e-12))[-1])
-        if best is None or rate[i] > best[0] * (1 + 1e-12) or (
-                rate[i] >= best[0] * (1 - 1e-12) and gain[i] > best[1]):
-            best = (float(rate[i]), float(gain[i]), k, np.bincount(req[:i], minlength=b), float(ver[i]))
-    _, _, k, counts, ver = best
+    order = order[keep][: int(buckets[-1]) - b]
+    o_req, o_val = order // max(m, 1), values.ravel()[order]
+    gain = np.concatenate([[0.0], np.cumsum(o_val)])
+    nodes = b + np.arange(len(order) + 1)  # distinct nodes: the roots and the prefix
+    rows = buckets[np.searchsorted(buckets, nodes)]
+    ver = cost.verify_s(rows, nodes, b, ctx)
+    rate = (b + gain) / (over + ver)
+    i = int(np.flatnonzero(rate >= rate.max() * (1 - 1e-12))[-1])
+    counts = np.bincount(o_req[:i], minlength=b).astype(np.int64)
     cum = np.concatenate([np.zeros((b, 1)), np.cumsum(values, axis=1)], axis=1)
-    return Choice(counts.astype(np.int64), k + 1, 1.0 + cum[np.arange(b), counts], over + ver, ver)
+    return Choice(counts, int(rows[i]), 1.0 + cum[np.arange(b), counts], over + float(ver[i]), float(ver[i]))
 
 
 # -- metrics -------------------------------------------------------------------------------------
@@ -377,7 +385,7 @@ class BudgetStats:
     only), per round the modelled verify and round seconds (any mode, with a cost model)."""
 
     counts_hist: dict = field(default_factory=dict)  # nodes verified per request-round -> count
-    slots_hist: dict = field(default_factory=dict)  # verify rows per request per round -> count
+    rows_hist: dict = field(default_factory=dict)  # verify rows per round (the bucket) -> count
     predicted: float = 0.0  # sum of predicted tokens over the request-rounds that had a prediction
     measured: float = 0.0  # sum of emitted tokens over the same request-rounds
     predicted_rounds: int = 0
@@ -388,12 +396,12 @@ class BudgetStats:
     skipped_drafts: int = 0
     last_counts: tuple = ()  # the last round's nodes per request (for /metrics' histogram)
 
-    def add_round(self, counts, slots: int, tokens, expected=None, verify_s: float | None = None,
+    def add_round(self, counts, rows: int, tokens, expected=None, verify_s: float | None = None,
                   round_s: float | None = None, drafted: bool = True) -> None:
         self.last_counts = tuple(int(n) for n in np.asarray(counts).tolist())
         for n in self.last_counts:
             self.counts_hist[n] = self.counts_hist.get(n, 0) + 1
-        self.slots_hist[int(slots)] = self.slots_hist.get(int(slots), 0) + 1
+        self.rows_hist[int(rows)] = self.rows_hist.get(int(rows), 0) + 1
         tokens = np.asarray(tokens)
         self.tokens += int(tokens.sum())
         if expected is not None:
@@ -423,7 +431,7 @@ class BudgetStats:
 
     def summary(self) -> dict:
         return {"nodes_hist": {str(k): v for k, v in sorted(self.counts_hist.items())},
-                "slots_hist": {str(k): v for k, v in sorted(self.slots_hist.items())},
+                "rows_hist": {str(k): v for k, v in sorted(self.rows_hist.items())},
                 "tau_predicted": self.tau_predicted, "tau_measured": self.tau_measured,
                 "tokens_per_verify_s": self.tokens_per_verify_s, "tokens_per_round_s": self.tokens_per_round_s,
                 "drafted_rounds": self.drafted_rounds, "skipped_drafts": self.skipped_drafts}
@@ -433,12 +441,14 @@ class BudgetStats:
 
 
 class AutoBudget:
-    """``decode.budget: auto`` for one engine: calibration, cost model, buckets and the choice of
-    whether to draft at all. A request whose last drafted round got no nodes decodes
-    autoregressively (no draft) for ``probe_every - 1`` rounds, then drafts again to re-measure."""
+    """``decode.budget: auto`` for one engine: calibration, cost model, verify row buckets and the
+    choice of whether to draft at all. A request whose last drafted round got no nodes decodes
+    autoregressively (no draft) for ``probe_every - 1`` rounds, then drafts again to re-measure.
+    ``bucketed``: the verify rows come in ``row_buckets`` (CUDA graphs: one per bucket), else any
+    row count is a shape (eager forwards)."""
 
-    def __init__(self, max_budget: int, depth: int, cost: CostModel | None, buckets=None, probe_every: int = 8,
-                 explore_every: int = 32):
+    def __init__(self, max_budget: int, depth: int, cost: CostModel | None, bucketed: bool = False,
+                 probe_every: int = 8, explore_every: int = 32):
         from ...reference.tree_build import MAX_BUDGET
 
         if not 1 <= int(max_budget) <= MAX_BUDGET:
@@ -447,10 +457,7 @@ class AutoBudget:
             raise BudgetError(f"probe_every must be >= 1, got {probe_every}")
         self.max_budget, self.depth = int(max_budget), depth
         self.cost = cost if cost is not None else CostModel(draft=(), fixed=(), measured=True, source="warm-up")
-        self.buckets = tuple(buckets) if buckets is not None else tuple(range(self.max_budget + 1))
-        bad = [k for k in self.buckets if not 0 <= k <= self.max_budget]
-        if bad or 0 not in self.buckets:
-            raise BudgetError(f"budget buckets {list(self.buckets)} must hold 0 and lie in 0..{self.max_budget}")
+        self.bucketed = bool(bucketed)
         self.calibration = Calibration(depth)
         self.probe_every, self.explore_every = probe_every, explore_every
         self.stats = BudgetStats()
@@ -474,11 +481,21 @@ class AutoBudget:
             w[:, 1:] = np.maximum(w[:, 1:], 1.0)
         return w
 
+    @property
+    def width(self) -> int:
+        """The most verify rows of one request: its root and max_budget nodes."""
+        return 1 + self.max_budget
+
+    def buckets(self, batch: int) -> tuple[int, ...]:
+        """The verify row counts of a batch: ``row_buckets``, or every count from the roots alone to
+        every request at max_budget."""
+        return row_buckets(batch, self.width) if self.bucketed else tuple(range(batch, batch * self.width + 1))
+
     def choose(self, values, caps, ctx: float) -> Choice:
-        return choose(values, caps, self.cost, self.buckets, ctx, drafted=True)
+        return choose(values, caps, self.cost, self.buckets(len(values)), ctx, drafted=True)
 
     def ar_choice(self, batch: int, ctx: float) -> Choice:
-        return choose(np.zeros((batch, 0)), np.zeros(batch, np.int64), self.cost, (0,), ctx, drafted=False)
+        return choose(np.zeros((batch, 0)), np.zeros(batch, np.int64), self.cost, (batch,), ctx, drafted=False)
 
     def observe(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool) -> None:
         """After the accept: calibration, the AR hold of requests that got no nodes, the stats."""
@@ -486,7 +503,7 @@ class AutoBudget:
             self.calibration.observe(rids, raw, node_depth, choice.counts, accept_len)
             for r, n in zip(rids, choice.counts):
                 self._ar_rounds[r] = self.probe_every - 1 if n == 0 else 0
-        self.stats.add_round(choice.counts, choice.slots, accept_len,
+        self.stats.add_round(choice.counts, choice.rows, accept_len,
                              expected=choice.expected if drafted else None,
                              verify_s=choice.verify_s, round_s=choice.seconds, drafted=drafted)
 
