@@ -246,29 +246,48 @@ def test_calibrated_tau_tracks_measured_tau_over_2000_oracle_rounds(name):
 FIXED = (*range(10), 12, 16, 32, 64, "chain")
 
 
-def compare(mk, rounds=300):
-    """Auto's and every fixed budget's tokens per modelled second: exactly (the expected tokens of
-    the cuts made, under the oracle's law) and as sampled (the same draws for every run, so sampled
-    figures differ by the choices alone)."""
-    tok, sec, *_, exact = run_oracle(mk(), rounds)
+def compare(mk, rounds=300, **auto_kw):
+    """Auto's tokens per modelled second over the best fixed budget's (chain included), the best
+    being the one with the most expected tokens per second: exactly (the expected tokens of the cuts
+    made, under the oracle's law: no sampling noise) and as sampled (the same draws for every run,
+    so the two sampled figures differ by the choices alone; the best of 15 sampled figures would be
+    the luckiest, not the best budget). Returns (exact ratio, sampled ratio, the best fixed)."""
+    tok, sec, *_, exact = run_oracle(mk(), rounds, **auto_kw)
     runs = {k: run_oracle(mk(), rounds, budget=k) for k in FIXED}
-    return (exact / sec, max(r[5] / r[1] for r in runs.values()),
-            tok / sec, max(r[0] / r[1] for r in runs.values()))
+    best = max(runs, key=lambda k: runs[k][5] / runs[k][1])
+    r = runs[best]
+    return (exact / sec) / (r[5] / r[1]), (tok / sec) / (r[0] / r[1]), best
 
 
 def test_auto_beats_every_fixed_budget_on_a_mixed_batch():
     """Requests of four acceptance profiles in one batch: every fixed budget is wrong for some."""
     names = sorted(PROFILES)
-    auto, best, auto_s, best_s = compare(lambda: [OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)])
-    assert auto >= best and auto_s >= best_s, (auto, best, auto_s, best_s)
+    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)])
+    print(f"\nmixed batch: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    assert exact > 1.02 and sampled > 1.02, (exact, sampled, best)
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))
-def test_auto_matches_the_best_fixed_budget_on_one_profile(name):
-    """A batch of one profile: every round looks the same, so the best fixed budget is the most
-    auto can reach; auto ties it up to what its estimates cost while they settle (< 1%)."""
-    auto, best, auto_s, best_s = compare(lambda: [OracleSim(**PROFILES[name], seed=10 + i) for i in range(4)])
-    assert auto >= 0.995 * best and auto_s >= 0.99 * best_s, (name, auto, best, auto_s, best_s)
+def test_auto_is_at_least_the_best_fixed_budget_on_one_profile(name):
+    """A batch of one profile: every round looks the same, so the best fixed budget is the most auto
+    can reach unless it may skip the draft (p0.4: nothing pays). The calibration's gate keeps the
+    drafter's (here right) probabilities until the evidence says otherwise, so auto settles on the
+    best count at once and stays there (without the gate it wanders with the luck of the last
+    rounds: 0.9985x at p0.9)."""
+    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[name], seed=10 + i) for i in range(4)])
+    print(f"\n{name}: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    assert exact >= 1 - 1e-9 and sampled >= 1 - 1e-9, (name, exact, sampled, best)
+
+
+def test_without_the_gate_auto_wanders_below_the_best_fixed_budget(monkeypatch):
+    """The same comparison with the calibration following every estimate (gate 0): the test above
+    can fail, and this is how."""
+    from ddtree_rtc.engine.decode import budget
+
+    init = budget.Calibration.__init__
+    monkeypatch.setattr(budget.Calibration, "__init__", lambda self, depth, **kw: init(self, depth, gate=0.0))
+    exact, _, best = compare(lambda: [OracleSim(**PROFILES["p0.9"], seed=10 + i) for i in range(4)])
+    assert exact < 1 - 1e-4, (exact, best)
 
 
 def test_auto_beats_every_fixed_budget_with_the_random_drafter():
@@ -297,6 +316,8 @@ def test_auto_beats_every_fixed_budget_with_the_random_drafter():
             auto.observe(rids, None, None, ch, got, False)
         tok += got.sum()
         sec += ch.seconds
+    best = max(fixed, key=fixed.get)
+    print(f"\nrandom drafter: auto / best fixed ({best}) = {tok / sec / fixed[best]:.4f} sampled")
     assert tok / sec >= max(fixed.values()), (tok / sec, fixed)
     assert auto.stats.skipped_drafts > auto.stats.drafted_rounds  # mostly plain AR, with probes
 

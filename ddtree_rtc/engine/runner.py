@@ -256,7 +256,7 @@ class ModelRunner:
         rows (on the device, no sync)."""
         s = self._shapes[step.key]
         xp = self.model.backend.xp
-        return xp.where(s.pick >= 0, values[xp.maximum(s.pick, 0)], xp.asarray(fill, dtype=values.dtype))
+        return xp.where(s.pick >= 0, values[xp.maximum(s.pick, 0)], fill).astype(values.dtype, copy=False)
 
     def verify(self, step: TreeStep, output: str = "logits") -> ForwardOutput:
         """Logits [T, V] of every row (or their argmax, ``output='argmax'``) and the hidden

@@ -75,17 +75,29 @@ class Calibration:
 
     ``observe`` takes, per request-round, the raw P of the verified nodes (with their depths) and
     the accepted length; depth d's factor is (decayed measured reach + prior) / (decayed predicted
-    reach + prior), the request's factor the same over depth-calibrated accepted nodes."""
+    reach + prior), the request's factor the same over depth-calibrated accepted nodes.
+
+    The factors the policy uses (``weights``) follow these estimates only past noise: they move to
+    the current estimates when, at a depth with evidence (or for a request), the estimate is more
+    than ``gate`` standard errors from the factor in use, the error being that of the count of
+    accepted nodes expected there (``1 / sqrt(count + 1)`` on the log factor). So a drafter whose
+    probabilities are right is taken at its word, and the node counts do not wander with the luck of
+    the last rounds (each wander costs: the best count's neighbours give fewer tokens per second);
+    a bias that the evidence shows moves them within a few rounds (at 2x, about 20 accepted nodes)."""
 
     def __init__(self, depth: int, decay: float = 0.998, prior: float = 64.0, request_decay: float = 0.995,
-                 request_prior: float = 512.0):
+                 request_prior: float = 512.0, gate: float = 4.0):
         if not 0 < decay <= 1 or not 0 < request_decay <= 1:
             raise BudgetError(f"calibration decay must be in (0, 1], got {decay}, {request_decay}")
-        self.depth, self.decay, self.prior = depth, decay, prior
+        if gate < 0:
+            raise BudgetError(f"calibration gate must be >= 0 standard errors, got {gate}")
+        self.depth, self.decay, self.prior, self.gate = depth, decay, prior, gate
         self.request_decay, self.request_prior = request_decay, request_prior
         self.pred = np.zeros(depth + 1)
         self.meas = np.zeros(depth + 1)
         self._req: dict = {}  # rid -> [predicted, measured] accepted nodes, depth-calibrated
+        self._depth_used = np.concatenate([[0.0], np.ones(depth)])  # the factors in use (the drafter's P at first)
+        self._req_used: dict = {}  # rid -> the request factor in use
 
     def depth_factors(self) -> np.ndarray:
         """``[depth + 1]``: the factor of each depth (index 0, the root, unused). The bias of a
@@ -110,16 +122,37 @@ class Calibration:
         p, m = self._req.get(rid, (0.0, 0.0))
         return (m + self.request_prior) / (p + self.request_prior)
 
+    def _beyond_noise(self, estimate, used, expected) -> bool:
+        """Whether ``estimate`` (factors) is more than ``gate`` standard errors from ``used``
+        anywhere, ``expected`` being the accepted nodes the factors in use predict there."""
+        z = np.abs(np.log(np.maximum(estimate, 1e-12)) - np.log(np.maximum(used, 1e-12))) * np.sqrt(expected + 1.0)
+        return bool((z > self.gate).any())
+
+    def depth_factors_used(self) -> np.ndarray:
+        """``[depth + 1]``: the depth factors in use (see the class doc)."""
+        live = self.depth_factors()
+        if self._beyond_noise(live[1:], self._depth_used[1:], self._depth_used[1:] * self.pred[1:]):
+            self._depth_used = live
+        return self._depth_used
+
+    def request_factor_used(self, rid) -> float:
+        live, used = self.request_factor(rid), self._req_used.get(rid, 1.0)
+        p, _ = self._req.get(rid, (0.0, 0.0))
+        if self._beyond_noise(np.array([live]), np.array([used]), np.array([used * p])):
+            self._req_used[rid] = used = live
+        return used
+
     def weights(self, rids) -> np.ndarray:
-        """``[B, depth + 1]`` float64: depth factor times request factor."""
-        f = self.depth_factors()
-        return np.stack([f * self.request_factor(r) for r in rids]) if len(rids) else np.zeros((0, self.depth + 1))
+        """``[B, depth + 1]`` float64: depth factor times request factor, as in use."""
+        f = self.depth_factors_used()
+        return (np.stack([f * self.request_factor_used(r) for r in rids]) if len(rids)
+                else np.zeros((0, self.depth + 1)))
 
     def observe(self, rids, raw, node_depth, counts, accept_len) -> None:
         """``raw``/``node_depth`` ``[B, N]`` host arrays of the built tree (pop order, root at 0),
         ``counts`` ``[B]`` the verified nodes (the cut), ``accept_len`` ``[B]`` the walk's length
-        (root included)."""
-        f = self.depth_factors()
+        (root included). The request factor is measured over predicted under the depth factors in use."""
+        f = self._depth_used
         pred = np.zeros(self.depth + 1)
         meas = np.zeros(self.depth + 1)
         for b, rid in enumerate(rids):
@@ -138,6 +171,7 @@ class Calibration:
 
     def release(self, rid) -> None:
         self._req.pop(rid, None)
+        self._req_used.pop(rid, None)
 
 
 # -- the cost of a round -------------------------------------------------------------------------
