@@ -92,6 +92,7 @@ class Calibration:
         if gate < 0:
             raise BudgetError(f"calibration gate must be >= 0 standard errors, got {gate}")
         self.depth, self.decay, self.prior, self.gate = depth, decay, prior, gate
+        self.depth_prior = 16.0  # predicted nodes of the line's weight at one depth
         self.request_decay, self.request_prior = request_decay, request_prior
         self.pred = np.zeros(depth + 1)
         self.meas = np.zeros(depth + 1)
@@ -101,11 +102,14 @@ class Calibration:
 
     def depth_factors(self) -> np.ndarray:
         """``[depth + 1]``: the factor of each depth (index 0, the root, unused). The bias of a
-        product of marginals grows with depth, so the factors are ``exp(a + b d)``: ``b`` from a
+        product of marginals grows with depth, so the shape is ``exp(a + b d)``: ``b`` from a
         least-squares line through log(measured / predicted reach) weighted by the evidence at
         each depth, ``a`` so that the factors reproduce the measured accepted nodes in total. Two
-        parameters from all depths at once: a few unlucky rounds at one depth barely move them, and
-        a depth that is no longer verified follows the others instead of keeping a stale value."""
+        parameters from all depths at once: a depth that is no longer verified follows the others
+        instead of keeping a stale value. A depth with evidence of its own is then measured over
+        predicted reach with that line as a prior of ``depth_prior`` predicted nodes: where the
+        bias is not log-linear in depth (the prior's shrinkage flattens the line), a well-measured
+        depth keeps its own factor."""
         d = np.arange(1, self.depth + 1, dtype=np.float64)
         pred, meas = self.pred[1:], self.meas[1:]
         w = pred + 1e-12
@@ -116,7 +120,9 @@ class Calibration:
         slope = float(np.clip(slope, -1.0, 1.0))
         shape = np.exp(slope * (d - dm))
         scale = (meas.sum() + self.prior) / ((pred * shape).sum() + self.prior)
-        return np.concatenate([[0.0], np.clip(scale * shape, 1e-3, 1e3)])
+        fit = scale * shape
+        own = (meas + self.depth_prior * fit) / (pred + self.depth_prior)  # a depth's own evidence first
+        return np.concatenate([[0.0], np.clip(own, 1e-3, 1e3)])
 
     def request_factor(self, rid) -> float:
         p, m = self._req.get(rid, (0.0, 0.0))
