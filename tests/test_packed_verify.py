@@ -129,3 +129,25 @@ def test_packed_verify_equals_ar_through_graphs():
                 if j < rows[r]:
                     assert np.array_equal(want[r], got[step.q_start[r] + j]), f"rows {rows}: request {r} slot {j}"
     assert runner.captures >= 2 and (4, total, width) in runner._shapes
+
+
+@pytest.mark.parametrize("heads,bm", [(64, 64), (8, 64), (16, 16), (128, 64)])
+def test_a_replay_template_holds_any_spread_of_its_rows(rng, heads, bm):
+    """kernels/mla_attention.build_plan sizes a replay template's work list for ``cdiv(T * H, BM) + B``
+    query tiles plus one item per CTA: every spread of T rows over B requests (a packed verify)
+    fits, at any contexts (the CUDA graph replays the plans written into it)."""
+    from ddtree_rtc.kernels.mla_attention import split_work
+    from ddtree_rtc.reference.mla_attention import validate_batch
+
+    for _ in range(40):
+        b = int(rng.integers(1, 9))
+        width = int(rng.integers(1, 40))
+        total = int(rng.integers(b, b * width + 1))
+        rows = np.ones(b, np.int64)
+        for _ in range(total - b):  # a random spread of the total, at most width each
+            rows[rng.choice(np.flatnonzero(rows < width))] += 1
+        ctx = rng.integers(0, 5000, b)
+        grid = int(rng.integers(1, 140))
+        batch = validate_batch(ctx, rows, np.zeros((b, 1 + int((ctx + rows).max())), np.int32), heads, 1, 1)
+        work, *_ = split_work(batch, bm, 64, grid)
+        assert len(work) <= -(-total * heads // bm) + b + grid
