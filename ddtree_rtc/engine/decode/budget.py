@@ -85,7 +85,7 @@ class Calibration:
     the last rounds (each wander costs: the best count's neighbours give fewer tokens per second);
     a bias that the evidence shows moves them within a few rounds (at 2x, about 20 accepted nodes)."""
 
-    def __init__(self, depth: int, decay: float = 0.998, prior: float = 64.0, request_decay: float = 0.995,
+    def __init__(self, depth: int, decay: float = 0.998, prior: float = 4.0, request_decay: float = 0.995,
                  request_prior: float = 512.0, gate: float = 4.0):
         if not 0 < decay <= 1 or not 0 < request_decay <= 1:
             raise BudgetError(f"calibration decay must be in (0, 1], got {decay}, {request_decay}")
@@ -102,25 +102,20 @@ class Calibration:
 
     def depth_factors(self) -> np.ndarray:
         """``[depth + 1]``: the factor of each depth (index 0, the root, unused). The bias of a
-        product of marginals grows with depth, so the shape is ``exp(a + b d)``: ``b`` from a
-        least-squares line through log(measured / predicted reach) weighted by the evidence at
-        each depth, ``a`` so that the factors reproduce the measured accepted nodes in total. Two
-        parameters from all depths at once: a depth that is no longer verified follows the others
-        instead of keeping a stale value. A depth with evidence of its own is then measured over
-        predicted reach with that line as a prior of ``depth_prior`` predicted nodes: where the
-        bias is not log-linear in depth (the prior's shrinkage flattens the line), a well-measured
-        depth keeps its own factor."""
+        product of marginals compounds with depth (each level's marginal is off by about the same
+        ratio), and the root's factor is 1 (it is always accepted), so the shape is ``exp(b d)``:
+        ``b`` from a least-squares line through the origin and log(measured / predicted reach),
+        weighted by the evidence at each depth. One parameter from all depths at once: a depth not
+        yet (or no longer) verified follows the measured ones (after one measured depth the next is
+        priced at the same ratio again). A depth with evidence of its own is measured over predicted
+        reach with that line as a prior of ``depth_prior`` predicted nodes, so a well-measured depth
+        keeps its own factor where the bias is not log-linear."""
         d = np.arange(1, self.depth + 1, dtype=np.float64)
         pred, meas = self.pred[1:], self.meas[1:]
         w = pred + 1e-12
         y = np.log((meas + self.prior * 0.5) / (pred + self.prior * 0.5))
-        dm = (w * d).sum() / w.sum()
-        var = (w * (d - dm) ** 2).sum()
-        slope = float((w * (d - dm) * (y - (w * y).sum() / w.sum())).sum() / var) if var > 1e-9 else 0.0
-        slope = float(np.clip(slope, -1.0, 1.0))
-        shape = np.exp(slope * (d - dm))
-        scale = (meas.sum() + self.prior) / ((pred * shape).sum() + self.prior)
-        fit = scale * shape
+        slope = float(np.clip((w * d * y).sum() / (w * d * d).sum(), -2.0, 2.0))
+        fit = np.exp(slope * d)
         own = (meas + self.depth_prior * fit) / (pred + self.depth_prior)  # a depth's own evidence first
         return np.concatenate([[0.0], np.clip(own, 1e-3, 1e3)])
 
@@ -480,12 +475,17 @@ class BudgetStats:
 # -- the per-round driver ------------------------------------------------------------------------
 
 
+PROBE_Z, PROBE_MAX = 2.0, 2.0  # a probe's optimism: z of the upper bound, and its largest factor
+
+
 class AutoBudget:
     """``decode.budget: auto`` for one engine: calibration, cost model, verify row buckets and the
-    choice of whether to draft at all. A request whose last drafted round got no nodes decodes
-    autoregressively (no draft) for ``probe_every - 1`` rounds, then drafts again to re-measure.
-    ``bucketed``: the verify rows come in ``row_buckets`` (CUDA graphs: one per bucket), else any
-    row count is a shape (eager forwards)."""
+    choice of whether to draft at all. A request whose last drafted round got no nodes is held: it
+    decodes autoregressively (no draft, unless others of the batch draft) and every
+    ``probe_every``-th round probes, i.e. drafts and values its nodes optimistically (``weights``),
+    so a drafter better than its probabilities is found out (verified nodes are the calibration's
+    only evidence). ``bucketed``: the verify rows come in ``row_buckets`` (CUDA graphs: one per
+    bucket), else any row count is a shape (eager forwards)."""
 
     def __init__(self, max_budget: int, depth: int, cost: CostModel | None, bucketed: bool = False,
                  probe_every: int = 8, explore_every: int = 32):
@@ -502,7 +502,8 @@ class AutoBudget:
         self.probe_every, self.explore_every = probe_every, explore_every
         self.stats = BudgetStats()
         self._drafted = 0
-        self._ar_rounds: dict = {}  # rid -> drafting-free rounds left
+        self._ar_rounds: dict = {}  # rid -> rounds left before a held request probes
+        self._held: set = set()  # requests whose last drafted round got no node
 
     def should_draft(self, rids) -> bool:
         return any(self._ar_rounds.get(r, 0) <= 0 for r in rids)
@@ -511,14 +512,28 @@ class AutoBudget:
         for r in rids:
             self._ar_rounds[r] = self._ar_rounds.get(r, 0) - 1
 
+    def probing(self, rid) -> bool:
+        """Whether a held request probes this round."""
+        return rid in self._held and self._ar_rounds.get(rid, 0) <= 0
+
     def weights(self, rids) -> np.ndarray:
-        """``[B, depth + 1]`` node-value weights for this round: the calibration's, except every
-        ``explore_every``-th drafted round, where no factor is below 1, so depths the calibration
-        has marked down (perhaps on a few unlucky rounds) are verified and measured again."""
+        """``[B, depth + 1]`` node-value weights for this round: the calibration's, raised by an
+        upper confidence bound ``exp(PROBE_Z / sqrt(n + 1))`` (at most ``PROBE_MAX``), n the accepted
+        nodes the calibration's evidence at that depth stands for (wide where nothing has been
+        measured lately, narrow where much has): on a held request's probe, so a drafter better than
+        its probabilities is found out; and every ``explore_every``-th drafted round for every
+        request, there only up to the drafter's own probability (factor 1), so depths the
+        calibration marked down long ago are verified and measured again."""
         w = self.calibration.weights(rids)
         self._drafted += 1
-        if self._drafted % self.explore_every == 0:
-            w[:, 1:] = np.maximum(w[:, 1:], 1.0)
+        explore = self._drafted % self.explore_every == 0
+        probe = [i for i, r in enumerate(rids) if self.probing(r)]
+        if explore or probe:
+            cal = self.calibration
+            bound = np.minimum(np.exp(PROBE_Z / np.sqrt(cal.depth_factors_used() * cal.pred + 1.0)), PROBE_MAX)
+            if explore:
+                w = np.minimum(w * bound, np.maximum(w, 1.0))
+            w[probe] *= bound
         return w
 
     @property
@@ -542,7 +557,14 @@ class AutoBudget:
         if drafted:
             self.calibration.observe(rids, raw, node_depth, choice.counts, accept_len)
             for r, n in zip(rids, choice.counts):
-                self._ar_rounds[r] = self.probe_every - 1 if n == 0 else 0
+                if n > 0:
+                    self._held.discard(r)
+                    self._ar_rounds[r] = 0
+                elif r not in self._held or self._ar_rounds.get(r, 0) <= 0:  # held now, or probed
+                    self._held.add(r)
+                    self._ar_rounds[r] = self.probe_every - 1
+                else:  # held, drafted beside others: counts down to its probe as a skipped round does
+                    self._ar_rounds[r] -= 1
         self.stats.add_round(choice.counts, choice.rows, accept_len,
                              expected=choice.expected if drafted else None,
                              verify_s=choice.verify_s, round_s=choice.seconds, drafted=drafted)
@@ -550,3 +572,4 @@ class AutoBudget:
     def release(self, rid) -> None:
         self.calibration.release(rid)
         self._ar_rounds.pop(rid, None)
+        self._held.discard(rid)
