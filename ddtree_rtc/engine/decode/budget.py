@@ -9,8 +9,9 @@ maximises the batch's expected tokens per second of round time:
   ``expected_tokens``: one elementwise pass and a cumsum over the build's scores, on the device).
 - **Calibration** (``Calibration``). The product of marginals is biased, so every node's P is scaled
   by a per-depth factor (measured reach of depth d over predicted reach, the predicted reach of a
-  depth being the sum of P over its nodes, which are exclusive events) and a per-request factor
-  (measured over predicted accepted nodes), both online, decayed, and shrunk toward 1 with a prior.
+  depth being the sum of P over its nodes, which are exclusive events; compounding with depth) and
+  a per-request factor (measured over predicted accepted nodes), both online and decayed; the
+  policy uses them once they are past noise, and probes optimistically where nothing is measured.
 - **The cost of a round** (``CostModel``): fixed and draft seconds per batch size and the verify
   as a function of the batch's verified rows in all, the distinct nodes among them (the MoE
   fan-out: N distinct tokens touch ``384 (1 - (1 - 8/384)^N)`` experts per layer) and the context.
