@@ -1,9 +1,9 @@
 """The model runner: every target forward the engine makes, planned into device buffers that are
 kept per shape and, with ``graphs`` (CUDA backend), replayed as CUDA graphs.
 
-A shape is the key (batch, tokens per request, tree or causal):
+A shape is a key (batch, rows, rows per request at most; 0 for causal):
 
-- ``(B, 1, causal)``: an autoregressive decode step (``decode``).
+- ``(B, 1, 0)``: an autoregressive decode step (``decode``).
 - ``(B, T, width)``: a speculative round's verify of T rows in all, packed: request b's
   ``[root, nodes]`` (its own row count, at most ``width``), the requests one after another
   (``plan_tree`` -> ``fill_tree`` -> ``verify``). T is a bucket that holds the batch's rows; the
