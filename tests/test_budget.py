@@ -16,7 +16,7 @@ from ddtree_rtc.engine.decode.budget import (
     expected_tokens,
     experts_touched,
     node_values,
-    slot_buckets,
+    row_buckets,
 )
 from ddtree_rtc.reference.topk import topk_logprobs
 from ddtree_rtc.reference.tree_build import tree_build
@@ -34,11 +34,14 @@ def build(logits, budget=MAX):
 
 class OracleSim:
     """One request's oracle rounds: its tree (the template's) and, per round, which nodes the walk
-    reaches (a reached node's ancestors are reached; at most one node per depth)."""
+    reaches (a reached node's ancestors are reached; at most one node per depth). ``true_p``: the
+    walk follows another rank-0 probability than the drafter's (a miscalibrated drafter)."""
 
-    def __init__(self, p=None, table=None, seed=0):
+    def __init__(self, p=None, table=None, seed=0, true_p=None):
         self.od = OracleDrafter(None, VOCAB, DEPTH, None, accept_p=p, table=table, seed=seed)
         self.tree = build(self.od._template[None])
+        if true_p is not None:  # the same ranks (seed), another law
+            self.od = OracleDrafter(None, VOCAB, DEPTH, None, accept_p=true_p, seed=seed)
         rank = np.empty_like(self.od._order)
         for d in range(DEPTH):
             rank[d, self.od._order[d]] = np.arange(VOCAB)
@@ -83,7 +86,7 @@ def moe_cost(draft=2e-3, fixed=1e-3):
     return CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=draft, fixed_s=fixed)
 
 
-def run_oracle(sims, rounds, budget="auto", cost=None, buckets=None):
+def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False):
     """Tokens, modelled seconds, and per-round (predicted, measured) tokens over ``rounds``
     rounds of the batch ``sims`` (one OracleSim per request), at a fixed budget or auto; ``.exact``
     on the returned auto (or the 6th value): the exact expected tokens of the cuts made (the oracle
@@ -98,16 +101,15 @@ def run_oracle(sims, rounds, budget="auto", cost=None, buckets=None):
         n = len(s.depth)
         raw[i, 1:n] = np.exp(s.tree.scores[0, 1:n])
         depth[i, :n] = s.depth
-    auto = AutoBudget(MAX, DEPTH, cost, buckets=buckets) if budget == "auto" else None
+    auto = AutoBudget(MAX, DEPTH, cost, bucketed=bucketed) if budget == "auto" else None
     tokens = seconds = exact = 0.0
     pred, meas = [], []
     rids = list(range(b))
     for r in range(rounds):
         if auto is None:
             k = DEPTH if budget == "chain" else budget
-            counts = np.full(b, k)
-            slots, drafted = k + 1, True
-            sec = cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b, slots, b * slots))
+            counts, drafted = np.full(b, k), True
+            sec = cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b * (k + 1), b * (k + 1), b))
         elif auto.should_draft(rids):
             w = auto.weights(rids)
             vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth,
@@ -184,28 +186,49 @@ def test_free_nodes_give_max_budget_and_dear_nodes_give_a_chain_or_ar(rng):
     free = CostModel(verify=((1, 1e-3), (10**6, 1e-3)))
     confident = OracleSim(p=0.95)
     vals = np.exp(confident.tree.scores[0, 1:])[None].repeat(3, 0)
-    c = choose(vals, np.full(3, MAX), free, slot_buckets(MAX))
-    assert c.counts.tolist() == [MAX] * 3 and c.slots == MAX + 1
+    c = choose(vals, np.full(3, MAX), free, row_buckets(3, MAX + 1))
+    assert c.counts.tolist() == [MAX] * 3 and c.rows == 3 * (MAX + 1)
     # nodes dear (each row costs as much as the fixed work): a confident drafter gets its top-1 path
     dear = CostModel(verify=((1, 1e-3), (2, 2e-3)), fixed=((1, 1e-3),))
-    c = choose(vals, np.full(3, MAX), dear, range(MAX + 1))
+    c = choose(vals, np.full(3, MAX), dear, range(3, 3 * MAX + 4))
     assert 1 <= c.counts.min() and c.counts.max() <= DEPTH
     n = int(c.counts[0])
     assert confident.depth[1:n + 1].tolist() == list(range(1, n + 1))  # a chain
     assert all(confident.rank[j] == 0 for j in range(1, n + 1))
     # an uncertain drafter under the same costs: nothing pays, autoregressive
     tree = build(rng.standard_normal((3, DEPTH, VOCAB)).astype(np.float32))
-    c = choose(np.exp(tree.scores[:, 1:]), np.full(3, MAX), dear, range(MAX + 1))
-    assert c.counts.tolist() == [0, 0, 0] and c.slots == 1
+    c = choose(np.exp(tree.scores[:, 1:]), np.full(3, MAX), dear, range(3, 3 * MAX + 4))
+    assert c.counts.tolist() == [0, 0, 0] and c.rows == 3
     # caps hold
-    c = choose(vals, np.array([0, 5, MAX]), free, slot_buckets(MAX))
-    assert c.counts.tolist() == [0, 5, MAX]
+    c = choose(vals, np.array([0, 5, MAX]), free, row_buckets(3, MAX + 1))
+    assert c.counts.tolist() == [0, 5, MAX] and c.rows == 96  # the smallest row bucket holding 3 + 5 + 64
+
+
+def test_row_buckets():
+    assert row_buckets(1, MAX + 1) == (1, 8, 16, 24, 32, 48, 64, 65)
+    assert row_buckets(10, MAX + 1) == (10, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 650)
+    assert row_buckets(4, 1) == (4,)
+    for b, w in ((1, 8), (3, 17), (13, 65)):
+        t = row_buckets(b, w)
+        assert t[0] == b and t[-1] == b * w and all(x < y <= max(x * 1.5, x + 8) for x, y in zip(t, t[1:]))
+
+
+def test_the_verify_is_priced_by_the_packed_rows():
+    """Unequal counts cost the rows they take: a cheap request's nodes are not paid for in the
+    others' slots. Of two requests, one confident and one not, auto verifies the first's nodes
+    alone (rows = 2 roots + its nodes), which a verify padded to batch x slots would price double."""
+    sims = [OracleSim(p=0.9), OracleSim(p=0.05, seed=3)]
+    vals = np.stack([np.exp(s.tree.scores[0, 1:]) for s in sims])
+    cost = CostModel(verify=((1, 1e-3), (200, 1e-3 + 199e-4)), fixed=((1, 1e-3),))
+    c = choose(vals, np.full(2, MAX), cost, range(2, 2 * MAX + 3))
+    assert c.counts[1] == 0 and c.counts[0] >= 3 and c.rows == 2 + c.counts[0]
+    assert c.verify_s == pytest.approx(float(cost.verify_s(c.rows, c.rows, 2)))
 
 
 def test_mixed_batch_confident_requests_get_more_nodes():
     sims = [OracleSim(p=0.9), OracleSim(p=0.3, seed=4)]
     vals = np.stack([np.exp(s.tree.scores[0, 1:]) for s in sims])
-    c = choose(vals, np.full(2, MAX), moe_cost(), range(MAX + 1))
+    c = choose(vals, np.full(2, MAX), moe_cost(), range(2, 2 * MAX + 3))
     assert c.counts[0] > c.counts[1]
     assert c.expected[0] > c.expected[1]
 
@@ -214,7 +237,7 @@ def test_mixed_batch_confident_requests_get_more_nodes():
 def test_calibrated_tau_tracks_measured_tau_over_2000_oracle_rounds(name):
     cheap = CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 1e-6, draft_s=1e-3)  # trees pay at p=0.4
     tokens, seconds, pred, meas, auto, _ = run_oracle([OracleSim(**PROFILES[name], seed=i) for i in range(2)], 1000,
-                                                      cost=cheap, buckets=slot_buckets(MAX))
+                                                      cost=cheap, bucketed=True)
     assert len(pred) >= 1000 and 2 * len(pred) >= 2000  # request-rounds with a prediction
     err = abs(pred.sum() - meas.sum()) / meas.sum()
     assert err < 0.05, (name, pred.sum() / len(pred) / 2, meas.sum() / len(meas) / 2)
@@ -226,29 +249,63 @@ def test_calibrated_tau_tracks_measured_tau_over_2000_oracle_rounds(name):
 FIXED = (*range(10), 12, 16, 32, 64, "chain")
 
 
-def compare(mk, rounds=300):
-    """Auto's and every fixed budget's tokens per modelled second: exactly (the expected tokens of
-    the cuts made, under the oracle's law) and as sampled (the same draws for every run, so sampled
-    figures differ by the choices alone)."""
-    tok, sec, *_, exact = run_oracle(mk(), rounds, buckets=range(MAX + 1))
+def compare(mk, rounds=300, **auto_kw):
+    """Auto's tokens per modelled second over the best fixed budget's (chain included), the best
+    being the one with the most expected tokens per second: exactly (the expected tokens of the cuts
+    made, under the oracle's law: no sampling noise) and as sampled (the same draws for every run,
+    so the two sampled figures differ by the choices alone; the best of 15 sampled figures would be
+    the luckiest, not the best budget). Returns (exact ratio, sampled ratio, the best fixed)."""
+    tok, sec, *_, exact = run_oracle(mk(), rounds, **auto_kw)
     runs = {k: run_oracle(mk(), rounds, budget=k) for k in FIXED}
-    return (exact / sec, max(r[5] / r[1] for r in runs.values()),
-            tok / sec, max(r[0] / r[1] for r in runs.values()))
+    best = max(runs, key=lambda k: runs[k][5] / runs[k][1])
+    r = runs[best]
+    return (exact / sec) / (r[5] / r[1]), (tok / sec) / (r[0] / r[1]), best
 
 
 def test_auto_beats_every_fixed_budget_on_a_mixed_batch():
     """Requests of four acceptance profiles in one batch: every fixed budget is wrong for some."""
     names = sorted(PROFILES)
-    auto, best, auto_s, best_s = compare(lambda: [OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)])
-    assert auto >= best and auto_s >= best_s, (auto, best, auto_s, best_s)
+    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)])
+    print(f"\nmixed batch: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    assert exact > 1.02 and sampled > 1.02, (exact, sampled, best)
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))
-def test_auto_matches_the_best_fixed_budget_on_one_profile(name):
-    """A batch of one profile: every round looks the same, so the best fixed budget is the most
-    auto can reach; auto ties it up to what its estimates cost while they settle (< 1%)."""
-    auto, best, auto_s, best_s = compare(lambda: [OracleSim(**PROFILES[name], seed=10 + i) for i in range(4)])
-    assert auto >= 0.995 * best and auto_s >= 0.99 * best_s, (name, auto, best, auto_s, best_s)
+def test_auto_is_at_least_the_best_fixed_budget_on_one_profile(name):
+    """A batch of one profile: every round looks the same, so the best fixed budget is the most auto
+    can reach unless it may skip the draft (p0.4: nothing pays). The calibration's gate keeps the
+    drafter's (here right) probabilities until the evidence says otherwise, so auto settles on the
+    best count at once and stays there (without the gate it wanders with the luck of the last
+    rounds: 0.9985x at p0.9)."""
+    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[name], seed=10 + i) for i in range(4)])
+    print(f"\n{name}: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    assert exact >= 1 - 1e-9 and sampled >= 1 - 1e-9, (name, exact, sampled, best)
+
+
+MISCALIBRATED = {"over 0.9/0.7": dict(p=0.9, true_p=0.7), "under 0.6/0.85": dict(p=0.6, true_p=0.85),
+                 "under 0.7/0.9": dict(p=0.7, true_p=0.9)}
+
+
+@pytest.mark.parametrize("name", sorted(MISCALIBRATED))
+def test_a_miscalibrated_drafter_is_found_out(name):
+    """The drafter's probabilities are off (its rank-0 p against the walk's): auto learns the bias
+    from the verified nodes (an underconfident drafter through its probes and the compounding
+    depth factors) and ends near the best fixed budget, having paid for the rounds it took to learn
+    (figures per 1000 rounds; no bound of 1 here: the fixed budget is best in hindsight)."""
+    exact, sampled, best = compare(lambda: [OracleSim(**MISCALIBRATED[name], seed=10 + i) for i in range(4)], 1000)
+    print(f"\n{name}: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    assert exact > 0.96, (name, exact, sampled, best)
+
+
+def test_without_the_gate_auto_wanders_below_the_best_fixed_budget(monkeypatch):
+    """The same comparison with the calibration following every estimate (gate 0): the test above
+    can fail, and this is how."""
+    from ddtree_rtc.engine.decode import budget
+
+    init = budget.Calibration.__init__
+    monkeypatch.setattr(budget.Calibration, "__init__", lambda self, depth, **kw: init(self, depth, gate=0.0))
+    exact, _, best = compare(lambda: [OracleSim(**PROFILES["p0.9"], seed=10 + i) for i in range(4)])
+    assert exact < 1 - 1e-4, (exact, best)
 
 
 def test_auto_beats_every_fixed_budget_with_the_random_drafter():
@@ -259,9 +316,9 @@ def test_auto_beats_every_fixed_budget_with_the_random_drafter():
     for k in (0, 1, 4, 16, 64):
         tok = sum(int(acc[i, :k + 1].sum()) for t, acc in trees for i in range(b)
                   if True) if k else rounds * b
-        sec = rounds * (cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b, k + 1, b * (k + 1))))
+        sec = rounds * (cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b * (k + 1), b * (k + 1), b)))
         fixed[k] = tok / sec
-    auto = AutoBudget(MAX, DEPTH, cost, buckets=slot_buckets(MAX))
+    auto = AutoBudget(MAX, DEPTH, cost, bucketed=True)
     tok = sec = 0.0
     rids = list(range(b))
     for t, acc in trees:
@@ -277,6 +334,8 @@ def test_auto_beats_every_fixed_budget_with_the_random_drafter():
             auto.observe(rids, None, None, ch, got, False)
         tok += got.sum()
         sec += ch.seconds
+    best = max(fixed, key=fixed.get)
+    print(f"\nrandom drafter: auto / best fixed ({best}) = {tok / sec / fixed[best]:.4f} sampled")
     assert tok / sec >= max(fixed.values()), (tok / sec, fixed)
     assert auto.stats.skipped_drafts > auto.stats.drafted_rounds  # mostly plain AR, with probes
 
@@ -286,7 +345,7 @@ def test_cost_model_json_and_bench_rows(tmp_path):
     p = tmp_path / "cost.json"
     p.write_text(json.dumps(m.to_json()))
     back = CostModel.load(p)
-    assert float(back.verify_s(4, 9, 20)) == pytest.approx(float(m.verify_s(4, 9, 20)))
+    assert float(back.verify_s(36, 20, 4)) == pytest.approx(float(m.verify_s(36, 20, 4)))
     assert back.draft_s(3) == m.draft_s(3)
     rows = {"rows": [{"batch": 1, "budget": 8, "verify_us": 900.0, "fixed_us": 300.0, "ctx": 1024},
                      {"batch": 4, "budget": 16, "verify_us": 2000.0, "ctx": 1024},
@@ -327,8 +386,8 @@ def test_bad_input_is_named(tmp_path):
     p.write_text(json.dumps({"verify": [[1, 1e-3]], "expert": 1}))
     with pytest.raises(BudgetError, match="unknown key"):
         CostModel.load(p)
-    with pytest.raises(BudgetError, match="buckets"):
-        AutoBudget(8, DEPTH, moe_cost(), buckets=(1, 2, 9))
+    with pytest.raises(BudgetError, match="no verify row bucket holds the 3 roots"):
+        choose(np.ones((3, 8)), [8] * 3, moe_cost(), (1, 2))
 
 
 def test_calibration_learns_a_depth_bias():

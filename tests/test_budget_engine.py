@@ -18,11 +18,21 @@ FREE = CostModel(verify=((1, 1e-3), (10**6, 1e-3)))
 DEAR = CostModel(verify=((1, 1e-3), (2, 2e-3)), fixed=((1, 1e-3),), draft=((1, 1e-4),))
 
 
-def run(tiny, ps, new, drafter=None, cost=MOE, max_batch=4, mode_budget="auto", **req):
+def run(tiny, ps, new, drafter=None, cost=MOE, max_batch=4, mode_budget="auto", plans=None, **req):
+    """``plans``: a list that gets (rows per request, verify rows) of every verify planned."""
     mode = "autoregressive" if drafter is None else "ddtree"
     cost = None if cost is None else CostModel.from_dict(cost.to_json())  # a fresh copy per engine
     eng = Engine(tiny, max_batch=max_batch, page_size=16, max_context=128, mode=mode, drafter=drafter,
                  budget=mode_budget if drafter is not None else 64, max_budget=MAX, cost=cost)
+    if plans is not None:
+        plan = eng.runner.plan_tree
+
+        def record(*a, **kw):
+            step = plan(*a, **kw)
+            plans.append((step.rows.tolist(), step.total))
+            return step
+
+        eng.runner.plan_tree = record
     reqs = [Request(i, p, new[i] if isinstance(new, list) else new, **{k: v[i] for k, v in req.items()})
             for i, p in enumerate(ps)]
     out = eng.run(reqs)
@@ -41,8 +51,13 @@ def test_auto_is_lossless_at_t0_with_the_oracle_on_a_mixed_batch(tiny, cont, pro
     ps = prompts(31, (4, 9, 17, 6, 11))
     new = [10, 5, 9, 3, 8]
     _, want = run(tiny, ps, new, max_batch=3)
-    eng, got = run(tiny, ps, new, oracle(tiny, cont, **profile), max_batch=3, budget=[None, 0, 3, None, 16])
+    plans = []
+    eng, got = run(tiny, ps, new, oracle(tiny, cont, **profile), max_batch=3, budget=[None, 0, 3, None, 16],
+                   plans=plans)
     assert got == want
+    # the verify packs unequal trees, a root alone (autoregressive) among them, with no padding (eager)
+    assert all(total == sum(rows) for rows, total in plans)
+    assert any(1 in rows and max(rows) > 1 and len(set(rows)) >= 2 for rows, _ in plans)
     st = eng.round.auto.stats
     assert st.drafted_rounds + st.skipped_drafts > 0
     assert max(st.counts_hist) <= MAX
@@ -108,8 +123,11 @@ def test_predicted_and_measured_tau_are_reported(tiny, cont):
 
 def test_warm_up_measures_the_costs_it_chooses_by(tiny, cont):
     """The CUDA warm-up path, run on numpy (a cost model marked measured and empty): at the first
-    drafted round every bucket's verify is timed (full tree and roots alone) and the draft and the
-    rest of the round are timed afterwards; the ids stay autoregressive decoding's."""
+    drafted round every row bucket's verify is timed (the trees cut to fill it and the roots alone)
+    and the draft and the rest of the round are timed afterwards; the ids stay autoregressive
+    decoding's."""
+    from ddtree_rtc.engine.decode.budget import row_buckets
+
     ps = prompts(7, (6, 9))  # the prompts of the free / dear test (their continuations are cached)
     _, want = run(tiny, ps, 10)
     cost = CostModel(draft=(), fixed=(), measured=True, source="warm-up")
@@ -118,7 +136,7 @@ def test_warm_up_measures_the_costs_it_chooses_by(tiny, cont):
     got = [r.output for r in eng.run([Request(i, p, 10) for i, p in enumerate(ps)])]
     assert got == want
     auto = eng.round.auto
-    assert auto.cost is cost and [x for x, _ in cost.verify] == [2.0 * (k + 1) for k in range(5)]
+    assert auto.cost is cost and [x for x, _ in cost.verify] == list(map(float, row_buckets(2, 5)))
     assert all(t > 0 for _, t in cost.verify) and cost.draft_s(2) > 0 and cost.expert_s >= 0
     assert auto.stats.drafted_rounds > 0
 
@@ -162,10 +180,10 @@ def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, 
     """budget auto on the CUDA backend (eager or CUDA graphs; the verify costs measured at the first
     drafted round, or a given table) gives CUDA autoregressive ids up to the first near-tie of the
     autoregressive run's own logits (tests/test_round_gpu.py explains the comparison); with graphs,
-    every verify shape captured is a bucket's."""
+    every verify shape captured is a row bucket's."""
     from test_round_gpu import assert_agree, copies, dense_tiny_config, oracle_of, pick_clear, pool_requests, run_engine
 
-    from ddtree_rtc.engine.decode.budget import slot_buckets
+    from ddtree_rtc.engine.decode.budget import row_buckets
     from ddtree_rtc.model.make_model import make_model
 
     d = tmp_path_factory.mktemp("tiny_dense_auto")
@@ -183,7 +201,8 @@ def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, 
     assert auto.stats.drafted_rounds > 0 and auto.cost.verify
     assert (auto.cost.source == "warm-up") == (table is None)
     if table is None:  # every bucket measured, the fan-out slope and the draft's seconds too
-        assert len(auto.cost.verify) >= len(slot_buckets(MAX) if graphs else range(MAX + 1)) - 1
+        measured = {x for x, _ in auto.cost.verify}
+        assert any(measured >= set(map(float, row_buckets(b, MAX + 1))) for b in range(1, 5))
         assert auto.cost.draft_s(4) > 0
     if graphs:
-        assert {key[1] - 1 for key in eng.runner._shapes if key[2]} <= set(slot_buckets(MAX))
+        assert all(key[1] in row_buckets(key[0], MAX + 1) for key in eng.runner._shapes if key[2])

@@ -89,7 +89,7 @@ class Engine:
         self.scheduler = Scheduler(max_batch, self.pages, tail=self.decoder.tail)
 
     def _auto_budget(self, mode: str, drafter, max_budget: int, cost, graphs: bool):
-        from .decode.budget import AutoBudget, BudgetError, slot_buckets
+        from .decode.budget import AutoBudget, BudgetError
 
         if mode != "ddtree":
             raise BudgetError(f"decode.budget auto needs mode 'ddtree' (chain is one of the trees it chooses "
@@ -101,9 +101,8 @@ class Engine:
         if cost is None and not self.backend.is_cuda:
             raise BudgetError("decode.budget auto on the numpy backend needs decode.cost_table (a verify cost "
                               "table, engine/decode/budget.py): only the CUDA backend measures one at warm-up")
-        # with CUDA graphs a verify shape is a captured graph: a few buckets; eagerly any count is one
-        return AutoBudget(max_budget, drafter.depth, cost,
-                          buckets=slot_buckets(max_budget) if graphs else range(max_budget + 1))
+        # with CUDA graphs a verify shape is a captured graph: a few row buckets; eagerly any row count is one
+        return AutoBudget(max_budget, drafter.depth, cost, bucketed=graphs)
 
     @property
     def context_limit(self) -> int:

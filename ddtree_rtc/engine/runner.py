@@ -1,13 +1,16 @@
 """The model runner: every target forward the engine makes, planned into device buffers that are
 kept per shape and, with ``graphs`` (CUDA backend), replayed as CUDA graphs.
 
-A shape is the key (batch, tokens per request, tree or causal):
+A shape is a key (batch, rows, rows per request at most; 0 for causal):
 
-- ``(B, 1, causal)``: an autoregressive decode step (``decode``).
-- ``(B, 1 + budget, tree)``: a speculative round's verify over every request's ``[root, nodes]``
-  (``plan_tree`` -> ``fill_tree`` -> ``verify``). The host half (cache slots, attention plan) runs
-  before the round's draft is enqueued. The tree's tokens, positions and ancestor mask then go from
-  ``TreeArrays`` into the shape's input buffers on the device, so the mask never visits the host.
+- ``(B, 1, 0)``: an autoregressive decode step (``decode``).
+- ``(B, T, width)``: a speculative round's verify of T rows in all, packed: request b's
+  ``[root, nodes]`` (its own row count, at most ``width``), the requests one after another
+  (``plan_tree`` -> ``fill_tree`` -> ``verify``). T is a bucket that holds the batch's rows; the
+  rows past a request's tree are padding, copies of its root (``fill_tree``). The host half (cache
+  slots, attention plan, the row -> (request, slot) map) runs before the tree is on the device.
+  The tree's tokens, positions and ancestor mask then go from ``TreeArrays`` into the shape's input
+  buffers on the device, so the mask never visits the host.
 - Prefill is ragged and runs eagerly (``prefill``).
 
 A shape keeps one graph per output kind: the logits, or on several ranks their argmax merged across
@@ -43,8 +46,11 @@ class _Shape:
     inputs: StepInputs
     moe_plan: Any
     pool: Any  # cupy.cuda.MemoryPool of the shape's intermediates (None on numpy / without graphs)
-    mask: Any = None  # uint64 [B * n, words] tree mask buffer (tree shapes)
-    self_bits: Any = None  # uint64 [n, words]: slot s sees only itself (unused tree slots)
+    mask: Any = None  # uint64 [T, words] tree mask buffer (tree shapes)
+    self_bits: Any = None  # uint64 [width, words]: slot s sees only itself (padding rows)
+    row_req: Any = None  # int32 [T]: the request of each verify row (tree shapes)
+    row_slot: Any = None  # int32 [T]: its tree slot (0 = the root)
+    pick: Any = None  # int32 [B, width]: the row of request b's slot j, -1 past its rows
     # per output kind ('logits', or 'argmax' on several ranks): the captured graph, its output
     # buffers and the collectives one replay runs (CommStats)
     graphs: dict = field(default_factory=dict)
@@ -56,11 +62,18 @@ class _Shape:
 class TreeStep:
     """A planned verify forward: the shape's buffers, for ``fill_tree`` and ``verify``."""
 
-    key: tuple
+    key: tuple  # (B, T, width)
     seq_ids: list
     prefix: np.ndarray  # host int64 [B]: committed tokens (the root's cache position)
     prefix_dev: Any  # backend int32 [B]
     inputs: StepInputs
+    rows: np.ndarray = None  # host int64 [B]: verify rows of each request (its tree and padding)
+    q_start: np.ndarray = None  # host int64 [B]: the row of each request's root
+    row_req: np.ndarray = None  # host int64 [T]: the request (index) of each row
+
+    @property
+    def total(self) -> int:
+        return self.key[1]
 
 
 class ModelRunner:
@@ -79,8 +92,9 @@ class ModelRunner:
     def __len__(self) -> int:
         return sum(len(s.graphs) for s in self._shapes.values())
 
-    def graph_of(self, batch_size: int, tokens: int = 1, tree: bool = False, output: str = "logits"):
-        """The captured graph of a shape (KeyError before its first forward)."""
+    def graph_of(self, batch_size: int, tokens: int = 1, tree: int = 0, output: str = "logits"):
+        """The captured graph of a shape (KeyError before its first forward): a decode step's
+        ``(B, 1, 0)``, a verify's ``(B, T rows, width)``."""
         g = self._shapes[(batch_size, tokens, tree)].graphs.get(output)
         if g is None:
             raise KeyError(f"shape {(batch_size, tokens, tree)} has no captured {output} graph (graphs={self.graphs})")
@@ -93,8 +107,11 @@ class ModelRunner:
         return self.model.forward(batch, self.cache, output=output, hidden_layers=hidden_layers)
 
     # -- shapes --------------------------------------------------------------------------------
-    def _shape(self, b: int, n: int, tree: bool) -> _Shape:
-        key = (b, n, tree)
+    def _shape(self, b: int, t: int, width: int) -> _Shape:
+        """The buffers of a decode step (``width`` 0; keyed ``(b, 1, 0)``) or of a verify of ``t``
+        rows with at most ``width`` per request (keyed ``(b, t, width)``; the template spreads the
+        rows as ``plan_tree`` would, every later plan is written into it)."""
+        key = (b, 1, 0) if not width else (b, t, width)
         s = self._shapes.get(key)
         if s is not None:
             return s
@@ -109,26 +126,32 @@ class ModelRunner:
             pool = cupy.cuda.MemoryPool()
             ctx = cupy.cuda.using_allocator(pool.malloc)
         with ctx:
-            worst = np.full(b, self.max_context - n, dtype=np.int64)
-            num_new = np.full(b, n, np.int64)
-            mask = self_bits = None
-            if tree:
-                words = mask_words(n - 1)
-                bits = np.zeros((n, words), np.uint64)
-                bits[np.arange(n), np.arange(n) // 64] = np.uint64(1) << (np.arange(n) % 64).astype(np.uint64)
+            num_new = spread_rows(np.ones(b, np.int64), width, t) if width else np.ones(b, np.int64)
+            total = int(num_new.sum())
+            worst = self.max_context - num_new
+            mask = self_bits = row_req = row_slot = pick = None
+            if width:
+                words = mask_words(width - 1)
+                bits = np.zeros((width, words), np.uint64)
+                col = np.arange(width)
+                bits[col, col // 64] = np.uint64(1) << (col % 64).astype(np.uint64)
                 self_bits = be.asarray(bits)
-                mask = be.asarray(np.tile(bits, (b, 1)))  # a valid mask until the first fill
-            pos = np.concatenate([np.arange(c, c + n) for c in worst]).astype(np.int32)
-            rows = None if tree else np.arange(b)
+                slot = np.concatenate([np.arange(n) for n in num_new])
+                mask = be.asarray(bits[slot])  # a valid mask until the first fill
+                row_req, row_slot = be.zeros((total,), "int32"), be.zeros((total,), "int32")
+                pick = be.zeros((b, width), "int32")
+            pos = np.concatenate([np.arange(c, c + n) for c, n in zip(worst, num_new)]).astype(np.int32)
+            rows = None if width else np.arange(b)
             table = np.zeros((b, self.page_width), np.int32)  # page 0 stands in: only capacity matters
             plan = be.mla_attention_plan(worst, num_new, table, model.dims.num_heads, self.cache.page_size,
                                          self.cache.num_pages, mask, check_mask=False, replay=True,
-                                         split=model.attention_split(b * n))
-            inputs = StepInputs(ForwardBatch([None] * b, worst, num_new, np.zeros(b * n, np.int32), pos),
-                                be.asarray(np.zeros(b * n, np.int32)), be.asarray(pos),
-                                be.zeros((b * n,), "int32"), plan,
+                                         split=model.attention_split(total))
+            inputs = StepInputs(ForwardBatch([None] * b, worst, num_new, np.zeros(total, np.int32), pos),
+                                be.asarray(np.zeros(total, np.int32)), be.asarray(pos),
+                                be.zeros((total,), "int32"), plan,
                                 None if rows is None else be.asarray(rows.astype(np.int64)))
-            s = self._shapes[key] = _Shape(inputs, model.moe_plan(b * n), pool, mask, self_bits)
+            s = self._shapes[key] = _Shape(inputs, model.moe_plan(total), pool, mask, self_bits, row_req, row_slot,
+                                           pick)
         return s
 
     def _run(self, s: _Shape, hidden_layers, output: str = "logits") -> ForwardOutput:
@@ -174,44 +197,81 @@ class ModelRunner:
         pick = "tokens" if output == "argmax" else "logits"
         if not self.graphs:
             return getattr(self.model.forward(batch, self.cache, output=output), pick)
-        s = self._shape(len(batch.seq_ids), 1, False)
+        s = self._shape(len(batch.seq_ids), 1, 0)
         s.inputs = self.model.prepare(batch, self.cache, into=s.inputs, page_width=self.page_width)
         return getattr(self._run(s, (), output), pick)
 
     # -- tree verify ---------------------------------------------------------------------------
-    def plan_tree(self, seq_ids, prefix, n: int) -> TreeStep:
-        """The host half of a verify forward over ``n`` = 1 + budget slots per request, request b's
-        slot j at cache position prefix[b] + j: cache slots and the attention plan, written into the
-        shape's buffers. No device sync; the tree's contents come later (``fill_tree``)."""
+    def plan_tree(self, seq_ids, prefix, rows, width: int | None = None, total: int | None = None) -> TreeStep:
+        """The host half of a verify forward. ``rows``: an int (every request) or ``[B]`` ints, the
+        rows request b verifies (its root and nodes, at cache positions prefix[b] + 0, 1, ...);
+        ``width``: the most rows a request may take (the tree buffers' slots, the cache rows reserved
+        past its prefix; default the largest of ``rows``); ``total``: the verify's rows, a bucket of
+        at least their sum (default the sum): the extra rows go to the requests' spare slots, in
+        request order (``spread_rows``), as padding. Writes the cache slots, the attention plan and
+        the row -> (request, slot) map into the shape's buffers. No device sync; the tree's contents
+        come later (``fill_tree``)."""
         model, be, cache = self.model, self.model.backend, self.cache
         prefix = np.asarray(prefix, np.int64)
         b = len(seq_ids)
-        s = self._shape(b, n, True)
-        num_new = np.full(b, n, np.int64)
-        slots = np.concatenate([cache.allocator.slots(r, np.arange(p, p + n)) for r, p in zip(seq_ids, prefix)])
+        rows = np.broadcast_to(np.asarray(rows, np.int64), (b,))
+        width = int(rows.max()) if width is None else int(width)
+        total = int(rows.sum()) if total is None else int(total)
+        num_new = spread_rows(rows, width, total)
+        s = self._shape(b, total, width)
+        q_start = np.cumsum(num_new) - num_new
+        row_req = np.repeat(np.arange(b), num_new)
+        row_slot = np.arange(total) - q_start[row_req]
+        pick = np.full((b, width), -1, np.int64)
+        pick[row_req, row_slot] = np.arange(total)
+        slots = np.concatenate([cache.allocator.slots(r, np.arange(p, p + n))
+                                for r, p, n in zip(seq_ids, prefix, num_new)])
         plan = be.mla_attention_plan(prefix, num_new, cache.allocator.page_table(seq_ids, self.page_width),
                                      model.dims.num_heads, cache.page_size, cache.num_pages, s.mask,
                                      check_mask=False, into=s.inputs.plan)
-        be.copy_in(s.inputs.slots, slots.astype(np.int32))
+        for dst, src in ((s.inputs.slots, slots), (s.row_req, row_req), (s.row_slot, row_slot), (s.pick, pick)):
+            be.copy_in(dst, src.astype(np.int32))
         s.inputs = StepInputs(ForwardBatch(list(seq_ids), prefix, num_new, None, None, s.mask),
                               s.inputs.tokens, s.inputs.positions, s.inputs.slots, plan, None)
-        return TreeStep((b, n, True), list(seq_ids), prefix, be.asarray(prefix.astype(np.int32)), s.inputs)
+        return TreeStep((b, total, width), list(seq_ids), prefix, be.asarray(prefix.astype(np.int32)), s.inputs,
+                        num_new, q_start, row_req)
 
     def fill_tree(self, step: TreeStep, tree) -> None:
-        """Device copy of ``tree`` (TreeArrays with n slots per request) into the step's inputs.
-        Slots past a tree's nodes verify the root's token at the root's position seeing only
-        themselves (their rows are written past the prefix and never read): copies of the root, so
-        they route to the root's experts and add no MoE weight traffic (engine/decode/budget.py)."""
+        """Device copy of ``tree`` (TreeArrays with at least ``width`` slots per request) into the
+        step's inputs: row r gets slot ``row_slot[r]`` of request ``row_req[r]``. Rows past a tree's
+        nodes (``num_nodes``) verify the root's token at the root's position seeing only themselves
+        (their KV rows are written past the prefix and never read): copies of the root, so they
+        route to the root's experts and add no MoE weight traffic (engine/decode/budget.py)."""
         s = self._shapes[step.key]
         xp = self.model.backend.xp
-        b, n, _ = step.key
-        used = xp.arange(n, dtype=xp.int32)[None, :] < tree.num_nodes[:, None]
-        s.inputs.tokens[...] = xp.where(used, tree.tokens, tree.tokens[:, :1]).reshape(-1)
-        s.inputs.positions[...] = xp.where(used, tree.positions, step.prefix_dev[:, None]).reshape(-1)
-        s.mask[...] = xp.where(used[:, :, None], tree.mask, s.self_bits[None]).reshape(b * n, -1)
+        req, slot = s.row_req, s.row_slot
+        used = slot < tree.num_nodes[req]
+        words = s.mask.shape[1]
+        s.inputs.tokens[...] = xp.where(used, tree.tokens[req, slot], tree.tokens[req, 0])
+        s.inputs.positions[...] = xp.where(used, tree.positions[req, slot], step.prefix_dev[req])
+        s.mask[...] = xp.where(used[:, None], tree.mask[req, slot, :words], s.self_bits[slot])
+
+    def per_slot(self, step: TreeStep, values, fill=-1):
+        """``values`` [T] of the verify's rows -> [B, width]: slot j of request b, ``fill`` past its
+        rows (on the device, no sync)."""
+        s = self._shapes[step.key]
+        xp = self.model.backend.xp
+        return xp.where(s.pick >= 0, values[xp.maximum(s.pick, 0)], fill).astype(values.dtype, copy=False)
 
     def verify(self, step: TreeStep, output: str = "logits") -> ForwardOutput:
-        """Logits [B * n, V] of every slot (or their argmax, ``output='argmax'``) and the hidden
+        """Logits [T, V] of every row (or their argmax, ``output='argmax'``) and the hidden
         states at ``hidden_layers`` (with graphs: the graph's buffers, valid until the next verify
         of the shape)."""
         return self._run(self._shapes[step.key], self.hidden_layers, output)
+
+
+def spread_rows(rows, width: int, total: int) -> np.ndarray:
+    """Rows per request of a verify of ``total`` rows: ``rows`` [B] (each >= 1) plus the padding
+    ``total - sum(rows)``, given to the requests in order, each up to ``width`` rows."""
+    rows = np.asarray(rows, np.int64)
+    extra = int(total) - int(rows.sum())
+    if (rows < 1).any() or (rows > width).any() or extra < 0 or extra > int((width - rows).sum()):
+        raise ValueError(f"a verify of {total} rows cannot hold rows {rows.tolist()} at most {width} per request")
+    room = width - rows
+    before = np.cumsum(room) - room
+    return rows + np.clip(extra - before, 0, room)

@@ -324,8 +324,11 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
         dev_mask = cupy.asarray(host_mask)
     # Room for any plan of this batch shape: one item per query tile plus one per CTA boundary that
     # cuts a tile (a shorter context can cut more tiles than this plan does); split="shape": at most
-    # shape_pieces items per tile.
-    capacity = part_cap if split == "shape" else int(_cdiv(batch.num_new * batch.num_heads, bm).sum()) + grid
+    # shape_pieces items per tile. A replay template holds any spread of its query tokens over its
+    # requests (a packed tree verify): at most one partial tile per request more than the whole.
+    q_tiles = (_cdiv(batch.total_tokens * batch.num_heads, bm) + batch.batch if replay
+               else int(_cdiv(batch.num_new * batch.num_heads, bm).sum()))
+    capacity = part_cap if split == "shape" else q_tiles + grid
     work_buf = np.zeros((capacity, _WORK_INTS), np.int32)
     work_buf[:len(work)] = work
     return MLAPlan(

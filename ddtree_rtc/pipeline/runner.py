@@ -505,7 +505,8 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
             "budget": "auto" if engine.round.auto is not None else engine.round.budget,
             "auto": None if engine.round.auto is None else {
                 **engine.round.auto.stats.summary(), "max_budget": engine.round.auto.max_budget,
-                "buckets": list(engine.round.auto.buckets), "cost_model": engine.round.auto.cost.to_json()}},
+                "row_buckets": "graphs" if engine.round.auto.bucketed else "every count",
+                "cost_model": engine.round.auto.cost.to_json()}},
         "cuda_graphs": None if engine.graphs is None else {"captured": engine.graphs.captures,
                                                            "replays": engine.graphs.replays},
         "parallel": parallel_metrics(engine),

@@ -5,38 +5,43 @@ A round with the auto budget builds every tree at ``max_budget``, then:
 
     estimate -> node values on the device (path probability x calibration) beside the raw ones and
                 the depths, read by the host in one copy (the round's first sync)
-    choose   -> per request the node count (AutoBudget.choose) and the bucket of verify slots
+    choose   -> per request the node count (AutoBudget.choose) and the bucket of verify rows that
+                holds them all
     cut      -> ``num_nodes = 1 + count``: the first ``count`` pops are the best tree of that size
                 (the build is best-first), and no kernel after the build looks past ``num_nodes``
-    verify   -> the runner's shape of ``slots`` rows per request (its graph, captured per bucket)
+    verify   -> the runner's packed verify: each request's root and nodes after one another, the
+                bucket's other rows padding (its graph, captured per bucket)
 
 A batch whose requests all hold off drafting (their last drafted round got no node) skips the draft
 and the build: the tree is the root alone, one row per request, i.e. an autoregressive step that
 still hands the drafter its context. On CUDA without a cost table the verify of every bucket is
-timed at the first drafted round (``measure``: a few replays of the full tree and of the roots
-alone, which give the MoE fan-out slope); the draft and the round's other work are timed every
-drafted round."""
+timed at the first drafted round (``measure``: a few replays of the tree cut to fill the bucket and
+of the roots alone, which give the MoE fan-out slope); the draft and the round's other work are
+timed every drafted round."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import numpy as np
 
-from ...reference.tree_build import TreeArrays, mask_words
-from .budget import AutoBudget, Choice, fit_expert_s, node_values
+from ...reference.tree_build import TreeArrays
+from .budget import AutoBudget, Choice, experts_touched, fit_expert_s, node_values, row_buckets
 
 MEASURE_REPS = 3
 OVERHEAD_DECAY = 0.9  # weight of the running mean of the measured draft / other seconds per round
 
 
-def tree_view(tree: TreeArrays, slots: int) -> TreeArrays:
-    """The first ``slots`` node slots of ``tree`` (views): what a verify of that many rows reads."""
-    return replace(tree, tokens=tree.tokens[:, :slots], parents=tree.parents[:, :slots],
-                   node_depth=tree.node_depth[:, :slots], positions=tree.positions[:, :slots],
-                   mask=tree.mask[:, :slots, :mask_words(slots - 1)], first_child=tree.first_child[:, :slots],
-                   next_sibling=tree.next_sibling[:, :slots], scores=tree.scores[:, :slots], max_budget=slots - 1)
+def fill_counts(room: np.ndarray, total: int) -> np.ndarray:
+    """Node counts of ``total`` nodes spread evenly over the requests, request b at most ``room[b]``."""
+    room = np.asarray(room, np.int64)
+    counts = np.zeros_like(room)
+    left = int(total)
+    while left > 0 and (counts < room).any():
+        more = np.flatnonzero(counts < room)[:left]
+        counts[more] += 1
+        left -= len(more)
+    return counts
 
 
 class AutoRound:
@@ -79,19 +84,20 @@ class AutoRound:
         return np.asarray(budgets, np.int64)
 
     def measure(self, rids, prefix, tree: TreeArrays, num_nodes: np.ndarray, output: str) -> None:
-        """Time the verify of every bucket for this batch: the tree cut to the bucket (every row a
-        distinct node, as far as the tree has nodes) and the roots alone (one distinct node per
-        request); the cost model gets the first as a point and the fan-out slope from both."""
+        """Time the verify of every row bucket for this batch (``row_buckets``: the graphs' buckets;
+        eagerly the table interpolates between them): the tree cut to fill the bucket (every row a
+        distinct node, as far as the trees have nodes) and the roots alone (one distinct node per
+        request); the second gives the fan-out slope, which also prices the nodes the trees lacked."""
         be, runner, cost = self.backend, self.runner, self.auto.cost
-        b = len(rids)
-        slopes = []
-        for k in self.auto.buckets:
-            slots = k + 1
-            step = runner.plan_tree(rids, prefix, slots)
+        b, width = len(rids), self.auto.width
+        points, slopes = [], []
+        for total in row_buckets(b, width):
+            counts = fill_counts(num_nodes - 1, total - b)
             secs = {}
-            for kind, counts in (("full", np.minimum(num_nodes - 1, k)), ("lean", np.zeros(b, np.int64))):
-                self.cut(tree, counts)
-                runner.fill_tree(step, tree_view(tree, slots))
+            for kind, cut in (("full", counts), ("lean", np.zeros(b, np.int64))):
+                self.cut(tree, cut)
+                step = runner.plan_tree(rids, prefix, 1 + cut, width, total)
+                runner.fill_tree(step, tree)
                 runner.verify(step, output)  # captures the bucket's graph on first use
                 be.synchronize()
                 t0 = time.perf_counter()
@@ -99,12 +105,15 @@ class AutoRound:
                     runner.verify(step, output)
                 be.synchronize()
                 secs[kind] = (time.perf_counter() - t0) / MEASURE_REPS
-            cost.add_verify(b * slots, secs["full"])
-            s = fit_expert_s(b, slots, secs["full"], secs["lean"])
+            nodes = b + int(counts.sum())
+            points.append((total, nodes, secs["full"]))
+            s = fit_expert_s(b, nodes, secs["full"], secs["lean"])
             if s is not None:
                 slopes.append(s)
         if slopes:
             cost.expert_s = float(np.median(slopes))
+        for total, nodes, secs in points:  # every row a distinct node: the trees' missing nodes priced
+            cost.add_verify(total, secs + cost.expert_s * float(experts_touched(total) - experts_touched(nodes)))
         self.cut(tree, num_nodes - 1)
         self.measured_batches.add(b)
 

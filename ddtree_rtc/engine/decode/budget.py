@@ -9,18 +9,21 @@ maximises the batch's expected tokens per second of round time:
   ``expected_tokens``: one elementwise pass and a cumsum over the build's scores, on the device).
 - **Calibration** (``Calibration``). The product of marginals is biased, so every node's P is scaled
   by a per-depth factor (measured reach of depth d over predicted reach, the predicted reach of a
-  depth being the sum of P over its nodes, which are exclusive events) and a per-request factor
-  (measured over predicted accepted nodes), both online, decayed, and shrunk toward 1 with a prior.
+  depth being the sum of P over its nodes, which are exclusive events; compounding with depth) and
+  a per-request factor (measured over predicted accepted nodes), both online and decayed; the
+  policy uses them once they are past noise, and probes optimistically where nothing is measured.
 - **The cost of a round** (``CostModel``): fixed and draft seconds per batch size and the verify
-  as a function of the verified rows, the real nodes among them (the MoE fan-out: N distinct
-  tokens touch ``384 (1 - (1 - 8/384)^N)`` experts per layer) and the context. Given as a table
-  (JSON, or ``CostModel.fanout`` for CI), or measured on the device at warm-up.
-- **The policy** (``choose``). The verify runs the graph of the bucket of ``slots`` rows per request
-  that holds the largest cut; for every bucket the batch's nodes are taken greedily in order of
-  value (the global best-first order over all requests), and the (bucket, node count) with the
-  most expected tokens per second wins. Zero nodes for every request is autoregressive decoding;
-  a confident drafter's first pops are its top-1 path, so a deep narrow tree (the chain) is a point
-  of the same space. Output stays lossless: the cut only decides which nodes are verified.
+  as a function of the batch's verified rows in all, the distinct nodes among them (the MoE
+  fan-out: N distinct tokens touch ``384 (1 - (1 - 8/384)^N)`` experts per layer) and the context.
+  Given as a table (JSON, or ``CostModel.fanout`` for CI), or measured on the device at warm-up.
+- **The policy** (``choose``). The batch's nodes are taken greedily in order of value (the global
+  best-first order over all requests); every prefix of that order is priced at the verify of the
+  smallest row bucket (``row_buckets``: the verify graphs) that holds its rows, the roots included,
+  and the prefix with the most expected tokens per second wins. The verify packs each request's
+  chosen nodes after one another (engine.runner), so nothing is paid for nodes not verified. Zero
+  nodes for every request is autoregressive decoding; a confident drafter's first pops are its
+  top-1 path, so a deep narrow tree (the chain) is a point of the same space. Output stays
+  lossless: the cut only decides which nodes are verified.
 """
 
 from __future__ import annotations
@@ -73,51 +76,85 @@ class Calibration:
 
     ``observe`` takes, per request-round, the raw P of the verified nodes (with their depths) and
     the accepted length; depth d's factor is (decayed measured reach + prior) / (decayed predicted
-    reach + prior), the request's factor the same over depth-calibrated accepted nodes."""
+    reach + prior), the request's factor the same over depth-calibrated accepted nodes.
 
-    def __init__(self, depth: int, decay: float = 0.998, prior: float = 64.0, request_decay: float = 0.995,
-                 request_prior: float = 512.0):
+    The factors the policy uses (``weights``) follow these estimates only past noise: they move to
+    the current estimates when, at a depth with evidence (or for a request), the estimate is more
+    than ``gate`` standard errors from the factor in use, the error being that of the count of
+    accepted nodes expected there (``1 / sqrt(count + 1)`` on the log factor). So a drafter whose
+    probabilities are right is taken at its word, and the node counts do not wander with the luck of
+    the last rounds (each wander costs: the best count's neighbours give fewer tokens per second);
+    a bias that the evidence shows moves them within a few rounds (at 2x, about 20 accepted nodes)."""
+
+    def __init__(self, depth: int, decay: float = 0.998, prior: float = 4.0, request_decay: float = 0.995,
+                 request_prior: float = 512.0, gate: float = 4.0):
         if not 0 < decay <= 1 or not 0 < request_decay <= 1:
             raise BudgetError(f"calibration decay must be in (0, 1], got {decay}, {request_decay}")
-        self.depth, self.decay, self.prior = depth, decay, prior
+        if gate < 0:
+            raise BudgetError(f"calibration gate must be >= 0 standard errors, got {gate}")
+        self.depth, self.decay, self.prior, self.gate = depth, decay, prior, gate
+        self.depth_prior = 16.0  # predicted nodes of the line's weight at one depth
         self.request_decay, self.request_prior = request_decay, request_prior
         self.pred = np.zeros(depth + 1)
         self.meas = np.zeros(depth + 1)
         self._req: dict = {}  # rid -> [predicted, measured] accepted nodes, depth-calibrated
+        self._depth_used = np.concatenate([[0.0], np.ones(depth)])  # the factors in use (the drafter's P at first)
+        self._req_used: dict = {}  # rid -> the request factor in use
 
     def depth_factors(self) -> np.ndarray:
         """``[depth + 1]``: the factor of each depth (index 0, the root, unused). The bias of a
-        product of marginals grows with depth, so the factors are ``exp(a + b d)``: ``b`` from a
-        least-squares line through log(measured / predicted reach) weighted by the evidence at
-        each depth, ``a`` so that the factors reproduce the measured accepted nodes in total. Two
-        parameters from all depths at once: a few unlucky rounds at one depth barely move them, and
-        a depth that is no longer verified follows the others instead of keeping a stale value."""
+        product of marginals compounds with depth (each level's marginal is off by about the same
+        ratio), and the root's factor is 1 (it is always accepted), so the shape is ``exp(b d)``:
+        ``b`` from a least-squares line through the origin and log(measured / predicted reach),
+        weighted by the evidence at each depth. One parameter from all depths at once: a depth not
+        yet (or no longer) verified follows the measured ones (after one measured depth the next is
+        priced at the same ratio again). A depth with evidence of its own is measured over predicted
+        reach with that line as a prior of ``depth_prior`` predicted nodes, so a well-measured depth
+        keeps its own factor where the bias is not log-linear."""
         d = np.arange(1, self.depth + 1, dtype=np.float64)
         pred, meas = self.pred[1:], self.meas[1:]
         w = pred + 1e-12
         y = np.log((meas + self.prior * 0.5) / (pred + self.prior * 0.5))
-        dm = (w * d).sum() / w.sum()
-        var = (w * (d - dm) ** 2).sum()
-        slope = float((w * (d - dm) * (y - (w * y).sum() / w.sum())).sum() / var) if var > 1e-9 else 0.0
-        slope = float(np.clip(slope, -1.0, 1.0))
-        shape = np.exp(slope * (d - dm))
-        scale = (meas.sum() + self.prior) / ((pred * shape).sum() + self.prior)
-        return np.concatenate([[0.0], np.clip(scale * shape, 1e-3, 1e3)])
+        slope = float(np.clip((w * d * y).sum() / (w * d * d).sum(), -2.0, 2.0))
+        fit = np.exp(slope * d)
+        own = (meas + self.depth_prior * fit) / (pred + self.depth_prior)  # a depth's own evidence first
+        return np.concatenate([[0.0], np.clip(own, 1e-3, 1e3)])
 
     def request_factor(self, rid) -> float:
         p, m = self._req.get(rid, (0.0, 0.0))
         return (m + self.request_prior) / (p + self.request_prior)
 
+    def _beyond_noise(self, estimate, used, expected) -> bool:
+        """Whether ``estimate`` (factors) is more than ``gate`` standard errors from ``used``
+        anywhere, ``expected`` being the accepted nodes the factors in use predict there."""
+        z = np.abs(np.log(np.maximum(estimate, 1e-12)) - np.log(np.maximum(used, 1e-12))) * np.sqrt(expected + 1.0)
+        return bool((z > self.gate).any())
+
+    def depth_factors_used(self) -> np.ndarray:
+        """``[depth + 1]``: the depth factors in use (see the class doc)."""
+        live = self.depth_factors()
+        if self._beyond_noise(live[1:], self._depth_used[1:], self._depth_used[1:] * self.pred[1:]):
+            self._depth_used = live
+        return self._depth_used
+
+    def request_factor_used(self, rid) -> float:
+        live, used = self.request_factor(rid), self._req_used.get(rid, 1.0)
+        p, _ = self._req.get(rid, (0.0, 0.0))
+        if self._beyond_noise(np.array([live]), np.array([used]), np.array([used * p])):
+            self._req_used[rid] = used = live
+        return used
+
     def weights(self, rids) -> np.ndarray:
-        """``[B, depth + 1]`` float64: depth factor times request factor."""
-        f = self.depth_factors()
-        return np.stack([f * self.request_factor(r) for r in rids]) if len(rids) else np.zeros((0, self.depth + 1))
+        """``[B, depth + 1]`` float64: depth factor times request factor, as in use."""
+        f = self.depth_factors_used()
+        return (np.stack([f * self.request_factor_used(r) for r in rids]) if len(rids)
+                else np.zeros((0, self.depth + 1)))
 
     def observe(self, rids, raw, node_depth, counts, accept_len) -> None:
         """``raw``/``node_depth`` ``[B, N]`` host arrays of the built tree (pop order, root at 0),
         ``counts`` ``[B]`` the verified nodes (the cut), ``accept_len`` ``[B]`` the walk's length
-        (root included)."""
-        f = self.depth_factors()
+        (root included). The request factor is measured over predicted under the depth factors in use."""
+        f = self._depth_used
         pred = np.zeros(self.depth + 1)
         meas = np.zeros(self.depth + 1)
         for b, rid in enumerate(rids):
@@ -136,6 +173,7 @@ class Calibration:
 
     def release(self, rid) -> None:
         self._req.pop(rid, None)
+        self._req_used.pop(rid, None)
 
 
 # -- the cost of a round -------------------------------------------------------------------------
@@ -192,13 +230,13 @@ class CostModel:
     def ready(self) -> bool:
         return bool(self.verify)
 
-    def verify_s(self, batch: int, slots: int, nodes, ctx: float = 0.0):
-        """Seconds of a verify of ``batch`` requests x ``slots`` rows holding ``nodes`` distinct
-        nodes (array-like), at mean context ``ctx``."""
+    def verify_s(self, rows, nodes, batch: int = 1, ctx: float = 0.0):
+        """Seconds of a verify of ``rows`` rows in all (array-like) holding ``nodes`` distinct nodes
+        (array-like; the rest repeat the roots), for ``batch`` requests at mean context ``ctx``."""
         if not self.verify:
             raise BudgetError("decode.budget auto: the cost model has no verify costs yet (give "
                               "decode.cost_table, or on CUDA let the warm-up measure them)")
-        rows = batch * slots
+        rows = np.asarray(rows, np.float64)
         nodes = np.minimum(np.asarray(nodes, np.float64), rows)
         t = _interp(self.verify, rows) - self.expert_s * (experts_touched(rows) - experts_touched(nodes))
         t = t + self.ctx_s * batch * (float(ctx) - self.ctx_ref)
@@ -302,10 +340,10 @@ class CostModel:
                 "fixed": [list(p) for p in self.fixed], "source": self.source}
 
 
-def fit_expert_s(batch: int, slots: int, full_s: float, lean_s: float) -> float | None:
-    """The fan-out slope from a full verify (every row a distinct node) and a lean one (the roots
-    and their copies: one distinct node per request) of the same shape."""
-    span = float(experts_touched(batch * slots) - experts_touched(batch))
+def fit_expert_s(batch: int, rows: int, full_s: float, lean_s: float) -> float | None:
+    """The fan-out slope from a full verify of ``rows`` rows (every row a distinct node) and a lean
+    one (the roots and their copies: one distinct node per request) of the same shape."""
+    span = float(experts_touched(rows) - experts_touched(batch))
     return None if span <= 1e-9 else max(full_s - lean_s, 0.0) / span
 
 
@@ -315,57 +353,63 @@ def fit_expert_s(batch: int, slots: int, full_s: float, lean_s: float) -> float 
 @dataclass
 class Choice:
     counts: np.ndarray  # [B] nodes verified per request (the cut)
-    slots: int  # verify rows per request (1 + the bucket)
+    rows: int  # the verify's rows in all (its bucket: the roots, the nodes and padding)
     expected: np.ndarray  # [B] predicted tokens (bonus included)
     seconds: float  # the modelled round (fixed + draft + verify)
     verify_s: float
 
 
-def slot_buckets(max_budget: int) -> tuple[int, ...]:
-    """Node counts whose verify shapes exist (graphs captured per bucket): 0, the powers of two
-    below ``max_budget``, and ``max_budget``."""
-    out = {0, max_budget}
-    k = 1
-    while k < max_budget:
-        out.add(k)
-        k *= 2
+ROW_BUCKETS_SMALL = 8  # verify rows: every multiple of this up to 32, then two buckets per octave
+
+
+def row_buckets(batch: int, width: int) -> tuple[int, ...]:
+    """Verify row counts (graphs captured per bucket) for ``batch`` requests of at most ``width``
+    rows each: the roots alone (``batch``), the multiples of 8 to 32, then 48, 64, 96, 128, 192, ...
+    (padding below a third of the rows), and all of them (``batch * width``)."""
+    most = batch * width
+    out, t = {batch, most}, ROW_BUCKETS_SMALL
+    while t < most:
+        if t > batch:
+            out.add(t)
+        if t < 32:
+            t += ROW_BUCKETS_SMALL
+        else:
+            p = 1 << (t.bit_length() - 1)  # t is 2^k or 1.5 x 2^k
+            t = p + p // 2 if t == p else 2 * p
     return tuple(sorted(out))
 
 
 def choose(values: np.ndarray, caps, cost: CostModel, buckets, ctx: float = 0.0, drafted: bool = True) -> Choice:
     """The batch's node counts. ``values`` ``[B, M]``: calibrated P of nodes 1..M of each request's
     tree in pop order (0 past its nodes); ``caps`` ``[B]``: the most nodes each request may have;
-    ``buckets``: the node counts with verify shapes. Per bucket k the candidates are every request's
-    first min(k, cap) nodes, taken in decreasing value (a request's values are first made
+    ``buckets``: the verify row counts there are shapes for (``row_buckets``; the largest bounds the
+    rows). The candidates are taken in decreasing value (a request's values are first made
     non-increasing, so it always keeps a prefix of its pop order); every prefix of that order is
-    priced and the best (tokens per second, ties to more tokens) over all buckets wins."""
+    priced at the smallest bucket that holds its rows (B roots + its nodes) and the best (tokens per
+    second, ties to more tokens) wins."""
     values = np.asarray(values, np.float64)
     b, m = values.shape
     caps = np.minimum(np.asarray(caps, np.int64), m)
+    buckets = np.array(sorted({int(x) for x in buckets if int(x) >= b}), np.int64)
+    if not len(buckets):
+        raise BudgetError(f"no verify row bucket holds the {b} roots of the batch (buckets {list(buckets)})")
     over = cost.fixed_s(b) + (cost.draft_s(b) if drafted else 0.0)
     col = np.broadcast_to(np.arange(m)[None, :], (b, m))
     v = np.where(col < caps[:, None], values, -np.inf)
     mono = np.minimum.accumulate(v, axis=1) if m else v
-    # one order for every bucket: bucket k takes the entries of columns < k, in the same order
     order = np.argsort(-mono.ravel(), kind="stable")
     keep = np.isfinite(mono.ravel()[order]) & (mono.ravel()[order] > 0)
-    order = order[keep]
-    o_req, o_col, o_val = order // max(m, 1), order % max(m, 1), values.ravel()[order]
-    best = None
-    for k in sorted({int(x) for x in buckets if 0 <= int(x) <= m}):
-        req = o_req[o_col < k]
-        gain = np.concatenate([[0.0], np.cumsum(o_val[o_col < k])])
-        # padding slots repeat the root (engine.runner.fill_tree): they route like it, no new experts
-        nodes = b + np.arange(len(req) + 1)
-        ver = cost.verify_s(b, k + 1, nodes, ctx)
-        rate = (b + gain) / (over + ver)
-        i = int(np.flatnonzero(rate >= rate.max() * (1 - 1e-12))[-1])
-        if best is None or rate[i] > best[0] * (1 + 1e-12) or (
-                rate[i] >= best[0] * (1 - 1e-12) and gain[i] > best[1]):
-            best = (float(rate[i]), float(gain[i]), k, np.bincount(req[:i], minlength=b), float(ver[i]))
-    _, _, k, counts, ver = best
+    order = order[keep][: int(buckets[-1]) - b]
+    o_req, o_val = order // max(m, 1), values.ravel()[order]
+    gain = np.concatenate([[0.0], np.cumsum(o_val)])
+    nodes = b + np.arange(len(order) + 1)  # distinct nodes: the roots and the prefix
+    rows = buckets[np.searchsorted(buckets, nodes)]
+    ver = cost.verify_s(rows, nodes, b, ctx)
+    rate = (b + gain) / (over + ver)
+    i = int(np.flatnonzero(rate >= rate.max() * (1 - 1e-12))[-1])
+    counts = np.bincount(o_req[:i], minlength=b).astype(np.int64)
     cum = np.concatenate([np.zeros((b, 1)), np.cumsum(values, axis=1)], axis=1)
-    return Choice(counts.astype(np.int64), k + 1, 1.0 + cum[np.arange(b), counts], over + ver, ver)
+    return Choice(counts, int(rows[i]), 1.0 + cum[np.arange(b), counts], over + float(ver[i]), float(ver[i]))
 
 
 # -- metrics -------------------------------------------------------------------------------------
@@ -377,7 +421,7 @@ class BudgetStats:
     only), per round the modelled verify and round seconds (any mode, with a cost model)."""
 
     counts_hist: dict = field(default_factory=dict)  # nodes verified per request-round -> count
-    slots_hist: dict = field(default_factory=dict)  # verify rows per request per round -> count
+    rows_hist: dict = field(default_factory=dict)  # verify rows per round (the bucket) -> count
     predicted: float = 0.0  # sum of predicted tokens over the request-rounds that had a prediction
     measured: float = 0.0  # sum of emitted tokens over the same request-rounds
     predicted_rounds: int = 0
@@ -388,12 +432,12 @@ class BudgetStats:
     skipped_drafts: int = 0
     last_counts: tuple = ()  # the last round's nodes per request (for /metrics' histogram)
 
-    def add_round(self, counts, slots: int, tokens, expected=None, verify_s: float | None = None,
+    def add_round(self, counts, rows: int, tokens, expected=None, verify_s: float | None = None,
                   round_s: float | None = None, drafted: bool = True) -> None:
         self.last_counts = tuple(int(n) for n in np.asarray(counts).tolist())
         for n in self.last_counts:
             self.counts_hist[n] = self.counts_hist.get(n, 0) + 1
-        self.slots_hist[int(slots)] = self.slots_hist.get(int(slots), 0) + 1
+        self.rows_hist[int(rows)] = self.rows_hist.get(int(rows), 0) + 1
         tokens = np.asarray(tokens)
         self.tokens += int(tokens.sum())
         if expected is not None:
@@ -423,7 +467,7 @@ class BudgetStats:
 
     def summary(self) -> dict:
         return {"nodes_hist": {str(k): v for k, v in sorted(self.counts_hist.items())},
-                "slots_hist": {str(k): v for k, v in sorted(self.slots_hist.items())},
+                "rows_hist": {str(k): v for k, v in sorted(self.rows_hist.items())},
                 "tau_predicted": self.tau_predicted, "tau_measured": self.tau_measured,
                 "tokens_per_verify_s": self.tokens_per_verify_s, "tokens_per_round_s": self.tokens_per_round_s,
                 "drafted_rounds": self.drafted_rounds, "skipped_drafts": self.skipped_drafts}
@@ -432,13 +476,20 @@ class BudgetStats:
 # -- the per-round driver ------------------------------------------------------------------------
 
 
-class AutoBudget:
-    """``decode.budget: auto`` for one engine: calibration, cost model, buckets and the choice of
-    whether to draft at all. A request whose last drafted round got no nodes decodes
-    autoregressively (no draft) for ``probe_every - 1`` rounds, then drafts again to re-measure."""
+PROBE_Z, PROBE_MAX = 2.0, 2.0  # a probe's optimism: z of the upper bound, and its largest factor
 
-    def __init__(self, max_budget: int, depth: int, cost: CostModel | None, buckets=None, probe_every: int = 8,
-                 explore_every: int = 32):
+
+class AutoBudget:
+    """``decode.budget: auto`` for one engine: calibration, cost model, verify row buckets and the
+    choice of whether to draft at all. A request whose last drafted round got no nodes is held: it
+    decodes autoregressively (no draft, unless others of the batch draft) and every
+    ``probe_every``-th round probes, i.e. drafts and values its nodes optimistically (``weights``),
+    so a drafter better than its probabilities is found out (verified nodes are the calibration's
+    only evidence). ``bucketed``: the verify rows come in ``row_buckets`` (CUDA graphs: one per
+    bucket), else any row count is a shape (eager forwards)."""
+
+    def __init__(self, max_budget: int, depth: int, cost: CostModel | None, bucketed: bool = False,
+                 probe_every: int = 8, explore_every: int = 32):
         from ...reference.tree_build import MAX_BUDGET
 
         if not 1 <= int(max_budget) <= MAX_BUDGET:
@@ -447,15 +498,13 @@ class AutoBudget:
             raise BudgetError(f"probe_every must be >= 1, got {probe_every}")
         self.max_budget, self.depth = int(max_budget), depth
         self.cost = cost if cost is not None else CostModel(draft=(), fixed=(), measured=True, source="warm-up")
-        self.buckets = tuple(buckets) if buckets is not None else tuple(range(self.max_budget + 1))
-        bad = [k for k in self.buckets if not 0 <= k <= self.max_budget]
-        if bad or 0 not in self.buckets:
-            raise BudgetError(f"budget buckets {list(self.buckets)} must hold 0 and lie in 0..{self.max_budget}")
+        self.bucketed = bool(bucketed)
         self.calibration = Calibration(depth)
         self.probe_every, self.explore_every = probe_every, explore_every
         self.stats = BudgetStats()
         self._drafted = 0
-        self._ar_rounds: dict = {}  # rid -> drafting-free rounds left
+        self._ar_rounds: dict = {}  # rid -> rounds left before a held request probes
+        self._held: set = set()  # requests whose last drafted round got no node
 
     def should_draft(self, rids) -> bool:
         return any(self._ar_rounds.get(r, 0) <= 0 for r in rids)
@@ -464,32 +513,64 @@ class AutoBudget:
         for r in rids:
             self._ar_rounds[r] = self._ar_rounds.get(r, 0) - 1
 
+    def probing(self, rid) -> bool:
+        """Whether a held request probes this round."""
+        return rid in self._held and self._ar_rounds.get(rid, 0) <= 0
+
     def weights(self, rids) -> np.ndarray:
-        """``[B, depth + 1]`` node-value weights for this round: the calibration's, except every
-        ``explore_every``-th drafted round, where no factor is below 1, so depths the calibration
-        has marked down (perhaps on a few unlucky rounds) are verified and measured again."""
+        """``[B, depth + 1]`` node-value weights for this round: the calibration's, raised by an
+        upper confidence bound ``exp(PROBE_Z / sqrt(n + 1))`` (at most ``PROBE_MAX``), n the accepted
+        nodes the calibration's evidence at that depth stands for (wide where nothing has been
+        measured lately, narrow where much has): on a held request's probe, so a drafter better than
+        its probabilities is found out; and every ``explore_every``-th drafted round for every
+        request, there only up to the drafter's own probability (factor 1), so depths the
+        calibration marked down long ago are verified and measured again."""
         w = self.calibration.weights(rids)
         self._drafted += 1
-        if self._drafted % self.explore_every == 0:
-            w[:, 1:] = np.maximum(w[:, 1:], 1.0)
+        explore = self._drafted % self.explore_every == 0
+        probe = [i for i, r in enumerate(rids) if self.probing(r)]
+        if explore or probe:
+            cal = self.calibration
+            bound = np.minimum(np.exp(PROBE_Z / np.sqrt(cal.depth_factors_used() * cal.pred + 1.0)), PROBE_MAX)
+            if explore:
+                w = np.minimum(w * bound, np.maximum(w, 1.0))
+            w[probe] *= bound
         return w
 
+    @property
+    def width(self) -> int:
+        """The most verify rows of one request: its root and max_budget nodes."""
+        return 1 + self.max_budget
+
+    def buckets(self, batch: int) -> tuple[int, ...]:
+        """The verify row counts of a batch: ``row_buckets``, or every count from the roots alone to
+        every request at max_budget."""
+        return row_buckets(batch, self.width) if self.bucketed else tuple(range(batch, batch * self.width + 1))
+
     def choose(self, values, caps, ctx: float) -> Choice:
-        return choose(values, caps, self.cost, self.buckets, ctx, drafted=True)
+        return choose(values, caps, self.cost, self.buckets(len(values)), ctx, drafted=True)
 
     def ar_choice(self, batch: int, ctx: float) -> Choice:
-        return choose(np.zeros((batch, 0)), np.zeros(batch, np.int64), self.cost, (0,), ctx, drafted=False)
+        return choose(np.zeros((batch, 0)), np.zeros(batch, np.int64), self.cost, (batch,), ctx, drafted=False)
 
     def observe(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool) -> None:
         """After the accept: calibration, the AR hold of requests that got no nodes, the stats."""
         if drafted:
             self.calibration.observe(rids, raw, node_depth, choice.counts, accept_len)
             for r, n in zip(rids, choice.counts):
-                self._ar_rounds[r] = self.probe_every - 1 if n == 0 else 0
-        self.stats.add_round(choice.counts, choice.slots, accept_len,
+                if n > 0:
+                    self._held.discard(r)
+                    self._ar_rounds[r] = 0
+                elif r not in self._held or self._ar_rounds.get(r, 0) <= 0:  # held now, or probed
+                    self._held.add(r)
+                    self._ar_rounds[r] = self.probe_every - 1
+                else:  # held, drafted beside others: counts down to its probe as a skipped round does
+                    self._ar_rounds[r] -= 1
+        self.stats.add_round(choice.counts, choice.rows, accept_len,
                              expected=choice.expected if drafted else None,
                              verify_s=choice.verify_s, round_s=choice.seconds, drafted=drafted)
 
     def release(self, rid) -> None:
         self.calibration.release(rid)
         self._ar_rounds.pop(rid, None)
+        self._held.discard(rid)

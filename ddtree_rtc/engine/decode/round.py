@@ -3,9 +3,10 @@
 
     draft   -> the drafter's logits [B, depth, V] after each request's bonus token (the root)
     build   -> per-depth top-k log-probs and the best-first tree of each request's budget
-    verify  -> ONE target forward over [root, nodes] of every tree: node i at RoPE position
-               prefix + depth_i, written to cache position prefix + i, seeing the committed prefix
-               and its own ancestors only; hidden states at the drafter's target layers
+    verify  -> ONE target forward over [root, nodes] of every tree, packed one request after
+               another (engine.runner): node i at RoPE position prefix + depth_i, written to cache
+               position prefix + i, seeing the committed prefix and its own ancestors only; hidden
+               states at the drafter's target layers
     choose  -> the target's token at every node: argmax at T = 0; at T > 0 one sample per node
                from the target's (temperature, top-p) distribution, keyed by (request, position)
                like the autoregressive step that node stands for
@@ -25,10 +26,13 @@ tokens, once per round.
 Stages are timed by name on the engine's StageClock (engine.clock): plan, draft, then
 DEVICE_STAGES; the host half of the commit adds to "commit".
 
-With ``decode.budget: auto`` (``auto``: engine/decode/budget.AutoBudget) the tree is built at the
-maximum budget, each request's is cut to the node count the cost-aware policy chooses, and the
-verify runs the shape of the bucket that holds the largest cut (engine/decode/auto.py): the plan then
-comes after the build, and the host reads the node values once before the verify (stage "budget").
+A fixed budget's verify has the rows of the requests' budgets (1 + budget each; per-request budgets
+differ), rounded up to a row bucket (engine/decode/budget.row_buckets) when they are not all the
+round's. With ``decode.budget: auto`` (``auto``: engine/decode/budget.AutoBudget) the tree is built at
+the maximum budget, each request's is cut to the node count the cost-aware policy chooses, and the
+verify packs the cut trees into the smallest row bucket that holds them (engine/decode/auto.py): the
+plan then comes after the build, and the host reads the node values once before the verify (stage
+"budget").
 """
 
 from __future__ import annotations
@@ -97,7 +101,11 @@ class SpeculativeRound:
                 raise ValueError(f"budget auto needs mode 'ddtree' and max_budget {auto.max_budget} == the round's "
                                  f"budget {self.budget}")
             self._auto_round = AutoRound(auto, model.backend, runner)
-            self._choices: dict = {}  # batch -> [B, 1 + max_budget] int32: the verify's choices, padded
+
+    @property
+    def width(self) -> int:
+        """Verify rows one request may take: its root and every node slot of the tree buffers."""
+        return 1 + self.budget
 
     def tail(self, req) -> int:
         """Cache rows a round writes past the committed prefix: the root and every node slot."""
@@ -154,24 +162,33 @@ class SpeculativeRound:
         prefix = np.array([r.length - 1 for r in reqs], np.int32)  # the root (last token) has no KV yet
         roots = np.array([r.output[-1] for r in reqs], np.int32)
         bufs = self.buffers_for(len(reqs))
-        bufs.set_limits(budgets=[self.budget_of(r) for r in reqs])
-        n_slots = 1 + bufs.shape.max_budget
+        budgets = np.array([self.budget_of(r) for r in reqs], np.int64)
+        bufs.set_limits(budgets=budgets)
         for r, p in zip(reqs, prefix):
-            pages.reserve(r.rid, int(p) + n_slots)
+            pages.reserve(r.rid, int(p) + self.width)
+        rows = 1 + budgets
+        total = int(rows.sum())
+        if total != len(reqs) * self.width:  # per-request budgets: a bucket (a few graphs, not one per sum)
+            from .budget import row_buckets
 
-        step = clock.time("plan", runner.plan_tree, rids, prefix, n_slots)  # host work, before the GPU's
+            total = next(t for t in row_buckets(len(reqs), self.width) if t >= total)
+        step = clock.time("plan", runner.plan_tree, rids, prefix, rows, self.width, total)  # host, before the GPU's
         page_table, roots_dev = be.asarray(pages.page_table(rids)), be.asarray(roots)
         logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
-        row_reqs = [r for r in reqs for _ in range(n_slots)]  # node j of tree b: its token at position + 1
-        out, _, acc = self.device_half(bufs, step, page_table, logits, roots_dev, row_reqs, clock)
-        self._commit(reqs, prefix, n_slots, out, acc, eos_id)
+        out, _, acc = self.device_half(bufs, step, page_table, logits, roots_dev, self.row_reqs(reqs, step), clock)
+        self._commit(reqs, prefix, step, out, acc, eos_id)
 
-    def _commit(self, reqs, prefix, n_slots: int, out, acc, eos_id) -> np.ndarray:
+    @staticmethod
+    def row_reqs(reqs, step) -> list:
+        """The request of each verify row (its node's token at position + 1 is chosen by it)."""
+        return [reqs[i] for i in step.row_req]
+
+    def _commit(self, reqs, prefix, step, out, acc, eos_id) -> np.ndarray:
         """The round's host sync (accept lengths and emitted tokens), then the host commit, timed as
         "commit": the accepted rows' hidden states to the drafter's context, the tokens to each request,
         each request's pages trimmed to its committed prefix (the bonus token gets its row next round).
-        ``prefix``: each request's KV length before the round; verify row ``b * n_slots + j`` is node
-        ``j`` of tree ``b``. Returns the accept lengths [B] int64."""
+        ``prefix``: each request's KV length before the round; verify row ``step.q_start[b] + j`` is
+        node ``j`` of tree ``b``. Returns the accept lengths [B] int64."""
         be, pages = self.model.backend, self.pages
         rids = [r.rid for r in reqs]
         accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
@@ -180,7 +197,7 @@ class SpeculativeRound:
         def commit():
             if self.hidden_layers:
                 accepted = be.to_host(acc.accepted)
-                rows = np.concatenate([b * n_slots + accepted[b, :n].astype(np.int64)
+                rows = np.concatenate([step.q_start[b] + accepted[b, :n].astype(np.int64)
                                        for b, n in enumerate(accept_len)])
                 idx = be.asarray(rows)
                 self.drafter.extend_context(rids, {i: out.hidden[i][idx] for i in self.hidden_layers}, accept_len)
@@ -197,12 +214,12 @@ class SpeculativeRound:
         (``runner.plan_tree``), each stage timed on ``clock`` under its DEVICE_STAGES name.
         ``page_table`` and ``roots`` are on the device; ``row_reqs``: the request of each verify row
         (its node's token is chosen by the request's temperature, top-p and sampling stream).
-        Returns (verify output, choices [B, n] int32, accept arrays)."""
+        Returns (verify output, choices [B, 1 + max_budget] int32, accept arrays)."""
         output = self.sampler.output_for(row_reqs)
         clock.time("top-k", bufs.topk, draft_logits, self._split_topk())
         tree = clock.time("build", bufs.grow, roots, step.prefix_dev)
         out = clock.time("verify", self._verify, step, tree, output)
-        choices = clock.time("choose", self._choose, out, output, row_reqs, step, len(row_reqs) // step.key[1])
+        choices = clock.time("choose", self._choose, out, output, row_reqs, step)
         acc = clock.time("accept", bufs.accept, choices)
         clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
         return out, choices, acc
@@ -211,18 +228,18 @@ class SpeculativeRound:
         self.runner.fill_tree(step, tree)
         return self.runner.verify(step, output)
 
-    def _choose(self, out, output: str, row_reqs, step, batch: int):
+    def _choose(self, out, output: str, row_reqs, step):
+        """The target's token at every verify row, laid out per request and slot ``[B, width]``
+        (-1 past a request's rows: the walk stops within its ``num_nodes``)."""
         be = self.model.backend
         tokens = out.tokens if output == "argmax" else self.sampler.choose(out.logits, row_reqs,
                                                                            step.inputs.positions + 1)
-        return tokens.reshape(batch, -1).astype(be.xp.int32, copy=False)
+        return self.runner.per_slot(step, tokens.astype(be.xp.int32, copy=False))
 
     def _run_auto(self, reqs, eos_id) -> None:
         """The round with the cost-aware budget: draft and build at the maximum budget (or, when
         every request holds off drafting, the root alone), choose and cut, then plan and verify
-        the chosen bucket's shape (engine/decode/auto.py)."""
-        from .auto import tree_view
-
+        the cut trees packed into the chosen row bucket (engine/decode/auto.py)."""
         be, pages, clock, runner, auto, ar = (self.model.backend, self.pages, self.clock, self.runner, self.auto,
                                               self._auto_round)
         t0 = time.perf_counter()
@@ -233,7 +250,7 @@ class SpeculativeRound:
         bufs = self.buffers_for(b)
         bufs.set_limits(budgets=caps)
         for r, p in zip(reqs, prefix):
-            pages.reserve(r.rid, int(p) + 1 + self.budget)
+            pages.reserve(r.rid, int(p) + self.width)
         roots_dev, prefix_dev, ctx = be.asarray(roots), be.asarray(prefix), float(prefix.mean())
         drafted = auto.should_draft(rids)
         measuring = drafted and ar.needs_measure(b)
@@ -255,25 +272,15 @@ class SpeculativeRound:
             tree = bufs.tree
             ar.root_only(tree, roots_dev, prefix_dev)
             choice = auto.ar_choice(b, ctx)
-        n_slots = choice.slots
-        step = clock.time("plan", runner.plan_tree, rids, prefix, n_slots)
+        step = clock.time("plan", runner.plan_tree, rids, prefix, 1 + choice.counts, self.width, choice.rows)
         page_table = be.asarray(pages.page_table(rids))
-        row_reqs = [r for r in reqs for _ in range(n_slots)]  # node j of tree b: its token at position + 1
+        row_reqs = self.row_reqs(reqs, step)
         output = self.sampler.output_for(row_reqs)
-        out = clock.time("verify", self._verify, step, tree_view(tree, n_slots), output)
-        full = self._choices.get(b)
-        if full is None:
-            full = self._choices[b] = be.empty((b, 1 + self.budget), "int32")
-
-        def choose():
-            full[...] = -1  # slots past the verify: no token (the walk stops within num_nodes anyway)
-            full[:, :n_slots] = self._choose(out, output, row_reqs, step, b)
-            return full
-
-        choices = clock.time("choose", choose)
+        out = clock.time("verify", self._verify, step, tree, output)
+        choices = clock.time("choose", self._choose, out, output, row_reqs, step)
         acc = clock.time("accept", bufs.accept, choices)
         clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
-        accept_len = self._commit(reqs, prefix, n_slots, out, acc, eos_id)
+        accept_len = self._commit(reqs, prefix, step, out, acc, eos_id)
         auto.observe(rids, raw, depth, choice, accept_len, drafted)
         if not measuring:  # the measuring round's wall time holds the measurement
             ar.observe_times(b, draft_s, time.perf_counter() - t0, choice)
