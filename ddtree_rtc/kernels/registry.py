@@ -69,6 +69,11 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "absorption, W_UV expansion; one thread per output, k summed in a fixed order), q_a and kv_a in one "
                "skinny launch, the absorbed query with its RoPE in one launch, and the cache rows (norm, "
                "RoPE, write) in one launch"),
+    KernelSpec("mla_block", ("mla_block_small", "mla_block_small_f32"),
+               "the small-M path's MLA attention block in one launch (M <= 64 tokens): a persistent kernel "
+               "running the bodies of q_a / kv_a, the q_a norm and cache rows, q_b, the absorbed query, the d16 "
+               "attention, its merge, W_UV and o_proj as phases with grid barriers, same bits as the separate "
+               "kernels; each phase's weights prefetched to L2 before the wait (bf16 out, or fp32 partial)"),
     # -- the DFlash drafter's attention --
     KernelSpec("gqa_attention", ("gqa_attention_d64_kernel", "gqa_attention_d128_kernel",
                                  "gqa_attention_merge_kernel"),

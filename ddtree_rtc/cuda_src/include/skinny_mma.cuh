@@ -167,5 +167,36 @@ __device__ __forceinline__ bool reduce(float4 (&red)[kWarps][MT][32], const floa
   return wk == 0;
 }
 
+// The same sum computed by one CTA alone: the S cluster ranks' k ranges in turn, each rank's partial
+// reduced over the warps as reduce<MT, 1> does, the ranks' partials added in rank order. The order of
+// every addition is reduce<MT, S>'s over a cluster of S CTAs, so the bits are the same (the fused
+// attention block, mla_block.cu, which runs without clusters). True on the threads holding the sum
+// (wk == 0); every thread of the CTA must call it (barriers).
+template <int MT, int kU>
+__device__ __forceinline__ bool serial_split_sum(float4 (&red)[kWarps][MT][32], float4 (&s)[MT], const uint4* wrow,
+                                                 bool w_ok, const bool (&a_ok)[MT], const bool (&b_ok)[MT],
+                                                 const uint4* const (&a_row)[MT], const uint4* const (&b_row)[MT],
+                                                 int pieces, int split, int warps_n) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
+  const int wn = warp % warps_n, wk = warp / warps_n, warps_k = kWarps / warps_n;
+  for (int r = 0; r < split; ++r) {
+    int c_begin, c_end;
+    k_chunks(pieces, split * warps_k, r * warps_k + wk, c_begin, c_end);
+    float acc[MT][4];
+    k_sum<MT, kU>(acc, wrow, w_ok, a_ok, b_ok, a_row, b_row, c_begin, c_end, pieces, t);
+    float4 part[MT];
+    reduce<MT, 1>(red, acc, part, warp, lane, wn, wk, warps_n, warps_k, 0);
+    if (wk == 0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (r == 0) s[mt] = part[mt];
+        else add4(s[mt], part[mt]);
+      }
+    }
+    __syncthreads();  // red is written again by the next rank's reduce
+  }
+  return wk == 0;
+}
+
 }  // namespace skinny
 }  // namespace ddt
