@@ -129,11 +129,14 @@ def _cache(model, tokens):
     return cache
 
 
-def test_model_forward_is_the_same_with_the_fused_block(tiny_models, rng):
+def test_model_forward_is_the_same_with_the_fused_blocks(tiny_models, rng):
+    """runtime.fused_blocks: each attention block and MoE layer of a small forward is one op (one
+    launch on the GPU), and the logits are the same bits."""
     tokens = rng.integers(0, 1024, 9).tolist()
     outs = {}
     for fused, model in tiny_models.items():
         assert model.fused_block(9) == fused and not model.fused_block(65)
+        assert model.fused_moe(9) == fused and not model.fused_moe(65)
         model.backend.ops.clear()
         out = model.forward(ForwardBatch.causal(["a"], [0], [tokens], last_only=False), _cache(model, tokens),
                             output="logits")
@@ -141,11 +144,14 @@ def test_model_forward_is_the_same_with_the_fused_block(tiny_models, rng):
         ops = model.backend.ops
         assert ops.count("mla_block_small") == (model.num_layers if fused else 0)
         assert ops.count("mla_qkv_a_small") == (0 if fused else model.num_layers)
+        moe_layers = sum(1 for ly in model.layers if hasattr(ly.mlp, "experts"))
+        assert ops.count("moe_block_small") == (moe_layers if fused else 0)
+        assert ops.count("moe_small_experts") == (0 if fused else moe_layers)
     assert np.array_equal(outs[False], outs[True])
     off = tiny_models[True]
     off.small_m_path = False
     try:
-        assert not off.fused_block(9)
+        assert not off.fused_block(9) and not off.fused_moe(9)
     finally:
         off.small_m_path = True
 
@@ -153,13 +159,15 @@ def test_model_forward_is_the_same_with_the_fused_block(tiny_models, rng):
 # launches per stage on the small-M path at one rank (tiny preset: MoE layers with a shared expert)
 ATTENTION_SEPARATE = 10  # q_a+kv_a, q_a norm, q_b, query, cache rows, attention + merge, W_UV, o_proj, norm
 ATTENTION_FUSED = 2  # the fused block, the residual norm
-MOE_LAYER = 6  # router + shared gate_up, routing, shared down, experts (2), the residual norm
+MOE_SEPARATE = 6  # router + shared gate_up, routing, shared down, experts (2), the residual norm
+MOE_FUSED = 2  # the fused layer, the residual norm
 
 
 def test_launches_per_decoder_layer(tiny_models, rng):
     """Kernel launches per stage of a 7-row forward, counted from the ops it runs (testing.stage_launches):
-    the fused block is one launch per attention block; a MoE decoder layer is 2 + 6 = 8 launches with
-    it and 16 without. (Issue 45's target is <= 3 with the MoE layer fused too: not there yet.)"""
+    with runtime.fused_blocks a MoE decoder layer at one rank is 4 launches (the attention block, its
+    residual norm, the MoE layer, its residual norm), at most 3 besides the one collective a
+    tensor-parallel rank adds per sublayer; 16 on the separate small-M kernels."""
     tokens = rng.integers(0, 1024, 7).tolist()
     for fused, model in tiny_models.items():
         stages = stage_launches(model, ForwardBatch.causal(["a"], [0], [tokens], last_only=False),
@@ -170,9 +178,9 @@ def test_launches_per_decoder_layer(tiny_models, rng):
             if stage == "attention":
                 assert n == (ATTENTION_FUSED if fused else ATTENTION_SEPARATE), (fused, layer)
             elif stage == "mlp" and layer in moe:
-                assert n == MOE_LAYER, (fused, layer)
+                assert n == (MOE_FUSED if fused else MOE_SEPARATE), (fused, layer)
         per_layer = {i: sum(n for s, ly, n in stages if ly == i) for i in moe}
-        assert set(per_layer.values()) == {ATTENTION_FUSED + MOE_LAYER if fused else ATTENTION_SEPARATE + MOE_LAYER}
+        assert set(per_layer.values()) == {ATTENTION_FUSED + MOE_FUSED if fused else ATTENTION_SEPARATE + MOE_SEPARATE}
 
 
 # M -> new tokens per request: decode batches, a chain verify (one request, 3 tokens), 4 x 16

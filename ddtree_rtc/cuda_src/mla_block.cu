@@ -27,102 +27,16 @@
 #include "mla_small.cuh"
 #include "mla_split.cuh"
 #include "rmsnorm.cuh"
-#include "skinny_mma.cuh"
+#include "persistent.cuh"
 
 using namespace ddt;
+using namespace ddt::persist;
 
 namespace {
 
-constexpr int kThreads = skinny::kThreads;  // 256: the skinny linears' CTA; the attention phase uses 4 warps
-constexpr int kMT = 4;                      // m16 token tiles: M <= 64 (a row's sums do not depend on it)
-constexpr int kU = 2;                       // k32 chunks in flight per thread
 constexpr int kLat = 512, kRope = 64, kRow = kLat + kRope;
 constexpr int kRmsBlockMinD = 1024;         // rmsnorm.cu's choice: one warp per row up to this length
-constexpr unsigned kPrefetchPiece = 4096;   // bytes per prefetch instruction
 using CfgAtt = mla::CfgD16;
-
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// Every CTA of the grid; bar = {arrivals, generation}, zero before the first launch. The last CTA to
-// arrive resets the count and bumps the generation the others wait on, so any grid size may follow.
-__device__ __forceinline__ void grid_sync(unsigned* bar) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned gen = ld_acquire(bar + 1);
-    __threadfence();  // this CTA's writes before its arrival
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      atomicExch(bar, 0u);
-      __threadfence();
-      st_release(bar + 1, gen + 1);
-    } else {
-      while (ld_acquire(bar + 1) == gen) __nanosleep(40);
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
-// This CTA's share of [p, p + bytes) to L2 (4 KB pieces over all threads of the grid); p 16-byte
-// aligned, bytes a multiple of 16.
-__device__ __forceinline__ void prefetch_share(const void* p, long long bytes) {
-  const long long pieces = (bytes + kPrefetchPiece - 1) / kPrefetchPiece;
-  const long long stride = (long long)gridDim.x * kThreads;
-  for (long long i = (long long)blockIdx.x * kThreads + threadIdx.x; i < pieces; i += stride) {
-    const long long off = i * kPrefetchPiece;
-    const long long n = bytes - off < kPrefetchPiece ? bytes - off : kPrefetchPiece;
-    prefetch_l2(static_cast<const char*>(p) + off, static_cast<unsigned>(n));
-  }
-}
-
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(bf16* p, float v) { *p = to_bf16(v); }
-
-// Row tile `tile` of the skinny linear pair [out1 | out2] = x [w1 | w2]^T (skinny_pair.cuh MODE 1, or
-// linear.cu with n2 = 0): warps_n row blocks of 8 weight rows, blocks n1 / 8 of w1 then n2 / 8 of w2;
-// K split `split` ways (serially here). n1, n2, k multiples of 8.
-template <typename Out1>
-__device__ __forceinline__ void pair_tile(float4 (&red)[skinny::kWarps][kMT][32], const bf16* __restrict__ x, int m,
-                                          int k, const bf16* __restrict__ w1, int n1, Out1* __restrict__ out1,
-                                          const bf16* __restrict__ w2, int n2, bf16* __restrict__ out2, int warps_n,
-                                          int split, int tile) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int rb = tile * warps_n + warp % warps_n;
-  const int blocks1 = n1 / 8, blocks = blocks1 + n2 / 8;
-  const bool rb_ok = rb < blocks, first = rb < blocks1;
-  const int b2 = rb - blocks1;
-  const bf16* wr = !rb_ok ? w1 : first ? w1 + (long long)(8 * rb + g) * k : w2 + (long long)(8 * b2 + g) * k;
-  const int pieces = k >> 3;
-  bool xa_ok[kMT], xb_ok[kMT];
-  const uint4* xa_row[kMT];
-  const uint4* xb_row[kMT];
-  skinny::x_rows<kMT>(x, m, pieces, g, true, xa_ok, xb_ok, xa_row, xb_row);
-  float4 s[kMT];
-  if (!skinny::serial_split_sum<kMT, kU>(red, s, reinterpret_cast<const uint4*>(wr), rb_ok, xa_ok, xb_ok, xa_row,
-                                         xb_row, pieces, split, warps_n) || !rb_ok)
-    return;
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-    const int ta = 16 * mt + g, tb = ta + 8;
-    const float v[4] = {s[mt].x, s[mt].y, s[mt].z, s[mt].w};  // (ta, col), (ta, col + 1), (tb, col), (tb, col + 1)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int tok = i < 2 ? ta : tb;
-      if (tok >= m) continue;
-      if (first) store(out1 + (long long)tok * n1 + 8 * rb + 2 * t + (i & 1), v[i]);
-      else store(out2 + (long long)tok * n2 + 8 * b2 + 2 * t + (i & 1), v[i]);
-    }
-  }
-}
-
-__device__ __forceinline__ int tiles_of(int n, int warps_n) { return (n / 8 + warps_n - 1) / warps_n; }
 
 // The whole block; see the header comment. Scratch: qa, cq [M, q_lora]; kv [M, 576]; q [M, H (nope +
 // 64)]; q_att [M, H, 576]; o_lat [M, H, 512]; lse [M, H]; o [M, H * vhead]. Plans: (warps_n, split) of
@@ -153,7 +67,7 @@ __device__ __forceinline__ void block_body(
   pdl_wait();
   pdl_trigger();
   for (int tile = blockIdx.x, n = tiles_of(q_lora + kRow, wn_a); tile < n; tile += gridDim.x)
-    pair_tile<bf16>(red, x, m, hidden, w_qa, q_lora, qa, w_kva, kRow, kv, wn_a, split_a, tile);
+    pair_tile<1, bf16>(red, x, m, hidden, w_qa, q_lora, qa, w_kva, kRow, kv, wn_a, split_a, tile);
   prefetch_share(w_qb, (long long)heads * qk * q_lora * 2);
   prefetch_share(kv_b, kvb_bytes);
   grid_sync(bar);
@@ -187,7 +101,7 @@ __device__ __forceinline__ void block_body(
 
   // 3: q_b
   for (int tile = blockIdx.x, n = tiles_of(heads * qk, wn_b); tile < n; tile += gridDim.x)
-    pair_tile<bf16>(red, cq, m, q_lora, w_qb, heads * qk, q, nullptr, 0, nullptr, wn_b, split_b, tile);
+    pair_tile<1, bf16>(red, cq, m, q_lora, w_qb, heads * qk, q, nullptr, 0, nullptr, wn_b, split_b, tile);
   grid_sync(bar);
 
   // 4: the absorbed query with its RoPE; grid (512 / 32 + 1, H, ceil(M / 8)) of (32, 8)
@@ -228,7 +142,7 @@ __device__ __forceinline__ void block_body(
 
   // 8: o_proj
   for (int tile = blockIdx.x, n = tiles_of(hidden, wn_o); tile < n; tile += gridDim.x)
-    pair_tile<Out>(red, o, m, heads * vhead, w_o, hidden, out, nullptr, 0, nullptr, wn_o, split_o, tile);
+    pair_tile<1, Out>(red, o, m, heads * vhead, w_o, hidden, out, nullptr, 0, nullptr, wn_o, split_o, tile);
 }
 
 }  // namespace

@@ -28,7 +28,7 @@ from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig, load_config
 from .int4_repack import GROUP, TILE_K
 from .mla import MLADims, MLAWeights, fused_rows, mla_forward, rope_scale
-from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe, to_backend
+from .moe import MoELayerWeights, RoutingConfig, fused_layer_fits, load_moe_layer, moe, to_backend
 from .shard import Shard
 
 SMALL_M_MAX_TOKENS = 64  # the small-M path's rows (an AR batch or a whole tree verify)
@@ -133,6 +133,7 @@ class TargetModel:
         self.fused_blocks = bool(fused_blocks)
         self._small_fits: dict[int, bool] = {}
         self._block_unavailable: list[str] | None = None  # why this GPU cannot run the fused block (once asked)
+        self._moe_unavailable: list[str] | None = None  # the same for the fused MoE layer
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.shard, self.comm = shard or Shard(), comm or SingleRank()
         if self.comm.world_size != self.shard.world or self.comm.rank != self.shard.rank:
@@ -220,6 +221,32 @@ class TargetModel:
                 self._block_unavailable.append(str(e))
                 warnings.warn(f"runtime.fused_blocks: {e}; the separate small-M kernels run instead", stacklevel=2)
         return not self._block_unavailable
+
+    def fused_moe(self, num_tokens: int) -> bool:
+        """Whether a forward of ``num_tokens`` rows runs each MoE layer as one launch
+        (``backend.moe_block_small``): ``fused_blocks`` on, the forward on the row-invariant small-M path,
+        every MoE layer one the kernel takes (``fused_layer_fits``) and, on CUDA, a GPU that holds it."""
+        moe_layers = [ly.mlp for ly in self.layers if isinstance(ly.mlp, MoELayerWeights)]
+        if not (self.fused_blocks and moe_layers and self.linear_impl(num_tokens) == "invariant"
+                and all(fused_layer_fits(lw) for lw in moe_layers)):
+            return False
+        if self.backend.is_cuda and self._moe_unavailable is None:
+            from ..kernels.mla_block import FusedBlockUnavailable
+
+            self._moe_unavailable = []
+            try:
+                self._moe_plan(1)
+            except FusedBlockUnavailable as e:
+                self._moe_unavailable.append(str(e))
+                warnings.warn(f"runtime.fused_blocks: {e}; the separate small-M MoE kernels run instead", stacklevel=2)
+        return not self._moe_unavailable
+
+    def _moe_plan(self, num_tokens: int):
+        """The fused MoE layer's buffers for one forward (shared by its MoE layers); None on numpy."""
+        lw = next(ly.mlp for ly in self.layers if isinstance(ly.mlp, MoELayerWeights))
+        return self.backend.moe_block_plan(num_tokens, lw.num_experts, lw.experts.num_experts, self.routing.top_k,
+                                           self.cfg.hidden_size, lw.experts.intermediate, lw.shared_w2.shape[1],
+                                           self.routing.n_group, self.shard.world > 1)
 
     def _block_plan(self, num_tokens: int):
         """The fused attention block's buffers for one forward (all its layers run one after another
@@ -315,7 +342,7 @@ class TargetModel:
                    batch_invariant, fused_blocks)
 
     # -- forward ---------------------------------------------------------------------------------
-    def _mlp(self, layer: Layer, x, moe_plan=None):
+    def _mlp(self, layer: Layer, x, moe_plan=None, block_plan=False):
         be, t = self.backend, int(x.shape[0])
         impl, small = self.linear_impl(t), self.small_m(t)
         if isinstance(layer.mlp, DenseMLP):
@@ -323,12 +350,13 @@ class TargetModel:
                           impl=impl)
             return self._reduce(m)
         if self.shard.world == 1:
-            return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant)
+            return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant,
+                       block_plan=block_plan)
         # routed and shared partials side by side, one all-reduce; then, as one rank's combine does,
         # routed sum + bf16(shared sum), rounded once
         parts = be.empty((2,) + tuple(x.shape), "fp32")
         moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1], small=small,
-            invariant=self.batch_invariant)
+            invariant=self.batch_invariant, block_plan=block_plan)
         self.comm.all_reduce(parts)
         return be.to_bf16(parts[0], plus_rounded=parts[1])
 
@@ -457,6 +485,7 @@ class TargetModel:
             moe_plan = self.moe_plan(int(inputs.tokens.shape[0]))
         t = int(inputs.tokens.shape[0])
         block_plan = self._block_plan(t) if self.fused_block(t) else False  # False: the separate kernels
+        moe_block_plan = self._moe_plan(t) if self.fused_moe(t) else False
         h = be.embedding(inputs.tokens, self.embed)
         x = be.rmsnorm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
         mark("embed", -1, inputs.tokens)
@@ -466,7 +495,7 @@ class TargetModel:
             x_attn = x
             x, h = be.rmsnorm(a, layer.post_norm, cfg.rms_norm_eps, residual=h)
             mark("attention", i, x_attn)
-            m = self._mlp(layer, x, moe_plan)
+            m = self._mlp(layer, x, moe_plan, moe_block_plan)
             x_mlp = x
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h)
