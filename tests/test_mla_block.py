@@ -158,16 +158,16 @@ def test_model_forward_is_the_same_with_the_fused_blocks(tiny_models, rng):
 
 # launches per stage on the small-M path at one rank (tiny preset: MoE layers with a shared expert)
 ATTENTION_SEPARATE = 10  # q_a+kv_a, q_a norm, q_b, query, cache rows, attention + merge, W_UV, o_proj, norm
-ATTENTION_FUSED = 2  # the fused block, the residual norm
+ATTENTION_FUSED = 1  # the fused block, ending with the residual norm (one rank)
 MOE_SEPARATE = 6  # router + shared gate_up, routing, shared down, experts (2), the residual norm
-MOE_FUSED = 2  # the fused layer, the residual norm
+MOE_FUSED = 1  # the fused layer, ending with the residual norm (one rank)
 
 
 def test_launches_per_decoder_layer(tiny_models, rng):
     """Kernel launches per stage of a 7-row forward, counted from the ops it runs (testing.stage_launches):
-    with runtime.fused_blocks a MoE decoder layer at one rank is 4 launches (the attention block, its
-    residual norm, the MoE layer, its residual norm), at most 3 besides the one collective a
-    tensor-parallel rank adds per sublayer; 16 on the separate small-M kernels."""
+    with runtime.fused_blocks a MoE decoder layer at one rank is 2 launches (the attention block and the
+    MoE layer, each ending with the residual norm that follows it); 16 on the separate small-M kernels.
+    (On a tensor-parallel rank each sublayer adds its all-reduce, the rounding and the norm.)"""
     tokens = rng.integers(0, 1024, 7).tolist()
     for fused, model in tiny_models.items():
         stages = stage_launches(model, ForwardBatch.causal(["a"], [0], [tokens], last_only=False),
@@ -231,6 +231,13 @@ def test_fused_block_vs_twin_and_separate_kernels(dims, m, f32):
     assert np.array_equal(be.to_host(sep, bf16=False).view(bits), be.to_host(got, bf16=False).view(bits)), \
         "the fused block's output differs from the separate small-M kernels'"
     assert np.array_equal(cache_sep.get(), cache.get()), "the cache rows differ from the separate kernels'"
+    if not f32:  # one rank: the block ending with the post-attention residual norm, against rmsnorm after it
+        resid, norm_w = be.asarray(random_bf16(rng, (m, hid))), be.asarray(random_bf16(rng, (hid,), 1.0))
+        y, h = be.mla_block_small(*case.args(be, cache_sep.copy(), att), out=out_buf(), plan=plan, residual=resid,
+                                  norm_weight=norm_w, norm_eps=1e-5)
+        y_sep, h_sep = be.rmsnorm(sep, norm_w, 1e-5, residual=resid)
+        assert np.array_equal(y.get(), y_sep.get()) and np.array_equal(h.get(), h_sep.get()), \
+            "the fused residual norm differs from rmsnorm's"
 
 
 @pytest.fixture(scope="module")
@@ -242,9 +249,10 @@ def tp8():
 
 @pytest.mark.gpu
 def test_decode_rows_invariant_with_the_fused_block(tp8):
-    """The whole decode forward at the TP8 shard with the fused attention block: request r's logits
-    the same bits in a batch of 1, 7, 33 or 64 requests (eagerly and through the engine's CUDA
-    graphs), and the same bits as without the fused block."""
+    """The whole decode forward at the TP8 shard with the fused kernels (each attention block and MoE
+    layer one launch, ending with its residual norm): request r's logits the same bits in a batch of 1,
+    7, 33 or 64 requests (eagerly and through the engine's CUDA graphs), and the same bits as on the
+    separate small-M kernels."""
     from test_small_m_gpu import MS, _decode_cache
 
     from ddtree_rtc.engine.runner import ModelRunner
@@ -264,9 +272,9 @@ def test_decode_rows_invariant_with_the_fused_block(tp8):
         model.fused_blocks = False
         separate = step(np.arange(64))
         model.fused_blocks = True
-        assert model.fused_block(64) and model.fused_block(1)
+        assert model.fused_block(64) and model.fused_block(1) and model.fused_moe(64) and model.fused_moe(1)
         full = step(np.arange(64))
-        assert np.array_equal(full, separate), "the fused block changes the logits"
+        assert np.array_equal(full, separate), "the fused kernels change the logits"
         runner = ModelRunner(model, cache, 4200, graphs=True)
         for m in MS:
             idx = np.sort(rng.permutation(64)[:m]) if m < 64 else np.arange(64)

@@ -180,3 +180,8 @@ def test_fused_moe_is_bitwise_the_separate_kernels(shard, parts):
         bits = np.uint32 if parts else np.uint16
         assert np.array_equal(got.view(bits), want.view(bits)), \
             f"M={m}: the fused layer differs from the separate small-M kernels"
+        if not parts:  # one rank: the layer ending with the decoder's next residual norm
+            resid, norm_w = be.asarray(random_bf16(rng, (m, h))), be.asarray(random_bf16(rng, (h,), 1.0))
+            y, r = be.moe_block_small(xi, *_fused_args(lw, K26), residual=resid, norm_weight=norm_w, norm_eps=1e-5)
+            y_sep, r_sep = be.rmsnorm(cupy.asarray(want), norm_w, 1e-5, residual=resid)
+            assert np.array_equal(y.get(), y_sep.get()) and np.array_equal(r.get(), r_sep.get()), f"M={m}: norm"

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The fused attention block (issue 45: cuda_src/mla_block.cu, runtime.fused_blocks) on one H100/H200, from
-# the repository root, in one device call of under 7 minutes (after `pip install --no-deps
+# The fused decoder layer (issue 45: cuda_src/mla_block.cu and moe_block.cu, runtime.fused_blocks) on one
+# H100/H200, from the repository root, in one device call of under 7 minutes (after `pip install --no-deps
 # --no-build-isolation -e .`):
-#   1. build the families it and its tests load (zero spills is checked by the build);
-#   2. its GPU tests (tests/test_mla_block.py): against its numpy twin, bitwise against the separate
-#      small-M kernels, the TP8 decode's rows invariant over M = 1, 7, 33, 64 and equal to the unfused ones;
+#   1. build the families they and their tests load (zero spills is checked by the build);
+#   2. their GPU tests (tests/test_mla_block.py, tests/test_moe_block.py): against the numpy twins, bitwise
+#      against the separate small-M kernels, the TP8 decode's rows invariant over M = 1, 7, 33, 64 and equal
+#      to the unfused ones;
 #   3. `bench decode` at one rank's TP8 share (8 heads, expert intermediate 256), b1 and b33, ctx 4k: the
-#      general kernels (small_m_path off) and the separate small-M kernels, then the fused block, in two
-#      runs (a hang of the new kernel cannot take the baseline rows with it);
+#      general kernels (small_m_path off) and the separate small-M kernels, then the fused kernels, in two
+#      runs (a hang of a new kernel cannot take the baseline rows with it);
 #   4. a short table last. Logs and JSON under $OUT (or /tmp/fused_out); every stage under `timeout`.
 set -u
 O=${OUT:-/tmp/fused_out}; mkdir -p "$O"
@@ -16,16 +17,16 @@ export DDTREE_RTC_COMMIT=${DDTREE_RTC_COMMIT:-$(git rev-parse --short HEAD 2>/de
 T0=$(date +%s); el() { echo $(( $(date +%s)-T0 ))s; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 echo "commit $DDTREE_RTC_COMMIT"
-fams=""; for f in mla_block mla_small mla_attention linear rmsnorm moe_small moe_routing moe_gemm rope embedding \
+fams=""; for f in mla_block moe_block mla_small mla_attention linear rmsnorm moe_small moe_routing moe_gemm rope embedding \
   kv_cache sampling silu_mul bench_ceiling; do fams="$fams --only $f"; done
-timeout 150 python -m ddtree_rtc.cli kernels build --arch auto $fams --json "$O/build.json" > "$O/build.txt" 2>&1
-rc=$?; echo "== build rc=$rc $(el)"; grep -E "mla_block" "$O/build.txt" | cut -c1-120
+timeout 120 python -m ddtree_rtc.cli kernels build --arch auto $fams --json "$O/build.json" > "$O/build.txt" 2>&1
+rc=$?; echo "== build rc=$rc $(el)"; grep -E "mla_block|moe_block" "$O/build.txt" | cut -c1-120
 [ $rc != 0 ] && tail -5 "$O/build.txt"
 timeout ${TTMO:-170} python -m pytest -v -rf -m gpu -p no:cacheprovider --durations=8 tests/test_mla_block.py \
-  > "$O/pytest_fused.txt" 2>&1
+  tests/test_moe_block.py > "$O/pytest_fused.txt" 2>&1
 echo "== pytest rc=$? $(el) passed=$(grep -c ' PASSED' "$O/pytest_fused.txt") failed=$(grep -cE ' (FAILED|ERROR)' "$O/pytest_fused.txt")"
 grep -E " FAILED|^E  .*(Error|assert|differ)|seed=|passed|failed|Timeout" "$O/pytest_fused.txt" | cut -c1-220 | head -30
-for run in "both:80" "fused:60"; do
+for run in "both:75" "fused:55"; do
   paths=${run%%:*}; limit=${run##*:}
   timeout "$limit" python -m ddtree_rtc.cli bench decode --shard tp8 --moe-layers 1 --batches 1,33 --contexts 4096 \
     --small-m "$paths" --iters ${ITERS:-10} --json "$O/decode_$paths.json" > "$O/bench_$paths.txt" 2>&1
@@ -37,8 +38,9 @@ o = pathlib.Path(sys.argv[1])
 log = o / "pytest_fused.txt"
 if log.exists():
     text = log.read_text()
-    print("\nfused block tests:")
-    for name in ("test_fused_block_vs_twin_and_separate_kernels", "test_decode_rows_invariant_with_the_fused_block"):
+    print("\nfused kernel tests:")
+    for name in ("test_fused_block_vs_twin_and_separate_kernels", "test_decode_rows_invariant_with_the_fused_block",
+                 "test_fused_moe_vs_twin", "test_fused_moe_is_bitwise_the_separate_kernels"):
         res = re.findall(rf"::{name}\S* (PASSED|FAILED|ERROR|SKIPPED)", text)
         print(f"  {name}: {res.count('PASSED')} passed, {res.count('FAILED') + res.count('ERROR')} failed"
               + (f", {res.count('SKIPPED')} skipped" if 'SKIPPED' in res else "") if res else f"  {name}: not run")

@@ -9,8 +9,10 @@
 //   6 merge           partials -> o_lat (only where the plan cut tiles)       (mla_attention_merge_kernel)
 //   7 W_UV            o_lat -> o [M, H * v_head]                               (mla_head_gemm_small)
 //   8 o_proj          o -> out [M, hidden] bf16, or fp32 (a tensor-parallel partial)  (linear)
+//   9 residual norm   one rank, when a residual is given: res_out = out + residual, y_norm = RMSNorm(res_out)
+//                     (the decoder's post-attention norm)                           (rmsnorm)
 // Each phase walks the separate kernel's grid ("virtual CTAs" blk = blockIdx.x, + gridDim.x, ...) and
-// runs its body (include/mla_small.cuh, mla_split.cuh, rmsnorm.cuh, skinny_mma.cuh) with the same
+// runs its body (include/mla_small.cuh, mla_split.cuh, rmsnorm.cuh, skinny_mma.cuh; persistent.cuh) with the same
 // indices, so every value is computed by the same instructions in the same order: the bits equal the
 // separate kernels' bits, and the row invariance of the small-M path carries over. The one change:
 // a skinny linear whose plan splits K over a cluster of S CTAs runs the S ranks' k ranges in turn in
@@ -35,13 +37,13 @@ using namespace ddt::persist;
 namespace {
 
 constexpr int kLat = 512, kRope = 64, kRow = kLat + kRope;
-constexpr int kRmsBlockMinD = 1024;         // rmsnorm.cu's choice: one warp per row up to this length
 using CfgAtt = mla::CfgD16;
 
 // The whole block; see the header comment. Scratch: qa, cq [M, q_lora]; kv [M, 576]; q [M, H (nope +
 // 64)]; q_att [M, H, 576]; o_lat [M, H, 512]; lse [M, H]; o [M, H * vhead]. Plans: (warps_n, split) of
 // the three skinny linears; the attention plan's buffers (kernels/mla_attention.py) with its grid and
-// whether it merges. bar: the grid barrier's two counters.
+// whether it merges. residual (or null), norm_w, norm_eps, y_norm, res_out: phase 9. bar: the grid
+// barrier's two counters.
 template <typename Out>
 __device__ __forceinline__ void block_body(
     const bf16* __restrict__ x, int m, int hidden, int q_lora, int heads, int nope, int vhead,
@@ -56,6 +58,7 @@ __device__ __forceinline__ void block_body(
     int att_grid, int merges, float scale_log2, bf16* __restrict__ qa, bf16* __restrict__ cq, bf16* __restrict__ kv,
     bf16* __restrict__ q, bf16* __restrict__ q_att, bf16* __restrict__ o_lat, float* __restrict__ lse,
     bf16* __restrict__ o, Out* __restrict__ out, int wn_a, int split_a, int wn_b, int split_b, int wn_o, int split_o,
+    const bf16* residual, const bf16* __restrict__ norm_w, float norm_eps, bf16* __restrict__ y_norm, bf16* res_out,
     unsigned* __restrict__ bar) {
   __shared__ float4 red[skinny::kWarps][kMT][32];
   const int qk = nope + kRope, warp = threadIdx.x >> 5;
@@ -143,6 +146,14 @@ __device__ __forceinline__ void block_body(
   // 8: o_proj
   for (int tile = blockIdx.x, n = tiles_of(hidden, wn_o); tile < n; tile += gridDim.x)
     pair_tile<1, Out>(red, o, m, heads * vhead, w_o, hidden, out, nullptr, 0, nullptr, wn_o, split_o, tile);
+
+  // 9 (one rank, when asked): the residual add and the post-attention RMSNorm of the output
+  if constexpr (sizeof(Out) == 2) {
+    if (residual) {
+      grid_sync(bar);
+      residual_norm_rows(out, residual, norm_w, y_norm, res_out, m, hidden, norm_eps);
+    }
+  }
 }
 
 }  // namespace
@@ -161,12 +172,13 @@ __device__ __forceinline__ void block_body(
       int merges, float scale_log2, bf16 *__restrict__ qa, bf16 *__restrict__ cq, bf16 *__restrict__ kv,              \
       bf16 *__restrict__ q, bf16 *__restrict__ q_att, bf16 *__restrict__ o_lat, float *__restrict__ lse,              \
       bf16 *__restrict__ o, OUT *__restrict__ out, int wn_a, int split_a, int wn_b, int split_b, int wn_o,            \
-      int split_o, unsigned *__restrict__ bar
+      int split_o, const bf16 *residual, const bf16 *__restrict__ norm_w, float norm_eps, bf16 *__restrict__ y_norm, \
+      bf16 *res_out, unsigned *__restrict__ bar
 #define MLA_BLOCK_ARGS                                                                                               \
   x, m, hidden, q_lora, heads, nope, vhead, w_qa, w_kva, qa_norm, kv_norm, eps, w_qb, kv_b, w_o, positions,         \
       inv_freq, rope_scale, cache, capacity, slots, page_table, pt_stride, page_size, work, cta_work, req_info, mask, \
       mask_words, o_part, lse_part, merge, merge_count, att_grid, merges, scale_log2, qa, cq, kv, q, q_att, o_lat,    \
-      lse, o, out, wn_a, split_a, wn_b, split_b, wn_o, split_o, bar
+      lse, o, out, wn_a, split_a, wn_b, split_b, wn_o, split_o, residual, norm_w, norm_eps, y_norm, res_out, bar
 
 // out bf16 [M, hidden] (one rank) or fp32 (a tensor-parallel rank's unrounded partial).
 extern "C" __global__ void __launch_bounds__(kThreads, 1) mla_block_small(MLA_BLOCK_PARAMS(bf16)) {

@@ -8,6 +8,8 @@
 //                                                                                             (moe_small_gate_up)
 //   4 down + combine  16-row tiles of H: the touched experts' down values, the weighted sum over the
 //                     slots in order (+ the shared expert where it is added here) -> y     (moe_small_down)
+//   5 residual norm   one rank, when a residual is given: res_out = y + residual, y_norm = RMSNorm(res_out)
+//                     (the decoder's next norm)                                          (rmsnorm)
 // Every phase walks its separate kernel's items with the same indices and the same device code
 // (include/persistent.cuh, moe_route.cuh, moe_small.cuh), so every value has the separate kernels'
 // bits; the skinny linears' cluster splits run serially in rank order (skinny::serial_split_sum).
@@ -38,7 +40,9 @@ __device__ __forceinline__ void layer_body(
     long long w2_expert_bytes, int local_e, int inter, int id_offset, int top_k, int n_group, int topk_group,
     int norm, float scaling, float* __restrict__ logits, bf16* __restrict__ hs, int* __restrict__ ids,
     float* __restrict__ topk_w, bf16* __restrict__ shared, Out* __restrict__ shared_part, bf16* __restrict__ h,
-    Out* __restrict__ y, int wn_d, int split_d, int wn_s, int split_s, unsigned* __restrict__ bar) {
+    Out* __restrict__ y, int wn_d, int split_d, int wn_s, int split_s, const bf16* residual,
+    const bf16* __restrict__ norm_w, float norm_eps, bf16* __restrict__ y_norm, bf16* res_out,
+    unsigned* __restrict__ bar) {
   extern __shared__ __align__(16) unsigned char ring[];
   __shared__ float4 red[skinny::kWarps][kMT][32];
   __shared__ moe_small::Routing r;
@@ -94,6 +98,14 @@ __device__ __forceinline__ void layer_body(
                             sizeof(Out) == 4);
     __syncthreads();  // dsm and the rings are reused by the next tile
   }
+
+  // 5 (one rank, when asked): the residual add and the next RMSNorm of the output
+  if constexpr (sizeof(Out) == 2) {
+    if (residual) {
+      grid_sync(bar);
+      residual_norm_rows(y, residual, norm_w, y_norm, res_out, m, hidden, norm_eps);
+    }
+  }
 }
 
 }  // namespace
@@ -111,11 +123,12 @@ __device__ __forceinline__ void layer_body(
       int top_k, int n_group, int topk_group, int norm, float scaling, float *__restrict__ logits,                  \
       bf16 *__restrict__ hs, int *__restrict__ ids, float *__restrict__ topk_w, bf16 *__restrict__ shared,           \
       OUT *__restrict__ shared_part, bf16 *__restrict__ h, OUT *__restrict__ y, int wn_d, int split_d, int wn_s,    \
-      int split_s, unsigned *__restrict__ bar
+      int split_s, const bf16 *residual, const bf16 *__restrict__ norm_w, float norm_eps, bf16 *__restrict__ y_norm,  \
+      bf16 *res_out, unsigned *__restrict__ bar
 #define MOE_BLOCK_ARGS                                                                                               \
   x, m, hidden, gate_w, E, bias, shared_w13, i2, shared_w2, w13, w13_expert_bytes, w2, w2_expert_bytes, local_e,     \
       inter, id_offset, top_k, n_group, topk_group, norm, scaling, logits, hs, ids, topk_w, shared, shared_part, h, \
-      y, wn_d, split_d, wn_s, split_s, bar
+      y, wn_d, split_d, wn_s, split_s, residual, norm_w, norm_eps, y_norm, res_out, bar
 #define MOE_BLOCK_ENTRY(NAME, EPL, OUT)                                                                              \
   extern "C" __global__ void __launch_bounds__(kThreads, 1) NAME(MOE_BLOCK_PARAMS(OUT)) {                           \
     layer_body<EPL, OUT>(MOE_BLOCK_ARGS);                                                                            \

@@ -120,6 +120,21 @@ def mla_block_plan(num_tokens: int, hidden: int, q_lora: int, num_heads: int, q_
                         bf16(m, h * v_head), cupy.zeros(2, dtype=cupy.uint32), pdl_supported())
 
 
+def residual_norm_args(residual, norm_weight, norm_eps: float, y, who: str) -> tuple:
+    """The fused kernels' last-phase arguments (residual, norm_w, eps, y_norm, res_out): nulls without
+    a residual; with one, checked against the output ``y`` (bf16: one rank) and new outputs."""
+    import cupy
+
+    if residual is None:
+        return (np.uint64(0), np.uint64(0), np.float32(0.0), np.uint64(0), np.uint64(0))
+    if y.dtype == np.float32:
+        raise ValueError(f"{who}: the residual norm follows a bf16 output (one rank), not an fp32 partial")
+    check("residual", residual, BF16, shape=tuple(y.shape))
+    check("norm_weight", norm_weight, BF16, shape=(y.shape[1],))
+    return (residual, norm_weight, np.float32(norm_eps), cupy.empty(y.shape, dtype=cupy.uint16),
+            cupy.empty(y.shape, dtype=cupy.uint16))
+
+
 def _aligned(**arrays) -> None:
     for name, a in arrays.items():
         if a.data.ptr % 16:
@@ -128,13 +143,16 @@ def _aligned(**arrays) -> None:
 
 
 def mla_block_small(x, w_qa, w_kva, qa_norm, kv_norm, eps: float, w_qb, kv_b, w_o, positions, inv_freq,
-                    rope_scale: float, cache, slots, att_plan, softmax_scale: float, out=None, plan=None):
+                    rope_scale: float, cache, slots, att_plan, softmax_scale: float, out=None, plan=None,
+                    residual=None, norm_weight=None, norm_eps: float = 0.0):
     """x [M, hidden] bf16 (M <= 64) -> the attention block's output [M, hidden] bf16 (fp32 unrounded into
     an fp32 ``out``: a tensor-parallel partial), the new tokens' cache rows written at ``slots`` of
     ``cache`` (one layer [pages, page_size, 576]). Weights: w_qa [q_lora, hidden], w_kva [576, hidden],
     qa_norm [q_lora], kv_norm [512], w_qb [H (nope + 64), q_lora], kv_b [H (nope + v_head), 512], w_o
     [hidden, H v_head], all bf16 and contiguous. ``att_plan``: mla_attention_plan's, split="shape" with
-    the d16 variant. ``plan``: mla_block_plan's for this shape (made here when not given)."""
+    the d16 variant. ``plan``: mla_block_plan's for this shape (made here when not given). With a bf16
+    ``residual`` [M, hidden] (one rank) the kernel's last phase is the decoder's post-attention norm:
+    returns (RMSNorm(out + residual) * norm_weight, out + residual), new arrays."""
     check("x", x, BF16, ndim=2)
     m, hidden = x.shape
     b = att_plan.batch
@@ -179,5 +197,6 @@ def mla_block_small(x, w_qa, w_kva, qa_norm, kv_norm, eps: float, w_qb, kv_b, w_
             np.float32(softmax_scale * np.log2(np.e)), plan.qa, plan.cq, plan.kv, plan.q, plan.q_att, plan.o_lat,
             plan.lse, plan.o, y, np.int32(wa), np.int32(sa), np.int32(wb), np.int32(sb), np.int32(wo), np.int32(so),
             plan.bar)
-    launch(fn, (plan.grid,), (_THREADS,), args, shared_mem=smem_bytes(), pdl=plan.pdl)
-    return y
+    norm = residual_norm_args(residual, norm_weight, norm_eps, y, "mla_block_small")
+    launch(fn, (plan.grid,), (_THREADS,), args[:-1] + norm + args[-1:], shared_mem=smem_bytes(), pdl=plan.pdl)
+    return y if residual is None else (norm[3], norm[4])

@@ -19,7 +19,7 @@ from ..reference.moe_small import check_small_shape
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported, sm_count
 from .linear import invariant_plan, skinny_plan
-from .mla_block import FusedBlockUnavailable
+from .mla_block import FusedBlockUnavailable, residual_norm_args
 from .moe_gemm import check_expert_inputs
 from .moe_small import BLOCK_BYTES
 from .registry import module, spec
@@ -27,7 +27,7 @@ from .registry import module, spec
 _THREADS = 256
 _WARPS = 8
 _ROUTERS = (64, 384)  # the entries' router capacities (moe_block_small_e{64,384}[_f32])
-_STATIC_SMEM = 34960  # the kernel's static shared memory (`kernels build` lists it)
+_STATIC_SMEM = 35216  # the kernel's static shared memory, at most (`kernels build` lists it)
 
 
 def dynamic_smem(num_pairs: int, num_experts: int, n_group: int) -> int:
@@ -116,11 +116,14 @@ def moe_block_plan(num_tokens: int, num_experts: int, local_experts: int, top_k:
 
 def moe_block_small(x, gate_weight, bias, shared_w13, shared_w2, experts, top_k: int, n_group: int = 1,
                     topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
-                    id_offset: int = 0, out=None, shared_out=None, plan=None):
+                    id_offset: int = 0, out=None, shared_out=None, plan=None, residual=None, norm_weight=None,
+                    norm_eps: float = 0.0):
     """x [M, H] bf16 (M <= 64) -> the MoE layer's output [M, H]: bf16 routed + shared, or with an fp32
     ``out`` the routed partial unrounded and the shared expert's into ``shared_out`` (fp32 [M, H], then
     required). gate_weight bf16 [E, H], bias fp32 [E] or None, shared_w13 bf16 [2 Is, H], shared_w2 bf16
-    [H, Is]; ``experts`` (layout 'mma'): the router's ids id_offset .. id_offset + local - 1."""
+    [H, Is]; ``experts`` (layout 'mma'): the router's ids id_offset .. id_offset + local - 1. With a bf16
+    ``residual`` [M, H] (one rank) the kernel's last phase is the decoder's next norm: returns
+    (RMSNorm(y + residual) * norm_weight, y + residual), new arrays."""
     check("x", x, BF16, ndim=2)
     m, h = x.shape
     check("gate_weight", gate_weight, BF16, ndim=2)
@@ -164,6 +167,7 @@ def moe_block_small(x, gate_weight, bias, shared_w13, shared_w2, experts, top_k:
             np.int32(id_offset), np.int32(top_k), np.int32(n_group), np.int32(topk_group),
             np.int32(bool(norm_topk_prob)), np.float32(routed_scaling_factor), plan.logits, plan.hs, plan.ids,
             plan.topk_w, plan.shared, shared_out if shared_out is not None else np.uint64(0), plan.h, y,
-            np.int32(wd), np.int32(sd), np.int32(ws), np.int32(ss), plan.bar)
-    launch(fn, (plan.grid,), (_THREADS,), args, shared_mem=plan.smem, pdl=plan.pdl)
-    return y
+            np.int32(wd), np.int32(sd), np.int32(ws), np.int32(ss))
+    norm = residual_norm_args(residual, norm_weight, norm_eps, y, "moe_block_small")
+    launch(fn, (plan.grid,), (_THREADS,), args + norm + (plan.bar,), shared_mem=plan.smem, pdl=plan.pdl)
+    return y if residual is None else (norm[3], norm[4])

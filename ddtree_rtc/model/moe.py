@@ -100,7 +100,8 @@ def fused_layer_fits(lw: MoELayerWeights) -> bool:
 
 
 def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None,
-        shared_out=None, small: bool = False, invariant: bool = True, block_plan=False):
+        shared_out=None, small: bool = False, invariant: bool = True, block_plan=False, residual=None,
+        norm_weight=None, norm_eps: float = 0.0):
     """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for
     graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``. ``small`` (M <= 64, the small-M
     path): the experts run ``moe_small_experts`` (``plan`` from ``moe_small_plan``), and with
@@ -111,7 +112,8 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
     ``shared_out`` (fp32 [M, H]) the shared expert's partial goes there instead of into y, so the
     caller can round its sum to bf16 before adding it, as one rank's combine does. ``block_plan`` (not
     False; the small row-invariant path on a layer ``fused_layer_fits`` takes): the whole layer in one
-    launch, ``backend.moe_block_small``, with these buffers (``backend.moe_block_plan``'s; None on numpy)."""
+    launch, ``backend.moe_block_small``, with these buffers (``backend.moe_block_plan``'s; None on numpy);
+    with a ``residual`` (one rank) it ends with the decoder's next norm and returns (normed, residual)."""
     lw, rc = layer_weights, routing_config
     if x.ndim != 2 or x.shape[0] == 0:
         raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {tuple(x.shape)}")
@@ -125,7 +127,8 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
         return backend.moe_block_small(x, lw.gate_weight, lw.e_score_correction_bias, lw.shared_w13, lw.shared_w2,
                                        lw.experts, rc.top_k, rc.n_group, rc.topk_group, rc.norm_topk_prob,
                                        rc.routed_scaling_factor, lw.expert_offset, out=out, shared_out=shared_out,
-                                       plan=block_plan)
+                                       plan=block_plan, residual=residual, norm_weight=norm_weight,
+                                       norm_eps=norm_eps)
     hs = None  # the shared expert's SiLU(gate) * up, when the dense launch made it
     if impl == "invariant" and lw.gate_weight.dtype != np.float32 and lw.shared_w13 is not None and \
             lw.num_experts % 8 == 0 and lw.shared_w13.shape[0] % 8 == 0:

@@ -490,15 +490,25 @@ class TargetModel:
         x = be.rmsnorm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
         mark("embed", -1, inputs.tokens)
         hidden = {}
+        # one rank: the fused kernels end with the residual norm that follows them
+        fused_norm = self.shard.world == 1
         for i, layer in enumerate(self.layers):
-            a = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache, block_plan)
             x_attn = x
-            x, h = be.rmsnorm(a, layer.post_norm, cfg.rms_norm_eps, residual=h)
+            if block_plan is not False and fused_norm:
+                x, h = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache, block_plan,
+                                       residual=h)
+            else:
+                a = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache, block_plan)
+                x, h = be.rmsnorm(a, layer.post_norm, cfg.rms_norm_eps, residual=h)
             mark("attention", i, x_attn)
-            m = self._mlp(layer, x, moe_plan, moe_block_plan)
             x_mlp = x
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h)
+            if moe_block_plan is not False and fused_norm and isinstance(layer.mlp, MoELayerWeights):
+                x, h = moe(x, layer.mlp, self.routing, be, small=True, invariant=self.batch_invariant,
+                           block_plan=moe_block_plan, residual=h, norm_weight=nxt, norm_eps=cfg.rms_norm_eps)
+            else:
+                m = self._mlp(layer, x, moe_plan, moe_block_plan)
+                x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h)
             if i in hidden_layers:
                 hidden[i] = h.copy()
             mark("mlp", i, x_mlp)
@@ -515,10 +525,12 @@ class TargetModel:
         mark("head", -1, rows)
         return out
 
-    def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache, block_plan=False):
+    def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache, block_plan=False, residual=None):
         # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both. block_plan: the
-        # fused block's buffers (None on numpy), or False for the separate kernels
-        return self._reduce(mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq,
-                                        LATENT_NORM_EPS, cache.layer(i), slots, plan, self.cfg.softmax_scale,
-                                        self.rope_scale, out=self._partial(x), impl=self.linear_impl(int(x.shape[0])),
-                                        block_plan=block_plan))
+        # fused block's buffers (None on numpy), or False for the separate kernels; residual (one rank,
+        # fused): the block ends with the post-attention norm and returns (normed, residual)
+        out = mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq, LATENT_NORM_EPS,
+                          cache.layer(i), slots, plan, self.cfg.softmax_scale, self.rope_scale, out=self._partial(x),
+                          impl=self.linear_impl(int(x.shape[0])), block_plan=block_plan, residual=residual,
+                          norm_weight=layer.post_norm, norm_eps=self.cfg.rms_norm_eps)
+        return out if residual is not None else self._reduce(out)

@@ -51,8 +51,8 @@ class RuntimeSpec:
     ``batch_invariant``: on that path every linear also sums each row the same way whatever the batch,
     so a verify row equals its autoregressive twin bit for bit; false lets them take the faster
     non-invariant kernels (cuBLAS) where those win. ``fused_blocks``: on that row-invariant path each
-    attention block runs as one launch (the fused kernel, cuda_src/mla_block.cu: same bits as the
-    separate small-M kernels), where the GPU holds it."""
+    attention block and each MoE layer runs as one launch (the fused kernels, cuda_src/mla_block.cu and
+    moe_block.cu: same bits as the separate small-M kernels), where the GPU holds them."""
 
     backend: Literal["auto", "cuda", "numpy"] = "auto"
     arch: str | None = None

@@ -5,6 +5,8 @@ kernel bodies as phases of one launch."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from .linear import linear
 from .mla_attention import mla_attention, mla_head_gemm
 from .mla_small import mla_kv_rows_small, mla_qkv_a_small, mla_query_small
@@ -35,11 +37,14 @@ def mla_block_plan(num_tokens: int, hidden: int, q_lora: int, num_heads: int, q_
 
 
 def mla_block_small(x, w_qa, w_kva, qa_norm, kv_norm, eps: float, w_qb, kv_b, w_o, positions, inv_freq,
-                    rope_scale: float, cache, slots, att_plan, softmax_scale: float, out=None, plan=None):
+                    rope_scale: float, cache, slots, att_plan, softmax_scale: float, out=None, plan=None,
+                    residual=None, norm_weight=None, norm_eps: float = 0.0):
     """x [M, hidden] bf16 (M <= 64 on the GPU) -> the attention block's output [M, hidden] bf16, or
     fp32 unrounded into an fp32 ``out`` (a tensor-parallel partial); the new tokens' cache rows are
     written at ``slots`` of ``cache`` (one layer) first. ``att_plan``: ``mla_attention_plan``'s
-    (split="shape" on the GPU). ``plan``: ``mla_block_plan``'s (the CUDA twin's buffers)."""
+    (split="shape" on the GPU). ``plan``: ``mla_block_plan``'s (the CUDA twin's buffers). With a bf16
+    ``residual`` (one rank) the decoder's post-attention norm follows: returns
+    ``rmsnorm(output, norm_weight, norm_eps, residual=residual)``, the (normed, residual) pair."""
     t, h = x.shape[0], att_plan.num_heads
     nope, v_head, _ = block_dims(w_qb, kv_b, w_o, h)
     qa, kv = mla_qkv_a_small(x, w_qa, w_kva)
@@ -49,4 +54,9 @@ def mla_block_small(x, w_qa, w_kva, qa_norm, kv_norm, eps: float, w_qb, kv_b, w_
     mla_kv_rows_small(kv, kv_norm, eps, positions, inv_freq, rope_scale, cache, slots)
     o_lat, _ = mla_attention(att_plan, q_att, cache, softmax_scale)
     o = mla_head_gemm(o_lat, heads[:, nope:], True)
-    return linear(o.reshape(t, h * v_head), w_o, out=out)
+    y = linear(o.reshape(t, h * v_head), w_o, out=out)
+    if residual is None:
+        return y
+    if y.dtype == np.float32:
+        raise ValueError("mla_block_small: the residual norm follows a bf16 output (one rank), not an fp32 partial")
+    return rmsnorm(y, norm_weight, norm_eps, residual=residual)

@@ -4,6 +4,7 @@
 // run serially in rank order, so the bits are the separate kernels'.
 #pragma once
 #include "common.cuh"
+#include "rmsnorm.cuh"
 #include "skinny_mma.cuh"
 #include "skinny_pair.cuh"
 
@@ -119,6 +120,29 @@ __device__ __forceinline__ void pair_tile(float4 (&red)[skinny::kWarps][kMT][32]
 }
 
 __device__ __forceinline__ int tiles_of(int n, int warps_n) { return (n / 8 + warps_n - 1) / warps_n; }
+
+constexpr int kRmsBlockMinD = 1024;  // rmsnorm.cu's split: a warp per row up to this length, else a block
+
+// The decoder's residual add and RMSNorm of rows [0, m) of a [m, d] as rmsnorm.cu's kernels compute it
+// (the same row split and rmsnorm_row): res_out = bf16(a + res), y = bf16(norm(res_out) * w). res_out
+// may alias res. Every thread of the CTA.
+__device__ __forceinline__ void residual_norm_rows(const bf16* a, const bf16* res, const bf16* __restrict__ w, bf16* y,
+                                                   bf16* res_out, int m, int d, float eps) {
+  const bool by_block = d > kRmsBlockMinD, vec = d % 8 == 0;
+  const int blocks = by_block ? m : (m + 7) / 8;
+  for (int blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+    const long long r = by_block ? blk : (long long)blk * 8 + (threadIdx.x >> 5);
+    if (!by_block && r >= m) continue;  // (warp-uniform; the warp path has no block barrier)
+    const long long o = r * d;
+    if (by_block) {
+      if (vec) rmsnorm_row<kThreads, true, true>(a + o, res + o, w, y + o, res_out + o, d, eps);
+      else rmsnorm_row<kThreads, false, true>(a + o, res + o, w, y + o, res_out + o, d, eps);
+    } else {
+      if (vec) rmsnorm_row<32, true, true>(a + o, res + o, w, y + o, res_out + o, d, eps);
+      else rmsnorm_row<32, false, true>(a + o, res + o, w, y + o, res_out + o, d, eps);
+    }
+  }
+}
 
 }  // namespace persist
 }  // namespace ddt
