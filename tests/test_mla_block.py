@@ -283,3 +283,22 @@ def test_decode_rows_invariant_with_the_fused_block(tp8):
                 assert not bad, f"{how} M={m}: requests {bad[:6]} get other logits than at M=64"
     finally:
         model.fused_blocks = False
+
+
+def test_runtime_key(tiny_dir, monkeypatch):
+    """runtime.fused_blocks reaches the model; small_m_path=false turns every small-M kernel off,
+    the fused ones included."""
+    from pathlib import Path
+
+    from ddtree_rtc.pipeline import runner
+    from ddtree_rtc.pipeline.schema import parse_pipeline, parse_set_options
+
+    pipe_text = ("model:\n  preset: tiny\nruntime:\n  backend: numpy\ndecode:\n  mode: autoregressive\n"
+                 "workload:\n  synthetic: {count: 1, prompt_len: 4, output_len: 2}\n")
+    monkeypatch.setattr(runner, "model_dir", lambda pipe, ranks: Path(tiny_dir))
+    for sets, fused, small in (((), False, True), (("runtime.fused_blocks=true",), True, True),
+                               (("runtime.fused_blocks=true", "runtime.small_m_path=false"), True, False)):
+        engine, _ = runner.build_engine(parse_pipeline(pipe_text, "p.yaml", parse_set_options(sets)), max_batch=1)
+        model = engine.model
+        assert model.fused_blocks == fused and model.small_m_path == small, sets
+        assert model.fused_block(3) == model.fused_moe(3) == (fused and small), sets

@@ -153,12 +153,13 @@ def test_fused_moe_vs_twin(config, m, parts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shard", ["tp8", "ep8"])
+@pytest.mark.parametrize("shard", ["tp8", "ep8", "grouped64"])
 @pytest.mark.parametrize("parts", [False, True])
 def test_fused_moe_is_bitwise_the_separate_kernels(shard, parts):
     """One rank's share of K2.6's MoE layer (TP8: 384 experts of intermediate 256; EP8: 48 whole experts
-    of the router's 384, the others' ids out of range): the fused layer gives the separate small-M
-    kernels' bits, for M = 1, 3, 17, 33, 64, bf16 and as the fp32 partials."""
+    of the router's 384, the others' ids out of range), and a grouped router over 64 (routed by the
+    kernel's 384-expert routing, by moe_route_e64 on the separate path): the fused layer gives the
+    separate small-M kernels' bits, for M = 1, 3, 17, 33, 64, bf16 and as the fp32 partials."""
     import cupy
 
     from ddtree_rtc.bench.moe import int4_experts_device
@@ -166,22 +167,23 @@ def test_fused_moe_is_bitwise_the_separate_kernels(shard, parts):
     rng = _seeded(f"fused moe bitwise {shard}")
     be = Backend("cuda")
     h, i_s = 7168, 256
-    local, inter, lo = (384, 256, 0) if shard == "tp8" else (48, 2048, 96)
-    gate = be.asarray(random_bf16(rng, (384, h), 1 / np.sqrt(h)))
-    bias = cupy.asarray(rng.uniform(-0.2, 0.2, 384).astype(np.float32))
+    rc = GROUPED if shard == "grouped64" else K26
+    local, inter, lo = {"tp8": (384, 256, 0), "ep8": (48, 2048, 96), "grouped64": (64, 256, 0)}[shard]
+    gate = be.asarray(random_bf16(rng, (rc.num_experts, h), 1 / np.sqrt(h)))
+    bias = cupy.asarray(rng.uniform(-0.2, 0.2, rc.num_experts).astype(np.float32))
     w13 = be.asarray(random_bf16(rng, (2 * i_s, h), 1 / np.sqrt(h)))
     w2 = be.asarray(random_bf16(rng, (h, i_s), 1 / np.sqrt(i_s)))
     lw = MoELayerWeights(gate, bias, int4_experts_device(local, h, inter, int(rng.integers(1 << 30))), w13, w2, lo)
     x = be.asarray(random_bf16(rng, (64, h)))
     for m in MS:
         xi = cupy.ascontiguousarray(x[:m])
-        got, want = _run_fused(be, xi, lw, K26, parts), _run_separate(be, xi, lw, K26, parts)
+        got, want = _run_fused(be, xi, lw, rc, parts), _run_separate(be, xi, lw, rc, parts)
         assert np.isfinite(got).all() if parts else (got != 0x7FC0).all(), f"M={m}: outputs left unwritten"
         bits = np.uint32 if parts else np.uint16
         assert np.array_equal(got.view(bits), want.view(bits)), \
             f"M={m}: the fused layer differs from the separate small-M kernels"
         if not parts:  # one rank: the layer ending with the decoder's next residual norm
             resid, norm_w = be.asarray(random_bf16(rng, (m, h))), be.asarray(random_bf16(rng, (h,), 1.0))
-            y, r = be.moe_block_small(xi, *_fused_args(lw, K26), residual=resid, norm_weight=norm_w, norm_eps=1e-5)
+            y, r = be.moe_block_small(xi, *_fused_args(lw, rc), residual=resid, norm_weight=norm_w, norm_eps=1e-5)
             y_sep, r_sep = be.rmsnorm(cupy.asarray(want), norm_w, 1e-5, residual=resid)
             assert np.array_equal(y.get(), y_sep.get()) and np.array_equal(r.get(), r_sep.get()), f"M={m}: norm"

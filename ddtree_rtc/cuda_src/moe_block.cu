@@ -134,8 +134,7 @@ __device__ __forceinline__ void layer_body(
     layer_body<EPL, OUT>(MOE_BLOCK_ARGS);                                                                            \
   }
 
-// routers of up to 64 experts (the tiny preset) and up to 384 (K2.6); others run the separate kernels
-MOE_BLOCK_ENTRY(moe_block_small_e64, 2, bf16)
-MOE_BLOCK_ENTRY(moe_block_small_e64_f32, 2, float)
-MOE_BLOCK_ENTRY(moe_block_small_e384, 12, bf16)
-MOE_BLOCK_ENTRY(moe_block_small_e384_f32, 12, float)
+// routers of up to 384 experts (K2.6); larger ones run the separate kernels. The routing's values do not
+// depend on EPL (experts past E hold key 0), so these give moe_route_e64 .. e384's bits.
+MOE_BLOCK_ENTRY(moe_block_small, 12, bf16)
+MOE_BLOCK_ENTRY(moe_block_small_f32, 12, float)

@@ -26,7 +26,7 @@ from .registry import module, spec
 
 _THREADS = 256
 _WARPS = 8
-_ROUTERS = (64, 384)  # the entries' router capacities (moe_block_small_e{64,384}[_f32])
+MAX_ROUTER = 384  # the entries' router capacity (moe_block_small[_f32])
 _STATIC_SMEM = 35216  # the kernel's static shared memory, at most (`kernels build` lists it)
 
 
@@ -86,11 +86,10 @@ def moe_block_plan(num_tokens: int, num_experts: int, local_experts: int, top_k:
     check_small_shape(num_tokens, local_experts, top_k, hidden, intermediate)
     if num_experts % 8 or (2 * shared_intermediate) % 8 or hidden % 8:
         raise ValueError(f"moe_block: E = {num_experts} and 2 Is = {2 * shared_intermediate} must be multiples of 8")
-    cap = next((c for c in _ROUTERS if c >= num_experts), None)
-    if cap is None:
-        raise FusedBlockUnavailable(f"moe_block: no entry routes {num_experts} experts (routers of at most "
-                                    f"{_ROUTERS[-1]})")
-    entry = f"moe_block_small_e{cap}{'_f32' if f32_out else ''}"
+    if num_experts > MAX_ROUTER:
+        raise FusedBlockUnavailable(f"moe_block: a router of {num_experts} experts (the kernel routes at most "
+                                    f"{MAX_ROUTER})")
+    entry = f"moe_block_small{'_f32' if f32_out else ''}"
     dev = cupy.cuda.Device()
     smem = dynamic_smem(num_tokens * top_k, num_experts, n_group)
     limit = dev.attributes["MaxSharedMemoryPerBlockOptin"]

@@ -54,12 +54,11 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "no align step, no atomics in sums; moe_small_dense: the router logits and the shared expert's gate_up "
                "with SiLU*up in one skinny launch",
                params={"MOE_SMALL_STAGES": 4}),
-    KernelSpec("moe_block", ("moe_block_small_e64", "moe_block_small_e64_f32", "moe_block_small_e384",
-                             "moe_block_small_e384_f32"),
+    KernelSpec("moe_block", ("moe_block_small", "moe_block_small_f32"),
                "the small-M path's MoE layer in one launch (M <= 64 tokens): a persistent kernel running the "
                "bodies of moe_small_dense, moe_route, the shared expert's down linear, moe_small_gate_up and "
                "moe_small_down + combine as phases with grid barriers, same bits as the separate kernels "
-               "(routers of <= 64 or <= 384 experts; bf16 out, or the fp32 routed and shared partials)",
+               "(routers of <= 384 experts; bf16 out, or the fp32 routed and shared partials)",
                params={"MOE_SMALL_STAGES": 4}),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),
