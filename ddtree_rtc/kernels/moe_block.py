@@ -150,13 +150,13 @@ def moe_block_small(x, gate_weight, bias, shared_w13, shared_w2, experts, top_k:
         check("shared_out", shared_out, np.float32, shape=(m, h))
     if plan is None:
         plan = moe_block_plan(m, e, experts.num_experts, top_k, h, experts.intermediate, i2 // 2, n_group, f32_out)
-    check_expert_inputs(x, plan.ids, plan.topk_w, experts, None)  # x against the experts; the scratch's shapes
     made = (plan.num_tokens, plan.num_experts, plan.local_experts, plan.top_k, plan.hidden, plan.intermediate,
             plan.shared_intermediate, plan.n_group, plan.f32_out)
     want = (m, e, experts.num_experts, top_k, h, experts.intermediate, i2 // 2, n_group, f32_out)
     if made != want:
         raise ValueError(f"plan: made for (M, E, local E, top_k, H, I, Is, n_group, fp32 out) = {made}, called with "
                          f"{want}")
+    check_expert_inputs(x, plan.ids, plan.topk_w, experts, None)  # x and the experts' layout and shapes
     fn = module("moe_block").fn(plan.entry)
     allow_dynamic_smem(fn, plan.smem)
     (wd, sd), (ws, ss) = plan.linears
