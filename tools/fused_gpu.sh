@@ -7,8 +7,8 @@
 #      against the separate small-M kernels, the TP8 decode's rows invariant over M = 1, 7, 33, 64 and equal
 #      to the unfused ones;
 #   3. `bench decode` at one rank's TP8 share (8 heads, expert intermediate 256), b1 and b33, ctx 4k: the
-#      general kernels (small_m_path off) and the separate small-M kernels, then the fused kernels, in two
-#      runs (a hang of a new kernel cannot take the baseline rows with it);
+#      general kernels (small_m_path off), the separate small-M kernels, the fused kernels, one run each
+#      (a hang or a timeout of one cannot take the other rows with it);
 #   4. a short table last. Logs and JSON under $OUT (or /tmp/fused_out); every stage under `timeout`.
 set -u
 O=${OUT:-/tmp/fused_out}; mkdir -p "$O"
@@ -19,14 +19,18 @@ nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 echo "commit $DDTREE_RTC_COMMIT"
 fams=""; for f in mla_block moe_block mla_small mla_attention linear rmsnorm moe_small moe_routing moe_gemm rope embedding \
   kv_cache sampling silu_mul bench_ceiling; do fams="$fams --only $f"; done
-timeout 120 python -m ddtree_rtc.cli kernels build --arch auto $fams --json "$O/build.json" > "$O/build.txt" 2>&1
+timeout 110 python -m ddtree_rtc.cli kernels build --arch auto $fams --json "$O/build.json" > "$O/build.txt" 2>&1
 rc=$?; echo "== build rc=$rc $(el)"; grep -E "mla_block|moe_block" "$O/build.txt" | cut -c1-120
 [ $rc != 0 ] && tail -5 "$O/build.txt"
-timeout ${TTMO:-170} python -m pytest -v -rf -m gpu -p no:cacheprovider --durations=8 tests/test_mla_block.py \
-  tests/test_moe_block.py > "$O/pytest_fused.txt" 2>&1
+# the bitwise comparisons first: if the time runs out, the slower twin comparisons are what is cut
+timeout ${TTMO:-180} python -m pytest -v -rf -m gpu -p no:cacheprovider --durations=8 \
+  tests/test_mla_block.py::test_fused_block_vs_twin_and_separate_kernels \
+  tests/test_moe_block.py::test_fused_moe_is_bitwise_the_separate_kernels \
+  tests/test_mla_block.py::test_decode_rows_invariant_with_the_fused_block \
+  tests/test_moe_block.py::test_fused_moe_vs_twin > "$O/pytest_fused.txt" 2>&1
 echo "== pytest rc=$? $(el) passed=$(grep -c ' PASSED' "$O/pytest_fused.txt") failed=$(grep -cE ' (FAILED|ERROR)' "$O/pytest_fused.txt")"
 grep -E " FAILED|^E  .*(Error|assert|differ)|seed=|passed|failed|Timeout" "$O/pytest_fused.txt" | cut -c1-220 | head -30
-for run in "both:75" "fused:55"; do
+for run in "off:45" "on:45" "fused:45"; do
   paths=${run%%:*}; limit=${run##*:}
   timeout "$limit" python -m ddtree_rtc.cli bench decode --shard tp8 --moe-layers 1 --batches 1,33 --contexts 4096 \
     --small-m "$paths" --iters ${ITERS:-10} --json "$O/decode_$paths.json" > "$O/bench_$paths.txt" 2>&1
@@ -45,7 +49,7 @@ if log.exists():
         print(f"  {name}: {res.count('PASSED')} passed, {res.count('FAILED') + res.count('ERROR')} failed"
               + (f", {res.count('SKIPPED')} skipped" if 'SKIPPED' in res else "") if res else f"  {name}: not run")
 rows = []
-for paths in ("both", "fused"):
+for paths in ("off", "on", "fused"):
     f = o / f"decode_{paths}.json"
     if f.exists():
         rows += [r.get("extra", {}) for r in json.loads(f.read_text()).get("rows", [])]
