@@ -317,8 +317,8 @@ def main(argv=None) -> dict:
                          "experts), collectives left out")
     ap.add_argument("--small-m", choices=("on", "off", "both", "fused", "all"), default="on",
                     help="the small-M path (runtime.small_m_path) for batches <= 64: on, off, both (rows of each), "
-                         "fused (on, with runtime.fused_blocks: the attention block in one launch), all (off, on, "
-                         "fused)")
+                         "fused (on, with runtime.fused_blocks: each attention block and MoE layer in one launch), "
+                         "all (off, on, fused)")
     args = ap.parse_args(argv)
 
     if args.moe_layers < 0:
