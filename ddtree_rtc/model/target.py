@@ -481,9 +481,9 @@ class TargetModel:
         if output not in ("argmax", "logits", "shard", "none"):
             raise ValueError(f"output must be 'argmax', 'logits', 'shard' or 'none', got {output!r}")
         be, cfg = self.backend, self.cfg
-        if moe_plan is None:
-            moe_plan = self.moe_plan(int(inputs.tokens.shape[0]))
         t = int(inputs.tokens.shape[0])
+        if moe_plan is None:
+            moe_plan = self.moe_plan(t)
         block_plan = self._block_plan(t) if self.fused_block(t) else False  # False: the separate kernels
         moe_block_plan = self._moe_plan(t) if self.fused_moe(t) else False
         h = be.embedding(inputs.tokens, self.embed)
