@@ -24,7 +24,9 @@
 //
 // The grid barrier (grid_sync) needs every CTA resident at once: the host sizes the grid from the
 // occupancy of this kernel (kernels/mla_block.py). Activations written in one phase are read only in
-// later phases and never before they are written within a launch, so no SM holds a stale line of them.
+// later phases, after the barrier's release / acquire; the loads the separate kernels make through the
+// read-only path (a skinny linear's x) go through L2 here (ld.global.cg), since that path does not
+// promise to see what other CTAs wrote earlier in the same launch.
 #include "common.cuh"
 #include "mla_small.cuh"
 #include "mla_split.cuh"

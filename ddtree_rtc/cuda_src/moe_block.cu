@@ -13,6 +13,8 @@
 // Every phase walks its separate kernel's items with the same indices and the same device code
 // (include/persistent.cuh, moe_route.cuh, moe_small.cuh), so every value has the separate kernels'
 // bits; the skinny linears' cluster splits run serially in rank order (skinny::serial_split_sum).
+// Activations written in one phase and read in a later one through the separate kernels' read-only
+// loads (the skinny x, the down GEMM's h) go through L2 here (ld.global.cg; see mla_block.cu).
 // Weights: the router and shared gate_up go to L2 before the PDL wait, the shared down during phase 1,
 // this CTA's share of the touched experts' down weights during the gate_up (once the routing is known,
 // and when they are few: at most 16 MB).
@@ -92,7 +94,7 @@ __device__ __forceinline__ void layer_body(
   // 4: down + the weighted combine (moe_small_down's tiles)
   float* dsm = reinterpret_cast<float*>(ring + moe_small::kWarps * moe_small::kWarpRingBytes);  // [P][16]
   for (int tile = blockIdx.x, tiles = hidden / 16; tile < tiles; tile += gridDim.x) {
-    moe_small::down_tile(w2, w2_expert_bytes, h, top_k, inter, tile, r, cols, ring, dsm, false);
+    moe_small::down_tile<true>(w2, w2_expert_bytes, h, top_k, inter, tile, r, cols, ring, dsm, false);
     __syncthreads();
     moe_small::combine_tile(r, dsm, topk_w, m, top_k, local_e, hidden, tile, shared_part ? nullptr : shared, y,
                             sizeof(Out) == 4);

@@ -129,10 +129,14 @@ __device__ __forceinline__ void load_block(uint4 (&buf)[3], const unsigned char*
 
 // The lane's B fragments of one k128 block of column tile nt: 8 k values per k32 chunk of the
 // column's row of `act` (zeros for a column without a token).
+// kL2: through L2 only (an activation written earlier in the same launch: the fused MoE layer's h).
+template <bool kL2 = false>
 __device__ __forceinline__ void load_act(uint4 (&xb)[4], const bf16* __restrict__ row, bool valid, int k0, int t) {
 #pragma unroll
-  for (int c = 0; c < 4; ++c)
-    xb[c] = valid ? __ldg(reinterpret_cast<const uint4*>(row + k0 + 32 * c + 8 * t)) : make_uint4(0u, 0u, 0u, 0u);
+  for (int c = 0; c < 4; ++c) {
+    const uint4* p = reinterpret_cast<const uint4*>(row + k0 + 32 * c + 8 * t);
+    xb[c] = valid ? (kL2 ? __ldcg(p) : __ldg(p)) : make_uint4(0u, 0u, 0u, 0u);
+  }
 }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
@@ -218,7 +222,9 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
 
 // The down GEMM of a 16-row tile of H for every touched expert (warp w: ranks w, w + 8, ...), each
 // (token, expert) value into dsm [P][16] at every pair of that token with that id. The first
-// kStages - 1 ring stages were issued by the caller when `issued` (before the PDL wait).
+// kStages - 1 ring stages were issued by the caller when `issued` (before the PDL wait). kL2: h read
+// through L2 only (written earlier in the same launch).
+template <bool kL2 = false>
 __device__ __forceinline__ void down_tile(const unsigned char* __restrict__ w2, long long w2_expert_bytes,
                                           const bf16* __restrict__ h, int top_k, int I, int tile, const Routing& r,
                                           int (*cols)[kMaxTokens], unsigned char* ring, float* dsm, bool issued) {
@@ -274,7 +280,7 @@ __device__ __forceinline__ void down_tile(const unsigned char* __restrict__ w2, 
           while (r.ids[p] != e) ++p;
         }
         uint4 xb[4];
-        load_act(xb, h + (long long)p * I, c < cnt, kb * kStepK, t);
+        load_act<kL2>(xb, h + (long long)p * I, c < cnt, kb * kStepK, t);
         mma_block(acc[nt], buf, xb);
       }
     }
