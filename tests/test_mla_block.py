@@ -286,8 +286,8 @@ def test_decode_rows_invariant_with_the_fused_block(tp8):
 
 
 def test_runtime_key(tiny_dir, monkeypatch):
-    """runtime.fused_blocks reaches the model; small_m_path=false turns every small-M kernel off,
-    the fused ones included."""
+    """runtime.fused_blocks (default on) reaches the model; small_m_path=false turns every small-M kernel
+    off, the fused ones included."""
     from pathlib import Path
 
     from ddtree_rtc.pipeline import runner
@@ -296,8 +296,8 @@ def test_runtime_key(tiny_dir, monkeypatch):
     pipe_text = ("model:\n  preset: tiny\nruntime:\n  backend: numpy\ndecode:\n  mode: autoregressive\n"
                  "workload:\n  synthetic: {count: 1, prompt_len: 4, output_len: 2}\n")
     monkeypatch.setattr(runner, "model_dir", lambda pipe, ranks: Path(tiny_dir))
-    for sets, fused, small in (((), False, True), (("runtime.fused_blocks=true",), True, True),
-                               (("runtime.fused_blocks=true", "runtime.small_m_path=false"), True, False)):
+    for sets, fused, small in (((), True, True), (("runtime.fused_blocks=false",), False, True),
+                               (("runtime.small_m_path=false",), True, False)):
         engine, _ = runner.build_engine(parse_pipeline(pipe_text, "p.yaml", parse_set_options(sets)), max_batch=1)
         model = engine.model
         assert model.fused_blocks == fused and model.small_m_path == small, sets

@@ -123,7 +123,7 @@ class StepInputs:
 class TargetModel:
     def __init__(self, cfg: ModelConfig, backend, embed, layers: list[Layer], final_norm, lm_head,
                  shard: Shard | None = None, comm: Communicator | None = None, small_m_path: bool = True,
-                 batch_invariant: bool = True, fused_blocks: bool = False):
+                 batch_invariant: bool = True, fused_blocks: bool = True):
         """``shard``: the part of the model these weights are (whole by default); ``comm``: the
         communicator of its ranks (``shard.world`` of them). ``small_m_path`` / ``batch_invariant``:
         see ``small_m`` (the pipeline keys runtime.small_m_path / runtime.batch_invariant);
@@ -259,7 +259,7 @@ class TargetModel:
     @classmethod
     def load(cls, directory: str | Path, backend, layers: int | None = None, progress=None,
              shard: Shard | None = None, comm: Communicator | None = None, reader: CheckpointReader | None = None,
-             small_m_path: bool = True, batch_invariant: bool = True, fused_blocks: bool = False) -> TargetModel:
+             small_m_path: bool = True, batch_invariant: bool = True, fused_blocks: bool = True) -> TargetModel:
         """Load a checkpoint directory (optionally only its first ``layers`` decoder layers);
         ``progress(n)`` is called after each layer. Every missing or mis-shaped tensor is named.
         ``shard``: load only that rank's slices (see model/shard.py); ``reader``: an open reader
@@ -275,7 +275,7 @@ class TargetModel:
     @classmethod
     def dummy(cls, cfg: ModelConfig, backend, seed: int = 0, head: str = "random", progress=None,
               shard: Shard | None = None, comm: Communicator | None = None, small_m_path: bool = True,
-              batch_invariant: bool = True, fused_blocks: bool = False) -> TargetModel:
+              batch_invariant: bool = True, fused_blocks: bool = True) -> TargetModel:
         """``model.load: dummy``: ``make_model(cfg, seed=seed, head=head)``'s weights made directly in
         the backend's memory, only ``shard``'s part, no file written (model/dummy.py); bit for bit
         what ``load`` reads from that checkpoint."""
@@ -289,7 +289,7 @@ class TargetModel:
     @classmethod
     def from_source(cls, cfg: ModelConfig, reader, backend, progress=None, shard: Shard | None = None,
                     comm: Communicator | None = None, small_m_path: bool = True,
-                    batch_invariant: bool = True, fused_blocks: bool = False) -> TargetModel:
+                    batch_invariant: bool = True, fused_blocks: bool = True) -> TargetModel:
         """The model of ``cfg`` from ``reader`` (a CheckpointReader, or a DummySource making the
         tensors), ``shard``'s slices only; ``small_m_path`` / ``batch_invariant``: see ``small_m``."""
         shard = shard or Shard()
