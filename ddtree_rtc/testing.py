@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from ml_dtypes import bfloat16
 
+from .backend import Backend
 from .engine.kv_cache import PageAllocator, PagedKVCache
 from .model.moe import MoELayerWeights
 from .model.target import ForwardBatch, TargetModel
@@ -230,3 +231,49 @@ def random_prompts(seed: int, lengths) -> list[list[int]]:
     """Prompts of the given lengths, token ids drawn from [3, 1000) with ``seed``."""
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 1000, n).tolist() for n in lengths]
+
+
+# Kernel launches of a backend op on the CUDA backend where it is more than one (at most:
+# mla_attention launches its merge only when the plan cuts a tile); every other op of the small-M path
+# is one launch. The general path also launches copies outside the op table (contiguous views,
+# slice assignments), which are not counted.
+OP_LAUNCHES = {"mla_attention": 2, "moe_small_experts": 2}
+
+
+class OpRecorder(Backend):
+    """The numpy backend, recording the name of every op called, in order (the launch count's input)."""
+
+    def __init__(self):
+        super().__init__("numpy")
+        self.ops: list[str] = []
+
+    def op(self, name):
+        fn = super().op(name)
+
+        def rec(*a, **kw):
+            self.ops.append(name)
+            return fn(*a, **kw)
+
+        return rec
+
+
+def stage_launches(model: TargetModel, batch: ForwardBatch, cache) -> list[tuple[str, int, int]]:
+    """(stage, layer, CUDA kernel launches) of each stage of one forward of ``model`` (built on an
+    OpRecorder) at one rank: 'embed' (with the first norm), then per layer 'attention' (the attention
+    block and its residual norm) and 'mlp' (the MLP or MoE layer and the next residual norm), counted
+    from the ops each stage ran (OP_LAUNCHES of each). The CUDA path takes the same ops as numpy."""
+    rec = model.backend
+    if not isinstance(rec, OpRecorder):
+        raise TypeError(f"stage_launches: the model's backend must be an OpRecorder, got {rec!r}")
+    if model.shard.world != 1:
+        raise ValueError("stage_launches: one rank only (the collectives and their roundings are not ops)")
+    rec.ops.clear()
+    out, seen = [], [0]
+
+    def mark(stage, layer, x):
+        ops = rec.ops[seen[0]:]
+        seen[0] = len(rec.ops)
+        out.append((stage, layer, sum(OP_LAUNCHES.get(o, 1) for o in ops)))
+
+    model.run(model.prepare(batch, cache), cache, output="none", mark=mark)
+    return out

@@ -74,7 +74,8 @@ class RecordingBackend(Backend):
 
 @pytest.fixture(scope="module")
 def recorded(tiny_dir):
-    return TargetModel.load(tiny_dir, RecordingBackend())
+    # the separate small-M kernels' choice per op (the fused ones: tests/test_mla_block.py)
+    return TargetModel.load(tiny_dir, RecordingBackend(), fused_blocks=False)
 
 
 def _forward(model, tokens):

@@ -1,0 +1,157 @@
+// DeepSeek-V3 noaux_tc top-k of one token by one warp (moe_routing.cu's moe_route_e* entries; a phase
+// of the fused MoE layer, moe_block.cu). Exact rules: ddtree_rtc/reference/moe_routing.py.
+#pragma once
+#include "common.cuh"
+
+namespace ddt {
+namespace route {
+
+constexpr int kNoIndex = 0x7fffffff;
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+// (v, i) beats (bv, bi): larger value, then lower index. NaN never appears here.
+__device__ __forceinline__ bool beats(float v, int i, float bv, int bi) {
+  return v > bv || (v == bv && i < bi);
+}
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(kFull, v, o);
+    const int oi = __shfl_xor_sync(kFull, i, o);
+    if (beats(ov, oi, v, i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+// Selection score -> unsigned key with the same order (one redux.sync compares it). Equal scores
+// get equal keys (-0 -> +0), NaN counts as -inf (key 0x007fffff); key 0 marks taken / absent
+// experts, below every score.
+__device__ __forceinline__ unsigned order_key(float b) {
+  if (isnan(b)) b = neg_inf();
+  if (b == 0.f) b = 0.f;
+  const unsigned u = __float_as_uint(b);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The lane's best key (lowest j on ties: its lowest expert index) and that expert's unbiased score.
+template <int EPL>
+__device__ __forceinline__ void lane_best(const unsigned (&key)[EPL], const float (&s)[EPL], unsigned& bk,
+                                          int& bj, float& bs) {
+  bk = key[0];
+  bj = 0;
+  bs = s[0];
+#pragma unroll
+  for (int j = 1; j < EPL; ++j)
+    if (key[j] > bk) {
+      bk = key[j];
+      bj = j;
+      bs = s[j];
+    }
+}
+
+// One warp per token; lane l holds experts l + 32 j (j < EPL) in registers. top_k rounds of a
+// warp-wide max of the lanes' best keys (redux.sync), lowest expert index among the tied lanes;
+// only the winning lane rescans its registers.
+// Token m by the calling warp; sel: E floats of shared memory for this warp (used when n_group > 1).
+template <int EPL>
+__device__ __forceinline__ void route_token(const float* __restrict__ logits, const float* __restrict__ bias,
+                                            int m, int M, int E, int top_k, int n_group, int topk_group, int norm,
+                                            float scaling, int* __restrict__ out_ids, float* __restrict__ out_w,
+                                            float* sel) {
+  const int lane = threadIdx.x & 31;
+  if (m >= M) return;
+  const float* row = logits + (long long)m * E;
+  float x[EPL], bb[EPL];
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {  // all loads first
+    const int e = lane + 32 * j;
+    x[j] = e < E ? row[e] : 0.f;
+    bb[j] = e < E && bias ? bias[e] : 0.f;
+  }
+  float s[EPL];
+  unsigned key[EPL];
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    // correctly rounded fp32 sigmoid (double evaluation, one rounding), as the reference
+    s[j] = (float)(1.0 / (1.0 + exp(-(double)x[j])));
+    const float b = bias ? s[j] + bb[j] : s[j];
+    key[j] = lane + 32 * j < E ? order_key(b) : 0u;
+  }
+  if (n_group > 1) {
+    // group scores need the group's values together: go through this warp's E floats of smem
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      const int e = lane + 32 * j;
+      if (e < E) {
+        const float b = bias ? s[j] + bb[j] : s[j];
+        sel[e] = isnan(b) ? neg_inf() : b;
+      }
+    }
+    __syncwarp();
+    const int gs = E / n_group;
+    float gscore = neg_inf();
+    if (lane < n_group) {
+      float m1 = neg_inf(), m2 = neg_inf();
+      for (int i = 0; i < gs; ++i) {
+        const float v = sel[lane * gs + i];
+        if (v > m1) {
+          m2 = m1;
+          m1 = v;
+        } else if (v > m2) {
+          m2 = v;
+        }
+      }
+      gscore = m1 + m2;
+    }
+    bool kept = false;
+    for (int r = 0; r < topk_group; ++r) {
+      float v = (lane < n_group && !kept) ? gscore : neg_inf();
+      int i = (lane < n_group && !kept) ? lane : kNoIndex;
+      warp_argmax(v, i);
+      if (lane == i) kept = true;
+    }
+    const unsigned keep = __ballot_sync(kFull, kept);
+    const unsigned masked = order_key(neg_inf());  // experts of dropped groups score -inf
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      const int e = lane + 32 * j;
+      if (e < E && !((keep >> (e / gs)) & 1u)) key[j] = masked;
+    }
+  }
+  unsigned bk;
+  int bj;
+  float bs;
+  lane_best<EPL>(key, s, bk, bj, bs);
+  float w_mine = 0.f, total = 0.f;  // lane r < top_k keeps pick r
+  int id_mine = 0;
+  for (int r = 0; r < top_k; ++r) {
+    const unsigned mx = __reduce_max_sync(kFull, bk);
+    const unsigned win = __reduce_min_sync(kFull, bk == mx ? (unsigned)(lane + 32 * bj) : 0xffffffffu);
+    const float wv = __shfl_sync(kFull, bs, win & 31);
+    total = r == 0 ? wv : total + wv;  // left to right in pick order
+    if (lane == r) {
+      id_mine = (int)win;
+      w_mine = wv;
+    }
+    if ((int)(win & 31) == lane) {
+#pragma unroll
+      for (int j = 0; j < EPL; ++j)
+        if (j == bj) key[j] = 0u;
+      lane_best<EPL>(key, s, bk, bj, bs);
+    }
+  }
+  if (lane < top_k) {
+    float w = w_mine;
+    if (norm) w = w / (total + 1e-20f);
+    out_ids[(long long)m * top_k + lane] = id_mine;
+    out_w[(long long)m * top_k + lane] = w * scaling;
+  }
+}
+
+}  // namespace route
+}  // namespace ddt
