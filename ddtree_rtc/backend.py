@@ -183,10 +183,9 @@ class Backend:
             if plus_rounded is None:
                 return _elementwise("to_bf16")(x)
             return _elementwise("sum_to_bf16")(x, plus_rounded)
-        x = np.asarray(x, dtype=np.float32)
-        if plus_rounded is not None:
-            x = x + np.asarray(plus_rounded, dtype=np.float32).astype(bfloat16).astype(np.float32)
-        return x.astype(bfloat16)
+        from .reference.rmsnorm import rounded_sum
+
+        return rounded_sum(x, plus_rounded)
 
     def from_bf16(self, x):
         """bf16 -> fp32 (exact)."""

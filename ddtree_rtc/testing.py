@@ -256,24 +256,30 @@ class OpRecorder(Backend):
 
         return rec
 
+    def to_bf16(self, x, plus_rounded=None):
+        self.ops.append("to_bf16")  # one elementwise launch on the GPU (a method, not an op of the table)
+        return super().to_bf16(x, plus_rounded)
+
 
 def stage_launches(model: TargetModel, batch: ForwardBatch, cache) -> list[tuple[str, int, int]]:
     """(stage, layer, CUDA kernel launches) of each stage of one forward of ``model`` (built on an
-    OpRecorder) at one rank: 'embed' (with the first norm), then per layer 'attention' (the attention
-    block and its residual norm) and 'mlp' (the MLP or MoE layer and the next residual norm), counted
-    from the ops each stage ran (OP_LAUNCHES of each). The CUDA path takes the same ops as numpy."""
+    OpRecorder): 'embed' (with the first norm), then per layer 'attention' and 'mlp' (at one rank each
+    sublayer with the residual norm after it; on a tensor-parallel rank, e.g. a SimulatedRank's, see
+    TargetModel.run), counted from the ops each stage ran (OP_LAUNCHES of each) and, on a
+    tensor-parallel rank, its collectives (one launch each, from the communicator's counts). The CUDA
+    path takes the same ops as numpy."""
     rec = model.backend
     if not isinstance(rec, OpRecorder):
         raise TypeError(f"stage_launches: the model's backend must be an OpRecorder, got {rec!r}")
-    if model.shard.world != 1:
-        raise ValueError("stage_launches: one rank only (the collectives and their roundings are not ops)")
     rec.ops.clear()
-    out, seen = [], [0]
+    out, seen = [], [0, model.comm.stats.total()[0]]
 
     def mark(stage, layer, x):
         ops = rec.ops[seen[0]:]
+        calls = model.comm.stats.total()[0]
         seen[0] = len(rec.ops)
-        out.append((stage, layer, sum(OP_LAUNCHES.get(o, 1) for o in ops)))
+        out.append((stage, layer, sum(OP_LAUNCHES.get(o, 1) for o in ops) + calls - seen[1]))
+        seen[1] = calls
 
     model.run(model.prepare(batch, cache), cache, output="none", mark=mark)
     return out

@@ -16,6 +16,7 @@ from ddtree_rtc.engine.kv_cache import PagedKVCache
 from ddtree_rtc.model.mla import MLADims, MLAWeights, mla_forward
 from ddtree_rtc.model.target import ForwardBatch, TargetModel
 from ddtree_rtc.reference.mla_block import mla_block_small
+from ddtree_rtc.reference.rmsnorm import NormPrologue
 from ddtree_rtc.reference.rope import rope_inv_freq
 from ddtree_rtc.testing import OpRecorder, assert_close, random_bf16, stage_launches
 
@@ -105,6 +106,48 @@ def test_twin_is_the_separate_small_path(dims, f32):
     assert np.isfinite(np.asarray(got, np.float32)).all()
 
 
+def _prologue(rng, be, m, hid, plus: bool, eps=1e-5):
+    """A tensor-parallel rank's pending norm on backend ``be``: an all-reduced fp32 sum (and a shared
+    part), a bf16 residual and norm weight."""
+    d = be.asarray
+    s = rng.standard_normal((m, hid)).astype(np.float32)
+    p = rng.standard_normal((m, hid)).astype(np.float32) if plus else None
+    return NormPrologue(d(s), None if p is None else d(p), d(random_bf16(rng, (m, hid))),
+                        d(random_bf16(rng, (hid,), 1.0)), eps)
+
+
+def _separate_prologue(be, p):
+    """The prologue as the unfused tensor-parallel path runs it: to_bf16, then rmsnorm with the residual."""
+    return be.rmsnorm(be.to_bf16(p.sum, plus_rounded=p.plus), p.weight, p.eps, residual=p.residual)
+
+
+@pytest.mark.parametrize("dims", sorted(DIMS))
+@pytest.mark.parametrize("plus", [False, True])
+def test_prologue_twin_is_to_bf16_rmsnorm_then_the_block(dims, plus):
+    """With a prologue (a tensor-parallel rank) the twin equals the unfused path's to_bf16 + rmsnorm and
+    then the separate small-M steps into an fp32 partial, bit for bit: the block's output, its input x,
+    the new residual and the cache rows."""
+    rng = _seeded(f"prologue twin {dims}")
+    be = Backend("numpy")
+    case = Case(rng, DIMS[dims], [5, 70], [2, 1])
+    m, hid = case.x.shape
+    pro = _prologue(rng, be, m, hid, plus)
+    plan = case.att_plan(be)
+    c1, c2 = case.cache.copy(), case.cache.copy()
+    got, x, h = mla_block_small(None, *case.args(be, c1, plan)[1:], out=np.full((m, hid), np.nan, np.float32),
+                                prologue=pro)
+    x_sep, h_sep = _separate_prologue(be, pro)
+    want = mla_forward(be, x_sep, case.w, case.dims, case.positions, case.inv_freq, EPS, c2, case.slots, plan, SCALE,
+                       1.0, out=np.full((m, hid), np.nan, np.float32), impl="invariant")
+    for name, a, b in (("out", got, want), ("x", x, x_sep), ("residual", h, h_sep)):
+        bits = np.uint32 if a.dtype == np.float32 else np.uint16
+        assert np.array_equal(np.asarray(a).view(bits), np.asarray(b).view(bits)), name
+    assert np.array_equal(c1.view(np.uint16), c2.view(np.uint16))
+    assert np.isfinite(got).all()
+    with pytest.raises(ValueError, match="prologue"):
+        mla_block_small(*case.args(be, case.cache.copy(), plan), prologue=pro)
+
+
 def test_bad_shapes_are_named():
     rng = _seeded("bad shapes")
     be = Backend("numpy")
@@ -181,6 +224,65 @@ def test_launches_per_decoder_layer(tiny_models, rng):
                 assert n == (MOE_FUSED if fused else MOE_SEPARATE), (fused, layer)
         per_layer = {i: sum(n for s, ly, n in stages if ly == i) for i in moe}
         assert set(per_layer.values()) == {ATTENTION_FUSED + MOE_FUSED if fused else ATTENTION_SEPARATE + MOE_SEPARATE}
+
+
+# launches per stage on a tensor-parallel rank (2 ranks of the tiny preset, simulated): each sublayer's
+# all-reduce is one launch; the unfused path then rounds (to_bf16) and norms (rmsnorm) it
+TP_ATTENTION_SEPARATE = ATTENTION_SEPARATE - 1 + 3  # the block's kernels, all-reduce, to_bf16, rmsnorm
+TP_MOE_SEPARATE = MOE_SEPARATE - 1 + 3
+TP_FUSED = 2  # the fused kernel (opening with the previous sublayer's to_bf16 + rmsnorm) and its all-reduce
+
+
+@pytest.fixture(scope="module")
+def tp_models(tiny_dir):
+    """Rank 0 of 2 of the tiny preset (attention heads split, experts split by count: the tiny experts'
+    intermediate split in two is below the small-M kernels' 128; a SimulatedRank, whose collectives
+    leave this rank's partials as they are) on a recording numpy backend, with the fused kernels and
+    without."""
+    from ddtree_rtc.model.shard import Shard
+    from ddtree_rtc.parallel.simulated import SimulatedRank
+
+    return {fused: TargetModel.load(tiny_dir, OpRecorder(), shard=Shard(0, 2, True), comm=SimulatedRank(0, 2),
+                                    fused_blocks=fused) for fused in (False, True)}
+
+
+def test_tp_rank_launches_per_decoder_layer(tp_models, rng):
+    """On a tensor-parallel rank with runtime.fused_blocks a MoE decoder layer is 4 launches: the
+    attention block (opening with the previous MoE layer's residual norm), its all-reduce, the MoE layer
+    (opening with the attention's residual norm), its all-reduce; 20 on the separate small-M kernels."""
+    tokens = rng.integers(0, 1024, 7).tolist()
+    for fused, model in tp_models.items():
+        stages = stage_launches(model, ForwardBatch.causal(["a"], [0], [tokens], last_only=False),
+                                _cache(model, tokens))
+        moe = {i for i, ly in enumerate(model.layers) if hasattr(ly.mlp, "experts")}
+        assert moe and 0 not in moe, "the tiny preset: a dense layer 0, then MoE layers"
+        for stage, layer, n in stages:
+            if stage == "attention":
+                assert n == (TP_FUSED if fused else TP_ATTENTION_SEPARATE), (fused, layer)
+            elif stage == "mlp" and layer in moe:
+                assert n == (TP_FUSED if fused else TP_MOE_SEPARATE), (fused, layer)
+        per_layer = {i: sum(n for s, ly, n in stages if ly == i) for i in moe}
+        assert set(per_layer.values()) == {4 if fused else TP_ATTENTION_SEPARATE + TP_MOE_SEPARATE}
+        assert model.comm.stats.calls["all_reduce"] >= 2 * model.num_layers
+
+
+def test_tp_rank_fused_forward_is_the_unfused(tp_models, rng):
+    """On a tensor-parallel rank the fused kernels with their prologues give the unfused path's bits:
+    logits, and the residual stream at every layer the drafter asks for (hidden_layers)."""
+    tokens = rng.integers(0, 1024, 9).tolist()
+    outs = {}
+    for fused, model in tp_models.items():
+        assert model.fused_block(9) == model.fused_moe(9) == fused
+        model.backend.ops.clear()
+        out = model.forward(ForwardBatch.causal(["a"], [0], [tokens], last_only=False), _cache(model, tokens),
+                            output="logits", hidden_layers=range(model.num_layers))
+        outs[fused] = out
+        assert sorted(out.hidden) == list(range(model.num_layers))
+        ops = model.backend.ops
+        assert ops.count("mla_block_small") == (model.num_layers if fused else 0)
+    assert np.array_equal(np.asarray(outs[False].logits).view(np.uint16), np.asarray(outs[True].logits).view(np.uint16))
+    for i, h in outs[False].hidden.items():
+        assert np.array_equal(np.asarray(h).view(np.uint16), np.asarray(outs[True].hidden[i]).view(np.uint16)), i
 
 
 # M -> new tokens per request: decode batches, a chain verify (one request, 3 tokens), 4 x 16

@@ -65,6 +65,32 @@ def test_twin_is_the_separate_small_path(rc, shard, parts):
         assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
+@pytest.mark.parametrize("plus", [False, True])
+def test_prologue_twin_is_to_bf16_rmsnorm_then_the_layer(plus):
+    """With a prologue (a tensor-parallel rank) the twin equals the unfused path's to_bf16 + rmsnorm and
+    then the separate small-M steps into the fp32 partials, bit for bit: both partials, x and the new
+    residual."""
+    from ddtree_rtc.reference.rmsnorm import NormPrologue
+
+    rng = _seeded("moe prologue twin")
+    rc, h = GROUPED, 256
+    ex, gate, bias, w13, w2 = make_layer(rng, rc.num_experts, h, 128, 128)
+    lw = MoELayerWeights(gate, bias, ex, w13, w2, 0)
+    be = Backend("numpy")
+    pro = NormPrologue(rng.standard_normal((7, h)).astype(np.float32),
+                       rng.standard_normal((7, h)).astype(np.float32) if plus else None,
+                       random_bf16(rng, (7, h)), random_bf16(rng, (h,), 1.0), 1e-5)
+    a, b = np.full((2, 7, h), np.nan, np.float32), np.full((2, 7, h), np.nan, np.float32)
+    _, x, r = moe_block_small(None, *_fused_args(lw, rc), out=b[0], shared_out=b[1], prologue=pro)
+    x_sep, r_sep = be.rmsnorm(be.to_bf16(pro.sum, plus_rounded=pro.plus), pro.weight, pro.eps, residual=pro.residual)
+    moe(x_sep, lw, rc, be, out=a[0], shared_out=a[1], small=True)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert np.array_equal(x.view(np.uint16), x_sep.view(np.uint16)) and np.array_equal(r.view(np.uint16),
+                                                                                        r_sep.view(np.uint16))
+    with pytest.raises(ValueError, match="prologue"):
+        moe_block_small(x_sep, *_fused_args(lw, rc), out=b[0], shared_out=b[1], prologue=pro)
+
+
 def test_layers_the_fused_kernel_does_not_take():
     rng = _seeded("fits")
     ex, gate, bias, w13, w2 = make_layer(rng, 16, 128, 128, 128)

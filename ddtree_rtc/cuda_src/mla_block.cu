@@ -11,6 +11,10 @@
 //   8 o_proj          o -> out [M, hidden] bf16, or fp32 (a tensor-parallel partial)  (linear)
 //   9 residual norm   one rank, when a residual is given: res_out = out + residual, y_norm = RMSNorm(res_out)
 //                     (the decoder's post-attention norm)                           (rmsnorm)
+// and first, on a tensor-parallel rank when a prologue is given:
+//   0 prologue        the previous sublayer's all-reduced fp32 output (+ its bf16-rounded shared part),
+//                     rounded to bf16 as backend.to_bf16 rounds it, + residual, RMSNorm -> x (this block's
+//                     input) and pro_res_out (the new residual)                          (to_bf16, rmsnorm)
 // Each phase walks the separate kernel's grid ("virtual CTAs" blk = blockIdx.x, + gridDim.x, ...) and
 // runs its body (include/mla_small.cuh, mla_split.cuh, rmsnorm.cuh, skinny_mma.cuh; persistent.cuh) with the same
 // indices, so every value is computed by the same instructions in the same order: the bits equal the
@@ -44,12 +48,12 @@ using CfgAtt = mla::CfgD16;
 // The whole block; see the header comment. Scratch: qa, cq [M, q_lora]; kv [M, 576]; q [M, H (nope +
 // 64)]; q_att [M, H, 576]; o_lat [M, H, 512]; lse [M, H]; o [M, H * vhead]. Plans: (warps_n, split) of
 // the three skinny linears; the attention plan's buffers (kernels/mla_attention.py) with its grid and
-// whether it merges. residual (or null), norm_w, norm_eps, y_norm, res_out: phase 9. bar: the grid
+// whether it merges. residual (or null), norm_w, norm_eps, y_norm, res_out: phase 9. pro_sum (or null),
+// pro_plus (or null), pro_res, pro_w, pro_eps, pro_res_out: phase 0, which writes x. bar: the grid
 // barrier's two counters.
 template <typename Out>
 __device__ __forceinline__ void block_body(
-    const bf16* __restrict__ x, int m, int hidden, int q_lora, int heads, int nope, int vhead,
-    const bf16* __restrict__ w_qa, const bf16* __restrict__ w_kva, const bf16* __restrict__ qa_norm,
+    bf16* x, int m, int hidden, int q_lora, int heads, int nope, int vhead, const bf16* __restrict__ w_qa, const bf16* __restrict__ w_kva, const bf16* __restrict__ qa_norm,
     const bf16* __restrict__ kv_norm, float eps, const bf16* __restrict__ w_qb, const bf16* __restrict__ kv_b,
     const bf16* __restrict__ w_o, const int* __restrict__ positions, const float* __restrict__ inv_freq,
     float rope_scale, bf16* __restrict__ cache, long long capacity, const int* __restrict__ slots,
@@ -61,7 +65,8 @@ __device__ __forceinline__ void block_body(
     bf16* __restrict__ q, bf16* __restrict__ q_att, bf16* __restrict__ o_lat, float* __restrict__ lse,
     bf16* __restrict__ o, Out* __restrict__ out, int wn_a, int split_a, int wn_b, int split_b, int wn_o, int split_o,
     const bf16* residual, const bf16* __restrict__ norm_w, float norm_eps, bf16* __restrict__ y_norm, bf16* res_out,
-    unsigned* __restrict__ bar) {
+    const float* pro_sum, const float* pro_plus, const bf16* pro_res, const bf16* __restrict__ pro_w, float pro_eps,
+    bf16* pro_res_out, unsigned* __restrict__ bar) {
   __shared__ float4 red[skinny::kWarps][kMT][32];
   const int qk = nope + kRope, warp = threadIdx.x >> 5;
   const long long kvb_bytes = (long long)heads * (nope + vhead) * kLat * 2;
@@ -71,6 +76,11 @@ __device__ __forceinline__ void block_body(
   prefetch_share(w_kva, (long long)kRow * hidden * 2);
   pdl_wait();
   pdl_trigger();
+  // 0 (a tensor-parallel rank): the previous sublayer's residual norm makes x
+  if (pro_sum) {
+    residual_norm_rows(RoundedSum{pro_sum, pro_plus}, pro_res, pro_w, x, pro_res_out, m, hidden, pro_eps);
+    grid_sync(bar);
+  }
   for (int tile = blockIdx.x, n = tiles_of(q_lora + kRow, wn_a); tile < n; tile += gridDim.x)
     pair_tile<1, bf16>(red, x, m, hidden, w_qa, q_lora, qa, w_kva, kRow, kv, wn_a, split_a, tile);
   prefetch_share(w_qb, (long long)heads * qk * q_lora * 2);
@@ -161,7 +171,7 @@ __device__ __forceinline__ void block_body(
 }  // namespace
 
 #define MLA_BLOCK_PARAMS(OUT)                                                                                        \
-  const bf16 *__restrict__ x, int m, int hidden, int q_lora, int heads, int nope, int vhead,                        \
+  bf16 *x, int m, int hidden, int q_lora, int heads, int nope, int vhead,                                           \
       const bf16 *__restrict__ w_qa, const bf16 *__restrict__ w_kva, const bf16 *__restrict__ qa_norm,               \
       const bf16 *__restrict__ kv_norm, float eps, const bf16 *__restrict__ w_qb, const bf16 *__restrict__ kv_b,      \
       const bf16 *__restrict__ w_o,                                                                                   \
@@ -175,12 +185,14 @@ __device__ __forceinline__ void block_body(
       bf16 *__restrict__ q, bf16 *__restrict__ q_att, bf16 *__restrict__ o_lat, float *__restrict__ lse,              \
       bf16 *__restrict__ o, OUT *__restrict__ out, int wn_a, int split_a, int wn_b, int split_b, int wn_o,            \
       int split_o, const bf16 *residual, const bf16 *__restrict__ norm_w, float norm_eps, bf16 *__restrict__ y_norm, \
-      bf16 *res_out, unsigned *__restrict__ bar
+      bf16 *res_out, const float *pro_sum, const float *pro_plus, const bf16 *pro_res, const bf16 *__restrict__ pro_w,  \
+      float pro_eps, bf16 *pro_res_out, unsigned *__restrict__ bar
 #define MLA_BLOCK_ARGS                                                                                               \
   x, m, hidden, q_lora, heads, nope, vhead, w_qa, w_kva, qa_norm, kv_norm, eps, w_qb, kv_b, w_o, positions,         \
       inv_freq, rope_scale, cache, capacity, slots, page_table, pt_stride, page_size, work, cta_work, req_info, mask, \
       mask_words, o_part, lse_part, merge, merge_count, att_grid, merges, scale_log2, qa, cq, kv, q, q_att, o_lat,    \
-      lse, o, out, wn_a, split_a, wn_b, split_b, wn_o, split_o, residual, norm_w, norm_eps, y_norm, res_out, bar
+      lse, o, out, wn_a, split_a, wn_b, split_b, wn_o, split_o, residual, norm_w, norm_eps, y_norm, res_out, pro_sum, \
+      pro_plus, pro_res, pro_w, pro_eps, pro_res_out, bar
 
 // out bf16 [M, hidden] (one rank) or fp32 (a tensor-parallel rank's unrounded partial).
 extern "C" __global__ void __launch_bounds__(kThreads, 1) mla_block_small(MLA_BLOCK_PARAMS(bf16)) {

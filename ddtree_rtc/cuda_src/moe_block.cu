@@ -10,6 +10,10 @@
 //                     slots in order (+ the shared expert where it is added here) -> y     (moe_small_down)
 //   5 residual norm   one rank, when a residual is given: res_out = y + residual, y_norm = RMSNorm(res_out)
 //                     (the decoder's next norm)                                          (rmsnorm)
+// and first, on a tensor-parallel rank when a prologue is given:
+//   0 prologue        the attention's all-reduced fp32 output rounded to bf16 as backend.to_bf16 rounds it,
+//                     + residual, RMSNorm -> x (this layer's input) and pro_res_out (the new residual)
+//                                                                                         (to_bf16, rmsnorm)
 // Every phase walks its separate kernel's items with the same indices and the same device code
 // (include/persistent.cuh, moe_route.cuh, moe_small.cuh), so every value has the separate kernels'
 // bits; the skinny linears' cluster splits run serially in rank order (skinny::serial_split_sum).
@@ -36,7 +40,7 @@ constexpr long long kDownPrefetchBytes = 16ll << 20;
 // floats), the gate_up rings and the down rings + P x 16 fp32 down values (kernels/moe_block.py).
 template <int EPL, typename Out>
 __device__ __forceinline__ void layer_body(
-    const bf16* __restrict__ x, int m, int hidden, const bf16* __restrict__ gate_w, int E,
+    bf16* x, int m, int hidden, const bf16* __restrict__ gate_w, int E,
     const float* __restrict__ bias, const bf16* __restrict__ shared_w13, int i2, const bf16* __restrict__ shared_w2,
     const unsigned char* __restrict__ w13, long long w13_expert_bytes, const unsigned char* __restrict__ w2,
     long long w2_expert_bytes, int local_e, int inter, int id_offset, int top_k, int n_group, int topk_group,
@@ -44,7 +48,8 @@ __device__ __forceinline__ void layer_body(
     float* __restrict__ topk_w, bf16* __restrict__ shared, Out* __restrict__ shared_part, bf16* __restrict__ h,
     Out* __restrict__ y, int wn_d, int split_d, int wn_s, int split_s, const bf16* residual,
     const bf16* __restrict__ norm_w, float norm_eps, bf16* __restrict__ y_norm, bf16* res_out,
-    unsigned* __restrict__ bar) {
+    const float* pro_sum, const float* pro_plus, const bf16* pro_res, const bf16* __restrict__ pro_w, float pro_eps,
+    bf16* pro_res_out, unsigned* __restrict__ bar) {
   extern __shared__ __align__(16) unsigned char ring[];
   __shared__ float4 red[skinny::kWarps][kMT][32];
   __shared__ moe_small::Routing r;
@@ -56,6 +61,11 @@ __device__ __forceinline__ void layer_body(
   prefetch_share(shared_w13, (long long)i2 * hidden * 2);
   pdl_wait();
   pdl_trigger();
+  // 0 (a tensor-parallel rank): the attention's residual norm makes x
+  if (pro_sum) {
+    residual_norm_rows(RoundedSum{pro_sum, pro_plus}, pro_res, pro_w, x, pro_res_out, m, hidden, pro_eps);
+    grid_sync(bar);
+  }
   for (int tile = blockIdx.x, n = tiles_of(E + i2, wn_d); tile < n; tile += gridDim.x)
     pair_tile<0, float>(red, x, m, hidden, gate_w, E, logits, shared_w13, i2, hs, wn_d, split_d, tile);
   prefetch_share(shared_w2, (long long)hidden * is * 2);
@@ -86,8 +96,8 @@ __device__ __forceinline__ void layer_body(
   {
     const int tiles = 2 * inter / 16, items = r.num_touched * tiles;
     for (int item = blockIdx.x; item < items; item += gridDim.x)
-      moe_small::gate_up_item(w13, w13_expert_bytes, x, top_k, hidden, inter, r.touched[item / tiles], item % tiles,
-                              r, cols[0], ring, h);
+      moe_small::gate_up_item<true>(w13, w13_expert_bytes, x, top_k, hidden, inter, r.touched[item / tiles],
+                                    item % tiles, r, cols[0], ring, h);
   }
   grid_sync(bar);
 
@@ -116,9 +126,11 @@ __device__ __forceinline__ void layer_body(
 // [H, Is]; w13 / w2 the routed experts in the "mma" INT4 layout (local_e of them, the first id_offset);
 // scratch logits fp32 [M, E], hs bf16 [M, Is], ids int32 / topk_w fp32 [M, top_k], shared bf16 [M, H],
 // h bf16 [M top_k, I]. bf16 entries: y bf16 = routed + shared (one rank); _f32: y fp32 the routed
-// partial and shared_part fp32 the shared expert's partial (a tensor-parallel rank's two sums).
+// partial and shared_part fp32 the shared expert's partial (a tensor-parallel rank's two sums). residual
+// (or null), norm_w, norm_eps, y_norm, res_out: phase 5; pro_sum (or null), pro_plus (or null), pro_res,
+// pro_w, pro_eps, pro_res_out: phase 0, which writes x.
 #define MOE_BLOCK_PARAMS(OUT)                                                                                        \
-  const bf16 *__restrict__ x, int m, int hidden, const bf16 *__restrict__ gate_w, int E,                            \
+  bf16 *x, int m, int hidden, const bf16 *__restrict__ gate_w, int E,                                              \
       const float *__restrict__ bias, const bf16 *__restrict__ shared_w13, int i2,                                   \
       const bf16 *__restrict__ shared_w2, const unsigned char *__restrict__ w13, long long w13_expert_bytes,         \
       const unsigned char *__restrict__ w2, long long w2_expert_bytes, int local_e, int inter, int id_offset,       \
@@ -126,11 +138,13 @@ __device__ __forceinline__ void layer_body(
       bf16 *__restrict__ hs, int *__restrict__ ids, float *__restrict__ topk_w, bf16 *__restrict__ shared,           \
       OUT *__restrict__ shared_part, bf16 *__restrict__ h, OUT *__restrict__ y, int wn_d, int split_d, int wn_s,    \
       int split_s, const bf16 *residual, const bf16 *__restrict__ norm_w, float norm_eps, bf16 *__restrict__ y_norm,  \
-      bf16 *res_out, unsigned *__restrict__ bar
+      bf16 *res_out, const float *pro_sum, const float *pro_plus, const bf16 *pro_res, const bf16 *__restrict__ pro_w, \
+      float pro_eps, bf16 *pro_res_out, unsigned *__restrict__ bar
 #define MOE_BLOCK_ARGS                                                                                               \
   x, m, hidden, gate_w, E, bias, shared_w13, i2, shared_w2, w13, w13_expert_bytes, w2, w2_expert_bytes, local_e,     \
       inter, id_offset, top_k, n_group, topk_group, norm, scaling, logits, hs, ids, topk_w, shared, shared_part, h, \
-      y, wn_d, split_d, wn_s, split_s, residual, norm_w, norm_eps, y_norm, res_out, bar
+      y, wn_d, split_d, wn_s, split_s, residual, norm_w, norm_eps, y_norm, res_out, pro_sum, pro_plus, pro_res, pro_w, \
+      pro_eps, pro_res_out, bar
 #define MOE_BLOCK_ENTRY(NAME, EPL, OUT)                                                                              \
   extern "C" __global__ void __launch_bounds__(kThreads, 1) NAME(MOE_BLOCK_PARAMS(OUT)) {                           \
     layer_body<EPL, OUT>(MOE_BLOCK_ARGS);                                                                            \

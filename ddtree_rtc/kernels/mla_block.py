@@ -135,6 +135,31 @@ def residual_norm_args(residual, norm_weight, norm_eps: float, y, who: str) -> t
             cupy.empty(y.shape, dtype=cupy.uint16))
 
 
+def prologue_args(prologue, x, residual, who: str) -> tuple:
+    """(x, the new residual or None, the kernels' phase-0 arguments pro_sum, pro_plus, pro_res, pro_w,
+    pro_eps, pro_res_out): without a prologue x as given and nulls; with one (a tensor-parallel rank,
+    x None) the x and residual arrays the kernel writes (its x_out / residual_out, or new), its inputs
+    checked."""
+    from ..reference.mla_block import prologue_rows
+
+    if prologue is None:
+        return x, None, (np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0), np.float32(0.0), np.uint64(0))
+    if x is not None or residual is not None:
+        prologue_rows(x, prologue, residual, who)  # raises, naming the misuse
+    p = prologue
+    check("prologue.sum", p.sum, np.float32, ndim=2)
+    shape = tuple(p.sum.shape)
+    if p.plus is not None:
+        check("prologue.plus", p.plus, np.float32, shape=shape)
+    check("prologue.residual", p.residual, BF16, shape=shape)
+    check("prologue.weight", p.weight, BF16, shape=(shape[1],))
+    _aligned(**{"prologue.sum": p.sum, "prologue.residual": p.residual, "prologue.weight": p.weight},
+             **({} if p.plus is None else {"prologue.plus": p.plus}))
+    x, h = out_array("prologue.x_out", p.x_out, shape, BF16), out_array("prologue.residual_out", p.residual_out,
+                                                                       shape, BF16)
+    return x, h, (p.sum, p.plus if p.plus is not None else np.uint64(0), p.residual, p.weight, np.float32(p.eps), h)
+
+
 def _aligned(**arrays) -> None:
     for name, a in arrays.items():
         if a.data.ptr % 16:
@@ -144,7 +169,7 @@ def _aligned(**arrays) -> None:
 
 def mla_block_small(x, w_qa, w_kva, qa_norm, kv_norm, eps: float, w_qb, kv_b, w_o, positions, inv_freq,
                     rope_scale: float, cache, slots, att_plan, softmax_scale: float, out=None, plan=None,
-                    residual=None, norm_weight=None, norm_eps: float = 0.0):
+                    residual=None, norm_weight=None, norm_eps: float = 0.0, prologue=None):
     """x [M, hidden] bf16 (M <= 64) -> the attention block's output [M, hidden] bf16 (fp32 unrounded into
     an fp32 ``out``: a tensor-parallel partial), the new tokens' cache rows written at ``slots`` of
     ``cache`` (one layer [pages, page_size, 576]). Weights: w_qa [q_lora, hidden], w_kva [576, hidden],
@@ -152,7 +177,10 @@ def mla_block_small(x, w_qa, w_kva, qa_norm, kv_norm, eps: float, w_qb, kv_b, w_
     [hidden, H v_head], all bf16 and contiguous. ``att_plan``: mla_attention_plan's, split="shape" with
     the d16 variant. ``plan``: mla_block_plan's for this shape (made here when not given). With a bf16
     ``residual`` [M, hidden] (one rank) the kernel's last phase is the decoder's post-attention norm:
-    returns (RMSNorm(out + residual) * norm_weight, out + residual), new arrays."""
+    returns (RMSNorm(out + residual) * norm_weight, out + residual), new arrays. With a ``prologue``
+    (reference.rmsnorm.NormPrologue: a tensor-parallel rank, x None) its first phase is the previous
+    sublayer's residual norm, which makes x: returns (out, x, the new residual), new arrays."""
+    x, h_new, pro = prologue_args(prologue, x, residual, "mla_block_small")
     check("x", x, BF16, ndim=2)
     m, hidden = x.shape
     b = att_plan.batch
@@ -198,5 +226,7 @@ def mla_block_small(x, w_qa, w_kva, qa_norm, kv_norm, eps: float, w_qb, kv_b, w_
             plan.lse, plan.o, y, np.int32(wa), np.int32(sa), np.int32(wb), np.int32(sb), np.int32(wo), np.int32(so),
             plan.bar)
     norm = residual_norm_args(residual, norm_weight, norm_eps, y, "mla_block_small")
-    launch(fn, (plan.grid,), (_THREADS,), args[:-1] + norm + args[-1:], shared_mem=smem_bytes(), pdl=plan.pdl)
+    launch(fn, (plan.grid,), (_THREADS,), args[:-1] + norm + pro + args[-1:], shared_mem=smem_bytes(), pdl=plan.pdl)
+    if prologue is not None:
+        return y, x, h_new
     return y if residual is None else (norm[3], norm[4])

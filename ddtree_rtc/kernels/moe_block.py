@@ -19,7 +19,7 @@ from ..reference.moe_small import check_small_shape
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported, sm_count
 from .linear import invariant_plan, skinny_plan
-from .mla_block import FusedBlockUnavailable, residual_norm_args
+from .mla_block import FusedBlockUnavailable, prologue_args, residual_norm_args
 from .moe_gemm import check_expert_inputs
 from .moe_small import BLOCK_BYTES
 from .registry import module, spec
@@ -27,7 +27,7 @@ from .registry import module, spec
 _THREADS = 256
 _WARPS = 8
 MAX_ROUTER = 384  # the entries' router capacity (moe_block_small[_f32])
-_STATIC_SMEM = 35216  # the kernel's static shared memory, at most (`kernels build` lists it)
+_STATIC_SMEM = 35472  # the kernel's static shared memory, at most (`kernels build` lists it)
 
 
 def dynamic_smem(num_pairs: int, num_experts: int, n_group: int) -> int:
@@ -116,13 +116,16 @@ def moe_block_plan(num_tokens: int, num_experts: int, local_experts: int, top_k:
 def moe_block_small(x, gate_weight, bias, shared_w13, shared_w2, experts, top_k: int, n_group: int = 1,
                     topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
                     id_offset: int = 0, out=None, shared_out=None, plan=None, residual=None, norm_weight=None,
-                    norm_eps: float = 0.0):
+                    norm_eps: float = 0.0, prologue=None):
     """x [M, H] bf16 (M <= 64) -> the MoE layer's output [M, H]: bf16 routed + shared, or with an fp32
     ``out`` the routed partial unrounded and the shared expert's into ``shared_out`` (fp32 [M, H], then
     required). gate_weight bf16 [E, H], bias fp32 [E] or None, shared_w13 bf16 [2 Is, H], shared_w2 bf16
     [H, Is]; ``experts`` (layout 'mma'): the router's ids id_offset .. id_offset + local - 1. With a bf16
     ``residual`` [M, H] (one rank) the kernel's last phase is the decoder's next norm: returns
-    (RMSNorm(y + residual) * norm_weight, y + residual), new arrays."""
+    (RMSNorm(y + residual) * norm_weight, y + residual), new arrays. With a ``prologue``
+    (reference.rmsnorm.NormPrologue: a tensor-parallel rank, x None) its first phase is the attention's
+    residual norm, which makes x: returns (y, x, the new residual), new arrays."""
+    x, h_new, pro = prologue_args(prologue, x, residual, "moe_block_small")
     check("x", x, BF16, ndim=2)
     m, h = x.shape
     check("gate_weight", gate_weight, BF16, ndim=2)
@@ -168,5 +171,7 @@ def moe_block_small(x, gate_weight, bias, shared_w13, shared_w2, experts, top_k:
             plan.topk_w, plan.shared, shared_out if shared_out is not None else np.uint64(0), plan.h, y,
             np.int32(wd), np.int32(sd), np.int32(ws), np.int32(ss))
     norm = residual_norm_args(residual, norm_weight, norm_eps, y, "moe_block_small")
-    launch(fn, (plan.grid,), (_THREADS,), args + norm + (plan.bar,), shared_mem=plan.smem, pdl=plan.pdl)
+    launch(fn, (plan.grid,), (_THREADS,), args + norm + pro + (plan.bar,), shared_mem=plan.smem, pdl=plan.pdl)
+    if prologue is not None:
+        return y, x, h_new
     return y if residual is None else (norm[3], norm[4])

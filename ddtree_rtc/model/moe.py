@@ -101,7 +101,7 @@ def fused_layer_fits(lw: MoELayerWeights) -> bool:
 
 def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None,
         shared_out=None, small: bool = False, invariant: bool = True, block_plan=False, residual=None,
-        norm_weight=None, norm_eps: float = 0.0):
+        norm_weight=None, norm_eps: float = 0.0, prologue=None):
     """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for
     graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``. ``small`` (M <= 64, the small-M
     path): the experts run ``moe_small_experts`` (``plan`` from ``moe_small_plan``), and with
@@ -113,10 +113,15 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
     caller can round its sum to bf16 before adding it, as one rank's combine does. ``block_plan`` (not
     False; the small row-invariant path on a layer ``fused_layer_fits`` takes): the whole layer in one
     launch, ``backend.moe_block_small``, with these buffers (``backend.moe_block_plan``'s; None on numpy);
-    with a ``residual`` (one rank) it ends with the decoder's next norm and returns (normed, residual)."""
+    with a ``residual`` (one rank) it ends with the decoder's next norm and returns (normed, residual); with
+    a ``prologue`` (a tensor-parallel rank, x None: reference.rmsnorm.NormPrologue) it opens with the
+    attention's residual norm and returns (y, x, residual)."""
     lw, rc = layer_weights, routing_config
-    if x.ndim != 2 or x.shape[0] == 0:
-        raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {tuple(x.shape)}")
+    if prologue is not None and block_plan is False:
+        raise ValueError("moe: a prologue opens only the fused layer (block_plan)")
+    shape = tuple(x.shape) if prologue is None else tuple(prologue.sum.shape)
+    if len(shape) != 2 or shape[0] == 0:
+        raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {shape}")
     if rc.num_experts != lw.num_experts:
         raise ValueError(f"routing config has {rc.num_experts} experts, the layer weights {lw.num_experts}")
     impl = "invariant" if small and invariant else "auto"
@@ -128,7 +133,7 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
                                        lw.experts, rc.top_k, rc.n_group, rc.topk_group, rc.norm_topk_prob,
                                        rc.routed_scaling_factor, lw.expert_offset, out=out, shared_out=shared_out,
                                        plan=block_plan, residual=residual, norm_weight=norm_weight,
-                                       norm_eps=norm_eps)
+                                       norm_eps=norm_eps, prologue=prologue)
     hs = None  # the shared expert's SiLU(gate) * up, when the dense launch made it
     if impl == "invariant" and lw.gate_weight.dtype != np.float32 and lw.shared_w13 is not None and \
             lw.num_experts % 8 == 0 and lw.shared_w13.shape[0] % 8 == 0:

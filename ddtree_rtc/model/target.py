@@ -23,6 +23,7 @@ import numpy as np
 
 from ..parallel.comm import Communicator, SingleRank
 from ..reference.moe_small import check_small_shape
+from ..reference.rmsnorm import NormPrologue
 from ..reference.rope import rope_inv_freq
 from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig, load_config
@@ -345,20 +346,32 @@ class TargetModel:
     def _mlp(self, layer: Layer, x, moe_plan=None, block_plan=False):
         be, t = self.backend, int(x.shape[0])
         impl, small = self.linear_impl(t), self.small_m(t)
-        if isinstance(layer.mlp, DenseMLP):
-            m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, out=self._partial(x),
-                          impl=impl)
-            return self._reduce(m)
         if self.shard.world == 1:
+            if isinstance(layer.mlp, DenseMLP):
+                return be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, impl=impl)
             return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant,
                        block_plan=block_plan)
-        # routed and shared partials side by side, one all-reduce; then, as one rank's combine does,
-        # routed sum + bf16(shared sum), rounded once
-        parts = be.empty((2,) + tuple(x.shape), "fp32")
-        moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1], small=small,
-            invariant=self.batch_invariant, block_plan=block_plan)
+        return be.to_bf16(*self._mlp_sum(layer, x, moe_plan, block_plan))
+
+    def _mlp_sum(self, layer: Layer, x, moe_plan=None, block_plan=False, prologue=None):
+        """A tensor-parallel rank's MLP output as every rank's sum, all-reduced and not yet rounded: (sum,
+        plus), bf16(sum + bf16(plus)) the output (plus None for a dense MLP). A MoE layer's routed and
+        shared partials go side by side, one all-reduce; rounded as one rank's combine adds them (routed
+        sum + bf16(shared sum)). With a ``prologue`` (the fused MoE layer; x None) also the (x, residual)
+        it made."""
+        be = self.backend
+        if isinstance(layer.mlp, DenseMLP):
+            impl = self.linear_impl(int(x.shape[0]))
+            m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, out=self._partial(x),
+                          impl=impl)
+            return self.comm.all_reduce(m), None
+        shape = tuple(x.shape) if prologue is None else tuple(prologue.sum.shape)
+        t = shape[0]
+        parts = be.empty((2,) + shape, "fp32")
+        made = moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1],
+                   small=self.small_m(t), invariant=self.batch_invariant, block_plan=block_plan, prologue=prologue)
         self.comm.all_reduce(parts)
-        return be.to_bf16(parts[0], plus_rounded=parts[1])
+        return (parts[0], parts[1]) if prologue is None else (parts[0], parts[1], made[1], made[2])
 
     def _partial(self, x):
         """Where a sublayer writes its output: on several ranks an fp32 buffer, so the partial sums
@@ -489,6 +502,10 @@ class TargetModel:
         h = be.embedding(inputs.tokens, self.embed)
         x = be.rmsnorm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
         mark("embed", -1, inputs.tokens)
+        if self.shard.world > 1 and (block_plan is not False or moe_block_plan is not False):
+            x, hidden = self._chained_layers(inputs, cache, x, h, moe_plan, block_plan, moe_block_plan, mark,
+                                             hidden_layers)
+            return self._head(inputs, x, output, hidden, mark)
         hidden = {}
         # one rank: the fused kernels end with the residual norm that follows them
         fused_norm = self.shard.world == 1
@@ -512,10 +529,61 @@ class TargetModel:
             if i in hidden_layers:
                 hidden[i] = h.copy()
             mark("mlp", i, x_mlp)
+        return self._head(inputs, x, output, hidden, mark)
+
+    def _chained_layers(self, inputs: StepInputs, cache, x, h, moe_plan, block_plan, moe_block_plan, mark,
+                        hidden_layers) -> tuple:
+        """The decoder layers on a tensor-parallel rank with the fused kernels (docs/architecture.md §7):
+        a sublayer's all-reduced fp32 output stays unrounded until the next fused kernel, whose prologue
+        rounds it, adds the residual and applies the norm (the same device code and row split as the
+        separate to_bf16 + rmsnorm, so the same bits); a MoE layer is then its attention block, an
+        all-reduce, its MoE layer and an all-reduce. Where no fused kernel follows (a dense MLP, a
+        layer the fused kernel does not take, the final norm) to_bf16 + rmsnorm run as today. Stages
+        for ``mark``: 'attention' = [the pending norm] + the block + its all-reduce, 'mlp' likewise.
+        ``hidden_layers``: layer i's residual stream is the one the norm after it makes. Returns (the
+        final-normed rows, hidden)."""
+        be, eps = self.backend, self.cfg.rms_norm_eps
+        hidden, pending, owner = {}, None, None  # pending: the NormPrologue not yet run; owner: its layer
+
+        def settle():
+            """The pending norm as separate kernels (to_bf16, rmsnorm): (x, h)."""
+            return be.rmsnorm(be.to_bf16(pending.sum, plus_rounded=pending.plus), pending.weight, pending.eps,
+                              residual=pending.residual)
+
+        def keep(layer_index, stream):
+            if layer_index is not None and layer_index in hidden_layers:
+                hidden[layer_index] = stream.copy()
+
+        for i, layer in enumerate(self.layers):
+            if pending is not None and block_plan is not False:
+                a, x, h = self._attention(layer, i, None, inputs.positions, inputs.slots, inputs.plan, cache,
+                                          block_plan, prologue=pending)
+            else:
+                if pending is not None:
+                    x, h = settle()
+                a = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache, block_plan,
+                                    reduce=False)
+            keep(owner, h)
+            pending = NormPrologue(self.comm.all_reduce(a), None, h, layer.post_norm, eps)
+            mark("attention", i, x)
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            if moe_block_plan is not False and isinstance(layer.mlp, MoELayerWeights):
+                s, plus, x, h = self._mlp_sum(layer, None, moe_plan, moe_block_plan, prologue=pending)
+            else:
+                x, h = settle()
+                s, plus = self._mlp_sum(layer, x, moe_plan, moe_block_plan)
+            pending, owner = NormPrologue(s, plus, h, nxt, eps), i
+            mark("mlp", i, x)
+        x, h = settle()
+        keep(owner, h)
+        return x, hidden
+
+    def _head(self, inputs: StepInputs, x, output: str, hidden: dict, mark) -> ForwardOutput:
+        """The forward's outputs from the final-normed rows ``x``."""
         out = ForwardOutput(hidden=hidden)
         if output == "none":
             return out
-        rows = x if inputs.logit_rows is None else be.xp.ascontiguousarray(x[inputs.logit_rows])
+        rows = x if inputs.logit_rows is None else self.backend.xp.ascontiguousarray(x[inputs.logit_rows])
         if output == "logits":
             out.logits = self.head_logits(rows)
         elif output == "shard":
@@ -525,12 +593,17 @@ class TargetModel:
         mark("head", -1, rows)
         return out
 
-    def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache, block_plan=False, residual=None):
+    def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache, block_plan=False, residual=None,
+                   prologue=None, reduce: bool = True):
         # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both. block_plan: the
         # fused block's buffers (None on numpy), or False for the separate kernels; residual (one rank,
-        # fused): the block ends with the post-attention norm and returns (normed, residual)
+        # fused): the block ends with the post-attention norm and returns (normed, residual); prologue
+        # (a tensor-parallel rank, fused, x None): the block opens with the previous norm and returns
+        # (this rank's fp32 partial, x, residual); reduce=False: the partial, not all-reduced
+        rows = x if prologue is None else prologue.sum
         out = mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq, LATENT_NORM_EPS,
-                          cache.layer(i), slots, plan, self.cfg.softmax_scale, self.rope_scale, out=self._partial(x),
-                          impl=self.linear_impl(int(x.shape[0])), block_plan=block_plan, residual=residual,
-                          norm_weight=layer.post_norm, norm_eps=self.cfg.rms_norm_eps)
-        return out if residual is not None else self._reduce(out)
+                          cache.layer(i), slots, plan, self.cfg.softmax_scale, self.rope_scale,
+                          out=self._partial(rows), impl=self.linear_impl(int(rows.shape[0])), block_plan=block_plan,
+                          residual=residual, norm_weight=layer.post_norm, norm_eps=self.cfg.rms_norm_eps,
+                          prologue=prologue)
+        return out if residual is not None or prologue is not None or not reduce else self._reduce(out)

@@ -10,7 +10,7 @@ import numpy as np
 from .linear import linear
 from .mla_attention import mla_attention, mla_head_gemm
 from .mla_small import mla_kv_rows_small, mla_qkv_a_small, mla_query_small
-from .rmsnorm import rmsnorm
+from .rmsnorm import NormPrologue, norm_prologue, rmsnorm
 
 LAT, ROPE = 512, 64
 
@@ -38,13 +38,16 @@ def mla_block_plan(num_tokens: int, hidden: int, q_lora: int, num_heads: int, q_
 
 def mla_block_small(x, w_qa, w_kva, qa_norm, kv_norm, eps: float, w_qb, kv_b, w_o, positions, inv_freq,
                     rope_scale: float, cache, slots, att_plan, softmax_scale: float, out=None, plan=None,
-                    residual=None, norm_weight=None, norm_eps: float = 0.0):
+                    residual=None, norm_weight=None, norm_eps: float = 0.0, prologue: NormPrologue | None = None):
     """x [M, hidden] bf16 (M <= 64 on the GPU) -> the attention block's output [M, hidden] bf16, or
     fp32 unrounded into an fp32 ``out`` (a tensor-parallel partial); the new tokens' cache rows are
     written at ``slots`` of ``cache`` (one layer) first. ``att_plan``: ``mla_attention_plan``'s
     (split="shape" on the GPU). ``plan``: ``mla_block_plan``'s (the CUDA twin's buffers). With a bf16
     ``residual`` (one rank) the decoder's post-attention norm follows: returns
-    ``rmsnorm(output, norm_weight, norm_eps, residual=residual)``, the (normed, residual) pair."""
+    ``rmsnorm(output, norm_weight, norm_eps, residual=residual)``, the (normed, residual) pair. With a
+    ``prologue`` (a tensor-parallel rank; ``x`` None) the block opens with the previous sublayer's
+    residual norm, ``x, h = norm_prologue(prologue)``, and returns (output, x, h)."""
+    x, h_new = prologue_rows(x, prologue, residual, "mla_block_small")
     t, h = x.shape[0], att_plan.num_heads
     nope, v_head, _ = block_dims(w_qb, kv_b, w_o, h)
     qa, kv = mla_qkv_a_small(x, w_qa, w_kva)
@@ -55,8 +58,20 @@ def mla_block_small(x, w_qa, w_kva, qa_norm, kv_norm, eps: float, w_qb, kv_b, w_
     o_lat, _ = mla_attention(att_plan, q_att, cache, softmax_scale)
     o = mla_head_gemm(o_lat, heads[:, nope:], True)
     y = linear(o.reshape(t, h * v_head), w_o, out=out)
+    if prologue is not None:
+        return y, x, h_new
     if residual is None:
         return y
     if y.dtype == np.float32:
         raise ValueError("mla_block_small: the residual norm follows a bf16 output (one rank), not an fp32 partial")
     return rmsnorm(y, norm_weight, norm_eps, residual=residual)
+
+
+def prologue_rows(x, prologue, residual, who: str):
+    """(x, new residual or None): a fused kernel's input, made by its prologue when one is given."""
+    if prologue is None:
+        return x, None
+    if x is not None or residual is not None:
+        raise ValueError(f"{who}: with a prologue the kernel makes x (pass x=None) and takes no residual norm "
+                         f"after it (a tensor-parallel rank's output is an fp32 partial)")
+    return norm_prologue(prologue)

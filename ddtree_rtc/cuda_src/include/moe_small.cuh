@@ -143,6 +143,8 @@ __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
 // The gate_up of one (touched expert e, fused 16-row tile) into h; every thread of the CTA. The rings
 // are free on entry and on return.
+// kL2: x read through L2 only (the fused MoE layer, whose prologue may write x in the same launch).
+template <bool kL2 = false>
 __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w13, long long w13_expert_bytes,
                                              const bf16* __restrict__ x, int top_k, int H, int I, int e, int tile,
                                              const Routing& r, int* cols, unsigned char* ring,
@@ -182,7 +184,7 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
       if (nt < ntl) {
         const int c = nt * 8 + g;
         uint4 xb[4];
-        load_act(xb, x + (long long)(c < cnt ? cols[c] : 0) * H, c < cnt, k0, t);
+        load_act<kL2>(xb, x + (long long)(c < cnt ? cols[c] : 0) * H, c < cnt, k0, t);
         mma_block(acc[nt], buf, xb);
       }
     }

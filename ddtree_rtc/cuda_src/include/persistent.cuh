@@ -125,8 +125,11 @@ constexpr int kRmsBlockMinD = 1024;  // rmsnorm.cu's split: a warp per row up to
 
 // The decoder's residual add and RMSNorm of rows [0, m) of a [m, d] as rmsnorm.cu's kernels compute it
 // (the same row split and rmsnorm_row): res_out = bf16(a + res), y = bf16(norm(res_out) * w). res_out
-// may alias res. Every thread of the CTA.
-__device__ __forceinline__ void residual_norm_rows(const bf16* a, const bf16* res, const bf16* __restrict__ w, bf16* y,
+// may alias res. A: a bf16 row pointer (the epilogue of one rank), or a RoundedSum (the prologue of a
+// tensor-parallel rank: a = the previous sublayer's all-reduced fp32 output, rounded as to_bf16 rounds
+// it). Every thread of the CTA.
+template <typename A>
+__device__ __forceinline__ void residual_norm_rows(A a, const bf16* res, const bf16* __restrict__ w, bf16* y,
                                                    bf16* res_out, int m, int d, float eps) {
   const bool by_block = d > kRmsBlockMinD, vec = d % 8 == 0;
   const int blocks = by_block ? m : (m + 7) / 8;
