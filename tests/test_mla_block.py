@@ -342,6 +342,39 @@ def test_fused_block_vs_twin_and_separate_kernels(dims, m, f32):
             "the fused residual norm differs from rmsnorm's"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", sorted(LAYOUTS))
+@pytest.mark.parametrize("plus", [False, True])
+def test_prologue_is_bitwise_to_bf16_and_rmsnorm(m, plus):
+    """The prologue phase (a tensor-parallel rank's TP8 dims) against the separate to_bf16 + rmsnorm
+    kernels on the same all-reduced sum: x and the new residual the same bits (written into NaN-prefilled
+    buffers), and the block's fp32 partial and cache rows the same bits as the block run on that x."""
+    import cupy
+
+    rng = _seeded(f"prologue M={m}")
+    h, nope, v, q_lora, hid = DIMS["tp8"]
+    case = Case(rng, DIMS["tp8"], rng.integers(1, 4000, len(LAYOUTS[m])), LAYOUTS[m])
+    be = Backend("cuda")
+    att = case.att_plan(be)
+    cache = cupy.asarray(case.cache.view(np.uint16))
+    cache_sep = cache.copy()
+    plan = be.mla_block_plan(m, hid, q_lora, h, nope, v, True)
+    pro = _prologue(rng, be, m, hid, plus)
+    pro = NormPrologue(pro.sum, pro.plus, pro.residual, pro.weight, pro.eps,
+                       _nan_fill(cupy.empty((m, hid), cupy.uint16)), _nan_fill(cupy.empty((m, hid), cupy.uint16)))
+    y, x, r = be.mla_block_small(None, *case.args(be, cache, att)[1:],
+                                 out=_nan_fill(cupy.empty((m, hid), cupy.float32)), plan=plan, prologue=pro)
+    assert x is pro.x_out and r is pro.residual_out
+    x_sep, r_sep = _separate_prologue(be, pro)
+    assert np.array_equal(x.get(), x_sep.get()), "x differs from to_bf16 + rmsnorm's"
+    assert np.array_equal(r.get(), r_sep.get()), "the new residual differs from to_bf16 + rmsnorm's"
+    y_sep = be.mla_block_small(x_sep, *case.args(be, cache_sep, att)[1:],
+                               out=_nan_fill(cupy.empty((m, hid), cupy.float32)), plan=plan)
+    assert np.isfinite(y.get()).all()
+    assert np.array_equal(y.get().view(np.uint32), y_sep.get().view(np.uint32)), "the block's partial differs"
+    assert np.array_equal(cache.get(), cache_sep.get()), "the cache rows differ"
+
+
 @pytest.fixture(scope="module")
 def tp8():
     from test_small_m_gpu import tp8_model
@@ -385,6 +418,51 @@ def test_decode_rows_invariant_with_the_fused_block(tp8):
                 assert not bad, f"{how} M={m}: requests {bad[:6]} get other logits than at M=64"
     finally:
         model.fused_blocks = False
+
+
+@pytest.mark.gpu
+def test_simulated_tp_rank_decode_fused_is_the_unfused(tp8):
+    """Rank 0 of a simulated TP8 decode (runtime.simulate_rank's SimulatedRank: the collectives copy, the
+    numbers are this rank's partials): with the fused kernels and their prologues (4 launches per MoE
+    layer) the logits and the drafter's hidden layers are the same bits as the unfused TP path's (the
+    separate small-M kernels, all-reduce, to_bf16, rmsnorm), for M = 1, 7, 33, 64, eagerly and through
+    the engine's CUDA graphs."""
+    import cupy
+    from test_small_m_gpu import MS, _decode_cache
+
+    from ddtree_rtc.engine.runner import ModelRunner
+    from ddtree_rtc.model.shard import Shard
+    from ddtree_rtc.parallel.simulated import SimulatedRank
+
+    model = tp8
+    rng = _seeded("simulated tp8 decode")
+    cache, ctx = _decode_cache(model, 64, rng)
+    tokens = rng.integers(0, 20480, 64)
+    shard, comm = model.shard, model.comm
+    layers = tuple(range(model.num_layers))
+
+    def step(idx, fused):
+        model.fused_blocks = fused
+        b = ForwardBatch.causal([int(i) for i in idx], ctx[idx], [[int(tokens[i])] for i in idx])
+        out = model.forward(b, cache, output="logits", hidden_layers=layers)
+        return model.backend.to_host(out.logits, bf16=False), {i: h.get() for i, h in out.hidden.items()}
+
+    try:
+        model.shard, model.comm = Shard(0, 8), SimulatedRank(0, 8, cupy)
+        for m in MS:
+            idx = np.sort(rng.permutation(64)[:m]) if m < 64 else np.arange(64)
+            (sep, sep_h), (got, got_h) = step(idx, False), step(idx, True)
+            assert model.fused_block(m) and model.fused_moe(m)
+            assert np.array_equal(got, sep), f"M={m}: the fused TP rank's logits differ from the unfused path's"
+            for i in layers:
+                assert np.array_equal(got_h[i], sep_h[i]), f"M={m}: hidden layer {i} differs"
+            model.fused_blocks = True
+            runner = ModelRunner(model, cache, 4200, graphs=True)
+            b = ForwardBatch.causal([int(i) for i in idx], ctx[idx], [[int(tokens[i])] for i in idx])
+            graph = model.backend.to_host(runner.decode(b), bf16=False)
+            assert np.array_equal(graph, sep), f"M={m}: the graph replay's logits differ"
+    finally:
+        model.shard, model.comm, model.fused_blocks = shard, comm, False
 
 
 def test_runtime_key(tiny_dir, monkeypatch):

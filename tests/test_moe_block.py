@@ -213,3 +213,41 @@ def test_fused_moe_is_bitwise_the_separate_kernels(shard, parts):
             y, r = be.moe_block_small(xi, *_fused_args(lw, rc), residual=resid, norm_weight=norm_w, norm_eps=1e-5)
             y_sep, r_sep = be.rmsnorm(cupy.asarray(want), norm_w, 1e-5, residual=resid)
             assert np.array_equal(y.get(), y_sep.get()) and np.array_equal(r.get(), r_sep.get()), f"M={m}: norm"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plus", [False, True])
+def test_fused_moe_prologue_is_bitwise_to_bf16_and_rmsnorm(plus):
+    """The prologue phase at one rank's TP8 share of K2.6's MoE layer, for M = 1, 3, 17, 33, 64: x and
+    the new residual (NaN-prefilled buffers) the same bits as the separate to_bf16 + rmsnorm kernels on
+    the same all-reduced sum, and the layer's fp32 partials the same bits as the layer run on that x."""
+    import cupy
+
+    from ddtree_rtc.bench.moe import int4_experts_device
+    from ddtree_rtc.reference.rmsnorm import NormPrologue
+
+    rng = _seeded("fused moe prologue")
+    be = Backend("cuda")
+    h, i_s, rc = 7168, 256, K26
+    gate = be.asarray(random_bf16(rng, (rc.num_experts, h), 1 / np.sqrt(h)))
+    bias = cupy.asarray(rng.uniform(-0.2, 0.2, rc.num_experts).astype(np.float32))
+    w13 = be.asarray(random_bf16(rng, (2 * i_s, h), 1 / np.sqrt(h)))
+    w2 = be.asarray(random_bf16(rng, (h, i_s), 1 / np.sqrt(i_s)))
+    lw = MoELayerWeights(gate, bias, int4_experts_device(384, h, 256, int(rng.integers(1 << 30))), w13, w2, 0)
+    for m in MS:
+        pro = NormPrologue(cupy.asarray(rng.standard_normal((m, h)).astype(np.float32)),
+                           cupy.asarray(rng.standard_normal((m, h)).astype(np.float32)) if plus else None,
+                           be.asarray(random_bf16(rng, (m, h))), be.asarray(random_bf16(rng, (h,), 1.0)), 1e-5,
+                           _nan(cupy.empty((m, h), cupy.uint16)), _nan(cupy.empty((m, h), cupy.uint16)))
+        plan = be.moe_block_plan(m, rc.num_experts, 384, rc.top_k, h, 256, i_s, rc.n_group, True)
+        got = _nan(cupy.empty((2, m, h), cupy.float32))
+        _, x, r = be.moe_block_small(None, *_fused_args(lw, rc), out=got[0], shared_out=got[1], plan=plan,
+                                     prologue=pro)
+        x_sep, r_sep = be.rmsnorm(be.to_bf16(pro.sum, plus_rounded=pro.plus), pro.weight, pro.eps,
+                                  residual=pro.residual)
+        assert np.array_equal(x.get(), x_sep.get()), f"M={m}: x differs from to_bf16 + rmsnorm's"
+        assert np.array_equal(r.get(), r_sep.get()), f"M={m}: the new residual differs from to_bf16 + rmsnorm's"
+        want = _nan(cupy.empty((2, m, h), cupy.float32))
+        be.moe_block_small(x_sep, *_fused_args(lw, rc), out=want[0], shared_out=want[1], plan=plan)
+        assert np.isfinite(got.get()).all(), f"M={m}: outputs left unwritten"
+        assert np.array_equal(got.get().view(np.uint32), want.get().view(np.uint32)), f"M={m}: the partials differ"

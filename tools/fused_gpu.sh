@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The fused decoder layer (issue 45: cuda_src/mla_block.cu and moe_block.cu, runtime.fused_blocks) on one
-# H100/H200, from the repository root, in one device call of under 7 minutes (after `pip install --no-deps
+# H100/H200, from the repository root, in one device call of under 8 minutes (after `pip install --no-deps
 # --no-build-isolation -e .`):
 #   1. build the families they and their tests load (zero spills is checked by the build);
-#   2. their GPU tests (tests/test_mla_block.py, tests/test_moe_block.py): against the numpy twins, bitwise
-#      against the separate small-M kernels, the TP8 decode's rows invariant over M = 1, 7, 33, 64 and equal
-#      to the unfused ones;
+#   2. their GPU tests (tests/test_mla_block.py, tests/test_moe_block.py): the tensor-parallel prologue
+#      bitwise against to_bf16 + rmsnorm and a simulated TP8 rank's decode (fused, 4 launches per MoE layer)
+#      bitwise against the unfused TP path; against the numpy twins, bitwise against the separate small-M
+#      kernels, the TP8 decode's rows invariant over M = 1, 7, 33, 64 and equal to the unfused ones;
 #   3. `bench decode` at one rank's TP8 share (8 heads, expert intermediate 256), b1 and b33, ctx 4k: the
 #      general kernels (small_m_path off), the separate small-M kernels, the fused kernels, one run each
 #      (a hang or a timeout of one cannot take the other rows with it);
@@ -23,7 +24,10 @@ timeout 110 python -m ddtree_rtc.cli kernels build --arch auto $fams --json "$O/
 rc=$?; echo "== build rc=$rc $(el)"; grep -E "mla_block|moe_block" "$O/build.txt" | cut -c1-120
 [ $rc != 0 ] && tail -5 "$O/build.txt"
 # the bitwise comparisons first: if the time runs out, the slower twin comparisons are what is cut
-timeout ${TTMO:-180} python -m pytest -v -rf -m gpu -p no:cacheprovider --durations=8 \
+timeout ${TTMO:-230} python -m pytest -v -rf -m gpu -p no:cacheprovider --durations=8 \
+  tests/test_mla_block.py::test_prologue_is_bitwise_to_bf16_and_rmsnorm \
+  tests/test_moe_block.py::test_fused_moe_prologue_is_bitwise_to_bf16_and_rmsnorm \
+  tests/test_mla_block.py::test_simulated_tp_rank_decode_fused_is_the_unfused \
   tests/test_mla_block.py::test_fused_block_vs_twin_and_separate_kernels \
   tests/test_moe_block.py::test_fused_moe_is_bitwise_the_separate_kernels \
   tests/test_mla_block.py::test_decode_rows_invariant_with_the_fused_block \
@@ -43,7 +47,9 @@ log = o / "pytest_fused.txt"
 if log.exists():
     text = log.read_text()
     print("\nfused kernel tests:")
-    for name in ("test_fused_block_vs_twin_and_separate_kernels", "test_decode_rows_invariant_with_the_fused_block",
+    for name in ("test_prologue_is_bitwise_to_bf16_and_rmsnorm", "test_fused_moe_prologue_is_bitwise_to_bf16_and_rmsnorm",
+                 "test_simulated_tp_rank_decode_fused_is_the_unfused",
+                 "test_fused_block_vs_twin_and_separate_kernels", "test_decode_rows_invariant_with_the_fused_block",
                  "test_fused_moe_vs_twin", "test_fused_moe_is_bitwise_the_separate_kernels"):
         res = re.findall(rf"::{name}\S* (PASSED|FAILED|ERROR|SKIPPED)", text)
         print(f"  {name}: {res.count('PASSED')} passed, {res.count('FAILED') + res.count('ERROR')} failed"
