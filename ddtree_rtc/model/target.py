@@ -9,7 +9,8 @@ Forward, per layer, with the residual add fused into the following RMSNorm:
 On a tensor-parallel rank (``shard``, docs/architecture.md "Parallelism") ``a`` and ``m`` are this
 rank's fp32 partial sums, all-reduced once each (one collective per sublayer) and then rounded to
 bf16 once; the lm_head holds a slice of the vocabulary and the logits are all-gathered, so every
-rank sees the full logits.
+rank sees the full logits. With the fused small-M kernels that rounding and the residual norm after it
+are the next fused kernel's first phase (its prologue; ``_chained_layers``).
 """
 
 from __future__ import annotations
