@@ -449,6 +449,7 @@ def test_simulated_tp_rank_decode_fused_is_the_unfused(tp8):
 
     try:
         model.shard, model.comm = Shard(0, 8), SimulatedRank(0, 8, cupy)
+        runner = ModelRunner(model, cache, 4200, graphs=True)
         for m in MS:
             idx = np.sort(rng.permutation(64)[:m]) if m < 64 else np.arange(64)
             (sep, sep_h), (got, got_h) = step(idx, False), step(idx, True)
@@ -457,7 +458,6 @@ def test_simulated_tp_rank_decode_fused_is_the_unfused(tp8):
             for i in layers:
                 assert np.array_equal(got_h[i], sep_h[i]), f"M={m}: hidden layer {i} differs"
             model.fused_blocks = True
-            runner = ModelRunner(model, cache, 4200, graphs=True)
             b = ForwardBatch.causal([int(i) for i in idx], ctx[idx], [[int(tokens[i])] for i in idx])
             graph = model.backend.to_host(runner.decode(b), bf16=False)
             assert np.array_equal(graph, sep), f"M={m}: the graph replay's logits differ"
