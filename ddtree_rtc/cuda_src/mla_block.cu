@@ -53,7 +53,8 @@ using CfgAtt = mla::CfgD16;
 // barrier's two counters.
 template <typename Out>
 __device__ __forceinline__ void block_body(
-    bf16* x, int m, int hidden, int q_lora, int heads, int nope, int vhead, const bf16* __restrict__ w_qa, const bf16* __restrict__ w_kva, const bf16* __restrict__ qa_norm,
+    bf16* x, int m, int hidden, int q_lora, int heads, int nope, int vhead, const bf16* __restrict__ w_qa,
+    const bf16* __restrict__ w_kva, const bf16* __restrict__ qa_norm,
     const bf16* __restrict__ kv_norm, float eps, const bf16* __restrict__ w_qb, const bf16* __restrict__ kv_b,
     const bf16* __restrict__ w_o, const int* __restrict__ positions, const float* __restrict__ inv_freq,
     float rope_scale, bf16* __restrict__ cache, long long capacity, const int* __restrict__ slots,
@@ -185,7 +186,7 @@ __device__ __forceinline__ void block_body(
       bf16 *__restrict__ q, bf16 *__restrict__ q_att, bf16 *__restrict__ o_lat, float *__restrict__ lse,              \
       bf16 *__restrict__ o, OUT *__restrict__ out, int wn_a, int split_a, int wn_b, int split_b, int wn_o,            \
       int split_o, const bf16 *residual, const bf16 *__restrict__ norm_w, float norm_eps, bf16 *__restrict__ y_norm, \
-      bf16 *res_out, const float *pro_sum, const float *pro_plus, const bf16 *pro_res, const bf16 *__restrict__ pro_w,  \
+      bf16 *res_out, const float *pro_sum, const float *pro_plus, const bf16 *pro_res, const bf16 *__restrict__ pro_w, \
       float pro_eps, bf16 *pro_res_out, unsigned *__restrict__ bar
 #define MLA_BLOCK_ARGS                                                                                               \
   x, m, hidden, q_lora, heads, nope, vhead, w_qa, w_kva, qa_norm, kv_norm, eps, w_qb, kv_b, w_o, positions,         \

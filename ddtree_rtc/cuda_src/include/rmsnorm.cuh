@@ -8,8 +8,9 @@ namespace ddt {
 // elementwise kernel): to nearest even, a NaN kept NaN with its sign and the quiet bit set.
 __device__ __forceinline__ bf16 round_like_to_bf16(float v) {
   const unsigned b = __float_as_uint(v);
-  return __ushort_as_bfloat16((b & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((b >> 16) | 0x40u)
-                                                                : (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16));
+  const bool nan = (b & 0x7fffffffu) > 0x7f800000u;
+  const unsigned bits = nan ? ((b >> 16) | 0x40u) : ((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+  return __ushort_as_bfloat16(static_cast<unsigned short>(bits));
 }
 
 // The input of a row that is a tensor-parallel sublayer's all-reduced fp32 output: bf16(a), or with
