@@ -32,7 +32,7 @@ core)  # one call when only one may come: the never-run GPU tests (the fused blo
   echo "== bench node rc=$? $(el)"; tail -12 "$O/node.txt" | cut -c1-220
   [ -s "$O/node.json" ] && python3 tools/node_summary.py "$O/node.json" ;;
 tests)
-  first="tests/test_packed_verify.py tests/test_small_m_gpu.py tests/test_mla_small.py tests/test_moe_small.py tests/test_budget.py
+  first="tests/test_mla_block.py tests/test_moe_block.py tests/test_packed_verify.py tests/test_small_m_gpu.py tests/test_mla_small.py tests/test_moe_small.py tests/test_budget.py
     tests/test_budget_engine.py tests/test_dummy_load.py tests/test_dist_vocab.py tests/test_dist.py"
   rest=$(ls tests/test_*.py | grep -v -F -x -f <(printf '%s\n' $first))
   timeout "$(left 575)" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --durations=15 $first $rest \
