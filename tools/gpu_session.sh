@@ -6,7 +6,9 @@
 #   bench     `bench node` (K2.6 at 61 layers as rank 0 of TP8, small-M path on and off) and `bench budget`
 #             (auto against AR, chain and fixed budgets at concurrency 1 / 4 / 10)
 #   lossless  tools/k2_6_lossless.py (random head: DDTree / chain ids against AR at concurrency 1 and 10;
-#             the oracle's tau against its expected value), then the small-M rows of `bench decode`
+#             the oracle's tau against its expected value), then `bench decode` at the TP8 and EP8 shares
+#             with the general, separate small-M and fused kernels (b1 / b33, ctx 4k)
+#   core      one call when only one may come (BUDGET seconds): the never-run GPU tests, then bench node
 # Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.
 set -uo pipefail
 O=${OUT:-gpu_out}; mkdir -p "$O"
@@ -52,7 +54,10 @@ bench)
 lossless)
   timeout "$(left 420)" python3 tools/k2_6_lossless.py --out "$O" --timeout 120 >"$O/lossless.txt" 2>&1
   echo "== lossless rc=$? $(el)"; tail -16 "$O/lossless.txt" | cut -c1-220
-  TTMO=0 BENCH_START_MAX="$(left 470)" OUT="$O" bash tools/small_m_gpu.sh >"$O/small_m_bench.txt" 2>&1
-  echo "== small-M bench decode $(el)"; tail -12 "$O/small_m_bench.txt" | cut -c1-200 ;;
+  for shard in tp8 ep8; do
+    timeout "$(left 575)" ddtree-rtc bench decode --shard $shard --moe-layers 2 --batches 1,33 --contexts 4096 \
+      --small-m all --iters 10 --json "$O/decode_$shard.json" >"$O/decode_$shard.txt" 2>&1
+    echo "== bench decode $shard rc=$? $(el)"; tail -10 "$O/decode_$shard.txt" | cut -c1-200
+  done ;;
 *) echo "PART must be tests, bench or lossless"; exit 2 ;;
 esac
