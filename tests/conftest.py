@@ -58,3 +58,33 @@ def cont(tiny):
     from ddtree_rtc.pipeline.runner import greedy_continuation
 
     return greedy_continuation(tiny, 40, 16)
+
+
+def _build_quietly(job):
+    """One NVRTC build into the session's kernel cache (a pool worker); a failure is left for the
+    test of that kernel to raise and name."""
+    name, arch, root = job
+    from ddtree_rtc.kernels.registry import SPECS
+    from ddtree_rtc.rtc import build
+    from ddtree_rtc.rtc.cache import ModuleCache
+
+    try:
+        build(SPECS[name], arch, cache=ModuleCache(root))
+    except Exception:  # noqa: BLE001 - the test that builds this kernel reports it
+        pass
+
+
+@pytest.fixture(scope="session")
+def nvrtc_prebuilt(tmp_path_factory):
+    """Every registered kernel built for every supported arch once per session, on all cores at
+    once, into the cache the tests read (``_isolated_cache``). The tests still call ``build`` and
+    check what it returns; only the wall time of the compiles is shared."""
+    import multiprocessing as mp
+
+    from ddtree_rtc.kernels.registry import SPECS
+    from ddtree_rtc.rtc import SUPPORTED_ARCHS
+
+    root = str(tmp_path_factory.getbasetemp() / "kcache")
+    jobs = [(name, arch, root) for name in sorted(SPECS) for arch in SUPPORTED_ARCHS]
+    with mp.get_context("spawn").Pool(max(1, os.cpu_count() or 1)) as pool:
+        pool.map(_build_quietly, jobs, chunksize=1)

@@ -52,7 +52,7 @@ def launch_patterns() -> tuple[re.Pattern, ...]:
 
 
 @pytest.mark.parametrize("family", sorted(SPECS))
-def test_compiled_entries_match_the_registry(family):
+def test_compiled_entries_match_the_registry(family, nvrtc_prebuilt):
     spec = SPECS[family]
     found = kernel_symbols(build(spec, _ARCH).cubin)
     assert set(spec.entries) == found, (

@@ -15,7 +15,7 @@ from ddtree_rtc.rtc.cache import ModuleCache
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_every_kernel_builds_without_spills(name, arch):
+def test_every_kernel_builds_without_spills(name, arch, nvrtc_prebuilt):
     spec = SPECS[name]
     built = build(spec, arch)
     assert built.target == compile_target(arch, spec.arch_specific)
