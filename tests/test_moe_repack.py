@@ -1,6 +1,8 @@
 """INT4 dequant and the GPU repack, checked on the CPU: round trips, and a lane-by-lane emulation
 of how ddtree_rtc/cuda_src/moe_gemm.cu reads the repacked blocks into mma.m16n8k16 fragments."""
 
+import functools
+
 import numpy as np
 import pytest
 from ml_dtypes import bfloat16
@@ -56,7 +58,8 @@ def test_repack_round_trip_then_dequant_is_exact(rng, n, k):
 
 # ---- lane emulation: read the blob exactly as a lane of moe_gemm.cu does ----
 
-def _bf16(bits) -> np.float32:
+@functools.cache
+def _bf16(bits: int) -> np.float32:
     return np.array([bits], dtype=np.uint16).view(bfloat16).astype(np.float32)[0]
 
 
@@ -65,7 +68,14 @@ def _dequant2(v: int, scale_bits: int, scale_after: bool) -> tuple:
     nt4 (dequant2()): LOP3 (v & 0x000F000F) | 0x43004300, bf16x2 fma * 1 - 136, then * scale rounded
     to bf16. nt1 (mma_chunk_post()): the raw 128 + u goes into the mma, the -136 comes from the corr
     mma and the scale is an fp32 multiply afterwards, so the weight is (raw - 136) * scale exactly."""
-    raw = (v & 0x000F000F) | 0x43004300
+    return _dequant2_nibbles(v & 0x000F000F, scale_bits, scale_after)
+
+
+# a pure function of (two nibbles, scale, numerics): memoized, since the emulation asks it the same
+# few thousand questions hundreds of thousands of times
+@functools.cache
+def _dequant2_nibbles(nibbles: int, scale_bits: int, scale_after: bool) -> tuple:
+    raw = nibbles | 0x43004300
     out = []
     for half in (raw & 0xFFFF, raw >> 16):
         q = _bf16(half) - np.float32(136.0)
