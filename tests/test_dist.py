@@ -438,16 +438,33 @@ def test_nccl_two_ranks():
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_cli(tmp_path, name: str, *args: str, backend: str = "numpy") -> subprocess.CompletedProcess:
+def _start_cli(tmp_path, name: str, *args: str, backend: str = "numpy") -> subprocess.Popen:
     out = tmp_path / f"{name}.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "ddtree_rtc.cli", "run", *args, "--quiet",
-                           "--set", f"output.json={out}", "--set", f"runtime.backend={backend}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen([sys.executable, "-m", "ddtree_rtc.cli", "run", *args, "--quiet",
+                             "--set", f"output.json={out}", "--set", f"runtime.backend={backend}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = p.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
+def _run_cli(tmp_path, name: str, *args: str, backend: str = "numpy") -> subprocess.CompletedProcess:
+    return _finish(_start_cli(tmp_path, name, *args, backend=backend))
 
 
 def _ids(tmp_path, name: str) -> list:
     return [r["output"] for r in json.loads((tmp_path / f"{name}.json").read_text())["requests"]]
+
+
+_ONE_RANK_IDS: dict = {}  # pipeline -> the 1-rank run's outputs (the reference of every world size)
 
 
 @pytest.mark.parametrize("pipeline,extra", [
@@ -455,23 +472,29 @@ def _ids(tmp_path, name: str) -> list:
     ("pipelines/tiny.yaml", ("--set", "runtime.expert_parallel=true")),
     ("pipelines/tiny_ddtree.yaml", ())])
 def test_cli_nproc_matches_one_rank(tmp_path, pipeline, extra):
-    one = _run_cli(tmp_path, "one", pipeline)
-    assert one.returncode == 0, one.stderr
+    # the 1-rank reference (once per pipeline) runs side by side with the 2-rank run
+    one = None if pipeline in _ONE_RANK_IDS else _start_cli(tmp_path, "one", pipeline)
     two = _run_cli(tmp_path, "two", pipeline, "--nproc", "2", "--set", "runtime.tensor_parallel=2", *extra)
+    if one is not None:
+        one = _finish(one)
+        assert one.returncode == 0, one.stderr
+        _ONE_RANK_IDS[pipeline] = _ids(tmp_path, "one")
     assert two.returncode == 0, two.stderr
-    assert _ids(tmp_path, "two") == _ids(tmp_path, "one")
+    assert _ids(tmp_path, "two") == _ONE_RANK_IDS[pipeline]
     par = json.loads((tmp_path / "two.json").read_text())["metrics"]["parallel"]
     assert par["tensor_parallel"] == 2 and par["expert_parallel"] == bool(extra) and par["transport"] == "local"
     assert par["collective_bytes"] > 0 and par["collectives"]["calls"]["all_reduce"] > 0
 
 
 def test_cli_refuses_a_world_that_is_not_the_pipelines(tmp_path):
-    r = _run_cli(tmp_path, "x", "pipelines/tiny.yaml", "--nproc", "2")
-    assert r.returncode != 0 and "add --set runtime.tensor_parallel=2" in r.stderr
-    r = _run_cli(tmp_path, "x", "pipelines/tiny.yaml", "--set", "runtime.tensor_parallel=2")
-    assert r.returncode != 0 and "needs 2 ranks" in r.stderr and "--nproc 2" in r.stderr
-    r = _run_cli(tmp_path, "x", "pipelines/tiny.yaml", "--nproc", "3", "--set", "runtime.tensor_parallel=3")
-    assert r.returncode != 0 and "attention heads (4) does not split evenly over 3 ranks" in r.stderr
+    # the three refusals run side by side
+    no_tp, no_nproc, uneven = map(_finish, [
+        _start_cli(tmp_path, "x", "pipelines/tiny.yaml", "--nproc", "2"),
+        _start_cli(tmp_path, "y", "pipelines/tiny.yaml", "--set", "runtime.tensor_parallel=2"),
+        _start_cli(tmp_path, "z", "pipelines/tiny.yaml", "--nproc", "3", "--set", "runtime.tensor_parallel=3")])
+    assert no_tp.returncode != 0 and "add --set runtime.tensor_parallel=2" in no_tp.stderr
+    assert no_nproc.returncode != 0 and "needs 2 ranks" in no_nproc.stderr and "--nproc 2" in no_nproc.stderr
+    assert uneven.returncode != 0 and "attention heads (4) does not split evenly over 3 ranks" in uneven.stderr
 
 
 @pytest.mark.gpu
