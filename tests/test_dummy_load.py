@@ -137,26 +137,39 @@ def test_dummy_on_the_gpu_matches_numpy(checkpoints):
 
 
 # -- the simulated rank against a real --nproc run -------------------------------------------------------
-def _run(tmp_path, name, *args):
+def _start(tmp_path, name, *args):
     out = tmp_path / f"{name}.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "ddtree_rtc.cli", "run", "pipelines/tiny.yaml", "--quiet",
-                        "--set", f"output.json={out}", "--set", "runtime.backend=numpy",
-                        "--set", "workload.synthetic.count=2", "--set", "workload.synthetic.output_len=4", *args],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return json.loads(out.read_text()), r.stderr
+    return out, subprocess.Popen(
+        [sys.executable, "-m", "ddtree_rtc.cli", "run", "pipelines/tiny.yaml", "--quiet",
+         "--set", f"output.json={out}", "--set", "runtime.backend=numpy",
+         "--set", "workload.synthetic.count=2", "--set", "workload.synthetic.output_len=4", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(started):
+    out, p = started
+    try:
+        _, stderr = p.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    assert p.returncode == 0, stderr
+    return json.loads(out.read_text()), stderr
 
 
 @pytest.mark.parametrize("ep", [False, True])
 def test_simulated_rank_moves_the_real_ranks_bytes(tmp_path, ep):
     """The real job's local transport checks that every rank calls the same collective with the same
-    bytes at every step, so rank 0's counts (the ones it reports) are every rank's."""
+    bytes at every step, so rank 0's counts (the ones it reports) are every rank's. The real job and
+    the simulated ranks run side by side."""
     extra = ("--set", "runtime.tensor_parallel=2", "--set", f"runtime.expert_parallel={str(ep).lower()}")
-    real, _ = _run(tmp_path, "real", "--nproc", "2", *extra)
-    for rank in (1,) if ep else (0, 1):
-        sim, err = _run(tmp_path, f"sim{rank}", *extra, "--set", f"runtime.simulate_rank={rank}",
-                        "--set", "model.load=dummy")
+    started = _start(tmp_path, "real", "--nproc", "2", *extra)
+    sims = [_start(tmp_path, f"sim{rank}", *extra, "--set", f"runtime.simulate_rank={rank}",
+                   "--set", "model.load=dummy") for rank in ((1,) if ep else (0, 1))]
+    real, _ = _finish(started)
+    for sim, err in map(_finish, sims):
         assert "numerics are NOT the model's" in err and "NOT the model's" in sim["simulated_rank"]["note"]
         a, b = real["metrics"], sim["metrics"]
         assert b["weight_bytes"] == a["weight_bytes"]
