@@ -59,9 +59,6 @@ __device__ __forceinline__ void prefetch_share(const void* p, long long bytes) {
   }
 }
 
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(bf16* p, float v) { *p = to_bf16(v); }
-
 // Row tile `tile` of the skinny linear pair x [w1 | w2]^T as include/skinny_pair.cuh computes it (MODE 1:
 // out1, out2 = the two products, or linear.cu's linear with n2 = 0; MODE 0: out1 = the first product,
 // out2 = bf16(silu(bf16(gate)) * bf16(up)) of w2 = [gate; up]): warps_n row blocks of 8 weight rows,
@@ -88,35 +85,7 @@ __device__ __forceinline__ void pair_tile(float4 (&red)[skinny::kWarps][kMT][32]
   if (!skinny::serial_split_sum<kMT, kU>(red, s, reinterpret_cast<const uint4*>(wr), rb_ok, xa_ok, xb_ok, xa_row,
                                          xb_row, pieces, split, warps_n) || !rb_ok)
     return;  // (warp-uniform: MODE 0's shuffle needs the whole warp)
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-    const int ta = 16 * mt + g, tb = ta + 8;
-    const float v[4] = {s[mt].x, s[mt].y, s[mt].z, s[mt].w};  // (ta, col), (ta, col + 1), (tb, col), (tb, col + 1)
-    if (first || MODE == 1) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = i < 2 ? ta : tb;
-        if (tok >= m) continue;
-        if (first) store(out1 + (long long)tok * n1 + 8 * rb + 2 * t + (i & 1), v[i]);
-        else store(out2 + (long long)tok * n2 + 8 * b2 + 2 * t + (i & 1), v[i]);
-      }
-    } else {
-      // lanes t = 0, 1 hold gate of intermediates 4 b2 + 2t, +1; lanes t ^ 2 the matching up
-      float up[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) up[i] = __shfl_xor_sync(0xffffffffu, v[i], 2);
-      if (t < 2) {
-        const int is = n2 / 2, col = 4 * b2 + 2 * t;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int tok = i < 2 ? ta : tb;
-          if (tok < m)
-            out2[(long long)tok * is + col + (i & 1)] =
-                to_bf16(skinny_pair::silu(skinny_pair::bf16_round(v[i])) * skinny_pair::bf16_round(up[i]));
-        }
-      }
-    }
-  }
+  skinny_pair::store_tile<MODE>(s, m, g, t, first, rb, b2, out1, n1, out2, n2);
 }
 
 __device__ __forceinline__ int tiles_of(int n, int warps_n) { return (n / 8 + warps_n - 1) / warps_n; }

@@ -23,6 +23,50 @@ constexpr int kU = 4;   // k32 chunks in flight per thread
 __device__ __forceinline__ float bf16_round(float v) { return to_f32(to_bf16(v)); }
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(bf16* p, float v) { *p = to_bf16(v); }
+
+// A warp's sums s of row block rb (blocks of w1 first: `first`, then b2 = rb - blocks of w1) into the
+// outputs: the products (MODE 1, and MODE 0's first), or MODE 0's bf16(silu(bf16(gate)) * bf16(up)) of
+// w2 = [gate; up] (lanes t ^ 2 hold the matching up, so the whole warp comes here). Rows >= m are not
+// written. Shared by this header's kernel and the fused kernels' pair tiles (include/persistent.cuh).
+template <int MODE, typename Out1>
+__device__ __forceinline__ void store_tile(const float4 (&s)[kMT], int m, int g, int t, bool first, int rb, int b2,
+                                           Out1* __restrict__ out1, int n1, bf16* __restrict__ out2, int n2) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    const int ta = 16 * mt + g, tb = ta + 8;
+    const float v[4] = {s[mt].x, s[mt].y, s[mt].z, s[mt].w};  // (ta, col), (ta, col + 1), (tb, col), (tb, col + 1)
+    if (first) {
+      const int col = 8 * rb + 2 * t;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int tok = i < 2 ? ta : tb;
+        if (tok < m) store(out1 + (long long)tok * n1 + col + (i & 1), v[i]);
+      }
+    } else if (MODE == 1) {
+      const int col = 8 * b2 + 2 * t;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int tok = i < 2 ? ta : tb;
+        if (tok < m) store(out2 + (long long)tok * n2 + col + (i & 1), v[i]);
+      }
+    } else {
+      float up[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) up[i] = __shfl_xor_sync(0xffffffffu, v[i], 2);
+      if (t < 2) {
+        const int is = n2 / 2, col = 4 * b2 + 2 * t;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int tok = i < 2 ? ta : tb;
+          if (tok < m) out2[(long long)tok * is + col + (i & 1)] = to_bf16(silu(bf16_round(v[i])) * bf16_round(up[i]));
+        }
+      }
+    }
+  }
+}
+
 // Grid ceil((n1 + n2) / 8 / warps_n) * S, block kThreads; n1, n2 multiples of 8, k of 8.
 template <int S, int MODE>
 __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __restrict__ w1,
@@ -57,44 +101,10 @@ __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __re
   const bool holds = skinny::reduce<kMT, S>(red, acc, s, warp, lane, wn, wk, warps_n, warps_k, rank);
   if (!holds || !rb_ok) return;  // (warp-uniform: the shuffle below needs the whole warp)
   // s[mt]: D[token 16 mt + g][B rows 2t, 2t + 1], D[token 16 mt + g + 8][B rows 2t, 2t + 1]
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-    const int ta = 16 * mt + g, tb = ta + 8;
-    const float v[4] = {s[mt].x, s[mt].y, s[mt].z, s[mt].w};  // (ta, col), (ta, col + 1), (tb, col), (tb, col + 1)
-    if (first) {
-      const int col = 8 * rb + 2 * t;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = i < 2 ? ta : tb;
-        if (tok >= m) continue;
-        const long long o = (long long)tok * n1 + col + (i & 1);
-        if (MODE == 0)
-          static_cast<float*>(out1)[o] = v[i];
-        else
-          static_cast<bf16*>(out1)[o] = to_bf16(v[i]);
-      }
-    } else if (MODE == 1) {
-      const int col = 8 * b2 + 2 * t;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = i < 2 ? ta : tb;
-        if (tok < m) out2[(long long)tok * n2 + col + (i & 1)] = to_bf16(v[i]);
-      }
-    } else {
-      // lanes t = 0, 1 hold gate of intermediates 4 b2 + 2t, +1; lanes t ^ 2 the matching up
-      float up[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) up[i] = __shfl_xor_sync(0xffffffffu, v[i], 2);
-      if (t < 2) {
-        const int is = n2 / 2, col = 4 * b2 + 2 * t;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int tok = i < 2 ? ta : tb;
-          if (tok < m) out2[(long long)tok * is + col + (i & 1)] = to_bf16(silu(bf16_round(v[i])) * bf16_round(up[i]));
-        }
-      }
-    }
-  }
+  if constexpr (MODE == 0)
+    store_tile<MODE>(s, m, g, t, first, rb, b2, static_cast<float*>(out1), n1, out2, n2);
+  else
+    store_tile<MODE>(s, m, g, t, first, rb, b2, static_cast<bf16*>(out1), n1, out2, n2);
 }
 
 }  // namespace skinny_pair
