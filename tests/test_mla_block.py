@@ -388,7 +388,7 @@ def test_decode_rows_invariant_with_the_fused_block(tp8):
     layer one launch, ending with its residual norm): request r's logits the same bits in a batch of 1,
     7, 33 or 64 requests (eagerly and through the engine's CUDA graphs), and the same bits as on the
     separate small-M kernels."""
-    from test_small_m_gpu import MS, _decode_cache
+    from test_small_m_gpu import MS, _decode_cache, _decode_step
 
     from ddtree_rtc.engine.runner import ModelRunner
 
@@ -398,10 +398,7 @@ def test_decode_rows_invariant_with_the_fused_block(tp8):
     tokens = rng.integers(0, 20480, 64)
 
     def step(idx, runner=None):
-        b = ForwardBatch.causal([int(i) for i in idx], ctx[idx], [[int(tokens[i])] for i in idx])
-        if runner is None:
-            return model.backend.to_host(model.forward(b, cache, output="logits").logits, bf16=False)
-        return model.backend.to_host(runner.decode(b), bf16=False).copy()
+        return _decode_step(model, cache, ctx, tokens, idx, runner)
 
     try:
         model.fused_blocks = False

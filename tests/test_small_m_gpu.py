@@ -120,23 +120,30 @@ def _decode_cache(model, n_seq, rng, max_ctx=4200):
     return cache, ctx
 
 
+def _decode_step(model, cache, ctx, tokens, idx, runner=None):
+    """Logits (fp32, host) of a decode step of requests ``idx`` (their contexts ``ctx[idx]``, one token
+    each from ``tokens``): eagerly, or through ``runner`` (engine.runner.ModelRunner: CUDA graphs)."""
+    from ddtree_rtc.model.target import ForwardBatch
+
+    b = ForwardBatch.causal([int(i) for i in idx], ctx[idx], [[int(tokens[i])] for i in idx])
+    if runner is None:
+        return model.backend.to_host(model.forward(b, cache, output="logits").logits, bf16=False)
+    return model.backend.to_host(runner.decode(b), bf16=False).copy()
+
+
 @pytest.mark.gpu
 def test_decode_rows_invariant_eager_and_graph(model):
     """The whole model's decode forward (attention over each request's own context, MoE, lm_head):
     request r's logits the same bits in a decode batch of 1, 7, 33 or 64 requests, eagerly and
     through the engine's CUDA graphs (engine.runner)."""
     from ddtree_rtc.engine.runner import ModelRunner
-    from ddtree_rtc.model.target import ForwardBatch
 
     rng = _seeded("decode invariance")
     cache, ctx = _decode_cache(model, 64, rng)
     tokens = rng.integers(0, 20480, 64)
 
     def step(idx, runner=None):
-        b = ForwardBatch.causal([int(i) for i in idx], ctx[idx], [[int(tokens[i])] for i in idx])
-        if runner is None:
-            return model.backend.to_host(model.forward(b, cache, output="logits").logits, bf16=False)
-        return model.backend.to_host(runner.decode(b), bf16=False).copy()
+        return _decode_step(model, cache, ctx, tokens, idx, runner)
 
     assert model.small_m(64)
     full = step(np.arange(64))
