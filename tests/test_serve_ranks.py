@@ -54,7 +54,7 @@ def _environ(pid: int) -> dict:
 class Server:
     """``ddtree-rtc serve PIPELINE [--nproc N]`` in its own session; ``ranks`` maps rank -> pid."""
 
-    def __init__(self, pipeline: str, nproc: int = 1, sets=(), rank_timeout: float = 5.0, max_queue: int = 64):
+    def __init__(self, pipeline: str, nproc: int = 1, sets=(), rank_timeout: float = 20.0, max_queue: int = 64):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "ddtree_rtc.cli", "serve", pipeline, "--port", str(self.port),
