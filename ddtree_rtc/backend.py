@@ -42,10 +42,6 @@ OPS: dict[str, str] = {
     "mla_query_small": "mla_small",
     "mla_qkv_a_small": "mla_small",
     "mla_kv_rows_small": "mla_small",
-    "mla_block_plan": "mla_block",
-    "mla_block_small": "mla_block",
-    "moe_block_plan": "moe_block",
-    "moe_block_small": "moe_block",
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     "kv_cache_write": "kv_cache",
     "kv_cache_commit": "kv_cache",

@@ -1,5 +1,6 @@
 """The small-M path's switch: the runtime keys, the model's choice of kernels per forward size (CPU,
-through a backend that records its ops), and the numpy backend's output unchanged by the path."""
+through a backend that records its ops), the kernel launches per decoder layer it makes, and the numpy
+backend's output unchanged by the path."""
 
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from ddtree_rtc.backend import Backend
 from ddtree_rtc.engine.kv_cache import PagedKVCache
 from ddtree_rtc.model.target import SMALL_M_MAX_TOKENS, ForwardBatch, TargetModel
 from ddtree_rtc.pipeline.schema import parse_pipeline, parse_set_options
+from ddtree_rtc.testing import OpRecorder, stage_launches
 
 PIPE = """\
 model:
@@ -74,8 +76,7 @@ class RecordingBackend(Backend):
 
 @pytest.fixture(scope="module")
 def recorded(tiny_dir):
-    # the separate small-M kernels' choice per op (the fused ones: tests/test_mla_block.py)
-    return TargetModel.load(tiny_dir, RecordingBackend(), fused_blocks=False)
+    return TargetModel.load(tiny_dir, RecordingBackend())
 
 
 def _forward(model, tokens):
@@ -116,6 +117,62 @@ def test_path_selection_per_forward_size(recorded, rng, small_m_path, batch_inva
     # above 64 rows: today's kernels whatever the keys
     assert large.get("moe_experts") == moe_layers and "moe_small_experts" not in large
     assert ("linear", "invariant") not in large
+
+
+def _cache(model, tokens):
+    cache = PagedKVCache(model.backend, model.num_layers, 8, 16)
+    cache.allocator.reserve("a", len(tokens))
+    return cache
+
+
+# launches per stage on the small-M path at one rank (tiny preset: MoE layers with a shared expert)
+ATTENTION = 10  # q_a+kv_a, q_a norm, q_b, query, cache rows, attention + merge, W_UV, o_proj, residual norm
+MOE = 6  # router + shared gate_up, routing, shared down, experts (2), the residual norm
+
+
+def test_launches_per_decoder_layer(tiny_dir, rng):
+    """Kernel launches per stage of a 7-row forward at one rank, counted from the ops it runs
+    (testing.stage_launches): a MoE decoder layer on the small-M path is 16 launches."""
+    model = TargetModel.load(tiny_dir, OpRecorder())
+    tokens = rng.integers(0, 1024, 7).tolist()
+    stages = stage_launches(model, ForwardBatch.causal(["a"], [0], [tokens], last_only=False), _cache(model, tokens))
+    moe = {i for i, ly in enumerate(model.layers) if hasattr(ly.mlp, "experts")}
+    assert moe, "the tiny preset has MoE layers"
+    for stage, layer, n in stages:
+        if stage == "attention":
+            assert n == ATTENTION, layer
+        elif stage == "mlp" and layer in moe:
+            assert n == MOE, layer
+    per_layer = {i: sum(n for s, ly, n in stages if ly == i) for i in moe}
+    assert set(per_layer.values()) == {ATTENTION + MOE}
+
+
+# on a tensor-parallel rank each sublayer's norm gives way to its all-reduce, the rounding (to_bf16) and
+# the norm: one launch each
+TP_ATTENTION = ATTENTION - 1 + 3
+TP_MOE = MOE - 1 + 3
+
+
+def test_tp_rank_launches_per_decoder_layer(tiny_dir, rng):
+    """Rank 0 of 2 of the tiny preset (attention heads split, experts split by count: the tiny experts'
+    intermediate split in two is below the small-M kernels' 128; a SimulatedRank, whose collectives
+    leave this rank's partials as they are): a MoE decoder layer on the small-M path is 20 launches."""
+    from ddtree_rtc.model.shard import Shard
+    from ddtree_rtc.parallel.simulated import SimulatedRank
+
+    model = TargetModel.load(tiny_dir, OpRecorder(), shard=Shard(0, 2, True), comm=SimulatedRank(0, 2))
+    tokens = rng.integers(0, 1024, 7).tolist()
+    stages = stage_launches(model, ForwardBatch.causal(["a"], [0], [tokens], last_only=False), _cache(model, tokens))
+    moe = {i for i, ly in enumerate(model.layers) if hasattr(ly.mlp, "experts")}
+    assert moe and 0 not in moe, "the tiny preset: a dense layer 0, then MoE layers"
+    for stage, layer, n in stages:
+        if stage == "attention":
+            assert n == TP_ATTENTION, layer
+        elif stage == "mlp" and layer in moe:
+            assert n == TP_MOE, layer
+    per_layer = {i: sum(n for s, ly, n in stages if ly == i) for i in moe}
+    assert set(per_layer.values()) == {TP_ATTENTION + TP_MOE}
+    assert model.comm.stats.calls["all_reduce"] >= 2 * model.num_layers
 
 
 def test_numpy_output_is_the_same_on_both_paths(tiny_dir, rng):

@@ -7,7 +7,7 @@
 #             (auto against AR, chain and fixed budgets at concurrency 1 / 4 / 10)
 #   lossless  tools/k2_6_lossless.py (random head: DDTree / chain ids against AR at concurrency 1 and 10;
 #             the oracle's tau against its expected value), then `bench decode` at the TP8 and EP8 shares
-#             with the general, separate small-M and fused kernels (b1 / b33, ctx 4k)
+#             with the general and the small-M kernels (b1 / b33, ctx 4k)
 #   core      one call when only one may come (BUDGET seconds): the never-run GPU tests, then bench node
 # Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.
 set -uo pipefail
@@ -19,11 +19,10 @@ export DDTREE_RTC_COMMIT=${DDTREE_RTC_COMMIT:-$(git rev-parse --short HEAD 2>/de
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$O/install.log" 2>&1 || tail -5 "$O/install.log"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 case "${PART:-tests}" in
-core)  # one call when only one may come: the never-run GPU tests (the fused blocks' first), then bench node
+core)  # one call when only one may come: the never-run GPU tests, then bench node
   B=${BUDGET:-570}  # seconds this part may take in all (the device call's limit, less a margin)
   timeout "$(left $(( B < 250 ? B : B * 53 / 100 )))" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --durations=10 \
-    tests/test_mla_block.py tests/test_moe_block.py tests/test_dist.py \
-    tests/test_dist_vocab.py tests/test_dummy_load.py tests/test_packed_verify.py tests/test_small_m_gpu.py \
+    tests/test_dist.py tests/test_dist_vocab.py tests/test_dummy_load.py tests/test_packed_verify.py tests/test_small_m_gpu.py \
     tests/test_budget_engine.py tests/test_budget.py \
     tests/test_moe_small.py tests/test_mla_small.py >"$O/pytest_core.txt" 2>&1
   echo "== pytest core rc=$? $(el) (124: stopped at the time limit)"
@@ -34,7 +33,7 @@ core)  # one call when only one may come: the never-run GPU tests (the fused blo
   echo "== bench node rc=$? $(el)"; tail -12 "$O/node.txt" | cut -c1-220
   [ -s "$O/node.json" ] && python3 tools/node_summary.py "$O/node.json" ;;
 tests)
-  first="tests/test_mla_block.py tests/test_moe_block.py tests/test_packed_verify.py tests/test_small_m_gpu.py tests/test_mla_small.py tests/test_moe_small.py tests/test_budget.py
+  first="tests/test_packed_verify.py tests/test_small_m_gpu.py tests/test_mla_small.py tests/test_moe_small.py tests/test_budget.py
     tests/test_budget_engine.py tests/test_dummy_load.py tests/test_dist_vocab.py tests/test_dist.py"
   rest=$(ls tests/test_*.py | grep -v -F -x -f <(printf '%s\n' $first))
   timeout "$(left 575)" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --durations=15 $first $rest \

@@ -232,7 +232,7 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     expert_bytes = model.layers[-1].mlp.experts.expert_nbytes() if touched else 0
     kv_bytes = batch * (ctx + 1) * row_bytes
     head_bytes = int(model.lm_head.nbytes + model.final_norm.nbytes)
-    path = ("small-m fused" if model.fused_block(batch) else "small-m") if model.small_m(batch) else "general"
+    path = "small-m" if model.small_m(batch) else "general"
     case = f"{path} b{batch} ctx{ctx // 1024}k"
     rows, sums = [], {}
     for (stage, layer), us in stages:
@@ -315,10 +315,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--shard", choices=SHARDS, default="none",
                     help="one rank's share of K2.6 (tp8: 8 heads, intermediates and vocab / 8; ep8: 48 whole "
                          "experts), collectives left out")
-    ap.add_argument("--small-m", choices=("on", "off", "both", "fused", "all"), default="on",
-                    help="the small-M path (runtime.small_m_path) for batches <= 64: on, off, both (rows of each), "
-                         "fused (on, with runtime.fused_blocks: each attention block and MoE layer in one launch), "
-                         "all (off, on, fused)")
+    ap.add_argument("--small-m", choices=("on", "off", "both", "all"), default="on",
+                    help="the small-M path (runtime.small_m_path) for batches <= 64: on, off, or both / all "
+                         "(rows of each: the general kernels, then the small-M ones)")
     args = ap.parse_args(argv)
 
     if args.moe_layers < 0:
@@ -343,13 +342,11 @@ def _run(args, comm, json_path) -> dict:
     weight_bytes = layer_weight_bytes(model)
     gate = Gate()
     rows = []
-    # (small_m_path, fused_blocks) per row
-    paths = {"on": ((True, False),), "off": ((False, False),), "both": ((False, False), (True, False)),
-             "fused": ((True, True),), "all": ((False, False), (True, False), (True, True))}[args.small_m]
+    paths = {"on": (True,), "off": (False,), "both": (False, True), "all": (False, True)}[args.small_m]
     for b in (int(v) for v in args.batches.split(",")):
         for c in (int(v) for v in args.contexts.split(",")):
-            for small, fused in paths:
-                model.small_m_path, model.fused_blocks = small, fused
+            for small in paths:
+                model.small_m_path = small
                 rows += bench_case(model, b, c, args.iters, gate, weight_bytes)
                 cupy.get_default_memory_pool().free_all_blocks()  # the case's cache and graphs
                 print(f"  {rows[-3].extra['path']} b{b} ctx{c}: graph {rows[-3].us:.0f} µs", flush=True)

@@ -54,12 +54,6 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "no align step, no atomics in sums; moe_small_dense: the router logits and the shared expert's gate_up "
                "with SiLU*up in one skinny launch",
                params={"MOE_SMALL_STAGES": 4}),
-    KernelSpec("moe_block", ("moe_block_small", "moe_block_small_f32"),
-               "the small-M path's MoE layer in one launch (M <= 64 tokens): a persistent kernel running the "
-               "bodies of moe_small_dense, moe_route, the shared expert's down linear, moe_small_gate_up and "
-               "moe_small_down + combine as phases with grid barriers, same bits as the separate kernels "
-               "(routers of <= 384 experts; bf16 out, or the fp32 routed and shared partials)",
-               params={"MOE_SMALL_STAGES": 4}),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),
                "paged KV cache: write rows at slots; DDTree commit of accepted rows, in place, all layers"),
@@ -75,11 +69,6 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "absorption, W_UV expansion; one thread per output, k summed in a fixed order), q_a and kv_a in one "
                "skinny launch, the absorbed query with its RoPE in one launch, and the cache rows (norm, "
                "RoPE, write) in one launch"),
-    KernelSpec("mla_block", ("mla_block_small", "mla_block_small_f32"),
-               "the small-M path's MLA attention block in one launch (M <= 64 tokens): a persistent kernel "
-               "running the bodies of q_a / kv_a, the q_a norm and cache rows, q_b, the absorbed query, the d16 "
-               "attention, its merge, W_UV and o_proj as phases with grid barriers, same bits as the separate "
-               "kernels; each phase's weights prefetched to L2 before the wait (bf16 out, or fp32 partial)"),
     # -- the DFlash drafter's attention --
     KernelSpec("gqa_attention", ("gqa_attention_d64_kernel", "gqa_attention_d128_kernel",
                                  "gqa_attention_merge_kernel"),

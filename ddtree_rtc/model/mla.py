@@ -136,26 +136,10 @@ def mla_output(backend, o_lat, w: MLAWeights, dims: MLADims, out=None, impl: str
 
 
 def mla_forward(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, cache, slots, plan,
-                scale: float, rope_scale: float = 1.0, out=None, impl: str = "auto", block_plan=False, residual=None,
-                norm_weight=None, norm_eps: float = 0.0, prologue=None):
+                scale: float, rope_scale: float = 1.0, out=None, impl: str = "auto"):
     """One MLA attention block for the new tokens ``x`` of a planned batch: their cache rows are
     written at ``slots`` of ``cache`` (one layer) first, then every token attends as ``plan`` says.
-    ``impl``: the linears' kernel choice ('invariant' on the small-M path). ``block_plan`` (not False;
-    the small-M path with the dims ``TargetModel.fused_block`` checks): the whole block in one launch,
-    ``backend.mla_block_small``, with these buffers (``backend.mla_block_plan``'s; None on numpy); with
-    a ``residual`` (one rank) it ends with the post-attention norm and returns (normed, residual); with a
-    ``prologue`` (a tensor-parallel rank, x None: reference.rmsnorm.NormPrologue) it opens with the
-    previous sublayer's residual norm and returns (out, x, residual)."""
-    if prologue is not None and block_plan is False:
-        raise ValueError("mla_forward: a prologue opens only the fused block (block_plan)")
-    if block_plan is not False:
-        if impl != "invariant" or w.q_a is None or not fused_rows(dims):
-            raise ValueError("mla_forward: the fused block runs only on the row-invariant small-M path with a q_a "
-                             "projection and the 512 + 64 latent row")
-        return backend.mla_block_small(x, w.q_a, w.kv_a, w.q_a_norm, w.kv_a_norm, eps, w.q_b, w.kv_b, w.o, positions,
-                                       inv_freq, rope_scale, cache, slots, plan, scale, out=out, plan=block_plan,
-                                       residual=residual, norm_weight=norm_weight, norm_eps=norm_eps,
-                                       prologue=prologue)
+    ``impl``: the linears' kernel choice ('invariant' on the small-M path)."""
     if impl == "invariant" and fused_rows(dims) and w.q_a is not None:
         q_att = _small_query_and_rows(backend, x, w, dims, positions, inv_freq, eps, cache, slots, rope_scale)
     else:

@@ -91,17 +91,8 @@ class MoELayerWeights:
                                  f"{tuple(self.shared_w13.shape)} and {tuple(self.shared_w2.shape)}")
 
 
-def fused_layer_fits(lw: MoELayerWeights) -> bool:
-    """Whether the fused small-M MoE layer (``backend.moe_block_small``) takes this layer: a bf16
-    router of at most 384 experts (a multiple of 8) and a shared expert whose 2 Is is a multiple of 8
-    (the shape of ``moe_small_dense``)."""
-    return (lw.gate_weight.dtype != np.float32 and lw.shared_w13 is not None and lw.num_experts % 8 == 0
-            and lw.num_experts <= 384 and lw.shared_w13.shape[0] % 8 == 0)
-
-
 def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None,
-        shared_out=None, small: bool = False, invariant: bool = True, block_plan=False, residual=None,
-        norm_weight=None, norm_eps: float = 0.0, prologue=None):
+        shared_out=None, small: bool = False, invariant: bool = True):
     """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for
     graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``. ``small`` (M <= 64, the small-M
     path): the experts run ``moe_small_experts`` (``plan`` from ``moe_small_plan``), and with
@@ -110,30 +101,13 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
     shard y is this rank's partial sum (its experts' or intermediate slice's share plus its share of
     the shared expert), unrounded fp32 when ``out`` is fp32; the caller all-reduces it. With
     ``shared_out`` (fp32 [M, H]) the shared expert's partial goes there instead of into y, so the
-    caller can round its sum to bf16 before adding it, as one rank's combine does. ``block_plan`` (not
-    False; the small row-invariant path on a layer ``fused_layer_fits`` takes): the whole layer in one
-    launch, ``backend.moe_block_small``, with these buffers (``backend.moe_block_plan``'s; None on numpy);
-    with a ``residual`` (one rank) it ends with the decoder's next norm and returns (normed, residual); with
-    a ``prologue`` (a tensor-parallel rank, x None: reference.rmsnorm.NormPrologue) it opens with the
-    attention's residual norm and returns (y, x, residual)."""
+    caller can round its sum to bf16 before adding it, as one rank's combine does."""
     lw, rc = layer_weights, routing_config
-    if prologue is not None and block_plan is False:
-        raise ValueError("moe: a prologue opens only the fused layer (block_plan)")
-    shape = tuple(x.shape) if prologue is None else tuple(prologue.sum.shape)
-    if len(shape) != 2 or shape[0] == 0:
-        raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {shape}")
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {tuple(x.shape)}")
     if rc.num_experts != lw.num_experts:
         raise ValueError(f"routing config has {rc.num_experts} experts, the layer weights {lw.num_experts}")
     impl = "invariant" if small and invariant else "auto"
-    if block_plan is not False:
-        if impl != "invariant" or not fused_layer_fits(lw):
-            raise ValueError("moe: the fused layer runs only on the row-invariant small-M path, on a layer with a bf16 "
-                             "router of at most 384 experts and a shared expert")
-        return backend.moe_block_small(x, lw.gate_weight, lw.e_score_correction_bias, lw.shared_w13, lw.shared_w2,
-                                       lw.experts, rc.top_k, rc.n_group, rc.topk_group, rc.norm_topk_prob,
-                                       rc.routed_scaling_factor, lw.expert_offset, out=out, shared_out=shared_out,
-                                       plan=block_plan, residual=residual, norm_weight=norm_weight,
-                                       norm_eps=norm_eps, prologue=prologue)
     hs = None  # the shared expert's SiLU(gate) * up, when the dense launch made it
     if impl == "invariant" and lw.gate_weight.dtype != np.float32 and lw.shared_w13 is not None and \
             lw.num_experts % 8 == 0 and lw.shared_w13.shape[0] % 8 == 0:

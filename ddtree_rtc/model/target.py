@@ -9,13 +9,11 @@ Forward, per layer, with the residual add fused into the following RMSNorm:
 On a tensor-parallel rank (``shard``, docs/architecture.md "Parallelism") ``a`` and ``m`` are this
 rank's fp32 partial sums, all-reduced once each (one collective per sublayer) and then rounded to
 bf16 once; the lm_head holds a slice of the vocabulary and the logits are all-gathered, so every
-rank sees the full logits. With the fused small-M kernels that rounding and the residual norm after it
-are the next fused kernel's first phase (its prologue; ``_chained_layers``).
+rank sees the full logits.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,13 +22,12 @@ import numpy as np
 
 from ..parallel.comm import Communicator, SingleRank
 from ..reference.moe_small import check_small_shape
-from ..reference.rmsnorm import NormPrologue
 from ..reference.rope import rope_inv_freq
 from .checkpoint import CheckpointReader, expected_tensors
 from .config import ModelConfig, load_config
 from .int4_repack import GROUP, TILE_K
-from .mla import MLADims, MLAWeights, fused_rows, mla_forward, rope_scale
-from .moe import MoELayerWeights, RoutingConfig, fused_layer_fits, load_moe_layer, moe, to_backend
+from .mla import MLADims, MLAWeights, mla_forward, rope_scale
+from .moe import MoELayerWeights, RoutingConfig, load_moe_layer, moe, to_backend
 from .shard import Shard
 
 SMALL_M_MAX_TOKENS = 64  # the small-M path's rows (an AR batch or a whole tree verify)
@@ -125,17 +122,13 @@ class StepInputs:
 class TargetModel:
     def __init__(self, cfg: ModelConfig, backend, embed, layers: list[Layer], final_norm, lm_head,
                  shard: Shard | None = None, comm: Communicator | None = None, small_m_path: bool = True,
-                 batch_invariant: bool = True, fused_blocks: bool = True):
+                 batch_invariant: bool = True):
         """``shard``: the part of the model these weights are (whole by default); ``comm``: the
         communicator of its ranks (``shard.world`` of them). ``small_m_path`` / ``batch_invariant``:
-        see ``small_m`` (the pipeline keys runtime.small_m_path / runtime.batch_invariant);
-        ``fused_blocks``: see ``fused_block`` (runtime.fused_blocks)."""
+        see ``small_m`` (the pipeline keys runtime.small_m_path / runtime.batch_invariant)."""
         self.cfg, self.backend = cfg, backend
         self.small_m_path, self.batch_invariant = bool(small_m_path), bool(batch_invariant)
-        self.fused_blocks = bool(fused_blocks)
         self._small_fits: dict[int, bool] = {}
-        self._block_unavailable: list[str] | None = None  # why this GPU cannot run the fused block (once asked)
-        self._moe_unavailable: list[str] | None = None  # the same for the fused MoE layer
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.shard, self.comm = shard or Shard(), comm or SingleRank()
         if self.comm.world_size != self.shard.world or self.comm.rank != self.shard.rank:
@@ -204,64 +197,11 @@ class TargetModel:
         context pieces fixed by its own length) where the forward is row-invariant, else the default."""
         return "shape" if self.linear_impl(num_tokens) == "invariant" else None
 
-    def fused_block(self, num_tokens: int) -> bool:
-        """Whether a forward of ``num_tokens`` rows runs each attention block as one launch
-        (``backend.mla_block_small``, docs/architecture.md "The small-M path"): ``fused_blocks`` on, the
-        forward on the row-invariant small-M path, MLA dims the kernel takes (a q_a projection, the
-        512 + 64 latent row) and, on CUDA, a GPU that holds the kernel (else the separate
-        small-M kernels run, with a warning naming why)."""
-        if not (self.fused_blocks and self.linear_impl(num_tokens) == "invariant" and fused_rows(self.dims)
-                and all(ly.attn.q_a is not None for ly in self.layers)):
-            return False
-        if self.backend.is_cuda and self._block_unavailable is None:
-            from ..kernels.mla_block import FusedBlockUnavailable
-
-            self._block_unavailable = []
-            try:
-                self._block_plan(1)
-            except FusedBlockUnavailable as e:
-                self._block_unavailable.append(str(e))
-                warnings.warn(f"runtime.fused_blocks: {e}; the separate small-M kernels run instead", stacklevel=2)
-        return not self._block_unavailable
-
-    def fused_moe(self, num_tokens: int) -> bool:
-        """Whether a forward of ``num_tokens`` rows runs each MoE layer as one launch
-        (``backend.moe_block_small``): ``fused_blocks`` on, the forward on the row-invariant small-M path,
-        every MoE layer one the kernel takes (``fused_layer_fits``) and, on CUDA, a GPU that holds it."""
-        moe_layers = [ly.mlp for ly in self.layers if isinstance(ly.mlp, MoELayerWeights)]
-        if not (self.fused_blocks and moe_layers and self.linear_impl(num_tokens) == "invariant"
-                and all(fused_layer_fits(lw) for lw in moe_layers)):
-            return False
-        if self.backend.is_cuda and self._moe_unavailable is None:
-            from ..kernels.mla_block import FusedBlockUnavailable
-
-            self._moe_unavailable = []
-            try:
-                self._moe_plan(1)
-            except FusedBlockUnavailable as e:
-                self._moe_unavailable.append(str(e))
-                warnings.warn(f"runtime.fused_blocks: {e}; the separate small-M MoE kernels run instead", stacklevel=2)
-        return not self._moe_unavailable
-
-    def _moe_plan(self, num_tokens: int):
-        """The fused MoE layer's buffers for one forward (shared by its MoE layers); None on numpy."""
-        lw = next(ly.mlp for ly in self.layers if isinstance(ly.mlp, MoELayerWeights))
-        return self.backend.moe_block_plan(num_tokens, lw.num_experts, lw.experts.num_experts, self.routing.top_k,
-                                           self.cfg.hidden_size, lw.experts.intermediate, lw.shared_w2.shape[1],
-                                           self.routing.n_group, self.shard.world > 1)
-
-    def _block_plan(self, num_tokens: int):
-        """The fused attention block's buffers for one forward (all its layers run one after another
-        and share them); None on numpy."""
-        d = self.dims
-        return self.backend.mla_block_plan(num_tokens, self.cfg.hidden_size, self.layers[0].attn.q_a.shape[0],
-                                           d.num_heads, d.qk_nope, d.v_head, self.shard.world > 1)
-
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, directory: str | Path, backend, layers: int | None = None, progress=None,
              shard: Shard | None = None, comm: Communicator | None = None, reader: CheckpointReader | None = None,
-             small_m_path: bool = True, batch_invariant: bool = True, fused_blocks: bool = True) -> TargetModel:
+             small_m_path: bool = True, batch_invariant: bool = True) -> TargetModel:
         """Load a checkpoint directory (optionally only its first ``layers`` decoder layers);
         ``progress(n)`` is called after each layer. Every missing or mis-shaped tensor is named.
         ``shard``: load only that rank's slices (see model/shard.py); ``reader``: an open reader
@@ -272,12 +212,12 @@ class TargetModel:
         shard = shard or Shard()
         shard.check(cfg, TILE_K if backend.is_cuda else GROUP)
         return cls.from_source(cfg, reader or CheckpointReader(directory), backend, progress, shard, comm,
-                               small_m_path=small_m_path, batch_invariant=batch_invariant, fused_blocks=fused_blocks)
+                               small_m_path=small_m_path, batch_invariant=batch_invariant)
 
     @classmethod
     def dummy(cls, cfg: ModelConfig, backend, seed: int = 0, head: str = "random", progress=None,
               shard: Shard | None = None, comm: Communicator | None = None, small_m_path: bool = True,
-              batch_invariant: bool = True, fused_blocks: bool = True) -> TargetModel:
+              batch_invariant: bool = True) -> TargetModel:
         """``model.load: dummy``: ``make_model(cfg, seed=seed, head=head)``'s weights made directly in
         the backend's memory, only ``shard``'s part, no file written (model/dummy.py); bit for bit
         what ``load`` reads from that checkpoint."""
@@ -286,12 +226,12 @@ class TargetModel:
         shard = shard or Shard()
         shard.check(cfg, TILE_K if backend.is_cuda else GROUP)
         return cls.from_source(cfg, DummySource(cfg, seed, head, backend.xp), backend, progress, shard, comm,
-                               small_m_path=small_m_path, batch_invariant=batch_invariant, fused_blocks=fused_blocks)
+                               small_m_path=small_m_path, batch_invariant=batch_invariant)
 
     @classmethod
     def from_source(cls, cfg: ModelConfig, reader, backend, progress=None, shard: Shard | None = None,
                     comm: Communicator | None = None, small_m_path: bool = True,
-                    batch_invariant: bool = True, fused_blocks: bool = True) -> TargetModel:
+                    batch_invariant: bool = True) -> TargetModel:
         """The model of ``cfg`` from ``reader`` (a CheckpointReader, or a DummySource making the
         tensors), ``shard``'s slices only; ``small_m_path`` / ``batch_invariant``: see ``small_m``."""
         shard = shard or Shard()
@@ -341,38 +281,25 @@ class TargetModel:
             if progress is not None:
                 progress(i + 1)
         return cls(cfg, backend, embed, out, dev(get("model.norm.weight")), lm, shard, comm, small_m_path,
-                   batch_invariant, fused_blocks)
+                   batch_invariant)
 
     # -- forward ---------------------------------------------------------------------------------
-    def _mlp(self, layer: Layer, x, moe_plan=None, block_plan=False):
+    def _mlp(self, layer: Layer, x, moe_plan=None):
         be, t = self.backend, int(x.shape[0])
         impl, small = self.linear_impl(t), self.small_m(t)
-        if self.shard.world == 1:
-            if isinstance(layer.mlp, DenseMLP):
-                return be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, impl=impl)
-            return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant,
-                       block_plan=block_plan)
-        return be.to_bf16(*self._mlp_sum(layer, x, moe_plan, block_plan))
-
-    def _mlp_sum(self, layer: Layer, x, moe_plan=None, block_plan=False, prologue=None):
-        """A tensor-parallel rank's MLP output as every rank's sum, all-reduced and not yet rounded: (sum,
-        plus), bf16(sum + bf16(plus)) the output (plus None for a dense MLP). A MoE layer's routed and
-        shared partials go side by side, one all-reduce; rounded as one rank's combine adds them (routed
-        sum + bf16(shared sum)). With a ``prologue`` (the fused MoE layer; x None) also the (x, residual)
-        it made."""
-        be = self.backend
         if isinstance(layer.mlp, DenseMLP):
-            impl = self.linear_impl(int(x.shape[0]))
             m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, out=self._partial(x),
                           impl=impl)
-            return self.comm.all_reduce(m), None
-        shape = tuple(x.shape) if prologue is None else tuple(prologue.sum.shape)
-        t = shape[0]
-        parts = be.empty((2,) + shape, "fp32")
-        made = moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1],
-                   small=self.small_m(t), invariant=self.batch_invariant, block_plan=block_plan, prologue=prologue)
+            return self._reduce(m)
+        if self.shard.world == 1:
+            return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant)
+        # routed and shared partials side by side, one all-reduce; then, as one rank's combine does,
+        # routed sum + bf16(shared sum), rounded once
+        parts = be.empty((2,) + tuple(x.shape), "fp32")
+        moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1], small=small,
+            invariant=self.batch_invariant)
         self.comm.all_reduce(parts)
-        return (parts[0], parts[1]) if prologue is None else (parts[0], parts[1], made[1], made[2])
+        return be.to_bf16(parts[0], plus_rounded=parts[1])
 
     def _partial(self, x):
         """Where a sublayer writes its output: on several ranks an fp32 buffer, so the partial sums
@@ -495,96 +422,28 @@ class TargetModel:
         if output not in ("argmax", "logits", "shard", "none"):
             raise ValueError(f"output must be 'argmax', 'logits', 'shard' or 'none', got {output!r}")
         be, cfg = self.backend, self.cfg
-        t = int(inputs.tokens.shape[0])
         if moe_plan is None:
-            moe_plan = self.moe_plan(t)
-        block_plan = self._block_plan(t) if self.fused_block(t) else False  # False: the separate kernels
-        moe_block_plan = self._moe_plan(t) if self.fused_moe(t) else False
+            moe_plan = self.moe_plan(int(inputs.tokens.shape[0]))
         h = be.embedding(inputs.tokens, self.embed)
         x = be.rmsnorm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
         mark("embed", -1, inputs.tokens)
-        if self.shard.world > 1 and (block_plan is not False or moe_block_plan is not False):
-            x, hidden = self._chained_layers(inputs, cache, x, h, moe_plan, block_plan, moe_block_plan, mark,
-                                             hidden_layers)
-            return self._head(inputs, x, output, hidden, mark)
         hidden = {}
-        # one rank: the fused kernels end with the residual norm that follows them
-        fused_norm = self.shard.world == 1
         for i, layer in enumerate(self.layers):
+            a = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache)
             x_attn = x
-            if block_plan is not False and fused_norm:
-                x, h = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache, block_plan,
-                                       residual=h)
-            else:
-                a = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache, block_plan)
-                x, h = be.rmsnorm(a, layer.post_norm, cfg.rms_norm_eps, residual=h)
+            x, h = be.rmsnorm(a, layer.post_norm, cfg.rms_norm_eps, residual=h)
             mark("attention", i, x_attn)
+            m = self._mlp(layer, x, moe_plan)
             x_mlp = x
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            if moe_block_plan is not False and fused_norm and isinstance(layer.mlp, MoELayerWeights):
-                x, h = moe(x, layer.mlp, self.routing, be, small=True, invariant=self.batch_invariant,
-                           block_plan=moe_block_plan, residual=h, norm_weight=nxt, norm_eps=cfg.rms_norm_eps)
-            else:
-                m = self._mlp(layer, x, moe_plan, moe_block_plan)
-                x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h)
+            x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h)
             if i in hidden_layers:
                 hidden[i] = h.copy()
             mark("mlp", i, x_mlp)
-        return self._head(inputs, x, output, hidden, mark)
-
-    def _chained_layers(self, inputs: StepInputs, cache, x, h, moe_plan, block_plan, moe_block_plan, mark,
-                        hidden_layers) -> tuple:
-        """The decoder layers on a tensor-parallel rank with the fused kernels (docs/architecture.md §7):
-        a sublayer's all-reduced fp32 output stays unrounded until the next fused kernel, whose prologue
-        rounds it, adds the residual and applies the norm (the same device code and row split as the
-        separate to_bf16 + rmsnorm, so the same bits); a MoE layer is then its attention block, an
-        all-reduce, its MoE layer and an all-reduce. Where no fused kernel follows (a dense MLP, a
-        layer the fused kernel does not take, the final norm) to_bf16 + rmsnorm run as today. Stages
-        for ``mark``: 'attention' = [the pending norm] + the block + its all-reduce, 'mlp' likewise.
-        ``hidden_layers``: layer i's residual stream is the one the norm after it makes. Returns (the
-        final-normed rows, hidden)."""
-        be, eps = self.backend, self.cfg.rms_norm_eps
-        hidden, pending, owner = {}, None, None  # pending: the NormPrologue not yet run; owner: its layer
-
-        def settle():
-            """The pending norm as separate kernels (to_bf16, rmsnorm): (x, h)."""
-            return be.rmsnorm(be.to_bf16(pending.sum, plus_rounded=pending.plus), pending.weight, pending.eps,
-                              residual=pending.residual)
-
-        def keep(layer_index, stream):
-            if layer_index is not None and layer_index in hidden_layers:
-                hidden[layer_index] = stream.copy()
-
-        for i, layer in enumerate(self.layers):
-            if pending is not None and block_plan is not False:
-                a, x, h = self._attention(layer, i, None, inputs.positions, inputs.slots, inputs.plan, cache,
-                                          block_plan, prologue=pending)
-            else:
-                if pending is not None:
-                    x, h = settle()
-                a = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache, block_plan,
-                                    reduce=False)
-            keep(owner, h)
-            pending = NormPrologue(self.comm.all_reduce(a), None, h, layer.post_norm, eps)
-            mark("attention", i, x)
-            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            if moe_block_plan is not False and isinstance(layer.mlp, MoELayerWeights):
-                s, plus, x, h = self._mlp_sum(layer, None, moe_plan, moe_block_plan, prologue=pending)
-            else:
-                x, h = settle()
-                s, plus = self._mlp_sum(layer, x, moe_plan, moe_block_plan)
-            pending, owner = NormPrologue(s, plus, h, nxt, eps), i
-            mark("mlp", i, x)
-        x, h = settle()
-        keep(owner, h)
-        return x, hidden
-
-    def _head(self, inputs: StepInputs, x, output: str, hidden: dict, mark) -> ForwardOutput:
-        """The forward's outputs from the final-normed rows ``x``."""
         out = ForwardOutput(hidden=hidden)
         if output == "none":
             return out
-        rows = x if inputs.logit_rows is None else self.backend.xp.ascontiguousarray(x[inputs.logit_rows])
+        rows = x if inputs.logit_rows is None else be.xp.ascontiguousarray(x[inputs.logit_rows])
         if output == "logits":
             out.logits = self.head_logits(rows)
         elif output == "shard":
@@ -594,17 +453,8 @@ class TargetModel:
         mark("head", -1, rows)
         return out
 
-    def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache, block_plan=False, residual=None,
-                   prologue=None, reduce: bool = True):
-        # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both. block_plan: the
-        # fused block's buffers (None on numpy), or False for the separate kernels; residual (one rank,
-        # fused): the block ends with the post-attention norm and returns (normed, residual); prologue
-        # (a tensor-parallel rank, fused, x None): the block opens with the previous norm and returns
-        # (this rank's fp32 partial, x, residual); reduce=False: the partial, not all-reduced
-        rows = x if prologue is None else prologue.sum
-        out = mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq, LATENT_NORM_EPS,
-                          cache.layer(i), slots, plan, self.cfg.softmax_scale, self.rope_scale,
-                          out=self._partial(rows), impl=self.linear_impl(int(rows.shape[0])), block_plan=block_plan,
-                          residual=residual, norm_weight=layer.post_norm, norm_eps=self.cfg.rms_norm_eps,
-                          prologue=prologue)
-        return out if residual is not None or prologue is not None or not reduce else self._reduce(out)
+    def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache):
+        # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both
+        return self._reduce(mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq,
+                                        LATENT_NORM_EPS, cache.layer(i), slots, plan, self.cfg.softmax_scale,
+                                        self.rope_scale, out=self._partial(x), impl=self.linear_impl(int(x.shape[0]))))

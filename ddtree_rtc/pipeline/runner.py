@@ -371,8 +371,7 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
             last[0] = n
 
         try:
-            sm = {"small_m_path": pipe.runtime.small_m_path, "batch_invariant": pipe.runtime.batch_invariant,
-                  "fused_blocks": pipe.runtime.fused_blocks}
+            sm = {"small_m_path": pipe.runtime.small_m_path, "batch_invariant": pipe.runtime.batch_invariant}
             if directory is None:
                 m = pipe.model
                 model = TargetModel.dummy(cfg, backend, seed=m.seed, head=m.head, progress=progress, shard=shard,

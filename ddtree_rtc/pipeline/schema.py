@@ -50,10 +50,7 @@ class RuntimeSpec:
     kernels (docs/architecture.md, "The small-M path"); false keeps the general kernels for comparison.
     ``batch_invariant``: on that path every linear also sums each row the same way whatever the batch,
     so a verify row equals its autoregressive twin bit for bit; false lets them take the faster
-    non-invariant kernels (cuBLAS) where those win. ``fused_blocks``: on that row-invariant path each
-    attention block and each MoE layer runs as one launch (the fused kernels, cuda_src/mla_block.cu and
-    moe_block.cu: same bits as the separate small-M kernels), where the GPU holds them; false keeps the
-    separate small-M kernels."""
+    non-invariant kernels (cuBLAS) where those win."""
 
     backend: Literal["auto", "cuda", "numpy"] = "auto"
     arch: str | None = None
@@ -69,7 +66,6 @@ class RuntimeSpec:
     simulate_collective_us: float = 0.0  # each stand-in also holds this long
     small_m_path: bool = True
     batch_invariant: bool = True
-    fused_blocks: bool = True
 
     def __post_init__(self):
         for name in ("tensor_parallel", "max_batch", "page_size", "max_context"):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 from ml_dtypes import bfloat16
 
@@ -37,27 +34,3 @@ def rounded_sum(x, plus=None):
         x = x + np.asarray(plus, dtype=np.float32).astype(bfloat16).astype(np.float32)
     return x.astype(bfloat16)
 
-
-@dataclass(frozen=True)
-class NormPrologue:
-    """The decoder's residual norm that opens a fused kernel on a tensor-parallel rank (its prologue):
-    the previous sublayer's all-reduced fp32 output ``sum`` (+ ``plus``, the MoE's shared expert sum,
-    itself rounded to bf16 first) rounded to bf16 once, added to the bf16 ``residual`` [M, d], RMSNorm
-    with ``weight`` [d] and ``eps``: ``rmsnorm(rounded_sum(sum, plus), weight, eps, residual=residual)``
-    gives the kernel's input and the new residual, written into ``x_out`` and ``residual_out`` (bf16
-    [M, d]) when given, else new arrays."""
-
-    sum: Any
-    plus: Any
-    residual: Any
-    weight: Any
-    eps: float
-    x_out: Any = None
-    residual_out: Any = None
-
-
-def norm_prologue(p: NormPrologue):
-    """(x, residual): the prologue's normed rows and new residual stream, as the separate to_bf16 and
-    rmsnorm compute them."""
-    return rmsnorm(rounded_sum(p.sum, p.plus), p.weight, p.eps, residual=p.residual, out=p.x_out,
-                   residual_out=p.residual_out)
