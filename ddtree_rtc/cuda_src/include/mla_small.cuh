@@ -1,5 +1,5 @@
-// The small-M path's MLA pieces as device functions over explicit block / thread indices, shared by
-// mla_small.cu's entries and the fused attention block (mla_block.cu); what they compute: mla_small.cu.
+// The small-M path's MLA pieces as device functions over explicit block / thread indices, the bodies of
+// mla_small.cu's entries; what they compute: mla_small.cu.
 #pragma once
 #include "common.cuh"
 
@@ -7,8 +7,7 @@ namespace ddt {
 namespace mla_small {
 // x [T, H, K] (element strides x_t, x_h; k contiguous); W[h](k, n) at w + h * w_h + k * w_k + n * w_n;
 // out [T, H, N] (strides o_t, o_h; n contiguous). Grid (ceil(N / 32), H, ceil(T / 8)), block (32, 8).
-// One output of block (bx, by, bz), thread (tx, ty) of a (32, 8) block: the body of mla_head_gemm_small,
-// also a phase of mla_block.cu.
+// One output of block (bx, by, bz), thread (tx, ty) of a (32, 8) block: the body of mla_head_gemm_small.
 __device__ __forceinline__ void head_gemm_small(const bf16* __restrict__ x, long long x_t, long long x_h,
                                                 const bf16* __restrict__ w, long long w_h, long long w_k,
                                                 long long w_n, bf16* __restrict__ out, long long o_t, long long o_h,

@@ -1,7 +1,6 @@
 // The decode variant of the absorbed MLA attention (split_body: <= 16 query rows per item, K of S
-// split across the warps) and the split-K merge, as device functions over a CTA index, shared by
-// mla_attention.cu's entries and the small-M path's fused attention block (mla_block.cu). The
-// layout and the math: mla_attention.cu's header comment.
+// split across the warps) and the split-K merge, as device functions over a CTA index, the bodies of
+// mla_attention.cu's decode and merge entries. The layout and the math: mla_attention.cu's header comment.
 #pragma once
 #include "common.cuh"
 #include "warp_mma.cuh"
@@ -101,8 +100,7 @@ struct SplitCfg {
   // Shared memory (bytes), mirrored by _smem_bytes() in ddtree_rtc/kernels/mla_attention.py:
   // Q [16][576] bf16, KV [STAGES][BN][576] bf16, partial S [NW][NT][32 lanes] float4.
   static constexpr int SMEM = (BM * ROW + STAGES * BN * ROW) * 2 + NW * NT * 32 * 16;
-  // The CTA's barrier over THREADS threads (named barrier 1): the whole CTA of mla_attention_d16_kernel,
-  // the first NW warps of a larger CTA in mla_block.cu, whose other warps skip this phase.
+  // The CTA's barrier over THREADS threads (named barrier 1): the whole CTA of mla_attention_d16_kernel.
   static __device__ __forceinline__ void sync() { asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory"); }
 };
 

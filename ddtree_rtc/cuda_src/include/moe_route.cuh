@@ -1,5 +1,5 @@
-// DeepSeek-V3 noaux_tc top-k of one token by one warp (moe_routing.cu's moe_route_e* entries; a phase
-// of the fused MoE layer, moe_block.cu). Exact rules: ddtree_rtc/reference/moe_routing.py.
+// DeepSeek-V3 noaux_tc top-k of one token by one warp (moe_routing.cu's moe_route_e* entries). Exact
+// rules: ddtree_rtc/reference/moe_routing.py.
 #pragma once
 #include "common.cuh"
 

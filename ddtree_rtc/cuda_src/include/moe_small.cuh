@@ -1,6 +1,5 @@
-// The small-M expert step's device code (moe_small.cu's kernels; phases of the fused MoE layer,
-// moe_block.cu): the CTA's routing from the ids, one gate_up item, one down tile, its combine. What
-// they compute and why it is row-invariant: moe_small.cu.
+// The small-M expert step's device code (moe_small.cu's kernels): the CTA's routing from the ids, one
+// gate_up item, one down tile, its combine. What they compute and why it is row-invariant: moe_small.cu.
 #pragma once
 #include "common.cuh"
 #include "int4_mma.cuh"
@@ -129,22 +128,16 @@ __device__ __forceinline__ void load_block(uint4 (&buf)[3], const unsigned char*
 
 // The lane's B fragments of one k128 block of column tile nt: 8 k values per k32 chunk of the
 // column's row of `act` (zeros for a column without a token).
-// kL2: through L2 only (an activation written earlier in the same launch: the fused MoE layer's h).
-template <bool kL2 = false>
 __device__ __forceinline__ void load_act(uint4 (&xb)[4], const bf16* __restrict__ row, bool valid, int k0, int t) {
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const uint4* p = reinterpret_cast<const uint4*>(row + k0 + 32 * c + 8 * t);
-    xb[c] = valid ? (kL2 ? __ldcg(p) : __ldg(p)) : make_uint4(0u, 0u, 0u, 0u);
-  }
+  for (int c = 0; c < 4; ++c)
+    xb[c] = valid ? __ldg(reinterpret_cast<const uint4*>(row + k0 + 32 * c + 8 * t)) : make_uint4(0u, 0u, 0u, 0u);
 }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
 // The gate_up of one (touched expert e, fused 16-row tile) into h; every thread of the CTA. The rings
 // are free on entry and on return.
-// kL2: x read through L2 only (the fused MoE layer, whose prologue may write x in the same launch).
-template <bool kL2 = false>
 __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w13, long long w13_expert_bytes,
                                              const bf16* __restrict__ x, int top_k, int H, int I, int e, int tile,
                                              const Routing& r, int* cols, unsigned char* ring,
@@ -184,7 +177,7 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
       if (nt < ntl) {
         const int c = nt * 8 + g;
         uint4 xb[4];
-        load_act<kL2>(xb, x + (long long)(c < cnt ? cols[c] : 0) * H, c < cnt, k0, t);
+        load_act(xb, x + (long long)(c < cnt ? cols[c] : 0) * H, c < cnt, k0, t);
         mma_block(acc[nt], buf, xb);
       }
     }
@@ -224,9 +217,7 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
 
 // The down GEMM of a 16-row tile of H for every touched expert (warp w: ranks w, w + 8, ...), each
 // (token, expert) value into dsm [P][16] at every pair of that token with that id. The first
-// kStages - 1 ring stages were issued by the caller when `issued` (before the PDL wait). kL2: h read
-// through L2 only (written earlier in the same launch).
-template <bool kL2 = false>
+// kStages - 1 ring stages were issued by the caller when `issued` (before the PDL wait).
 __device__ __forceinline__ void down_tile(const unsigned char* __restrict__ w2, long long w2_expert_bytes,
                                           const bf16* __restrict__ h, int top_k, int I, int tile, const Routing& r,
                                           int (*cols)[kMaxTokens], unsigned char* ring, float* dsm, bool issued) {
@@ -282,7 +273,7 @@ __device__ __forceinline__ void down_tile(const unsigned char* __restrict__ w2, 
           while (r.ids[p] != e) ++p;
         }
         uint4 xb[4];
-        load_act<kL2>(xb, h + (long long)p * I, c < cnt, kb * kStepK, t);
+        load_act(xb, h + (long long)p * I, c < cnt, kb * kStepK, t);
         mma_block(acc[nt], buf, xb);
       }
     }

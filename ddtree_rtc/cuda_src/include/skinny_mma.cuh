@@ -104,10 +104,8 @@ __device__ __forceinline__ void x_rows(const bf16* x, int m, int pieces, int g, 
 
 // acc[mt] = this lane's share of x . W^T over chunks [c_begin, c_end), kU chunks (one 16-byte weight
 // load each) in flight: D[token 16 mt + g][B rows 2t, 2t + 1], D[token 16 mt + g + 8][B rows 2t, 2t + 1]
-// of the warp's 8 weight rows. w_ok: the lane's weight row exists (else its B operand is zero). kL2: x
-// read through L2 only (ld.global.cg): an x written earlier in the same launch by other CTAs (the fused
-// kernels' phases), which the read-only path does not promise to see.
-template <int MT, int kU, bool kL2 = false>
+// of the warp's 8 weight rows. w_ok: the lane's weight row exists (else its B operand is zero).
+template <int MT, int kU>
 __device__ __forceinline__ void k_sum(float (&acc)[MT][4], const uint4* wrow, bool w_ok, const bool (&a_ok)[MT],
                                       const bool (&b_ok)[MT], const uint4* const (&a_row)[MT],
                                       const uint4* const (&b_row)[MT], int c_begin, int c_end, int pieces, int t) {
@@ -124,8 +122,8 @@ __device__ __forceinline__ void k_sum(float (&acc)[MT][4], const uint4* wrow, bo
       wv[u] = ok && w_ok ? ld_weight(wrow + p) : zero;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        xa[u][mt] = ok && a_ok[mt] ? (kL2 ? __ldcg(a_row[mt] + p) : __ldg(a_row[mt] + p)) : zero;
-        xb[u][mt] = ok && b_ok[mt] ? (kL2 ? __ldcg(b_row[mt] + p) : __ldg(b_row[mt] + p)) : zero;
+        xa[u][mt] = ok && a_ok[mt] ? __ldg(a_row[mt] + p) : zero;
+        xb[u][mt] = ok && b_ok[mt] ? __ldg(b_row[mt] + p) : zero;
       }
     }
 #pragma unroll
@@ -165,38 +163,6 @@ __device__ __forceinline__ bool reduce(float4 (&red)[kWarps][MT][32], const floa
     }
     cluster_sync_relaxed();  // the other CTAs' shared memory must outlive rank 0's reads
     if (rank != 0) return false;
-  }
-  return wk == 0;
-}
-
-// The same sum computed by one CTA alone: the S cluster ranks' k ranges in turn, each rank's partial
-// reduced over the warps as reduce<MT, 1> does, the ranks' partials added in rank order. The order of
-// every addition is reduce<MT, S>'s over a cluster of S CTAs, so the bits are the same (the fused
-// kernels, mla_block.cu and moe_block.cu, which run without clusters; x is read through L2, since it
-// may have been written earlier in the same launch). True on the threads holding the sum (wk == 0);
-// every thread of the CTA must call it (barriers).
-template <int MT, int kU>
-__device__ __forceinline__ bool serial_split_sum(float4 (&red)[kWarps][MT][32], float4 (&s)[MT], const uint4* wrow,
-                                                 bool w_ok, const bool (&a_ok)[MT], const bool (&b_ok)[MT],
-                                                 const uint4* const (&a_row)[MT], const uint4* const (&b_row)[MT],
-                                                 int pieces, int split, int warps_n) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
-  const int wn = warp % warps_n, wk = warp / warps_n, warps_k = kWarps / warps_n;
-  for (int r = 0; r < split; ++r) {
-    int c_begin, c_end;
-    k_chunks(pieces, split * warps_k, r * warps_k + wk, c_begin, c_end);
-    float acc[MT][4];
-    k_sum<MT, kU, true>(acc, wrow, w_ok, a_ok, b_ok, a_row, b_row, c_begin, c_end, pieces, t);
-    float4 part[MT];
-    reduce<MT, 1>(red, acc, part, warp, lane, wn, wk, warps_n, warps_k, 0);
-    if (wk == 0) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        if (r == 0) s[mt] = part[mt];
-        else add4(s[mt], part[mt]);
-      }
-    }
-    __syncthreads();  // red is written again by the next rank's reduce
   }
   return wk == 0;
 }

@@ -29,7 +29,7 @@ __device__ __forceinline__ void store(bf16* p, float v) { *p = to_bf16(v); }
 // A warp's sums s of row block rb (blocks of w1 first: `first`, then b2 = rb - blocks of w1) into the
 // outputs: the products (MODE 1, and MODE 0's first), or MODE 0's bf16(silu(bf16(gate)) * bf16(up)) of
 // w2 = [gate; up] (lanes t ^ 2 hold the matching up, so the whole warp comes here). Rows >= m are not
-// written. Shared by this header's kernel and the fused kernels' pair tiles (include/persistent.cuh).
+// written.
 template <int MODE, typename Out1>
 __device__ __forceinline__ void store_tile(const float4 (&s)[kMT], int m, int g, int t, bool first, int rb, int b2,
                                            Out1* __restrict__ out1, int n1, bf16* __restrict__ out2, int n2) {
