@@ -297,3 +297,41 @@ def test_qkv_a_vs_twin_and_invariant(q_lora, h, t):
 
     check_rows_invariant(run, lambda rows: ref_qkv(rows, wq, wkv), x, rng, t,
                          [("bf16_accum", "q_a"), ("bf16_accum", "kv_a")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [8, 64])
+@pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9), (3000, 64), (1, 17)])
+def test_tree_rows_equal_their_twins_on_the_gpu(heads, ctx, n):
+    """mla_attention with split="shape" on a random tree verify (the mask on the device, unchecked,
+    as the engine passes it; outputs NaN-prefilled, the cache's spare slots NaN): against the
+    reference, and every node's o_lat and lse the same bits as its autoregressive twin's (a decode
+    batch whose contexts hold each node's ancestors by depth)."""
+    import cupy
+
+    from ddtree_rtc.kernels.mla_attention import mla_attention, mla_attention_plan
+
+    rng = _seeded(f"tree twins {heads} {ctx} {n}")
+    tree, twins, q, cache, _ = _tree_and_twins(rng, ctx, n, heads)
+    slots = cache.shape[0]
+    cache_nan = np.full((slots + 64, ref.ROW), np.nan, np.float32)
+    cache_nan[:slots] = cache
+    cd = cupy.asarray(cache_nan.astype(bfloat16).view(np.uint16).reshape(-1, 1, ref.ROW))
+    qd = cupy.asarray(q.astype(bfloat16).view(np.uint16))
+
+    def run(batch, mask):
+        plan = mla_attention_plan(batch.ctx_lens, batch.num_new, batch.page_table, heads, 1, slots + 64, mask,
+                                  check_mask=False, split="shape")
+        out = cupy.full((n, heads, ref.DV), 0x7FC0, cupy.uint16)
+        lse = cupy.full((n, heads), np.nan, cupy.float32)
+        mla_attention(plan, qd, cd, K26_SCALE, out=out, lse=lse)
+        return out.get(), lse.get()
+
+    o, lse = run(tree, cupy.asarray(tree.tree_mask))
+    o_ar, lse_ar = run(twins, None)
+    o_ref, lse_ref = ref.mla_attention(tree, q.astype(bfloat16), cache.astype(bfloat16).reshape(-1, 1, ref.ROW),
+                                       K26_SCALE)
+    assert_close(o, o_ref, "bf16", "o_lat")
+    assert_close(lse, lse_ref, "fp32", "lse")
+    bad = [i for i in range(n) if not (np.array_equal(o[i], o_ar[i]) and np.array_equal(lse[i], lse_ar[i]))]
+    assert not bad, f"tree nodes {bad[:8]} (of {n}) differ from their autoregressive twins"
