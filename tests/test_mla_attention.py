@@ -11,6 +11,7 @@ from ddtree_rtc.kernels.mla_attention import (
     MIN_SPLIT,
     _pick_variant,
     _smem_bytes,
+    item_keys,
     split_work,
 )
 from ddtree_rtc.reference import mla_attention as ref
@@ -169,15 +170,16 @@ def emulate_kernel(batch, q, cache, scale, bm, bn, num_sms, min_split=MIN_SPLIT)
     lse = np.full(len(qf), np.nan, np.float32)
     o_part = np.full((max(n_part, 1), bm, ref.DV), np.nan, np.float32)
     lse_part = np.full((max(n_part, 1), bm), np.nan, np.float32)
-    for req, m0, mc, kb, ke, part, _, _ in work:
+    for item in work:
+        req, m0, mc, part = (int(v) for v in item[[0, 1, 2, 5]])
         start = int(batch.q_start[req])
-        pos = np.arange(kb, ke)
-        rows = ref.gather_rows(batch, cache, req)[kb:ke].astype(np.float32)
+        _, _, pos = item_keys(batch, item)  # a tree row under split="shape" reads its path
+        rows = ref.gather_rows(batch, cache, req)[pos].astype(np.float32)
         g0 = start * h + m0
         s = qf[g0:g0 + mc] @ rows.T * np.float32(scale)
         vis = ref.visibility(batch, req)[(m0 + np.arange(mc)) // h][:, pos]
         s = np.where(vis, s, -np.inf)
-        m = s.max(-1, keepdims=True)
+        m = s.max(-1, keepdims=True, initial=-np.inf)  # (a tree row's spare pieces have no keys)
         p = np.exp(s - np.where(np.isfinite(m), m, 0))
         l = p.sum(-1, keepdims=True)
         o = np.where(l > 0, p @ rows[:, :ref.DV] / np.where(l > 0, l, 1), 0)

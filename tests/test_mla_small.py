@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from ml_dtypes import bfloat16
 
-from ddtree_rtc.kernels.mla_attention import _VARIANTS, shape_pieces, split_work_by_shape
+from ddtree_rtc.kernels.mla_attention import _VARIANTS, item_keys, shape_pieces, split_work_by_shape
 from ddtree_rtc.reference import mla_attention as ref
 from ddtree_rtc.testing import assert_close, random_bf16
 
@@ -63,6 +63,88 @@ def test_shape_split_gives_a_token_the_same_pieces_in_any_batch(rng, heads, vari
             multi = ref.validate_batch([17, ctx - 5], [3, 9], np.zeros((2, ctx // 16 + 3), np.int32), heads, 16,
                                        1 << 20)
             assert _pieces(multi, v.bm, v.bn, 1000, v.min_split, 1, 5) == want
+
+
+def _tree_and_twins(rng, ctx, n, heads):
+    """One request at context ``ctx`` verifying a random n-node tree (parents before children, long
+    paths likely), on a cache of single-row pages; and the autoregressive twins of its nodes as one
+    decode batch: twin i at context ctx + depth(i), whose positions ctx .. hold node i's ancestors'
+    rows, root first, then its own. Returns (tree batch, twin batch, q, cache [slots, 576] f32, paths)."""
+    parents = np.full(n, -1)
+    for i in range(1, n):
+        parents[i] = i - 1 if rng.random() < 0.5 else int(rng.integers(0, i))
+    paths = []
+    for i in range(n):
+        path = [i]
+        while path[-1] > 0:
+            path.append(int(parents[path[-1]]))
+        paths.append(path[::-1])
+    words = max(1, -(-n // 64))
+    slots = ctx + n
+    tree = ref.validate_batch([ctx], [n], np.arange(slots, dtype=np.int32)[None], heads, 1, slots,
+                              ref.tree_mask_from_parents(parents, words))
+    width = ctx + max(len(p) for p in paths)
+    table = np.zeros((n, width), np.int32)
+    for i, path in enumerate(paths):
+        table[i, :ctx + len(path)] = np.r_[np.arange(ctx), ctx + np.array(path)]
+    twins = ref.validate_batch(ctx + np.array([len(p) - 1 for p in paths]), np.ones(n, np.int64), table, heads, 1,
+                               slots)
+    cache = random_bf16(rng, (slots, ref.ROW)).astype(np.float32)
+    q = random_bf16(rng, (n, heads, ref.ROW), 0.3).astype(np.float32)
+    return tree, twins, q, cache, paths
+
+
+def _identity(batch, item, paths=None):
+    """An item's keys as what they are: ('ctx', position) or ('node', tree node)."""
+    ctx = int(batch.ctx_lens[item[0]])
+    _, _, keys = item_keys(batch, item)
+    if paths is None:  # the tree: cache position ctx + j is node j
+        return [("ctx", int(k)) if k < ctx else ("node", int(k - ctx)) for k in keys]
+    base = ctx - (len(paths[item[0]]) - 1)  # a twin: position base + k is the node at depth k of its path
+    return [("ctx", int(k)) if k < base else ("node", paths[item[0]][k - base]) for k in keys]
+
+
+@pytest.mark.parametrize("heads,variant", [(8, "d16"), (64, "d16"), (8, "small")])
+@pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9), (4090, 33), (1, 17), (700, 64)])
+def test_tree_rows_reduce_what_their_autoregressive_twins_reduce(rng, heads, variant, ctx, n):
+    """split="shape" on a tree verify: each query tile of node i reduces, piece by piece (as the
+    kernel reads the plan: item_keys, the host mirror of path_item / key_position), exactly the keys
+    of its autoregressive twin in the twin's order and cut at the twin's piece boundaries (contexts
+    chosen so the piece size changes between a tree's shallow and deep nodes); its extra pieces are
+    empty and come last, so the merge adds only zeros after the twin's partials."""
+    v = _VARIANTS[variant]
+    tree, twins, _, _, paths = _tree_and_twins(rng, ctx, n, heads)
+    tw, _, tm, _ = split_work_by_shape(tree, v.bm, v.bn, 132, v.min_split)
+    aw, _, am, _ = split_work_by_shape(twins, v.bm, v.bn, 7, v.min_split)
+    for i in range(n):
+        for m0 in range(0, heads, v.bm):
+            mine = tw[tw[:, 1] == i * heads + m0]
+            twin = aw[(aw[:, 0] == i) & (aw[:, 1] == m0)]
+            got = [_identity(tree, it) for it in mine]
+            want = [_identity(twins, it, paths) for it in twin]
+            assert got[:len(want)] == want, f"node {i} (depth {len(paths[i]) - 1}) rows {m0}: other pieces or keys"
+            assert not any(got[len(want):]), f"node {i}: pieces past its twin's are not empty"
+            if len(mine) > 1:  # cut: merged over the pieces in order
+                assert (mine[:, 5] == tm[mine[0, 6], 0] + np.arange(len(mine))).all()
+
+
+@pytest.mark.parametrize("heads,variant", [(8, "d16"), (64, "d16")])
+@pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9)])
+def test_tree_rows_emulated_bitwise_equal_their_twins(rng, monkeypatch, heads, variant, ctx, n):
+    """The kernel's dataflow in fp32 numpy (test_mla_attention.emulate_kernel: per piece a softmax
+    over the keys in the kernel's order, then the merge): a tree row's o_lat and lse the same bits as
+    its autoregressive twin's, and close to the reference."""
+    import test_mla_attention as tma
+
+    monkeypatch.setattr(tma, "split_work", split_work_by_shape)
+    v = _VARIANTS[variant]
+    tree, twins, q, cache, _ = _tree_and_twins(rng, ctx, n, heads)
+    o, lse = tma.emulate_kernel(tree, q, cache, K26_SCALE, v.bm, v.bn, 132, v.min_split)
+    o_ar, lse_ar = tma.emulate_kernel(twins, q, cache, K26_SCALE, v.bm, v.bn, 7, v.min_split)
+    assert np.array_equal(o, o_ar) and np.array_equal(lse, lse_ar)
+    o_ref, lse_ref = ref.attend_f32(tree, q, cache.reshape(-1, 1, ref.ROW), K26_SCALE)
+    assert_close(o, o_ref, "fp32", "o_lat")
+    assert_close(lse, lse_ref, "fp32", "lse")
 
 
 # ---- GPU ----
@@ -215,3 +297,41 @@ def test_qkv_a_vs_twin_and_invariant(q_lora, h, t):
 
     check_rows_invariant(run, lambda rows: ref_qkv(rows, wq, wkv), x, rng, t,
                          [("bf16_accum", "q_a"), ("bf16_accum", "kv_a")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [8, 64])
+@pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9), (3000, 64), (1, 17)])
+def test_tree_rows_equal_their_twins_on_the_gpu(heads, ctx, n):
+    """mla_attention with split="shape" on a random tree verify (the mask on the device, unchecked,
+    as the engine passes it; outputs NaN-prefilled, the cache's spare slots NaN): against the
+    reference, and every node's o_lat and lse the same bits as its autoregressive twin's (a decode
+    batch whose contexts hold each node's ancestors by depth)."""
+    import cupy
+
+    from ddtree_rtc.kernels.mla_attention import mla_attention, mla_attention_plan
+
+    rng = _seeded(f"tree twins {heads} {ctx} {n}")
+    tree, twins, q, cache, _ = _tree_and_twins(rng, ctx, n, heads)
+    slots = cache.shape[0]
+    cache_nan = np.full((slots + 64, ref.ROW), np.nan, np.float32)
+    cache_nan[:slots] = cache
+    cd = cupy.asarray(cache_nan.astype(bfloat16).view(np.uint16).reshape(-1, 1, ref.ROW))
+    qd = cupy.asarray(q.astype(bfloat16).view(np.uint16))
+
+    def run(batch, mask):
+        plan = mla_attention_plan(batch.ctx_lens, batch.num_new, batch.page_table, heads, 1, slots + 64, mask,
+                                  check_mask=False, split="shape")
+        out = cupy.full((n, heads, ref.DV), 0x7FC0, cupy.uint16)
+        lse = cupy.full((n, heads), np.nan, cupy.float32)
+        mla_attention(plan, qd, cd, K26_SCALE, out=out, lse=lse)
+        return out.get(), lse.get()
+
+    o, lse = run(tree, cupy.asarray(tree.tree_mask))
+    o_ar, lse_ar = run(twins, None)
+    o_ref, lse_ref = ref.mla_attention(tree, q.astype(bfloat16), cache.astype(bfloat16).reshape(-1, 1, ref.ROW),
+                                       K26_SCALE)
+    assert_close(o, o_ref, "bf16", "o_lat")
+    assert_close(lse, lse_ref, "fp32", "lse")
+    bad = [i for i in range(n) if not (np.array_equal(o[i], o_ar[i]) and np.array_equal(lse[i], lse_ar[i]))]
+    assert not bad, f"tree nodes {bad[:8]} (of {n}) differ from their autoregressive twins"

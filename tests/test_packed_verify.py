@@ -151,3 +151,18 @@ def test_a_replay_template_holds_any_spread_of_its_rows(rng, heads, bm):
         batch = validate_batch(ctx, rows, np.zeros((b, 1 + int((ctx + rows).max())), np.int32), heads, 1, 1)
         work, *_ = split_work(batch, bm, 64, grid)
         assert len(work) <= -(-total * heads // bm) + b + grid
+
+
+def test_tree_rows_equal_their_autoregressive_twins_on_numpy(tiny, rng):
+    """test_small_m_gpu.tree_verify_vs_twins (the GPU test's tree verify against every node's AR twin,
+    whose context holds the node's ancestors' rows by depth) on the numpy backend: the twins are
+    built right, and a node's logits are its twin's (float64 attention)."""
+    from test_small_m_gpu import tree_verify_vs_twins
+
+    be = tiny.backend
+    for budget, b in ((8, 3), (32, 1)):
+        cache = PagedKVCache(be, tiny.num_layers, (b + b * (budget + 1)) * 8, 16)
+        cache.data[...] = rng.standard_normal(cache.data.shape).astype(cache.data.dtype)
+        runner = ModelRunner(tiny, cache, 120, graphs=False)
+        bad, compared = tree_verify_vs_twins(tiny, cache, runner, budget, b, rng, vocab=500, ctx_lo=20, ctx_hi=80)
+        assert compared > budget and not bad, f"budget {budget}: nodes {bad[:8]} differ from their twins"

@@ -2,9 +2,10 @@
 vocab / 8; random weights made on the GPU): the row-invariant linear against its reference, and
 bitwise row invariance — a row's bits do not depend on the batch it is computed in (M = 1, 7, 33, 64)
 — through the linears, the MoE layer, the whole model's decode forward (eager and the engine's CUDA
-graph), and a causal multi-token verify row against its autoregressive twin."""
+graph), and a verify row (of a causal chain, or of a DDTree tree) against its autoregressive twin."""
 
 import os
+import types
 
 import numpy as np
 import pytest
@@ -210,6 +211,96 @@ def test_engine_chain_verify_equals_ar_through_graphs(model):
             got = model.backend.to_host(runner.decode(ar), bf16=False)
             for r in ids:
                 assert np.array_equal(got[r], rows[r * n + j]), f"b={b} n={n}: request {r} slot {j} differs"
+
+
+def _random_parents(rng, n, max_depth=16):
+    """A random tree of n nodes, parents before children (node 0 the root): each node hangs under
+    its predecessor half the time (long paths), else under a random earlier node, never deeper than
+    ``max_depth``."""
+    parents, depth = np.full(n, -1), np.zeros(n, np.int64)
+    for i in range(1, n):
+        p = i - 1 if rng.random() < 0.5 else int(rng.integers(0, i))
+        while depth[p] >= max_depth:
+            p = int(parents[p])
+        parents[i], depth[i] = p, depth[p] + 1
+    return parents, depth
+
+
+def tree_verify_vs_twins(model, cache, runner, budget, b, rng, vocab=20480, ctx_lo=1000, ctx_hi=4096):
+    """Verify random trees of ``budget`` nodes (plus the root) for b requests through ``runner``
+    (plan_tree, fill_tree, verify; the mask on the device), then decode every node's autoregressive
+    twin (runner.decode, batches of at most 33): the node's token at position ctx + depth over a
+    sequence whose positions ctx .. ctx + depth - 1 hold copies of the node's ancestors' cache rows,
+    root first (as the DDTree commit puts them). With b > 1 request 1's tree is short, so padding
+    rows ride along. ``cache``: room for b + b * (budget + 1) sequences of ctx_hi + budget + 1
+    positions. Returns the (request, node) pairs whose logits differ, and how many were compared."""
+    from ddtree_rtc.model.target import ForwardBatch
+    from ddtree_rtc.reference.mla_attention import tree_mask_from_parents
+    from ddtree_rtc.reference.tree_build import mask_words
+
+    be, xp = model.backend, model.backend.xp
+    n = budget + 1
+    ctx = rng.integers(ctx_lo, ctx_hi, b)
+    alloc = cache.allocator
+    for r in range(b):
+        alloc.reserve(r, int(ctx[r]) + n)
+    words = mask_words(n - 1)
+    trees = [_random_parents(rng, n) for _ in range(b)]
+    num_nodes = np.full(b, n)
+    if b > 1:
+        num_nodes[1] = int(rng.integers(1, n))  # a short tree: its spare slots are padding rows
+    toks = rng.integers(0, vocab, (b, n)).astype(np.int32)
+    tree = types.SimpleNamespace(
+        tokens=xp.asarray(toks), positions=xp.asarray((ctx[:, None] + np.stack([d for _, d in trees])).astype(
+            np.int32)), num_nodes=xp.asarray(num_nodes.astype(np.int32)),
+        mask=xp.asarray(np.stack([tree_mask_from_parents(p, words) for p, _ in trees])))
+    step = runner.plan_tree(list(range(b)), ctx, n)
+    runner.fill_tree(step, tree)
+    rows = be.to_host(runner.verify(step).logits, bf16=False).copy()
+
+    flat = cache.data.reshape(cache.num_layers, -1, cache.row)
+    twins = []
+    for r in range(b):
+        parents, depth = trees[r]
+        for i in range(int(num_nodes[r])):
+            path = [i]
+            while path[-1] > 0:
+                path.append(int(parents[path[-1]]))
+            path = path[::-1][:-1]  # root .. parent of i
+            sid = (r, i)
+            alloc.reserve(sid, int(ctx[r] + depth[i]) + 1)
+            src = np.concatenate([np.arange(ctx[r]), ctx[r] + np.array(path, np.int64)]).astype(np.int64)
+            flat[:, xp.asarray(alloc.slots(sid, np.arange(len(src))))] = flat[:, xp.asarray(alloc.slots(r, src))]
+            twins.append((sid, int(ctx[r] + depth[i]), int(toks[r, i]), r * n + i))
+    bad = []
+    for c in range(0, len(twins), 33):  # decode batches on the small-M path (<= 64 rows)
+        part = twins[c:c + 33]
+        ar = ForwardBatch.causal([t[0] for t in part], np.array([t[1] for t in part]), [[t[2]] for t in part])
+        got = be.to_host(runner.decode(ar), bf16=False)
+        bad += [t[0] for k, t in enumerate(part) if not np.array_equal(got[k], rows[t[3]])]
+    return bad, len(twins)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("budget,b", [(8, 1), (8, 3), (32, 1)])
+def test_engine_tree_verify_equals_ar_through_graphs(model, graphs, budget, b):
+    """Through the engine's model runner, eagerly and with CUDA graphs: a verify of random DDTree
+    trees (budget 8 or 32, contexts 1k-4k) gives each node exactly the logits of its autoregressive
+    twin (tree_verify_vs_twins). Needs the attention to read a tree row's keys in its twin's order
+    (split_work_by_shape, path_item in cuda_src/include/mla_split.cuh)."""
+    from ddtree_rtc.bench.harness import random_bf16_device
+    from ddtree_rtc.engine.kv_cache import PagedKVCache
+    from ddtree_rtc.engine.runner import ModelRunner
+
+    rng = _seeded(f"engine tree verify {budget} {b} graphs={graphs}")
+    page, max_ctx = 64, 4200
+    per = -(-max_ctx // page)
+    cache = PagedKVCache(model.backend, model.num_layers, (b + b * (budget + 1)) * per, page, model.dims.row)
+    cache.data[...] = random_bf16_device(cache.data.shape, scale=1.0, seed=int(rng.integers(1 << 30)))
+    runner = ModelRunner(model, cache, max_ctx, graphs=graphs)
+    bad, compared = tree_verify_vs_twins(model, cache, runner, budget, b, rng)
+    assert not bad, f"{len(bad)} of {compared} tree nodes (request, node) differ from their AR twins: {bad[:8]}"
 
 
 @pytest.mark.gpu

@@ -14,7 +14,9 @@
 // stays busy at any batch size (long tiles are cut across CTAs: split-K). An item that covers only
 // part of its tile's positions writes an fp32 partial normalised by its own sum plus its
 // log2-sum-exp; mla_attention_merge_kernel combines them. The schedule lives in device memory, so a
-// captured graph replays any later plan written into the same buffers.
+// captured graph replays any later plan written into the same buffers. Under the row-invariant
+// schedule (split="shape") a tree verify row's keys are its autoregressive twin's, read along its
+// tree path (path_item in include/mla_split.cuh).
 //
 // Tensor cores: mma.sync m16n8k16, bf16 in, fp32 accumulate. Fragments (g = lane/4, tq = lane%4):
 //   A 16x16 (row-major)  a0 = (g, 2tq..2tq+1)  a1 = (g+8, 2tq..)  a2 = (g, 8+2tq..)  a3 = (g+8, 8+2tq..)
@@ -61,17 +63,20 @@ using CfgSmall = Cfg<32, 16, 4, 1>;  // GPUs with ~100 KB of shared memory per b
 static_assert(CfgM64::SMEM <= 227 * 1024 && CfgM16::SMEM <= 227 * 1024, "over the sm_90/sm_100 opt-in limit");
 static_assert(CfgSmall::SMEM <= 99 * 1024, "over the sm_120 opt-in limit");
 
-// cp.async of BN cache rows at positions [base, base+BN) of one request; rows at or past kv_end are
-// zero-filled: their scores are masked anyway, and zeros keep P·V free of whatever lies there.
+// cp.async of the BN cache rows of an item's keys [base, base+BN) (key_position: on a tree path past
+// ctx, the token's ancestors); keys at or past kv_end are zero-filled: their scores are masked anyway,
+// and zeros keep P·V free of whatever lies there.
 template <class C>
-__device__ __forceinline__ void load_kv_tile(unsigned dst, const bf16* __restrict__ cache,
-                                             const int* __restrict__ pt, int page_size, int base, int kv_end) {
+__device__ __forceinline__ void load_kv_tile(unsigned dst, const bf16* __restrict__ cache, const Item& it,
+                                             int page_size, int base) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int r = warp; r < C::BN; r += C::NW) {
-    const int pos = base + r;
-    const bool ok = pos < kv_end;
+    const bool ok = base + r < it.kv_end;
     const bf16* src = cache;
-    if (ok) src = cache + ((long long)__ldg(pt + pos / page_size) * page_size + pos % page_size) * ROW;
+    if (ok) {
+      const int pos = key_position(it, base + r);
+      src = cache + ((long long)__ldg(it.pt + pos / page_size) * page_size + pos % page_size) * ROW;
+    }
     for (int c = lane; c < ROW_CHUNKS; c += 32) cp_async16(dst + swz<ROW_CHUNKS>(r, c) * 16, src + c * 8, ok);
   }
 }
@@ -100,7 +105,7 @@ __device__ __forceinline__ void attention_body(
 
   const int w_end = cta_work[blockIdx.x + 1];
   for (int w = cta_work[blockIdx.x]; w < w_end; ++w) {
-    const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
+    const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads, mask, mask_words);
 
     // This thread's two S rows: s_row0 + g and s_row0 + g + 8.
     bool row_ok[2];
@@ -122,15 +127,14 @@ __device__ __forceinline__ void attention_body(
       for (int c = lane; c < ROW_CHUNKS; c += 32) cp_async16(q_base + swz<ROW_CHUNKS>(r, c) * 16, src + c * 8, ok);
     }
     const int n_tiles = (it.kv_end - it.kv_begin + C::BN - 1) / C::BN;
-    load_kv_tile<C>(kv_base, cache, it.pt, page_size, it.kv_begin, it.kv_end);
+    load_kv_tile<C>(kv_base, cache, it, page_size, it.kv_begin);
     cp_async_commit();
 
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait_all();
       __syncthreads();  // tile t (and Q) landed for everyone; everyone is done with tile t-1's buffer
       if (t + 1 < n_tiles) {
-        load_kv_tile<C>(kv_base + ((t + 1) & 1) * KV_STAGE, cache, it.pt, page_size, it.kv_begin + (t + 1) * C::BN,
-                        it.kv_end);
+        load_kv_tile<C>(kv_base + ((t + 1) & 1) * KV_STAGE, cache, it, page_size, it.kv_begin + (t + 1) * C::BN);
         cp_async_commit();
       }
       const unsigned kv_t = kv_base + (t & 1) * KV_STAGE;

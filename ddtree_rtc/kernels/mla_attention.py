@@ -155,12 +155,35 @@ def shape_pieces(num_heads: int, bm: int) -> int:
     return max(1, SHAPE_SPLIT_PIECES // _cdiv(num_heads, bm))
 
 
+def shape_piece_rows(kv_len, bn: int, per_min: int, pieces_max: int):
+    """split="shape"'s piece size in rows for keys of length ``kv_len`` (array): a multiple of BN, at
+    least ``per_min`` BN-units, at most ``pieces_max`` pieces (mirrored by path_item in
+    cuda_src/include/mla_split.cuh)."""
+    units = _cdiv(kv_len, bn)
+    return np.maximum(per_min, _cdiv(units, pieces_max)) * bn
+
+
+def path_code(bn: int, per_min: int, pieces_max: int) -> int:
+    """Work word 7 of a tree row under split="shape" (path_item in cuda_src/include/mla_split.cuh):
+    the kernel reads the row's keys along its tree path and cuts them with these constants."""
+    if not (0 < bn < 256 and 0 < per_min < 256 and 0 < pieces_max < 256):
+        raise ValueError(f"path_code: BN {bn}, per_min {per_min}, pieces {pieces_max} must each be in 1..255")
+    return 1 | bn << 1 | per_min << 9 | pieces_max << 17
+
+
 def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_split: int = MIN_SPLIT):
     """The row-invariant schedule, in split_work's format. A query tile holds one token's heads (up
     to BM of them); its positions [0, ctx + j + 1) are cut into pieces of a size fixed by that length
     alone (a multiple of BN, at least ``min_split`` rows, at most ``shape_pieces`` pieces), and the
     pieces are dealt to the CTAs in order. So every row is computed from the same pieces in the same
-    order, merged the same way, whatever the batch around it and whatever the grid."""
+    order, merged the same way, whatever the batch around it and whatever the grid.
+
+    A tree verify (``batch.mask_words`` > 0) reads each row along its tree path instead (work word 7,
+    ``path_code``; path_item in cuda_src/include/mla_split.cuh): token j at depth d reduces the keys
+    of its autoregressive twin, [0, ctx) then its ancestors by depth then itself, ctx + d + 1 of them,
+    cut as that length is. The depth is known only on the device (the mask need not visit the host),
+    so word 3 is the piece index and the tile gets the most pieces any depth 0..j needs (its extra
+    pieces come out empty: weight 0 in the merge); the kernel sets each piece's range."""
     h = batch.num_heads
     tpt = _cdiv(h, bm)
     tokens = batch.total_tokens
@@ -170,23 +193,53 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
     m0 = j * h + i * bm
     m_count = np.minimum(bm, h - i * bm)
     kv_len = batch.ctx_lens[req] + j + 1
-    units = _cdiv(kv_len, bn)
-    per = np.maximum(_cdiv(min_split, bn), _cdiv(units, shape_pieces(h, bm)))
-    pieces = _cdiv(units, per)
+    per_min, pieces_max = _cdiv(min_split, bn), shape_pieces(h, bm)
+    per = shape_piece_rows(kv_len, bn, per_min, pieces_max)
+    pieces = _cdiv(kv_len, per)
+    tree = batch.mask_words > 0
+    if tree and len(req):  # the most pieces over the depths 0..j the row may have
+        d = np.arange(int(j.max()) + 1)
+        lens = batch.ctx_lens[req][:, None] + d[None, :] + 1
+        pieces = np.where(d[None, :] <= j[:, None], _cdiv(lens, shape_piece_rows(lens, bn, per_min, pieces_max)),
+                          0).max(axis=1)
     tile = np.repeat(np.arange(len(req)), pieces)
     k = np.arange(len(tile)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    kv_begin = k * per[tile] * bn
-    kv_end = np.minimum((k + 1) * per[tile] * bn, kv_len[tile])
+    if tree:
+        kv_begin, kv_end = k, np.zeros_like(k)
+    else:
+        kv_begin = k * per[tile]
+        kv_end = np.minimum((k + 1) * per[tile], kv_len[tile])
     cut = pieces > 1
     p_first = np.cumsum(np.where(cut, pieces, 0)) - np.where(cut, pieces, 0)
     work = np.zeros((len(tile), _WORK_INTS), dtype=np.int32)
     work[:, 0], work[:, 1], work[:, 2] = req[tile], m0[tile], m_count[tile]
     work[:, 3], work[:, 4], work[:, 5] = kv_begin, kv_end, np.where(cut[tile], p_first[tile] + k, -1)
     work[:, 6] = np.where(cut[tile], (np.cumsum(cut) - 1)[tile], -1)
+    if tree:
+        work[:, 7] = path_code(bn, per_min, pieces_max)
     cta_work = (np.arange(num_ctas + 1, dtype=np.int64) * len(tile) // num_ctas).astype(np.int32)
     t = np.flatnonzero(cut)
     merge = np.stack([p_first[t], pieces[t], batch.q_start[req[t]] * h + m0[t], m_count[t]], axis=1)
     return work, cta_work, merge.astype(np.int32).reshape(-1, _MERGE_INTS), int(pieces[cut].sum())
+
+
+def item_keys(batch: MLABatch, item) -> tuple[int, int, np.ndarray]:
+    """What the kernel makes of work item ``item`` (a row of the plan's work): its key range
+    [kv_begin, kv_end) and the cache positions of those keys, in order. Host mirror of load_item /
+    path_item / key_position (cuda_src/include/mla_split.cuh); a tree row needs the host mask."""
+    req, m0, kb, ke, code = int(item[0]), int(item[1]), int(item[3]), int(item[4]), int(item[7])
+    ctx = int(batch.ctx_lens[req])
+    if not code:
+        return kb, ke, np.arange(kb, ke)
+    if batch.tree_mask is None:
+        raise ValueError("item_keys: a tree-path item needs the batch's host tree_mask")
+    bn, per_min, pieces_max = (code >> 1) & 0xFF, (code >> 9) & 0xFF, (code >> 17) & 0xFF
+    row = batch.q_start[req] + m0 // batch.num_heads
+    nodes = np.flatnonzero(np.unpackbits(batch.tree_mask[row:row + 1].view(np.uint8), bitorder="little"))
+    length = ctx + len(nodes)  # ctx + depth + 1: the row's own node is its last visible one
+    per = int(shape_piece_rows(np.int64(length), bn, per_min, pieces_max))
+    begin, end = min(kb * per, length), min((kb + 1) * per, length)
+    return begin, end, np.concatenate([np.arange(0, ctx), ctx + nodes])[begin:end]
 
 
 @dataclass
@@ -297,6 +350,9 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
         raise RuntimeError(f"tile variant {variant} needs {_smem_bytes(variant)} bytes of shared memory; "
                            f"this GPU allows {smem_limit}")
     v = _VARIANTS[variant]
+    if split == "shape" and batch.mask_words and v.wgmma:
+        raise ValueError(f"tile variant {variant} does not read tree rows along their paths (split='shape' with a "
+                         "tree mask): use d16 or small")
     bm, bn, nw = v.bm, v.bn, v.warps
     allow_dynamic_smem(module("mla_attention").fn(_kernel_name(variant)), _smem_bytes(variant))
     grid = into.grid if into is not None else (num_sms or sms)

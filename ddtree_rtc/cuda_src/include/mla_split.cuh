@@ -12,7 +12,7 @@ constexpr int ROW = 576;         // query / cache row: [c 512 | k_pe 64]
 constexpr int DV = 512;          // latent value width
 constexpr int ROW_CHUNKS = 72;   // 16-byte chunks per row
 constexpr int KSTEPS = ROW / 16; // k16 steps of Q·K^T
-constexpr int WORK_INTS = 8;     // work item: req, m0, m_count, kv_begin, kv_end, partial, merge item, -
+constexpr int WORK_INTS = 8;     // work item: req, m0, m_count, kv_begin, kv_end, partial, merge item, path code
 constexpr int REQ_INTS = 4;      // request: ctx, n_new, q_start, -
 constexpr int MERGE_INTS = 4;    // merge item: first partial, splits, first flattened row, rows
 constexpr float LN2 = 0.69314718055994531f;
@@ -42,10 +42,39 @@ struct Item {
   int req, m0, m_count, kv_begin, kv_end, part, group, ctx, q_start;  // group: merge item of a partial
   const int* pt;     // the request's page-table row
   long long row_g0;  // first flattened query row
+  // A tree row read along its path (work word 7, below): its token's mask row, else null.
+  const unsigned long long* path;
 };
 
+// Work word 7 of a tree verify row under the row-invariant schedule (split="shape",
+// kernels/mla_attention.py path_code): 1 | BN << 1 | fewest BN-units per piece << 9 | most pieces
+// << 17; 0 otherwise. Such an item holds one token (depth d: d ancestors, root included, before it)
+// and reduces exactly what its autoregressive twin (the same token decoded at cache position ctx + d)
+// reduces: key i < ctx is cache position i, key ctx + i the token's ancestor at depth i (its i-th
+// visible tree node, parents preceding children), key ctx + d the token itself; the keys' length
+// ctx + d + 1 sets the pieces as for the twin, and word 3 is the piece index (the host plans the most
+// pieces any depth the row may have needs; the ones past this row's length are empty). So the tiles,
+// their keys' order, the softmax's rescale points and the merge are the twin's, whatever nodes the
+// tree puts beside the path.
+__device__ __forceinline__ void path_item(Item& it, int code, const unsigned long long* __restrict__ mask,
+                                          int mask_words, int num_heads) {
+  const unsigned long long* row = mask + (long long)(it.q_start + it.m0 / num_heads) * mask_words;
+  int seen = 0;
+  for (int w = 0; w < mask_words; ++w) seen += __popcll(__ldg(row + w));
+  const int len = it.ctx + seen;  // ctx + depth + 1
+  const int bn = (code >> 1) & 0xFF, per_min = (code >> 9) & 0xFF, pieces = (code >> 17) & 0xFF;
+  const int units = (len + bn - 1) / bn;
+  const int per = max(per_min, (units + pieces - 1) / pieces) * bn;
+  const int k = it.kv_begin;
+  it.kv_begin = min(k * per, len);
+  it.kv_end = min((k + 1) * per, len);
+  it.path = row;
+}
+
 __device__ __forceinline__ Item load_item(const int* __restrict__ work, int w, const int* __restrict__ req_info,
-                                          const int* __restrict__ page_table, int pt_stride, int num_heads) {
+                                          const int* __restrict__ page_table, int pt_stride, int num_heads,
+                                          const unsigned long long* __restrict__ mask = nullptr,
+                                          int mask_words = 0) {
   const int* item = work + (long long)w * WORK_INTS;
   Item it;
   it.req = item[0], it.m0 = item[1], it.m_count = item[2], it.kv_begin = item[3], it.kv_end = item[4];
@@ -53,7 +82,25 @@ __device__ __forceinline__ Item load_item(const int* __restrict__ work, int w, c
   it.ctx = req_info[it.req * REQ_INTS + 0], it.q_start = req_info[it.req * REQ_INTS + 2];
   it.pt = page_table + (long long)it.req * pt_stride;
   it.row_g0 = (long long)it.q_start * num_heads + it.m0;
+  it.path = nullptr;
+  if (item[7] != 0 && mask) path_item(it, item[7], mask, mask_words, num_heads);
   return it;
+}
+
+// The cache position of key `pos` of an item: itself, or on a tree path (path_item) past ctx the
+// token's (pos - ctx)-th visible tree node.
+__device__ __forceinline__ int key_position(const Item& it, int pos) {
+  if (!it.path || pos < it.ctx) return pos;
+  int i = pos - it.ctx;
+  for (int w = 0;; ++w) {
+    unsigned long long bits = __ldg(it.path + w);
+    const int n = __popcll(bits);
+    if (i < n) {
+      for (; i > 0; --i) bits &= bits - 1;
+      return it.ctx + 64 * w + __ffsll((long long)bits) - 1;
+    }
+    i -= n;
+  }
 }
 
 // The two query rows r and r + 8 of an item that a thread's mma fragments cover: inside the item,
@@ -68,12 +115,13 @@ __device__ __forceinline__ void item_rows(const Item& it, int r, int num_heads, 
 
 // May a query row (token tok of its request; row_ok: a real row of the item) see cache position
 // pos? Committed rows before kv_end always; new row j = pos - ctx when bit j of the token's mask row
-// is set (tree verify) or j <= tok (causal).
+// is set (tree verify) or j <= tok (causal); on a tree path (path_item) every key before kv_end.
 __device__ __forceinline__ bool visible(int pos, const Item& it, bool row_ok, int tok,
                                         const unsigned long long* __restrict__ mask, int mask_words) {
   if (pos >= it.kv_end) return false;
   if (pos < it.ctx) return true;
   if (!row_ok) return false;
+  if (it.path) return true;
   const int j = pos - it.ctx;
   if (!mask) return j <= tok;
   const unsigned long long word = __ldg(mask + (long long)(it.q_start + tok) * mask_words + (j >> 6));
@@ -112,11 +160,12 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // Cache slot of row warp + NW*lane of the stage at `base`; -1 past kv_end and on spare lanes.
 template <class C>
-__device__ __forceinline__ int stage_slot(const int* __restrict__ pt, int page_size, int base, int kv_end) {
+__device__ __forceinline__ int stage_slot(const Item& it, int page_size, int base) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int pos = base + warp + C::NW * lane;
-  if (lane >= C::ROWS_PER_WARP || pos >= kv_end) return -1;
-  return __ldg(pt + pos / page_size) * page_size + pos % page_size;
+  const int key = base + warp + C::NW * lane;
+  if (lane >= C::ROWS_PER_WARP || key >= it.kv_end) return -1;
+  const int pos = key_position(it, key);
+  return __ldg(it.pt + pos / page_size) * page_size + pos % page_size;
 }
 
 // cp.async of one stage; row warp + NW*i comes from the slot lane i looked up (-1: zero-filled).
@@ -157,7 +206,7 @@ __device__ __forceinline__ void split_body(
 
   const int w_end = cta_work[cta + 1];
   for (int w = cta_work[cta]; w < w_end; ++w) {
-    const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads);
+    const Item it = load_item(work, w, req_info, page_table, pt_stride, num_heads, mask, mask_words);
 
     // This thread's two query rows: g and g + 8.
     bool row_ok[2];
@@ -183,13 +232,13 @@ __device__ __forceinline__ void split_body(
     int slots[C::STAGES - 1];  // all lookups first: their latencies overlap
 #pragma unroll
     for (int st = 0; st < C::STAGES - 1; ++st)
-      slots[st] = stage_slot<C>(it.pt, page_size, it.kv_begin + st * C::BN, it.kv_end);
+      slots[st] = stage_slot<C>(it, page_size, it.kv_begin + st * C::BN);
 #pragma unroll
     for (int st = 0; st < C::STAGES - 1; ++st) {
       copy_stage<C>(kv_base + st * KV_STAGE, cache, slots[st], st < n_tiles);
       cp_async_commit();
     }
-    int next_slot = stage_slot<C>(it.pt, page_size, it.kv_begin + (C::STAGES - 1) * C::BN, it.kv_end);
+    int next_slot = stage_slot<C>(it, page_size, it.kv_begin + (C::STAGES - 1) * C::BN);
 
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait<C::STAGES - 2>();  // groups 0..t are complete: stage t (and Q) landed
@@ -197,7 +246,7 @@ __device__ __forceinline__ void split_body(
       copy_stage<C>(kv_base + ((t + C::STAGES - 1) % C::STAGES) * KV_STAGE, cache, next_slot,
                     t + C::STAGES - 1 < n_tiles);
       cp_async_commit();
-      next_slot = stage_slot<C>(it.pt, page_size, it.kv_begin + (t + C::STAGES) * C::BN, it.kv_end);
+      next_slot = stage_slot<C>(it, page_size, it.kv_begin + (t + C::STAGES) * C::BN);
       const unsigned kv_t = kv_base + (t % C::STAGES) * KV_STAGE;
       const int base = it.kv_begin + t * C::BN;
 
