@@ -63,6 +63,24 @@ def test_memory_plan_names_bytes_and_drops_layers():
         node.plan_memory(cfg, shard, args, 40 << 30)
 
 
+@pytest.mark.parametrize("argv", [["--quick", "--small-m", "on,off"], []])
+@pytest.mark.parametrize("ep", [False, True])
+def test_memory_plan_on_an_h100_and_an_h200(argv, ep):
+    """auto on the H100 of the first GPU run (82.3 GB free; 58 layers of TP8 ran out of memory while
+    making the weights, 40 ran): fewer than 58 layers, the plan's every part inside the free bytes;
+    on an H200 (141 GB, ~138 free) all 61 layers, for either layout and either case set."""
+    cfg, args = preset_config("k2.6"), node.parse_args(argv)
+    shard = Shard(0, 8, ep)
+    n, fig = node.plan_memory(cfg, shard, args, int(82.3e9))
+    assert 40 <= n < 58 and fig["needed_bytes"] <= 82.3e9
+    assert fig["needed_bytes"] >= fig["weights_bytes"] + fig["load_transient_bytes"] + fig["margin_bytes"]
+    assert fig["needed_bytes"] >= (fig["weights_bytes"] + fig["drafter_bytes"] + fig["kv_bytes_largest_case"]
+                                   + fig["run_bytes"] + fig["ep_other_rank_bytes"] + fig["margin_bytes"])
+    assert (fig["ep_other_rank_bytes"] > 0) == ep
+    n, fig = node.plan_memory(cfg, shard, args, int(138e9))
+    assert n == node.FULL_LAYERS and fig["needed_bytes"] <= 138e9
+
+
 def _fake_decode_case(model, batch, ctx, iters, gate, weight_bytes):
     rows = []
     for i in range(model.num_layers):
@@ -130,6 +148,36 @@ def test_layout_glue_on_numpy(fake_gpu, layout, small_m, path):
     assert chain["published"]["GSM8K"]["tok_s_per_user"] == pytest.approx(1e6 * 5.3 / chain["round_total_us"])
     doc = node.summary_doc([lay], args)
     json.dumps(doc, default=node._json_default)
+
+
+def test_layouts_give_back_their_model(fake_gpu, monkeypatch):
+    """Each layout drops everything it made before the next is planned: its model (held in reference
+    cycles by runners and graphs on the GPU) is collected by the time run_layout returns, and the
+    next layout plans its layers on the free memory measured then."""
+    import weakref
+
+    made, planned = [], []
+    dummy, plan = TargetModel.dummy.__func__, node.plan_memory
+
+    def record_dummy(cls, *a, **k):
+        model = dummy(cls, *a, **k)
+        model.cycle = model  # as a runner or graph referring back to its model does
+        made.append(weakref.ref(model))
+        return model
+
+    def record_plan(cfg, shard, args, free):
+        planned.append([ref() is None for ref in made])
+        return plan(cfg, shard, args, free)
+
+    monkeypatch.setattr(TargetModel, "dummy", classmethod(record_dummy))
+    monkeypatch.setattr(node, "plan_memory", record_plan)
+    args = node.parse_args(["--world", "4", "--batches", "1", "--contexts", "8", "--budgets", "", "--no-chain",
+                            "--layers", "2", "--no-drafter", "--no-components", "--iters", "1"])
+    for layout in ("tp", "ep"):
+        _, lay = node.run_layout(layout, args, None, lambda msg: None, be=Backend("numpy"), preset="tiny")
+        assert made[-1]() is None, f"the {layout} layout's model is still alive"
+        assert {"free_after_weights_bytes", "case_pool_peak_bytes", "free_after_release_bytes"} <= set(lay["memory"])
+    assert planned == [[], [True]]
 
 
 def test_drafter_shard_floor(monkeypatch):

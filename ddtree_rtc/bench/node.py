@@ -35,8 +35,11 @@ Per layout, context and batch (--batches, --contexts):
     collective count), both parts printed, for each latency of --collective-us (cited figures by
     default, COLLECTIVE_US_CITED; or pass a measured one).
 
-If the rank does not fit the GPU (a TP8 rank of K2.6 is ~75 GB of weights), ``--layers auto`` (the
-default) keeps the most layers that fit with the largest case's KV cache and says so; every
+If the rank does not fit the GPU (a TP8 rank of K2.6 is ~78 GB of weights), ``--layers auto`` (the
+default) keeps, per layout, the most layers that fit the free memory at both peaks (making the
+weights; running the largest case: drafter, KV, graphs and buffers; see plan_memory) and says so.
+Each case's caches and graphs, then each layout's model, are given back before the next (free_blocks;
+the JSON's memory figures show the plan beside what was held); every
 per-step figure is then also given scaled to 61 layers: + (61 - L) x the mean MoE layer (attention
 + MLP blocks of the measured MoE layers).
 
@@ -47,7 +50,9 @@ and a ``summary`` (see ``summary_doc``) that ``projection`` reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -85,7 +90,20 @@ SMALL_M_APPLY: dict[str, typing.Callable] = {
     "off": lambda model: setattr(model, "small_m_path", False),
 }
 PAGE = 64
-MARGIN_BYTES = 4 << 30  # load transients (a layer made + repacked), logits, graph pools, slack
+# The memory plan (plan_memory). What one case's run holds beyond the weights and its KV cache
+# (graphs' pools, activations, logits, component / EP inputs), per decoder layer: measured on the
+# H100 at d62ed90, where `--quick --layers 40 --small-m off` left 62.8 GB held after its tp layout
+# (nothing released then) against 51.8 GB of weights and the 1.4 GB drafter: 9.6 GB for 2 cases of
+# 4 graphs each, over 40 layers. Each case's are released now before the next, so this bounds one case.
+RUN_BYTES_PER_LAYER = int(9.6e9 / 40)
+RUN_ROWS_MEASURED = 10 * 33  # that run's largest verify: batch 10 x (budget 32 + 1) rows
+LOGIT_ROW_BYTES = 12  # per vocabulary entry of a logits row: the bf16 gather, its transpose, fp32 copies
+DRAFTER_BYTES = 1536 << 20  # the K2.6 DFlash drafter's TP8 shard: 6 layers + fc, 1.41 GB
+# a layer's make beyond the layer itself: the repack's groups (stack, contiguous copy, nibble
+# permutation, words, blocks of a 256 MB group) and the generator's uint64 hash steps (128 MB each)
+REPACK_TRANSIENT_BYTES = 5 * (256 << 20) + 3 * (128 << 20)
+RELEASE_SLACK_BYTES = 256 << 20  # a layout's release may keep this much (modules loaded, cuBLAS-free handles)
+MARGIN_BYTES = 1 << 30  # the CUDA context's growth (kernel modules loaded while running), allocator rounding
 
 
 def small_m_choices() -> tuple[str, ...]:
@@ -193,39 +211,58 @@ def kv_bytes(layers: int, batch: int, rows: int, row: int) -> int:
 
 
 def plan_memory(cfg, shard, args, free: int) -> tuple[int, dict]:
-    """(layers, figures): the most layers <= 61 (or --layers) whose weights, the largest case's KV
-    cache and MARGIN_BYTES fit ``free`` bytes; raises SystemExit naming the bytes when even the
-    asked number (or one layer) does not fit."""
+    """(layers, figures): the most layers <= 61 (or --layers) that fit ``free`` bytes at both peaks,
+    plus MARGIN_BYTES; raises SystemExit naming the bytes when even the asked number (or one layer)
+    does not fit.
+      * making the weights: the layers made so far + one MoE layer's compressed experts and its
+        repack's temporaries (the weights are made outside CuPy's pool, see ``unpooled``: a freed
+        temporary goes back to the driver at once and no weight pins a cached block);
+      * running a case: the weights, the drafter, the largest case's KV cache and what a case holds
+        besides (RUN_BYTES_PER_LAYER per layer, + logits rows beyond the measured largest verify);
+        under EP also one other rank's MoE layer and its make (ep_rank_rows)."""
     from ..model.dummy import shard_nbytes
 
     most_nodes = 1 + max((*args.budgets, 7 if args.chain else 0))
     rows = max(args.contexts) + most_nodes
     row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    drafter = (1536 << 20) if args.drafter else 0  # its TP8 shard: 6 layers + fc, 1.41 GB
+    drafter = DRAFTER_BYTES if args.drafter else 0
+    logit_rows = max(args.batches) * (most_nodes if args.budgets or args.chain else 1)
 
     w1 = shard_nbytes(cfg.with_layers(1), shard)
     per_layer = shard_nbytes(cfg.with_layers(2), shard) - w1  # every layer after the dense first one is MoE
+    load_transient = per_layer + REPACK_TRANSIENT_BYTES
+    ep_extra = per_layer + load_transient if shard.expert_parallel else 0
 
     def weights(n: int) -> int:
         return w1 + (n - 1) * per_layer
 
+    def kv(n: int) -> int:
+        return kv_bytes(n, max(args.batches), rows, row)
+
+    def run(n: int) -> int:
+        return n * RUN_BYTES_PER_LAYER + max(0, logit_rows - RUN_ROWS_MEASURED) * cfg.vocab_size * LOGIT_ROW_BYTES
+
     def need(n: int) -> int:
-        return weights(n) + kv_bytes(n, max(args.batches), rows, row) + drafter + MARGIN_BYTES
+        return max(weights(n) + load_transient, weights(n) + drafter + kv(n) + run(n) + ep_extra) + MARGIN_BYTES
 
     want = FULL_LAYERS if args.layers == "auto" else args.layers
     n = want
     if args.layers == "auto":
         while n > 1 and need(n) > free:
             n -= 1
-    figures = {"free_bytes": free, "weights_bytes": weights(n),
-               "kv_bytes_largest_case": kv_bytes(n, max(args.batches), rows, row), "margin_bytes": MARGIN_BYTES,
-               "needed_bytes": need(n), "full_depth_weights_bytes": weights(FULL_LAYERS)}
+    figures = {"free_bytes": free, "weights_bytes": weights(n), "kv_bytes_largest_case": kv(n),
+               "load_transient_bytes": load_transient, "run_bytes": run(n), "drafter_bytes": drafter,
+               "ep_other_rank_bytes": ep_extra, "margin_bytes": MARGIN_BYTES, "needed_bytes": need(n),
+               "full_depth_weights_bytes": weights(FULL_LAYERS)}
     if need(n) > free:
         kind = "EP" if shard.expert_parallel else "TP"
-        raise SystemExit(f"bench node: {n} layers of a {kind}{shard.world} rank need {need(n) / 1e9:.1f} GB (weights "
-                         f"{figures['weights_bytes'] / 1e9:.1f}, KV of the largest case "
-                         f"{figures['kv_bytes_largest_case'] / 1e9:.1f}, margin {MARGIN_BYTES / 1e9:.1f}) but the "
-                         f"GPU has {free / 1e9:.1f} GB free: pass fewer --layers, smaller --batches / --contexts")
+        raise SystemExit(
+            f"bench node: {n} layers of a {kind}{shard.world} rank need {need(n) / 1e9:.1f} GB (weights "
+            f"{figures['weights_bytes'] / 1e9:.1f}, then making a layer {load_transient / 1e9:.1f} or running a case: "
+            f"drafter {drafter / 1e9:.1f}, KV of the largest case {kv(n) / 1e9:.1f}, its graphs and buffers "
+            f"{run(n) / 1e9:.1f}" + (f", another EP rank's layer {ep_extra / 1e9:.1f}" if ep_extra else "")
+            + f"; margin {MARGIN_BYTES / 1e9:.1f}) but the GPU has {free / 1e9:.1f} GB free: pass fewer --layers, "
+            f"smaller --batches / --contexts")
     return n, figures
 
 
@@ -416,8 +453,12 @@ def ep_rank_rows(model, batch: int, ctx: int, node_counts: list[int], iters: int
     src = DummySource(cfg, seed, "random", be.xp)
     rows, world = [], model.shard.world
     for r in range(world):
-        lw = lw0 if r == model.shard.rank else load_moe_layer(
-            src, layer, rc, cfg.hidden_size, cfg.moe_intermediate_size, be, shard=Shard(r, world, True))
+        if r == model.shard.rank:
+            lw = lw0
+        else:
+            with unpooled(be):
+                lw = load_moe_layer(src, layer, rc, cfg.hidden_size, cfg.moe_intermediate_size, be,
+                                    shard=Shard(r, world, True))
         for nodes, (x, ids, w, host_ids, out) in routed.items():
             t = batch * nodes
             small = model.small_m(t)  # the model's path for T rows (model/moe.py)
@@ -452,19 +493,41 @@ def ep_rank_rows(model, batch: int, ctx: int, node_counts: list[int], iters: int
 
 # -- the run ----------------------------------------------------------------------------------------
 def free_blocks(be) -> None:
-    """Give CuPy's cached blocks back (a case's caches and graphs), so the next case has the room."""
+    """Give back what a case or a layout made: reference cycles collected first (a model, its runners,
+    graphs and caches refer to each other, so dropping the last name frees nothing until the
+    collector runs), then CuPy's cached device blocks and pinned host blocks."""
+    gc.collect()
     if be.is_cuda:
         be.xp.get_default_memory_pool().free_all_blocks()
+        be.xp.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def free_bytes(be) -> int:
-    """Device memory free now (numpy: the host's available memory)."""
+    """Device memory free now, after free_blocks (numpy: the host's available memory)."""
+    free_blocks(be)
     if be.is_cuda:
-        free_blocks(be)
         return int(be.xp.cuda.runtime.memGetInfo()[0])
     import os
 
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pool_bytes(be) -> int:
+    """Bytes CuPy's device pool holds now, in use or cached (0 on numpy)."""
+    return int(be.xp.get_default_memory_pool().total_bytes()) if be.is_cuda else 0
+
+
+@contextlib.contextmanager
+def unpooled(be):
+    """Allocations inside go straight to cudaMalloc / cudaFree, past CuPy's pool (numpy: nothing to
+    do). For making weights: a temporary freed goes back to the driver at once, and a weight never
+    takes part of a cached temporary's block (which would pin the rest of it: the pool cannot give
+    back a block that is partly in use). The weights then stay outside the pool until dropped."""
+    if not be.is_cuda:
+        yield
+        return
+    with be.xp.cuda.using_allocator(None):
+        yield
 
 
 def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> tuple[list[Row], dict]:
@@ -504,12 +567,25 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
             bar.update(n - last[0])
             last[0] = n
 
-        model = TargetModel.dummy(cfg, be, seed=args.seed, head="random", progress=progress, shard=shard, comm=comm)
+        with unpooled(be):
+            model = TargetModel.dummy(cfg, be, seed=args.seed, head="random", progress=progress, shard=shard,
+                                      comm=comm)
     be.synchronize()
     make_s = time.perf_counter() - t0
-    log(f"[{layout}] made {model.weight_nbytes() / 1e9:.1f} GB of weights in {make_s:.0f} s")
+    with unpooled(be):
+        drafter = random_drafter(seed=args.seed, target=model) if args.drafter else None
+    memory["free_after_weights_bytes"] = free_bytes(be)
+    log(f"[{layout}] made {model.weight_nbytes() / 1e9:.1f} GB of weights in {make_s:.0f} s; GPU free "
+        f"{memory['free_after_weights_bytes'] / 1e9:.1f} GB with the drafter")
     weight_bytes = decode.layer_weight_bytes(model)
-    drafter = random_drafter(seed=args.seed, target=model) if args.drafter else None
+    case_pool = [0]
+
+    def case_done():
+        """After each timed piece: the pool's high-water mark noted (the plan's run_bytes, measured),
+        then the piece's caches and graphs given back."""
+        case_pool[0] = max(case_pool[0], pool_bytes(be))
+        free_blocks(be)
+
     oracle = OracleDrafter(be, cfg.vocab_size, DEPTH, lambda rid, prompt: [0] * (DEPTH + 1), accept_p=args.accept_p)
     ns = argparse.Namespace(context=0, accept_p=args.accept_p, iters=args.iters)
     rep_layer = 1 if n_layers > 1 else 0  # the first MoE layer stands for every MoE layer's pieces
@@ -522,7 +598,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                 tag = f"{layout} sm-{small_m} b{b} ctx{ctx // 1024}k"
                 case_rows = []
                 ar = decode.bench_case(model, b, ctx, args.iters, gate, weight_bytes)
-                free_blocks(be)
+                case_done()
                 case_rows += [dataclasses.replace(r, case=f"{layout} sm-{small_m} AR {r.case}",
                                                   extra={**r.extra, "layout": layout, "small_m": small_m})
                               for r in ar]
@@ -533,7 +609,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     case_rows += comp
                     case["ar"]["components"] = {r.extra["component"]: {"us": r.us, "floor_us": r.extra["floor_us"]}
                                                 for r in comp}
-                    free_blocks(be)
+                    case_done()
                 shapes = [(bg, False) for bg in args.budgets] + ([(DEPTH, True)] if args.chain else [])
                 ep_by_nodes = {}
                 if layout == "ep":
@@ -542,7 +618,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     case_rows += ep
                     ep_by_nodes = {n: ep_summary([r for r in ep if r.extra["nodes"] == n], args.rank) for n in counts}
                     case["ar"]["ep_ranks"] = ep_by_nodes[1]
-                    free_blocks(be)
+                    case_done()
                 case["ar"]["collectives"] = count_collectives(model, b, 1, last_only=True)
                 if drafter is not None:
                     d = [drafter_shard_row(r, drafter, b, ctx, args.world)
@@ -552,11 +628,11 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     case["drafter_us"] = d[0].us
                     case["drafter_floor_us"] = d[0].extra["floor_us"]
                     case["drafter_collectives"] = count_drafter_collectives(drafter, b)
-                    free_blocks(be)
+                    case_done()
                 for budget, chain in shapes:
                     tau = oracle.expected_tau(budget, chain=chain)
                     rr = round_bench.bench_case(model, b, budget, ns, gate, weight_bytes, ProfileTau(tau), chain=chain)
-                    free_blocks(be)
+                    case_done()
                     case_rows += [dataclasses.replace(r, case=f"{layout} sm-{small_m} {r.case}",
                                                       extra={**r.extra, "layout": layout, "small_m": small_m})
                                   for r in rr]
@@ -574,11 +650,18 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                 rows += case_rows
                 log(f"  {tag}: AR step {case['ar']['step_us']:.0f} µs ({case['ar']['collectives']['calls']} "
                     f"collectives); {time.perf_counter() - t0:.0f} s into this layout")
-    del drafter, model
-    free_blocks(be)
+    memory["case_pool_peak_bytes"] = case_pool[0]
+    numerics = comm.note()
+    del drafter, model, oracle, weight_bytes, comm
+    memory["free_after_release_bytes"] = free_bytes(be)
+    kept = free - memory["free_after_release_bytes"]
+    log(f"[{layout}] released: GPU free {memory['free_after_release_bytes'] / 1e9:.1f} GB (was {free / 1e9:.1f}); "
+        f"the largest case held {case_pool[0] / 1e9:.1f} GB in CuPy's pool (planned "
+        f"{memory['run_bytes'] / 1e9:.1f} GB + KV {memory['kv_bytes_largest_case'] / 1e9:.1f})"
+        + (f"; {kept / 1e9:.1f} GB NOT given back" if be.is_cuda and kept > RELEASE_SLACK_BYTES else ""))
     return rows, {"layout": layout, "expert_parallel": LAYOUTS[layout], "rank": args.rank, "world": args.world,
                   "preset": preset, "layers": n_layers, "scaled_to_full_depth": scaled, "memory": memory,
-                  "cases": cases, "numerics": comm.note(), "collective_stand_in_hold_us": args.hold_us,
+                  "cases": cases, "numerics": numerics, "collective_stand_in_hold_us": args.hold_us,
                   "make_weights_s": make_s,
                   "layout_s": time.perf_counter() - t0}
 
@@ -704,8 +787,11 @@ def summary_doc(layouts: list[dict], args) -> dict:
       layouts: one per --layouts entry:
         layout, expert_parallel, rank, world, preset (k2.6; tests run smaller ones), layers (made),
         scaled_to_full_depth, numerics (the simulated-rank note), collective_stand_in_hold_us,
-        memory {free_bytes, weights_bytes, kv_bytes_largest_case, margin_bytes, needed_bytes,
-                full_depth_weights_bytes},
+        memory {free_bytes, weights_bytes, kv_bytes_largest_case, load_transient_bytes, run_bytes,
+                drafter_bytes, ep_other_rank_bytes, margin_bytes, needed_bytes, full_depth_weights_bytes
+                (plan_memory's plan), free_after_weights_bytes (the weights and drafter made),
+                case_pool_peak_bytes (the most CuPy's pool held after one timed piece: run_bytes + KV,
+                measured), free_after_release_bytes (the layout given back)},
         cases: one per (small_m, ctx, batch):
           layout, small_m, batch, ctx, layers,
           ar: step_us (CUDA graph, this rank, ``layers`` layers), step_us_61, rank_us (step_us_61 +
