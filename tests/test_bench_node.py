@@ -193,3 +193,88 @@ def test_drafter_shard_floor(monkeypatch):
     # the shard's weights are an eighth; the embedding rows and the gathered logits are whole
     assert whole / 8 < row.bytes < whole / 4
     assert row.extra["floor_us"] == pytest.approx(row.bytes / 1000.0 / 1e3)
+
+
+class _Stream:
+    """A fake GPU stream behind bench decode's gate: launches enqueued while the gate holds run back to
+    back (1 ms a stage); once ``capacity`` launches are pending the host would block, so the gate times
+    out and what follows runs at the host's launch rate (5 ms a stage)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.clock, self.gate, self.held, self.count, self.passed = capacity, 0.0, 0, False, 0, {}
+
+    def launch(self, n: int = 1) -> bool:
+        for _ in range(n):
+            if self.held:
+                self.count += 1
+                if self.count > self.capacity:
+                    self.held, self.passed[self.gate] = False, True
+        return self.held
+
+    def synchronize(self):
+        pass
+
+
+def _fake_cupy(stream):
+    from types import SimpleNamespace
+
+    class Event:
+        def record(self, _stream):
+            stream.launch()
+            self.t, self.gate = stream.clock, stream.gate
+
+        def query(self):
+            return stream.passed.get(self.gate, False)
+
+        def synchronize(self):
+            pass
+
+    cuda = SimpleNamespace(Event=Event, get_current_stream=lambda: stream,
+                           get_elapsed_time=lambda a, b: b.t - a.t)
+    return SimpleNamespace(cuda=cuda)
+
+
+class _Gate:
+    def __init__(self, stream):
+        self.stream = stream
+
+    def close(self):
+        s = self.stream
+        s.gate, s.held, s.count = s.gate + 1, True, 0
+        s.passed[s.gate] = False
+
+    def open(self):
+        self.stream.held = False
+
+
+class _Model:
+    def __init__(self, stream, stages: int, launches: int):
+        self.stream, self.stages, self.launches = stream, stages, launches
+
+    def run(self, inputs, cache, output, moe_plan, mark):
+        for i in range(self.stages):
+            queued = self.stream.launch(self.launches)
+            self.stream.clock += 1.0 if queued else 5.0
+            mark("attention" if i % 2 == 0 else "mlp", i // 2, None)
+
+
+def test_queued_stage_times_stay_inside_the_launch_queue(monkeypatch):
+    """A 40-layer step does not fit one gate's launch queue (the first GPU run: every stage after
+    layer 33 timed at the host's rate). Stages go in windows, each behind its own gate, and a window
+    whose gate times out is rerun smaller: every stage is then timed back to back."""
+    import sys
+
+    from ddtree_rtc.bench import decode
+
+    stream = _Stream(capacity=40)
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(stream))
+    monkeypatch.setattr(decode, "flush_l2", lambda: None)
+    model = _Model(stream, stages=30, launches=10)
+    total, stages = decode.queued_stage_times(model, None, None, None, _Gate(stream), reps=2)
+    assert [label for label, _ in stages] == [("attention" if i % 2 == 0 else "mlp", i // 2) for i in range(30)]
+    assert [us for _, us in stages] == [1e3] * 30 and total == 30e3
+    # one gate for the whole step (the old way) overflows and reads the host's rate
+    stream = _Stream(capacity=40)
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(stream))
+    with pytest.raises(RuntimeError, match="one stage overflows"):
+        decode.queued_stage_times(_Model(stream, stages=4, launches=50), None, None, None, _Gate(stream), reps=1)
