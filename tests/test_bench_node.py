@@ -108,6 +108,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(round_bench, "bench_case", _fake_round_case)
     monkeypatch.setattr(node, "time_gpu", lambda fn, warmup=0, iters=1: (fn(), Timing(3.0, 3.0, 3.0))[1])
     monkeypatch.setattr(node, "read_ceiling_gbs", lambda: 1000.0)
+    # the scaling probe: the step's graph 10 µs and each round's 20 µs per MoE layer below the fakes' depth 3
+    monkeypatch.setattr(node, "graph_step_us", lambda model, b, ctx, iters: 100.0 - 10.0 * (3 - model.num_layers))
+    monkeypatch.setattr(node, "graph_round_us", lambda model, b, budget, ctx, p, chain, iters:
+                        200.0 + (7 if chain else budget) - 20.0 * (3 - model.num_layers))
 
 
 # path: the MoE components' kernels. tiny at TP4 has expert intermediate 32, under moe_small's
@@ -142,7 +146,13 @@ def test_layout_glue_on_numpy(fake_gpu, layout, small_m, path):
     missing = node.FULL_LAYERS - 3
     assert p20["ar"]["collective_calls"] == 7 + 2 * missing
     assert p20["ar"]["per_token_us"] == pytest.approx(p20["ar"]["rank_us"] + 20 * p20["ar"]["collective_calls"])
-    assert case["ar"]["step_us_61"] == pytest.approx(100.0 + missing * 30.0)
+    # scaled by the graph's slope between the probe's 1 layer and the 3 made, not by the stage rows
+    assert case["ar"]["probe"] == {"layers": 1, "step_us": 80.0}
+    probe = node.depth_view(TargetModel.dummy(preset_config("tiny").with_layers(3), Backend("numpy")), 1)
+    assert probe.num_layers == 1 and probe.cfg.num_hidden_layers == 1 and probe.small_m(1)
+    assert case["ar"]["step_us_61"] == pytest.approx(100.0 + missing * 10.0)
+    assert [r["probe"]["per_moe_layer_graph_us"] for r in case["rounds"]] == [20.0, 20.0]
+    assert case["rounds"][0]["round_us_61"] == pytest.approx(204.0 + missing * 20.0)
     chain = p8["rounds"][1]
     assert set(chain["published"]) == set(node.PUBLISHED_TAU)
     assert chain["published"]["GSM8K"]["tok_s_per_user"] == pytest.approx(1e6 * 5.3 / chain["round_total_us"])

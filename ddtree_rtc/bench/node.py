@@ -40,8 +40,11 @@ default) keeps, per layout, the most layers that fit the free memory at both pea
 weights; running the largest case: drafter, KV, graphs and buffers; see plan_memory) and says so.
 Each case's caches and graphs, then each layout's model, are given back before the next (free_blocks;
 the JSON's memory figures show the plan beside what was held); every
-per-step figure is then also given scaled to 61 layers: + (61 - L) x the mean MoE layer (attention
-+ MLP blocks of the measured MoE layers).
+per-step figure is then also given scaled to 61 layers: + (61 - L) x the graph's time per MoE layer,
+measured by replaying the same step / round graph on the first P = L // 2 layers (the same weights,
+``depth_view``; dense layer 0, embedding and head in both): (T(L) - T(P)) / (L - P). The queued
+per-stage times are not used for this: they split the step by stage, and the graph runs a layer
+faster than their sum (no events between stages).
 
 The JSON (``--json``, written atomically) carries device, date and commit (bench/harness.report)
 and a ``summary`` (see ``summary_doc``) that ``projection`` reads.
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import gc
 import json
@@ -530,6 +534,62 @@ def unpooled(be):
         yield
 
 
+def probe_layers(n_layers: int) -> int | None:
+    """The depth of the scaling probe when ``n_layers`` < 61 were made: half of them (the dense layer
+    0 at least); None when there is nothing to scale, or no MoE layer to scale by (one layer made)."""
+    if n_layers >= FULL_LAYERS or n_layers < 2:
+        return None
+    return n_layers // 2
+
+
+def depth_view(model, n: int):
+    """The model's first ``n`` decoder layers, weights shared (nothing copied): the scaling probe."""
+    view = copy.copy(model)
+    view.cfg, view.layers = model.cfg.with_layers(n), model.layers[:n]
+    # the model's own small-M decision (and its cache): the view's would scan only its layers, and
+    # with no MoE layer among them (one layer) it could take another path than the model's layer 0
+    view.small_m = model.small_m
+    return view
+
+
+def graph_step_us(model, batch: int, ctx: int, iters: int) -> float:
+    """One AR step of ``batch`` requests at context ``ctx`` replayed as a CUDA graph (engine.runner):
+    bench decode's graph figure alone, for the scaling probe."""
+    from ..engine.kv_cache import PagedKVCache
+    from ..engine.runner import ModelRunner
+    from ..model.target import ForwardBatch
+    from .harness import fill_random_bf16
+
+    cache = PagedKVCache(model.backend, model.num_layers, batch * -(-(ctx + 1) // PAGE), PAGE, model.dims.row)
+    fill_random_bf16(cache.data, scale=1.0, seed=batch + ctx)
+    for s in range(batch):
+        cache.allocator.reserve(s, ctx + 1)
+    rng = np.random.default_rng(batch * 7 + ctx)
+    step = ForwardBatch.causal(list(range(batch)), [ctx] * batch,
+                               [[int(t)] for t in rng.integers(0, model.cfg.vocab_size, batch)])
+    runner = ModelRunner(model, cache, ctx + 1, graphs=True)
+    runner.decode(step)  # captures
+    return time_gpu(runner.graph_of(batch).launch, warmup=2, iters=iters).median_us
+
+
+def graph_round_us(model, batch: int, budget: int, ctx: int, accept_p: float, chain: bool, iters: int) -> float:
+    """One DDTree round (bench round's DeviceRound, its inputs as bench round makes them) replayed as
+    one CUDA graph: bench round's graph figure alone, for the scaling probe."""
+    from . import round as round_bench
+    from .harness import fill_random_bf16
+
+    rd = round_bench.DeviceRound(model, batch, budget, ctx, accept_p, seed=batch * 7 + budget, chain=chain)
+    fill_random_bf16(rd.cache.data, scale=1.0, seed=batch * 1000 + rd.nodes - 1)
+    graph, _pool = round_bench.capture(rd.run)
+    return time_gpu(graph.launch, warmup=2, iters=iters).median_us
+
+
+def per_layer_slope(us: float, probe_us: float, n_layers: int, probe: int) -> float:
+    """µs per MoE layer from one graph at two depths (both hold the dense layer 0, the embedding and
+    the head, so the difference is ``n_layers - probe`` MoE layers)."""
+    return (us - probe_us) / (n_layers - probe)
+
+
 def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> tuple[list[Row], dict]:
     """One layout's rows and summary: the rank's dummy weights made, every case run, freed again.
     ``be`` / ``preset``: the CUDA backend and K2.6 unless given (tests run the glue on numpy)."""
@@ -589,9 +649,12 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
     oracle = OracleDrafter(be, cfg.vocab_size, DEPTH, lambda rid, prompt: [0] * (DEPTH + 1), accept_p=args.accept_p)
     ns = argparse.Namespace(context=0, accept_p=args.accept_p, iters=args.iters)
     rep_layer = 1 if n_layers > 1 else 0  # the first MoE layer stands for every MoE layer's pieces
+    probe = probe_layers(n_layers)  # the step and each round also timed at this depth: the 61-layer scaling
+    view = None
     rows, cases = [], []
     for small_m in args.small_m:
         SMALL_M_APPLY[small_m](model)
+        view = depth_view(model, probe) if probe is not None else None  # a copy: made after the switch
         for ctx in args.contexts:
             ns.context = ctx
             for b in args.batches:
@@ -604,6 +667,12 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                               for r in ar]
                 case = {"layout": layout, "small_m": small_m, "batch": b, "ctx": ctx, "layers": n_layers,
                         "ar": ar_summary(ar, model, b, n_layers), "rounds": []}
+                if probe is not None:
+                    probe_us = graph_step_us(view, b, ctx, args.iters)
+                    case_done()
+                    slope = per_layer_slope(case["ar"]["step_us"], probe_us, n_layers, probe)
+                    case["ar"].update(probe={"layers": probe, "step_us": probe_us}, per_moe_layer_graph_us=slope,
+                                      step_us_61=case["ar"]["step_us"] + (FULL_LAYERS - n_layers) * slope)
                 if args.components:
                     comp = component_rows(model, b, ctx, 1, args.iters, rep_layer, f"{tag} AR")
                     case_rows += comp
@@ -637,13 +706,21 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                                                       extra={**r.extra, "layout": layout, "small_m": small_m})
                                   for r in rr]
                     summ = next(r.extra for r in rr if "graph_us" in r.extra)
+                    probe_round = None
+                    if probe is not None:
+                        probe_us = graph_round_us(view, b, budget, ctx, args.accept_p, chain, args.iters)
+                        case_done()
+                        probe_round = {"layers": probe, "round_us": probe_us,
+                                       "per_moe_layer_graph_us": per_layer_slope(summ["graph_us"], probe_us,
+                                                                                 n_layers, probe)}
                     case["rounds"].append({
                         "budget": budget, "chain": chain, "round_us": summ["graph_us"], "queued_us": summ["queued_us"],
                         "eager_us": summ["eager_us"], "stage_us": summ["stage_us"],
                         "verify_floor_us": summ["verify_floor_us"], "ar_step_us": summ["ar_step_us"],
                         "tau_oracle": tau, "experts_touched": summ["experts_touched"],
                         "ep_ranks": ep_by_nodes.get(budget + 1),
-                        "collectives": count_collectives(model, b, budget + 1, last_only=False)})
+                        "collectives": count_collectives(model, b, budget + 1, last_only=False),
+                        "probe": probe_round})
                     log(f"  {tag} {'chain' if chain else f'budget {budget}'}: round {summ['graph_us']:.0f} µs, "
                         f"tau {tau:.2f}")
                 cases.append(project_case(case, args, n_layers))
@@ -652,7 +729,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     f"collectives); {time.perf_counter() - t0:.0f} s into this layout")
     memory["case_pool_peak_bytes"] = case_pool[0]
     numerics = comm.note()
-    del drafter, model, oracle, weight_bytes, comm
+    del drafter, model, view, oracle, weight_bytes, comm
     memory["free_after_release_bytes"] = free_bytes(be)
     kept = free - memory["free_after_release_bytes"]
     log(f"[{layout}] released: GPU free {memory['free_after_release_bytes'] / 1e9:.1f} GB (was {free / 1e9:.1f}); "
@@ -667,7 +744,9 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
 
 
 def ar_summary(rows: list[Row], model, batch: int, n_layers: int) -> dict:
-    """The AR step's figures from decode.bench_case's rows; ``step_us_61`` scaled to full depth."""
+    """The AR step's figures from decode.bench_case's rows. ``step_us_61`` here is + the queued mean
+    MoE layer per missing layer, which run_layout replaces by the probe's slope (kept only where no
+    probe ran: all 61 layers made, so nothing is added, or one layer, so no MoE layer to scale by)."""
     step = next(r for r in rows if "graph_us" in r.extra)
     e = step.extra
     per_layer = {}
@@ -700,8 +779,9 @@ def ep_summary(rows: list[Row], rank: int) -> dict:
 
 def project_case(case: dict, args, n_layers: int) -> dict:
     """Per-token times and the 8-GPU tok/s per user of one (layout, batch, ctx) case: the measured
-    per-rank time, scaled to 61 layers when fewer were made (AR: + the mean MoE layer per missing
-    layer; round: + the verify's mean per-layer time, head included, per missing layer), under EP
+    per-rank time, scaled to 61 layers when fewer were made (+ the graph's time per MoE layer, from
+    the same graph timed at the probe's depth, per missing layer; with one layer made, no probe: the
+    queued per-layer figures), under EP
     plus the slowest rank's extra routed-expert time per MoE layer (measured on one layer), plus
     collective latency x calls (2 all-reduces per missing layer added; a round's calls include the
     drafter forward's), for each --collective-us. A round's time includes the drafter's forward."""
@@ -715,7 +795,9 @@ def project_case(case: dict, args, n_layers: int) -> dict:
     drafter_calls = case.get("drafter_collectives", {}).get("calls", 0)
     for rd in case["rounds"]:
         ep = (rd.get("ep_ranks") or {}).get("slowest_minus_this_us", 0.0)
-        rd["round_us_61"] = rd["round_us"] + missing * rd["stage_us"]["verify"] / n_layers
+        probe = rd.get("probe")
+        per_layer = probe["per_moe_layer_graph_us"] if probe else rd["stage_us"]["verify"] / n_layers
+        rd["round_us_61"] = rd["round_us"] + missing * per_layer
         rd["rank_us"] = rd["round_us_61"] + moe_layers * ep
         rd["collective_calls_61"] = rd["collectives"]["calls"] + 2 * missing  # the drafter's not included
     proj = []
@@ -794,7 +876,9 @@ def summary_doc(layouts: list[dict], args) -> dict:
                 measured), free_after_release_bytes (the layout given back)},
         cases: one per (small_m, ctx, batch):
           layout, small_m, batch, ctx, layers,
-          ar: step_us (CUDA graph, this rank, ``layers`` layers), step_us_61, rank_us (step_us_61 +
+          ar: step_us (CUDA graph, this rank, ``layers`` layers), step_us_61 (+ per_moe_layer_graph_us per
+              missing layer), probe {layers, step_us} (the graph at the probe's depth; absent at 61
+              layers), per_moe_layer_graph_us, rank_us (step_us_61 +
               under EP the slowest rank's extra routed-expert time per MoE layer: the node's per-rank
               AR step, collective latency excluded), collective_calls_61, floor_us (the made
               layers' stage floors, embed and head included), floor_us_61, queued_us, eager_us,
@@ -810,7 +894,7 @@ def summary_doc(layouts: list[dict], args) -> dict:
                     AR's), collective_calls_61 (drafter's excluded), queued_us, eager_us,
                     stage_us {top-k, build, verify, choose, accept, commit}, verify_floor_us, ar_step_us,
                     tau_oracle, experts_touched, ep_ranks (ep, at 1 + budget tokens per request),
-                    collectives}],
+                    collectives, probe {layers, round_us, per_moe_layer_graph_us} or None}],
           projection: one per collective_us:
             {collective_us, ar {rank_us, collective_calls, collective_total_us, per_token_us,
              tok_s_per_user}, rounds [{budget, chain, rank_us, drafter_us, collective_calls,
