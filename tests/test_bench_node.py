@@ -288,3 +288,25 @@ def test_queued_stage_times_stay_inside_the_launch_queue(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(stream))
     with pytest.raises(RuntimeError, match="one stage overflows"):
         decode.queued_stage_times(_Model(stream, stages=4, launches=50), None, None, None, _Gate(stream), reps=1)
+
+
+def test_round_queued_stages_say_when_the_gate_did_not_hold(monkeypatch):
+    """A round's verify is one stage, so it cannot be windowed: queued_stages says whether the gate
+    held until the whole round was enqueued (False: the stage times are the host's)."""
+    import sys
+
+    from ddtree_rtc.bench import round as round_bench
+
+    monkeypatch.setattr(round_bench, "flush_l2", lambda: None)
+    for launches, held in ((5, True), (50, False)):
+        stream = _Stream(capacity=40)
+        monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(stream))
+
+        def run(mark, stream=stream, launches=launches):
+            for name in ("top-k", "verify", "commit"):
+                stream.clock += 1.0 if stream.launch(launches) else 5.0
+                mark(name)
+
+        total, stages, ok = round_bench.queued_stages(run, _Gate(stream), reps=2)
+        assert ok is held and list(stages) == ["top-k", "verify", "commit"]
+        assert total == (3e3 if held else 3 * 5e3)

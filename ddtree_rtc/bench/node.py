@@ -716,13 +716,15 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     case["rounds"].append({
                         "budget": budget, "chain": chain, "round_us": summ["graph_us"], "queued_us": summ["queued_us"],
                         "eager_us": summ["eager_us"], "stage_us": summ["stage_us"],
+                        "queued_within_launch_queue": summ.get("queued_within_launch_queue", True),
                         "verify_floor_us": summ["verify_floor_us"], "ar_step_us": summ["ar_step_us"],
                         "tau_oracle": tau, "experts_touched": summ["experts_touched"],
                         "ep_ranks": ep_by_nodes.get(budget + 1),
                         "collectives": count_collectives(model, b, budget + 1, last_only=False),
                         "probe": probe_round})
                     log(f"  {tag} {'chain' if chain else f'budget {budget}'}: round {summ['graph_us']:.0f} µs, "
-                        f"tau {tau:.2f}")
+                        f"tau {tau:.2f}" + ("" if summ.get("queued_within_launch_queue", True) else
+                                            "; its queued stage times overflowed the launch queue (host-bound)"))
                 cases.append(project_case(case, args, n_layers))
                 rows += case_rows
                 log(f"  {tag}: AR step {case['ar']['step_us']:.0f} µs ({case['ar']['collectives']['calls']} "
@@ -892,7 +894,9 @@ def summary_doc(layouts: list[dict], args) -> dict:
           drafter_us, drafter_floor_us, drafter_collectives {calls, bytes, by_kind},
           rounds: [{budget, chain, round_us (CUDA graph, drafter excluded), round_us_61, rank_us (as the
                     AR's), collective_calls_61 (drafter's excluded), queued_us, eager_us,
-                    stage_us {top-k, build, verify, choose, accept, commit}, verify_floor_us, ar_step_us,
+                    stage_us {top-k, build, verify, choose, accept, commit} (queued; host-bound where
+                    queued_within_launch_queue is false), queued_within_launch_queue, verify_floor_us,
+                    ar_step_us,
                     tau_oracle, experts_touched, ep_ranks (ep, at 1 + budget tokens per request),
                     collectives, probe {layers, round_us, per_moe_layer_graph_us} or None}],
           projection: one per collective_us:
