@@ -310,3 +310,17 @@ def test_round_queued_stages_say_when_the_gate_did_not_hold(monkeypatch):
         total, stages, ok = round_bench.queued_stages(run, _Gate(stream), reps=2)
         assert ok is held and list(stages) == ["top-k", "verify", "commit"]
         assert total == (3e3 if held else 3 * 5e3)
+
+
+def test_weights_are_made_past_the_pool_and_the_pool_comes_back():
+    """unpooled: CuPy's raw allocator while the weights are made, the pool again after, even when the
+    make fails (an out-of-memory error must not leave the run without its pool)."""
+    from types import SimpleNamespace
+
+    calls = []
+    cuda = SimpleNamespace(get_allocator=lambda: "pool", set_allocator=calls.append)
+    be = SimpleNamespace(is_cuda=True, xp=SimpleNamespace(cuda=cuda))
+    with pytest.raises(MemoryError), node.unpooled(be):
+        calls.append("make")
+        raise MemoryError
+    assert calls == [None, "make", "pool"]

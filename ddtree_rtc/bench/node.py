@@ -530,8 +530,13 @@ def unpooled(be):
     if not be.is_cuda:
         yield
         return
-    with be.xp.cuda.using_allocator(None):
+    cuda = be.xp.cuda
+    pooled = cuda.get_allocator()
+    cuda.set_allocator(None)  # CuPy's raw allocator
+    try:
         yield
+    finally:
+        cuda.set_allocator(pooled)
 
 
 def probe_layers(n_layers: int) -> int | None:
