@@ -324,3 +324,32 @@ def test_weights_are_made_past_the_pool_and_the_pool_comes_back():
         calls.append("make")
         raise MemoryError
     assert calls == [None, "make", "pool"]
+
+
+@pytest.mark.gpu
+def test_layouts_on_the_gpu_give_their_memory_back():
+    """The `small` preset as rank 0 of 2, both layouts one after the other on the GPU, every timer real:
+    each layout's weights (made past CuPy's pool), caches and graphs go back before the next layout
+    is planned; every stage row is timed, and the step and the round also at the probe's depth."""
+    from ddtree_rtc.bench.decode import Gate
+
+    args = node.parse_args(["--world", "2", "--batches", "1,3", "--contexts", "64", "--budgets", "4", "--no-chain",
+                            "--layers", "3", "--no-drafter", "--iters", "2", "--small-m", "on,off"])
+    gate, be = Gate(), Backend("cuda")
+    node.run_layout("tp", args, gate, lambda msg: None, be=be, preset="small")  # every kernel module loaded
+    start = node.free_bytes(be)
+    layouts = [node.run_layout(layout, args, gate, lambda msg: None, be=be, preset="small")[1]
+               for layout in ("tp", "ep")]
+    for lay in layouts:
+        mem = lay["memory"]
+        assert mem["free_after_release_bytes"] >= mem["free_bytes"] - node.RELEASE_SLACK_BYTES, lay["layout"]
+        assert mem["free_after_weights_bytes"] < mem["free_bytes"]
+        assert lay["layers"] == 3 and len(lay["cases"]) == 4
+        for case in lay["cases"]:
+            ar = case["ar"]
+            assert sorted(map(int, ar["per_layer"])) == [0, 1, 2]
+            assert all(s["us"] > 0 for v in ar["per_layer"].values() for s in v.values())
+            assert ar["probe"]["layers"] == 1 and ar["probe"]["step_us"] > 0
+            assert [r["probe"]["layers"] for r in case["rounds"]] == [1]
+    assert layouts[1]["memory"]["free_bytes"] >= start - node.RELEASE_SLACK_BYTES
+    assert node.free_bytes(be) >= start - node.RELEASE_SLACK_BYTES

@@ -106,7 +106,7 @@ DRAFTER_BYTES = 1536 << 20  # the K2.6 DFlash drafter's TP8 shard: 6 layers + fc
 # a layer's make beyond the layer itself: the repack's groups (stack, contiguous copy, nibble
 # permutation, words, blocks of a 256 MB group) and the generator's uint64 hash steps (128 MB each)
 REPACK_TRANSIENT_BYTES = 5 * (256 << 20) + 3 * (128 << 20)
-RELEASE_SLACK_BYTES = 256 << 20  # a layout's release may keep this much (modules loaded, cuBLAS-free handles)
+RELEASE_SLACK_BYTES = 256 << 20  # a layout's release may keep this much (kernel modules loaded on first use)
 MARGIN_BYTES = 1 << 30  # the CUDA context's growth (kernel modules loaded while running), allocator rounding
 
 
@@ -140,9 +140,10 @@ def make_parser() -> argparse.ArgumentParser:
                     help=f"DDTree tree budgets (nodes per request, <= {MAX_BUDGET}); '' for none")
     ap.add_argument("--no-chain", dest="chain", action="store_false", help="skip the depth-7 chain round")
     ap.add_argument("--layers", default="auto",
-                    help=f"decoder layers to make (1..{FULL_LAYERS}); auto: all {FULL_LAYERS} if they fit the "
-                         f"GPU's free memory with the largest case, else the most that do (figures then also "
-                         f"scaled to {FULL_LAYERS} layers)")
+                    help=f"decoder layers to make (1..{FULL_LAYERS}); auto: per layout, all {FULL_LAYERS} if they "
+                         f"fit the GPU's free memory (making the weights, and running the largest case), else the "
+                         f"most that do; with fewer, every step and round is also timed at half the layers and "
+                         f"scaled to {FULL_LAYERS} by the graph's time per layer")
     ap.add_argument("--iters", type=int, default=10, help="timed runs per measurement (median reported)")
     ap.add_argument("--accept-p", type=float, default=ACCEPT_P,
                     help="the oracle's rank-0 probability per depth; tau is its expected tau per budget")
