@@ -63,6 +63,24 @@ def test_memory_plan_names_bytes_and_drops_layers():
         node.plan_memory(cfg, shard, args, 40 << 30)
 
 
+@pytest.mark.parametrize("argv", [["--quick", "--small-m", "on,off"], []])
+@pytest.mark.parametrize("ep", [False, True])
+def test_memory_plan_on_an_h100_and_an_h200(argv, ep):
+    """auto on the H100 of the first GPU run (82.3 GB free; 58 layers of TP8 ran out of memory while
+    making the weights, 40 ran): fewer than 58 layers, the plan's every part inside the free bytes;
+    on an H200 (141 GB, ~138 free) all 61 layers, for either layout and either case set."""
+    cfg, args = preset_config("k2.6"), node.parse_args(argv)
+    shard = Shard(0, 8, ep)
+    n, fig = node.plan_memory(cfg, shard, args, int(82.3e9))
+    assert 40 <= n < 58 and fig["needed_bytes"] <= 82.3e9
+    assert fig["needed_bytes"] >= fig["weights_bytes"] + fig["load_transient_bytes"] + fig["margin_bytes"]
+    assert fig["needed_bytes"] >= (fig["weights_bytes"] + fig["drafter_bytes"] + fig["kv_bytes_largest_case"]
+                                   + fig["run_bytes"] + fig["ep_other_rank_bytes"] + fig["margin_bytes"])
+    assert (fig["ep_other_rank_bytes"] > 0) == ep
+    n, fig = node.plan_memory(cfg, shard, args, int(138e9))
+    assert n == node.FULL_LAYERS and fig["needed_bytes"] <= 138e9
+
+
 def _fake_decode_case(model, batch, ctx, iters, gate, weight_bytes):
     rows = []
     for i in range(model.num_layers):
@@ -90,6 +108,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(round_bench, "bench_case", _fake_round_case)
     monkeypatch.setattr(node, "time_gpu", lambda fn, warmup=0, iters=1: (fn(), Timing(3.0, 3.0, 3.0))[1])
     monkeypatch.setattr(node, "read_ceiling_gbs", lambda: 1000.0)
+    # the scaling probe: the step's graph 10 µs and each round's 20 µs per MoE layer below the fakes' depth 3
+    monkeypatch.setattr(node, "graph_step_us", lambda model, b, ctx, iters: 100.0 - 10.0 * (3 - model.num_layers))
+    monkeypatch.setattr(node, "graph_round_us", lambda model, b, budget, ctx, p, chain, iters:
+                        200.0 + (7 if chain else budget) - 20.0 * (3 - model.num_layers))
 
 
 # path: the MoE components' kernels. tiny at TP4 has expert intermediate 32, under moe_small's
@@ -124,12 +146,48 @@ def test_layout_glue_on_numpy(fake_gpu, layout, small_m, path):
     missing = node.FULL_LAYERS - 3
     assert p20["ar"]["collective_calls"] == 7 + 2 * missing
     assert p20["ar"]["per_token_us"] == pytest.approx(p20["ar"]["rank_us"] + 20 * p20["ar"]["collective_calls"])
-    assert case["ar"]["step_us_61"] == pytest.approx(100.0 + missing * 30.0)
+    # scaled by the graph's slope between the probe's 1 layer and the 3 made, not by the stage rows
+    assert case["ar"]["probe"] == {"layers": 1, "step_us": 80.0}
+    probe = node.depth_view(TargetModel.dummy(preset_config("tiny").with_layers(3), Backend("numpy")), 1)
+    assert probe.num_layers == 1 and probe.cfg.num_hidden_layers == 1 and probe.small_m(1)
+    assert case["ar"]["step_us_61"] == pytest.approx(100.0 + missing * 10.0)
+    assert [r["probe"]["per_moe_layer_graph_us"] for r in case["rounds"]] == [20.0, 20.0]
+    assert case["rounds"][0]["round_us_61"] == pytest.approx(204.0 + missing * 20.0)
     chain = p8["rounds"][1]
     assert set(chain["published"]) == set(node.PUBLISHED_TAU)
     assert chain["published"]["GSM8K"]["tok_s_per_user"] == pytest.approx(1e6 * 5.3 / chain["round_total_us"])
     doc = node.summary_doc([lay], args)
     json.dumps(doc, default=node._json_default)
+
+
+def test_layouts_give_back_their_model(fake_gpu, monkeypatch):
+    """Each layout drops everything it made before the next is planned: its model (held in reference
+    cycles by runners and graphs on the GPU) is collected by the time run_layout returns, and the
+    next layout plans its layers on the free memory measured then."""
+    import weakref
+
+    made, planned = [], []
+    dummy, plan = TargetModel.dummy.__func__, node.plan_memory
+
+    def record_dummy(cls, *a, **k):
+        model = dummy(cls, *a, **k)
+        model.cycle = model  # as a runner or graph referring back to its model does
+        made.append(weakref.ref(model))
+        return model
+
+    def record_plan(cfg, shard, args, free):
+        planned.append([ref() is None for ref in made])
+        return plan(cfg, shard, args, free)
+
+    monkeypatch.setattr(TargetModel, "dummy", classmethod(record_dummy))
+    monkeypatch.setattr(node, "plan_memory", record_plan)
+    args = node.parse_args(["--world", "4", "--batches", "1", "--contexts", "8", "--budgets", "", "--no-chain",
+                            "--layers", "2", "--no-drafter", "--no-components", "--iters", "1"])
+    for layout in ("tp", "ep"):
+        _, lay = node.run_layout(layout, args, None, lambda msg: None, be=Backend("numpy"), preset="tiny")
+        assert made[-1]() is None, f"the {layout} layout's model is still alive"
+        assert {"free_after_weights_bytes", "case_pool_peak_bytes", "free_after_release_bytes"} <= set(lay["memory"])
+    assert planned == [[], [True]]
 
 
 def test_drafter_shard_floor(monkeypatch):
@@ -145,3 +203,153 @@ def test_drafter_shard_floor(monkeypatch):
     # the shard's weights are an eighth; the embedding rows and the gathered logits are whole
     assert whole / 8 < row.bytes < whole / 4
     assert row.extra["floor_us"] == pytest.approx(row.bytes / 1000.0 / 1e3)
+
+
+class _Stream:
+    """A fake GPU stream behind bench decode's gate: launches enqueued while the gate holds run back to
+    back (1 ms a stage); once ``capacity`` launches are pending the host would block, so the gate times
+    out and what follows runs at the host's launch rate (5 ms a stage)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.clock, self.gate, self.held, self.count, self.passed = capacity, 0.0, 0, False, 0, {}
+
+    def launch(self, n: int = 1) -> bool:
+        for _ in range(n):
+            if self.held:
+                self.count += 1
+                if self.count > self.capacity:
+                    self.held, self.passed[self.gate] = False, True
+        return self.held
+
+    def synchronize(self):
+        pass
+
+
+def _fake_cupy(stream):
+    from types import SimpleNamespace
+
+    class Event:
+        def record(self, _stream):
+            stream.launch()
+            self.t, self.gate = stream.clock, stream.gate
+
+        def query(self):
+            return stream.passed.get(self.gate, False)
+
+        def synchronize(self):
+            pass
+
+    cuda = SimpleNamespace(Event=Event, get_current_stream=lambda: stream,
+                           get_elapsed_time=lambda a, b: b.t - a.t)
+    return SimpleNamespace(cuda=cuda)
+
+
+class _Gate:
+    def __init__(self, stream):
+        self.stream = stream
+
+    def close(self):
+        s = self.stream
+        s.gate, s.held, s.count = s.gate + 1, True, 0
+        s.passed[s.gate] = False
+
+    def open(self):
+        self.stream.held = False
+
+
+class _Model:
+    def __init__(self, stream, stages: int, launches: int):
+        self.stream, self.stages, self.launches = stream, stages, launches
+
+    def run(self, inputs, cache, output, moe_plan, mark):
+        for i in range(self.stages):
+            queued = self.stream.launch(self.launches)
+            self.stream.clock += 1.0 if queued else 5.0
+            mark("attention" if i % 2 == 0 else "mlp", i // 2, None)
+
+
+def test_queued_stage_times_stay_inside_the_launch_queue(monkeypatch):
+    """A 40-layer step does not fit one gate's launch queue (the first GPU run: every stage after
+    layer 33 timed at the host's rate). Stages go in windows, each behind its own gate, and a window
+    whose gate times out is rerun smaller: every stage is then timed back to back."""
+    import sys
+
+    from ddtree_rtc.bench import decode
+
+    stream = _Stream(capacity=40)
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(stream))
+    monkeypatch.setattr(decode, "flush_l2", lambda: None)
+    model = _Model(stream, stages=30, launches=10)
+    total, stages = decode.queued_stage_times(model, None, None, None, _Gate(stream), reps=2)
+    assert [label for label, _ in stages] == [("attention" if i % 2 == 0 else "mlp", i // 2) for i in range(30)]
+    assert [us for _, us in stages] == [1e3] * 30 and total == 30e3
+    # one gate for the whole step (the old way) overflows and reads the host's rate
+    stream = _Stream(capacity=40)
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(stream))
+    with pytest.raises(RuntimeError, match="one stage overflows"):
+        decode.queued_stage_times(_Model(stream, stages=4, launches=50), None, None, None, _Gate(stream), reps=1)
+
+
+def test_round_queued_stages_say_when_the_gate_did_not_hold(monkeypatch):
+    """A round's verify is one stage, so it cannot be windowed: queued_stages says whether the gate
+    held until the whole round was enqueued (False: the stage times are the host's)."""
+    import sys
+
+    from ddtree_rtc.bench import round as round_bench
+
+    monkeypatch.setattr(round_bench, "flush_l2", lambda: None)
+    for launches, held in ((5, True), (50, False)):
+        stream = _Stream(capacity=40)
+        monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(stream))
+
+        def run(mark, stream=stream, launches=launches):
+            for name in ("top-k", "verify", "commit"):
+                stream.clock += 1.0 if stream.launch(launches) else 5.0
+                mark(name)
+
+        total, stages, ok = round_bench.queued_stages(run, _Gate(stream), reps=2)
+        assert ok is held and list(stages) == ["top-k", "verify", "commit"]
+        assert total == (3e3 if held else 3 * 5e3)
+
+
+def test_weights_are_made_past_the_pool_and_the_pool_comes_back():
+    """unpooled: CuPy's raw allocator while the weights are made, the pool again after, even when the
+    make fails (an out-of-memory error must not leave the run without its pool)."""
+    from types import SimpleNamespace
+
+    calls = []
+    cuda = SimpleNamespace(get_allocator=lambda: "pool", set_allocator=calls.append)
+    be = SimpleNamespace(is_cuda=True, xp=SimpleNamespace(cuda=cuda))
+    with pytest.raises(MemoryError), node.unpooled(be):
+        calls.append("make")
+        raise MemoryError
+    assert calls == [None, "make", "pool"]
+
+
+@pytest.mark.gpu
+def test_layouts_on_the_gpu_give_their_memory_back():
+    """The `small` preset as rank 0 of 2, both layouts one after the other on the GPU, every timer real:
+    each layout's weights (made past CuPy's pool), caches and graphs go back before the next layout
+    is planned; every stage row is timed, and the step and the round also at the probe's depth."""
+    from ddtree_rtc.bench.decode import Gate
+
+    args = node.parse_args(["--world", "2", "--batches", "1,3", "--contexts", "64", "--budgets", "4", "--no-chain",
+                            "--layers", "3", "--no-drafter", "--iters", "2", "--small-m", "on,off"])
+    gate, be = Gate(), Backend("cuda")
+    node.run_layout("tp", args, gate, lambda msg: None, be=be, preset="small")  # every kernel module loaded
+    start = node.free_bytes(be)
+    layouts = [node.run_layout(layout, args, gate, lambda msg: None, be=be, preset="small")[1]
+               for layout in ("tp", "ep")]
+    for lay in layouts:
+        mem = lay["memory"]
+        assert mem["free_after_release_bytes"] >= mem["free_bytes"] - node.RELEASE_SLACK_BYTES, lay["layout"]
+        assert mem["free_after_weights_bytes"] < mem["free_bytes"]
+        assert lay["layers"] == 3 and len(lay["cases"]) == 4
+        for case in lay["cases"]:
+            ar = case["ar"]
+            assert sorted(map(int, ar["per_layer"])) == [0, 1, 2]
+            assert all(s["us"] > 0 for v in ar["per_layer"].values() for s in v.values())
+            assert ar["probe"]["layers"] == 1 and ar["probe"]["step_us"] > 0
+            assert [r["probe"]["layers"] for r in case["rounds"]] == [1]
+    assert layouts[1]["memory"]["free_bytes"] >= start - node.RELEASE_SLACK_BYTES
+    assert node.free_bytes(be) >= start - node.RELEASE_SLACK_BYTES

@@ -68,6 +68,13 @@ def node_doc():
         for mod in (node, harness):
             mp.setattr(mod, "read_ceiling_gbs", lambda: 3000.0)
         mp.setattr(harness, "copy_ceiling_gbs", lambda: 2500.0)
+        # the scaling probe (the graphs at fewer layers): the fakes' MoE layer (attention + MoE) per layer
+        # below LAYERS for the step, the verify's mean per layer for a round
+        mp.setattr(node, "graph_step_us", lambda m, b, ctx, iters: 1000.0 + 100.0 * b
+                   + (0.0 if m.small_m_path else 500.0)
+                   - (LAYERS - m.num_layers) * (40.0 + b + 60.0 + 2 * b + (0.0 if m.small_m_path else 5.0)))
+        mp.setattr(node, "graph_round_us", lambda m, b, budget, ctx, p, chain, iters: 2000.0 + 10.0 * budget
+                   + 100.0 * b - (LAYERS - m.num_layers) * (1200.0 + 10.0 * budget) / LAYERS)
         be = Backend("numpy")
         rows, layouts = [], []
         for layout, extra in (("tp", ["--small-m", "on,off", "--batches", "1,2", "--budgets", "2,4"]),
@@ -144,7 +151,7 @@ def test_gpu_node_file_scales_the_projection(node_doc, bench_dir):
     assert {p.layout for p in nf.points} == {"tp8", "tp_attn_ep_moe"} and {p.platform for p in nf.points} == {"h100"}
     tp = doc["summary"]["layouts"][0]
     case = next(c for c in tp["cases"] if c["batch"] == 1 and c["small_m"] == "off")
-    # bench node's own figures: the made step + 59 x the mean MoE layer (attention + MoE), the fakes' values
+    # bench node's own figures: the made step + 59 x the graph's MoE layer (the probe's fakes: attention + MoE)
     assert case["ar"]["rank_us"] == pytest.approx(1000 + 100 + 500 + (61 - LAYERS) * (41 + 62 + 5))
     pt = next(p for p in nf.points if p.layout == "tp8" and p.batch == 1 and p.small_m == "off" and p.budget == 0)
     assert pt.rank_us == case["ar"]["rank_us"] and pt.read_gbs == 3000.0 and pt.ctx == 64

@@ -55,7 +55,7 @@ def table(doc: dict, name: str = "") -> str:
            f"measured on **{device}**" + ("" if gpu else " (the numpy backend: not a GPU measurement)")
            + f" by `ddtree-rtc bench node` (commit {doc.get('commit', '?')}, {doc.get('date', '?')}"
            + (f"; {name}" if name else "") + "). "
-           + (f"Layers made: {', '.join(map(str, made))} of {FULL_LAYERS}, the rest scaled by the mean MoE layer. "
+           + (f"Layers made: {', '.join(map(str, made))} of {FULL_LAYERS}, the rest scaled by the graph per layer. "
               if made != [FULL_LAYERS] else "")
            + "Per-rank times (CUDA graph) exclude collective latency; the collectives column is the calls per "
              "token times each assumed latency (" + " / ".join(f"{v:g} µs" for v in lats)

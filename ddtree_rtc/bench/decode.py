@@ -12,8 +12,9 @@ Per step it reports
     back, our measure of "the sum of its kernels"; it still holds the GPU's own ~1 µs switch
     between kernels); and one CUDA-graph replay (engine.runner). ``launch gap`` = 1 - queued /
     step time.
-Stage times come from events recorded between the stages in the queued run. The L2 is flushed
-before every timed run.
+Stage times come from events recorded between the stages in the queued run (enqueued QUEUED_WINDOW
+stages per gate, so that a deep model never fills the launch queue). The L2 is flushed before
+every timed run.
 
 Started as several ranks (torchrun / srun / mpirun, one GPU each) it also times the NCCL all-reduce
 at the message sizes a tensor-parallel step sends (14 KB-1 MB, fp32 as the model reduces) in the
@@ -156,30 +157,68 @@ class Gate:
         self.flag[0] = 1
 
 
-def queued_stage_times(model, inputs, cache, moe_plan, gate: Gate, reps: int):
-    """Median GPU time of the whole step and of each stage, the step enqueued behind the gate."""
+# Stages enqueued behind one gate. A stream holds about a thousand pending launches; past that the
+# host blocks in a launch while the gate holds the GPU, the gate times out (~2 s) and the later
+# stages run at the host's launch rate (40 layers at b1: every stage after layer 33 read ~5x its
+# time). A window of stages stays well inside (a small-M or general layer is ~10-30 launches).
+QUEUED_WINDOW = 16
+
+
+class QueueOverflow(RuntimeError):
+    """The gate opened before the host had enqueued its window: the stage times are the host's."""
+
+
+def queued_stage_times(model, inputs, cache, moe_plan, gate: Gate, reps: int, window: int = QUEUED_WINDOW):
+    """Median GPU time of the whole step and of each stage, enqueued behind the gate ``window``
+    stages at a time: each window is enqueued whole before its gate opens, then the next is held
+    by a new gate (the hidden state stays on the stream). A stage's time runs from the previous
+    stage's end event, or from the event after its window's gate. A window whose gate was found
+    already open (timed out: the launch queue was full) is rerun with half the window."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    totals, per_stage = [], []
-    for _ in range(reps):
+    totals, per_stage, labels = [], [], []
+    while len(totals) < reps:
         flush_l2()
         gate.close()
-        marks = [(None, None, cupy.cuda.Event())]
-        marks[0][2].record(stream)
+        start = cupy.cuda.Event()
+        start.record(stream)
+        held, prev, spans = [start], [start], []
 
-        def mark(stage, layer, x, marks=marks):
+        def mark(stage, layer, x, held=held, prev=prev, spans=spans, window=window):
             ev = cupy.cuda.Event()
             ev.record(stream)
-            marks.append((stage, layer, ev))
+            spans.append((stage, layer, prev[0], ev))
+            prev[0] = ev
+            if len(spans) % window == 0:
+                release(held[0], ev)
+                gate.close()
+                nxt = cupy.cuda.Event()
+                nxt.record(stream)
+                held[0] = prev[0] = nxt
 
-        model.run(inputs, cache, output="logits", moe_plan=moe_plan, mark=mark)
-        gate.open()
-        marks[-1][2].synchronize()
-        times = [cupy.cuda.get_elapsed_time(marks[i - 1][2], marks[i][2]) * 1e3 for i in range(1, len(marks))]
+        def release(gate_event, last):
+            overflowed = gate_event.query()  # the gate already passed: it did not hold the whole window
+            gate.open()
+            last.synchronize()
+            if overflowed:
+                raise QueueOverflow
+
+        try:
+            model.run(inputs, cache, output="logits", moe_plan=moe_plan, mark=mark)
+            release(held[0], prev[0])
+        except QueueOverflow:
+            gate.open()
+            stream.synchronize()
+            if window == 1:
+                raise RuntimeError("queued stage times: one stage overflows the launch queue behind the gate") \
+                    from None
+            window //= 2
+            continue
+        times = [cupy.cuda.get_elapsed_time(a, b) * 1e3 for _, _, a, b in spans]
         totals.append(sum(times))
         per_stage.append(times)
-    labels = [(s, layer) for s, layer, _ in marks[1:]]
+        labels = [(st, layer) for st, layer, _, _ in spans]
     med = [statistics.median(col) for col in zip(*per_stage)]
     return statistics.median(totals), list(zip(labels, med))
 

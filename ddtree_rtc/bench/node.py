@@ -35,10 +35,16 @@ Per layout, context and batch (--batches, --contexts):
     collective count), both parts printed, for each latency of --collective-us (cited figures by
     default, COLLECTIVE_US_CITED; or pass a measured one).
 
-If the rank does not fit the GPU (a TP8 rank of K2.6 is ~75 GB of weights), ``--layers auto`` (the
-default) keeps the most layers that fit with the largest case's KV cache and says so; every
-per-step figure is then also given scaled to 61 layers: + (61 - L) x the mean MoE layer (attention
-+ MLP blocks of the measured MoE layers).
+If the rank does not fit the GPU (a TP8 rank of K2.6 is ~78 GB of weights), ``--layers auto`` (the
+default) keeps, per layout, the most layers that fit the free memory at both peaks (making the
+weights; running the largest case: drafter, KV, graphs and buffers; see plan_memory) and says so.
+Each case's caches and graphs, then each layout's model, are given back before the next (free_blocks;
+the JSON's memory figures show the plan beside what was held); every
+per-step figure is then also given scaled to 61 layers: + (61 - L) x the graph's time per MoE layer,
+measured by replaying the same step / round graph on the first P = L // 2 layers (the same weights,
+``depth_view``; dense layer 0, embedding and head in both): (T(L) - T(P)) / (L - P). The queued
+per-stage times are not used for this: they split the step by stage, and the graph runs a layer
+faster than their sum (no events between stages).
 
 The JSON (``--json``, written atomically) carries device, date and commit (bench/harness.report)
 and a ``summary`` (see ``summary_doc``) that ``projection`` reads.
@@ -47,7 +53,10 @@ and a ``summary`` (see ``summary_doc``) that ``projection`` reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -85,7 +94,20 @@ SMALL_M_APPLY: dict[str, typing.Callable] = {
     "off": lambda model: setattr(model, "small_m_path", False),
 }
 PAGE = 64
-MARGIN_BYTES = 4 << 30  # load transients (a layer made + repacked), logits, graph pools, slack
+# The memory plan (plan_memory). What one case's run holds beyond the weights and its KV cache
+# (graphs' pools, activations, logits, component / EP inputs), per decoder layer: measured on the
+# H100 at d62ed90, where `--quick --layers 40 --small-m off` left 62.8 GB held after its tp layout
+# (nothing released then) against 51.8 GB of weights and the 1.4 GB drafter: 9.6 GB for 2 cases of
+# 4 graphs each, over 40 layers. Each case's are released now before the next, so this bounds one case.
+RUN_BYTES_PER_LAYER = int(9.6e9 / 40)
+RUN_ROWS_MEASURED = 10 * 33  # that run's largest verify: batch 10 x (budget 32 + 1) rows
+LOGIT_ROW_BYTES = 12  # per vocabulary entry of a logits row: the bf16 gather, its transpose, fp32 copies
+DRAFTER_BYTES = 1536 << 20  # the K2.6 DFlash drafter's TP8 shard: 6 layers + fc, 1.41 GB
+# a layer's make beyond the layer itself: the repack's groups (stack, contiguous copy, nibble
+# permutation, words, blocks of a 256 MB group) and the generator's uint64 hash steps (128 MB each)
+REPACK_TRANSIENT_BYTES = 5 * (256 << 20) + 3 * (128 << 20)
+RELEASE_SLACK_BYTES = 256 << 20  # a layout's release may keep this much (kernel modules loaded on first use)
+MARGIN_BYTES = 1 << 30  # the CUDA context's growth (kernel modules loaded while running), allocator rounding
 
 
 def small_m_choices() -> tuple[str, ...]:
@@ -118,9 +140,10 @@ def make_parser() -> argparse.ArgumentParser:
                     help=f"DDTree tree budgets (nodes per request, <= {MAX_BUDGET}); '' for none")
     ap.add_argument("--no-chain", dest="chain", action="store_false", help="skip the depth-7 chain round")
     ap.add_argument("--layers", default="auto",
-                    help=f"decoder layers to make (1..{FULL_LAYERS}); auto: all {FULL_LAYERS} if they fit the "
-                         f"GPU's free memory with the largest case, else the most that do (figures then also "
-                         f"scaled to {FULL_LAYERS} layers)")
+                    help=f"decoder layers to make (1..{FULL_LAYERS}); auto: per layout, all {FULL_LAYERS} if they "
+                         f"fit the GPU's free memory (making the weights, and running the largest case), else the "
+                         f"most that do; with fewer, every step and round is also timed at half the layers and "
+                         f"scaled to {FULL_LAYERS} by the graph's time per layer")
     ap.add_argument("--iters", type=int, default=10, help="timed runs per measurement (median reported)")
     ap.add_argument("--accept-p", type=float, default=ACCEPT_P,
                     help="the oracle's rank-0 probability per depth; tau is its expected tau per budget")
@@ -193,39 +216,58 @@ def kv_bytes(layers: int, batch: int, rows: int, row: int) -> int:
 
 
 def plan_memory(cfg, shard, args, free: int) -> tuple[int, dict]:
-    """(layers, figures): the most layers <= 61 (or --layers) whose weights, the largest case's KV
-    cache and MARGIN_BYTES fit ``free`` bytes; raises SystemExit naming the bytes when even the
-    asked number (or one layer) does not fit."""
+    """(layers, figures): the most layers <= 61 (or --layers) that fit ``free`` bytes at both peaks,
+    plus MARGIN_BYTES; raises SystemExit naming the bytes when even the asked number (or one layer)
+    does not fit.
+      * making the weights: the layers made so far + one MoE layer's compressed experts and its
+        repack's temporaries (the weights are made outside CuPy's pool, see ``unpooled``: a freed
+        temporary goes back to the driver at once and no weight pins a cached block);
+      * running a case: the weights, the drafter, the largest case's KV cache and what a case holds
+        besides (RUN_BYTES_PER_LAYER per layer, + logits rows beyond the measured largest verify);
+        under EP also one other rank's MoE layer and its make (ep_rank_rows)."""
     from ..model.dummy import shard_nbytes
 
     most_nodes = 1 + max((*args.budgets, 7 if args.chain else 0))
     rows = max(args.contexts) + most_nodes
     row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    drafter = (1536 << 20) if args.drafter else 0  # its TP8 shard: 6 layers + fc, 1.41 GB
+    drafter = DRAFTER_BYTES if args.drafter else 0
+    logit_rows = max(args.batches) * (most_nodes if args.budgets or args.chain else 1)
 
     w1 = shard_nbytes(cfg.with_layers(1), shard)
     per_layer = shard_nbytes(cfg.with_layers(2), shard) - w1  # every layer after the dense first one is MoE
+    load_transient = per_layer + REPACK_TRANSIENT_BYTES
+    ep_extra = per_layer + load_transient if shard.expert_parallel else 0
 
     def weights(n: int) -> int:
         return w1 + (n - 1) * per_layer
 
+    def kv(n: int) -> int:
+        return kv_bytes(n, max(args.batches), rows, row)
+
+    def run(n: int) -> int:
+        return n * RUN_BYTES_PER_LAYER + max(0, logit_rows - RUN_ROWS_MEASURED) * cfg.vocab_size * LOGIT_ROW_BYTES
+
     def need(n: int) -> int:
-        return weights(n) + kv_bytes(n, max(args.batches), rows, row) + drafter + MARGIN_BYTES
+        return max(weights(n) + load_transient, weights(n) + drafter + kv(n) + run(n) + ep_extra) + MARGIN_BYTES
 
     want = FULL_LAYERS if args.layers == "auto" else args.layers
     n = want
     if args.layers == "auto":
         while n > 1 and need(n) > free:
             n -= 1
-    figures = {"free_bytes": free, "weights_bytes": weights(n),
-               "kv_bytes_largest_case": kv_bytes(n, max(args.batches), rows, row), "margin_bytes": MARGIN_BYTES,
-               "needed_bytes": need(n), "full_depth_weights_bytes": weights(FULL_LAYERS)}
+    figures = {"free_bytes": free, "weights_bytes": weights(n), "kv_bytes_largest_case": kv(n),
+               "load_transient_bytes": load_transient, "run_bytes": run(n), "drafter_bytes": drafter,
+               "ep_other_rank_bytes": ep_extra, "margin_bytes": MARGIN_BYTES, "needed_bytes": need(n),
+               "full_depth_weights_bytes": weights(FULL_LAYERS)}
     if need(n) > free:
         kind = "EP" if shard.expert_parallel else "TP"
-        raise SystemExit(f"bench node: {n} layers of a {kind}{shard.world} rank need {need(n) / 1e9:.1f} GB (weights "
-                         f"{figures['weights_bytes'] / 1e9:.1f}, KV of the largest case "
-                         f"{figures['kv_bytes_largest_case'] / 1e9:.1f}, margin {MARGIN_BYTES / 1e9:.1f}) but the "
-                         f"GPU has {free / 1e9:.1f} GB free: pass fewer --layers, smaller --batches / --contexts")
+        raise SystemExit(
+            f"bench node: {n} layers of a {kind}{shard.world} rank need {need(n) / 1e9:.1f} GB (weights "
+            f"{figures['weights_bytes'] / 1e9:.1f}, then making a layer {load_transient / 1e9:.1f} or running a case: "
+            f"drafter {drafter / 1e9:.1f}, KV of the largest case {kv(n) / 1e9:.1f}, its graphs and buffers "
+            f"{run(n) / 1e9:.1f}" + (f", another EP rank's layer {ep_extra / 1e9:.1f}" if ep_extra else "")
+            + f"; margin {MARGIN_BYTES / 1e9:.1f}) but the GPU has {free / 1e9:.1f} GB free: pass fewer --layers, "
+            f"smaller --batches / --contexts")
     return n, figures
 
 
@@ -416,8 +458,12 @@ def ep_rank_rows(model, batch: int, ctx: int, node_counts: list[int], iters: int
     src = DummySource(cfg, seed, "random", be.xp)
     rows, world = [], model.shard.world
     for r in range(world):
-        lw = lw0 if r == model.shard.rank else load_moe_layer(
-            src, layer, rc, cfg.hidden_size, cfg.moe_intermediate_size, be, shard=Shard(r, world, True))
+        if r == model.shard.rank:
+            lw = lw0
+        else:
+            with unpooled(be):
+                lw = load_moe_layer(src, layer, rc, cfg.hidden_size, cfg.moe_intermediate_size, be,
+                                    shard=Shard(r, world, True))
         for nodes, (x, ids, w, host_ids, out) in routed.items():
             t = batch * nodes
             small = model.small_m(t)  # the model's path for T rows (model/moe.py)
@@ -452,19 +498,102 @@ def ep_rank_rows(model, batch: int, ctx: int, node_counts: list[int], iters: int
 
 # -- the run ----------------------------------------------------------------------------------------
 def free_blocks(be) -> None:
-    """Give CuPy's cached blocks back (a case's caches and graphs), so the next case has the room."""
+    """Give back what a case or a layout made: reference cycles collected first (a model, its runners,
+    graphs and caches refer to each other, so dropping the last name frees nothing until the
+    collector runs), then CuPy's cached device blocks and pinned host blocks."""
+    gc.collect()
     if be.is_cuda:
         be.xp.get_default_memory_pool().free_all_blocks()
+        be.xp.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def free_bytes(be) -> int:
-    """Device memory free now (numpy: the host's available memory)."""
+    """Device memory free now, after free_blocks (numpy: the host's available memory)."""
+    free_blocks(be)
     if be.is_cuda:
-        free_blocks(be)
         return int(be.xp.cuda.runtime.memGetInfo()[0])
     import os
 
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pool_bytes(be) -> int:
+    """Bytes CuPy's device pool holds now, in use or cached (0 on numpy)."""
+    return int(be.xp.get_default_memory_pool().total_bytes()) if be.is_cuda else 0
+
+
+@contextlib.contextmanager
+def unpooled(be):
+    """Allocations inside go straight to cudaMalloc / cudaFree, past CuPy's pool (numpy: nothing to
+    do). For making weights: a temporary freed goes back to the driver at once, and a weight never
+    takes part of a cached temporary's block (which would pin the rest of it: the pool cannot give
+    back a block that is partly in use). The weights then stay outside the pool until dropped."""
+    if not be.is_cuda:
+        yield
+        return
+    cuda = be.xp.cuda
+    pooled = cuda.get_allocator()
+    cuda.set_allocator(None)  # CuPy's raw allocator
+    try:
+        yield
+    finally:
+        cuda.set_allocator(pooled)
+
+
+def probe_layers(n_layers: int) -> int | None:
+    """The depth of the scaling probe when ``n_layers`` < 61 were made: half of them (the dense layer
+    0 at least); None when there is nothing to scale, or no MoE layer to scale by (one layer made)."""
+    if n_layers >= FULL_LAYERS or n_layers < 2:
+        return None
+    return n_layers // 2
+
+
+def depth_view(model, n: int):
+    """The model's first ``n`` decoder layers, weights shared (nothing copied): the scaling probe."""
+    view = copy.copy(model)
+    view.cfg, view.layers = model.cfg.with_layers(n), model.layers[:n]
+    # the model's own small-M decision (and its cache): the view's would scan only its layers, and
+    # with no MoE layer among them (one layer) it could take another path than the model's layer 0
+    view.small_m = model.small_m
+    return view
+
+
+def graph_step_us(model, batch: int, ctx: int, iters: int) -> float:
+    """One AR step of ``batch`` requests at context ``ctx`` replayed as a CUDA graph (engine.runner):
+    bench decode's graph figure alone, for the scaling probe."""
+    from ..engine.kv_cache import PagedKVCache
+    from ..engine.runner import ModelRunner
+    from ..model.target import ForwardBatch
+    from .harness import fill_random_bf16
+
+    cache = PagedKVCache(model.backend, model.num_layers, batch * -(-(ctx + 1) // PAGE), PAGE, model.dims.row)
+    fill_random_bf16(cache.data, scale=1.0, seed=batch + ctx)
+    for s in range(batch):
+        cache.allocator.reserve(s, ctx + 1)
+    rng = np.random.default_rng(batch * 7 + ctx)
+    step = ForwardBatch.causal(list(range(batch)), [ctx] * batch,
+                               [[int(t)] for t in rng.integers(0, model.cfg.vocab_size, batch)])
+    runner = ModelRunner(model, cache, ctx + 1, graphs=True)
+    runner.decode(step)  # captures
+    return time_gpu(runner.graph_of(batch).launch, warmup=2, iters=iters).median_us
+
+
+def graph_round_us(model, batch: int, budget: int, ctx: int, accept_p: float, chain: bool, iters: int) -> float:
+    """One DDTree round (bench round's DeviceRound, its inputs as bench round makes them) replayed as
+    one CUDA graph: bench round's graph figure alone, for the scaling probe."""
+    from . import round as round_bench
+    from .harness import fill_random_bf16
+
+    rd = round_bench.DeviceRound(model, batch, budget, ctx, accept_p, seed=batch * 7 + budget, chain=chain)
+    fill_random_bf16(rd.cache.data, scale=1.0, seed=batch * 1000 + rd.nodes - 1)
+    graph, _pool = round_bench.capture(rd.run)
+    return time_gpu(graph.launch, warmup=2, iters=iters).median_us
+
+
+def per_layer_slope(us: float, probe_us: float, n_layers: int, probe: int) -> float:
+    """µs per MoE layer from one graph at two depths (both hold the dense layer 0, the embedding and
+    the head, so the difference is ``n_layers - probe`` MoE layers)."""
+    return (us - probe_us) / (n_layers - probe)
 
 
 def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> tuple[list[Row], dict]:
@@ -504,36 +633,58 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
             bar.update(n - last[0])
             last[0] = n
 
-        model = TargetModel.dummy(cfg, be, seed=args.seed, head="random", progress=progress, shard=shard, comm=comm)
+        with unpooled(be):
+            model = TargetModel.dummy(cfg, be, seed=args.seed, head="random", progress=progress, shard=shard,
+                                      comm=comm)
     be.synchronize()
     make_s = time.perf_counter() - t0
-    log(f"[{layout}] made {model.weight_nbytes() / 1e9:.1f} GB of weights in {make_s:.0f} s")
+    with unpooled(be):
+        drafter = random_drafter(seed=args.seed, target=model) if args.drafter else None
+    memory["free_after_weights_bytes"] = free_bytes(be)
+    log(f"[{layout}] made {model.weight_nbytes() / 1e9:.1f} GB of weights in {make_s:.0f} s; GPU free "
+        f"{memory['free_after_weights_bytes'] / 1e9:.1f} GB with the drafter")
     weight_bytes = decode.layer_weight_bytes(model)
-    drafter = random_drafter(seed=args.seed, target=model) if args.drafter else None
+    case_pool = [0]
+
+    def case_done():
+        """After each timed piece: the pool's high-water mark noted (the plan's run_bytes, measured),
+        then the piece's caches and graphs given back."""
+        case_pool[0] = max(case_pool[0], pool_bytes(be))
+        free_blocks(be)
+
     oracle = OracleDrafter(be, cfg.vocab_size, DEPTH, lambda rid, prompt: [0] * (DEPTH + 1), accept_p=args.accept_p)
     ns = argparse.Namespace(context=0, accept_p=args.accept_p, iters=args.iters)
     rep_layer = 1 if n_layers > 1 else 0  # the first MoE layer stands for every MoE layer's pieces
+    probe = probe_layers(n_layers)  # the step and each round also timed at this depth: the 61-layer scaling
+    view = None
     rows, cases = [], []
     for small_m in args.small_m:
         SMALL_M_APPLY[small_m](model)
+        view = depth_view(model, probe) if probe is not None else None  # a copy: made after the switch
         for ctx in args.contexts:
             ns.context = ctx
             for b in args.batches:
                 tag = f"{layout} sm-{small_m} b{b} ctx{ctx // 1024}k"
                 case_rows = []
                 ar = decode.bench_case(model, b, ctx, args.iters, gate, weight_bytes)
-                free_blocks(be)
+                case_done()
                 case_rows += [dataclasses.replace(r, case=f"{layout} sm-{small_m} AR {r.case}",
                                                   extra={**r.extra, "layout": layout, "small_m": small_m})
                               for r in ar]
                 case = {"layout": layout, "small_m": small_m, "batch": b, "ctx": ctx, "layers": n_layers,
                         "ar": ar_summary(ar, model, b, n_layers), "rounds": []}
+                if probe is not None:
+                    probe_us = graph_step_us(view, b, ctx, args.iters)
+                    case_done()
+                    slope = per_layer_slope(case["ar"]["step_us"], probe_us, n_layers, probe)
+                    case["ar"].update(probe={"layers": probe, "step_us": probe_us}, per_moe_layer_graph_us=slope,
+                                      step_us_61=case["ar"]["step_us"] + (FULL_LAYERS - n_layers) * slope)
                 if args.components:
                     comp = component_rows(model, b, ctx, 1, args.iters, rep_layer, f"{tag} AR")
                     case_rows += comp
                     case["ar"]["components"] = {r.extra["component"]: {"us": r.us, "floor_us": r.extra["floor_us"]}
                                                 for r in comp}
-                    free_blocks(be)
+                    case_done()
                 shapes = [(bg, False) for bg in args.budgets] + ([(DEPTH, True)] if args.chain else [])
                 ep_by_nodes = {}
                 if layout == "ep":
@@ -542,7 +693,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     case_rows += ep
                     ep_by_nodes = {n: ep_summary([r for r in ep if r.extra["nodes"] == n], args.rank) for n in counts}
                     case["ar"]["ep_ranks"] = ep_by_nodes[1]
-                    free_blocks(be)
+                    case_done()
                 case["ar"]["collectives"] = count_collectives(model, b, 1, last_only=True)
                 if drafter is not None:
                     d = [drafter_shard_row(r, drafter, b, ctx, args.world)
@@ -552,39 +703,58 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     case["drafter_us"] = d[0].us
                     case["drafter_floor_us"] = d[0].extra["floor_us"]
                     case["drafter_collectives"] = count_drafter_collectives(drafter, b)
-                    free_blocks(be)
+                    case_done()
                 for budget, chain in shapes:
                     tau = oracle.expected_tau(budget, chain=chain)
                     rr = round_bench.bench_case(model, b, budget, ns, gate, weight_bytes, ProfileTau(tau), chain=chain)
-                    free_blocks(be)
+                    case_done()
                     case_rows += [dataclasses.replace(r, case=f"{layout} sm-{small_m} {r.case}",
                                                       extra={**r.extra, "layout": layout, "small_m": small_m})
                                   for r in rr]
                     summ = next(r.extra for r in rr if "graph_us" in r.extra)
+                    probe_round = None
+                    if probe is not None:
+                        probe_us = graph_round_us(view, b, budget, ctx, args.accept_p, chain, args.iters)
+                        case_done()
+                        probe_round = {"layers": probe, "round_us": probe_us,
+                                       "per_moe_layer_graph_us": per_layer_slope(summ["graph_us"], probe_us,
+                                                                                 n_layers, probe)}
                     case["rounds"].append({
                         "budget": budget, "chain": chain, "round_us": summ["graph_us"], "queued_us": summ["queued_us"],
                         "eager_us": summ["eager_us"], "stage_us": summ["stage_us"],
+                        "queued_within_launch_queue": summ.get("queued_within_launch_queue", True),
                         "verify_floor_us": summ["verify_floor_us"], "ar_step_us": summ["ar_step_us"],
                         "tau_oracle": tau, "experts_touched": summ["experts_touched"],
                         "ep_ranks": ep_by_nodes.get(budget + 1),
-                        "collectives": count_collectives(model, b, budget + 1, last_only=False)})
+                        "collectives": count_collectives(model, b, budget + 1, last_only=False),
+                        "probe": probe_round})
                     log(f"  {tag} {'chain' if chain else f'budget {budget}'}: round {summ['graph_us']:.0f} µs, "
-                        f"tau {tau:.2f}")
+                        f"tau {tau:.2f}" + ("" if summ.get("queued_within_launch_queue", True) else
+                                            "; its queued stage times overflowed the launch queue (host-bound)"))
                 cases.append(project_case(case, args, n_layers))
                 rows += case_rows
                 log(f"  {tag}: AR step {case['ar']['step_us']:.0f} µs ({case['ar']['collectives']['calls']} "
                     f"collectives); {time.perf_counter() - t0:.0f} s into this layout")
-    del drafter, model
-    free_blocks(be)
+    memory["case_pool_peak_bytes"] = case_pool[0]
+    numerics = comm.note()
+    del drafter, model, view, oracle, weight_bytes, comm
+    memory["free_after_release_bytes"] = free_bytes(be)
+    kept = free - memory["free_after_release_bytes"]
+    log(f"[{layout}] released: GPU free {memory['free_after_release_bytes'] / 1e9:.1f} GB (was {free / 1e9:.1f}); "
+        f"the largest case held {case_pool[0] / 1e9:.1f} GB in CuPy's pool (planned "
+        f"{memory['run_bytes'] / 1e9:.1f} GB + KV {memory['kv_bytes_largest_case'] / 1e9:.1f})"
+        + (f"; {kept / 1e9:.1f} GB NOT given back" if be.is_cuda and kept > RELEASE_SLACK_BYTES else ""))
     return rows, {"layout": layout, "expert_parallel": LAYOUTS[layout], "rank": args.rank, "world": args.world,
                   "preset": preset, "layers": n_layers, "scaled_to_full_depth": scaled, "memory": memory,
-                  "cases": cases, "numerics": comm.note(), "collective_stand_in_hold_us": args.hold_us,
+                  "cases": cases, "numerics": numerics, "collective_stand_in_hold_us": args.hold_us,
                   "make_weights_s": make_s,
                   "layout_s": time.perf_counter() - t0}
 
 
 def ar_summary(rows: list[Row], model, batch: int, n_layers: int) -> dict:
-    """The AR step's figures from decode.bench_case's rows; ``step_us_61`` scaled to full depth."""
+    """The AR step's figures from decode.bench_case's rows. ``step_us_61`` here is + the queued mean
+    MoE layer per missing layer, which run_layout replaces by the probe's slope (kept only where no
+    probe ran: all 61 layers made, so nothing is added, or one layer, so no MoE layer to scale by)."""
     step = next(r for r in rows if "graph_us" in r.extra)
     e = step.extra
     per_layer = {}
@@ -617,8 +787,9 @@ def ep_summary(rows: list[Row], rank: int) -> dict:
 
 def project_case(case: dict, args, n_layers: int) -> dict:
     """Per-token times and the 8-GPU tok/s per user of one (layout, batch, ctx) case: the measured
-    per-rank time, scaled to 61 layers when fewer were made (AR: + the mean MoE layer per missing
-    layer; round: + the verify's mean per-layer time, head included, per missing layer), under EP
+    per-rank time, scaled to 61 layers when fewer were made (+ the graph's time per MoE layer, from
+    the same graph timed at the probe's depth, per missing layer; with one layer made, no probe: the
+    queued per-layer figures), under EP
     plus the slowest rank's extra routed-expert time per MoE layer (measured on one layer), plus
     collective latency x calls (2 all-reduces per missing layer added; a round's calls include the
     drafter forward's), for each --collective-us. A round's time includes the drafter's forward."""
@@ -632,7 +803,9 @@ def project_case(case: dict, args, n_layers: int) -> dict:
     drafter_calls = case.get("drafter_collectives", {}).get("calls", 0)
     for rd in case["rounds"]:
         ep = (rd.get("ep_ranks") or {}).get("slowest_minus_this_us", 0.0)
-        rd["round_us_61"] = rd["round_us"] + missing * rd["stage_us"]["verify"] / n_layers
+        probe = rd.get("probe")
+        per_layer = probe["per_moe_layer_graph_us"] if probe else rd["stage_us"]["verify"] / n_layers
+        rd["round_us_61"] = rd["round_us"] + missing * per_layer
         rd["rank_us"] = rd["round_us_61"] + moe_layers * ep
         rd["collective_calls_61"] = rd["collectives"]["calls"] + 2 * missing  # the drafter's not included
     proj = []
@@ -704,11 +877,16 @@ def summary_doc(layouts: list[dict], args) -> dict:
       layouts: one per --layouts entry:
         layout, expert_parallel, rank, world, preset (k2.6; tests run smaller ones), layers (made),
         scaled_to_full_depth, numerics (the simulated-rank note), collective_stand_in_hold_us,
-        memory {free_bytes, weights_bytes, kv_bytes_largest_case, margin_bytes, needed_bytes,
-                full_depth_weights_bytes},
+        memory {free_bytes, weights_bytes, kv_bytes_largest_case, load_transient_bytes, run_bytes,
+                drafter_bytes, ep_other_rank_bytes, margin_bytes, needed_bytes, full_depth_weights_bytes
+                (plan_memory's plan), free_after_weights_bytes (the weights and drafter made),
+                case_pool_peak_bytes (the most CuPy's pool held after one timed piece: run_bytes + KV,
+                measured), free_after_release_bytes (the layout given back)},
         cases: one per (small_m, ctx, batch):
           layout, small_m, batch, ctx, layers,
-          ar: step_us (CUDA graph, this rank, ``layers`` layers), step_us_61, rank_us (step_us_61 +
+          ar: step_us (CUDA graph, this rank, ``layers`` layers), step_us_61 (+ per_moe_layer_graph_us per
+              missing layer), probe {layers, step_us} (the graph at the probe's depth; absent at 61
+              layers), per_moe_layer_graph_us, rank_us (step_us_61 +
               under EP the slowest rank's extra routed-expert time per MoE layer: the node's per-rank
               AR step, collective latency excluded), collective_calls_61, floor_us (the made
               layers' stage floors, embed and head included), floor_us_61, queued_us, eager_us,
@@ -722,9 +900,11 @@ def summary_doc(layouts: list[dict], args) -> dict:
           drafter_us, drafter_floor_us, drafter_collectives {calls, bytes, by_kind},
           rounds: [{budget, chain, round_us (CUDA graph, drafter excluded), round_us_61, rank_us (as the
                     AR's), collective_calls_61 (drafter's excluded), queued_us, eager_us,
-                    stage_us {top-k, build, verify, choose, accept, commit}, verify_floor_us, ar_step_us,
+                    stage_us {top-k, build, verify, choose, accept, commit} (queued; host-bound where
+                    queued_within_launch_queue is false), queued_within_launch_queue, verify_floor_us,
+                    ar_step_us,
                     tau_oracle, experts_touched, ep_ranks (ep, at 1 + budget tokens per request),
-                    collectives}],
+                    collectives, probe {layers, round_us, per_moe_layer_graph_us} or None}],
           projection: one per collective_us:
             {collective_us, ar {rank_us, collective_calls, collective_total_us, per_token_us,
              tok_s_per_user}, rounds [{budget, chain, rank_us, drafter_us, collective_calls,

@@ -120,24 +120,31 @@ class DummySource:
                 ("gate_proj", "weight_scale"): ((inter, h // g), (lo, hi), None),
                 ("up_proj", "weight_scale"): ((inter, h // g), (lo, hi), None),
                 ("down_proj", "weight_scale"): ((h, inter // g), None, (lo // g, hi // g))}
-        out = {}
+        n_exp, part = len(experts), hi - lo
+        # gate and up are made straight into their halves of the fused [E, 2 I, .] arrays and each
+        # generation group straight into its experts' rows: no parts list, no concatenation, so a
+        # layer's make holds its compressed experts once (what plan_memory in bench/node counts)
+        w13 = xp.empty((n_exp, 2 * part, h // 8), dtype=np.int32)
+        s13 = xp.empty((n_exp, 2 * part, h // g), dtype=np.uint16)
+        w2 = xp.empty((n_exp, h, part // 8), dtype=np.int32)
+        s2 = xp.empty((n_exp, h, part // g), dtype=np.uint16)
+        dest = {("gate_proj", "weight_packed"): w13[:, :part], ("up_proj", "weight_packed"): w13[:, part:],
+                ("down_proj", "weight_packed"): w2, ("gate_proj", "weight_scale"): s13[:, :part],
+                ("up_proj", "weight_scale"): s13[:, part:], ("down_proj", "weight_scale"): s2}
         for (proj, leaf), (shape, rows, cols) in plan.items():
-            n_rows = (rows or (0, shape[0]))[1] - (rows or (0, shape[0]))[0]
-            n_cols = (cols or (0, shape[1]))[1] - (cols or (0, shape[1]))[0]
-            per = max(1, rw.chunk_for(xp) // (n_rows * n_cols))  # experts per generation group
-            parts = []
-            for e0 in range(0, len(experts), per):
+            dst = dest[proj, leaf]
+            per = max(1, rw.chunk_for(xp) // (dst.shape[1] * dst.shape[2]))  # experts per generation group
+            for e0 in range(0, n_exp, per):
                 ids = experts[e0:e0 + per]
                 keys = xp.asarray(np.array([rw.tensor_key(self.seed, f"{base}{e}.{proj}.{leaf}") for e in ids],
                                            dtype=np.uint64).reshape(-1, 1, 1))
-                parts.append(rw.values(self.seed, f"{base}{ids[0]}.{proj}.{leaf}", shape, cfg.num_hidden_layers,
-                                       xp, rows=rows, cols=cols, keys=keys))
-            a = parts[0] if len(parts) == 1 else xp.concatenate(parts)
-            out[proj, leaf] = self._out(a, f"{base}*.{proj}.{leaf}")
-        w13 = xp.concatenate([out["gate_proj", "weight_packed"], out["up_proj", "weight_packed"]], axis=1)
-        s13 = xp.concatenate([out["gate_proj", "weight_scale"], out["up_proj", "weight_scale"]], axis=1)
-        return Int4Experts("compressed-tensors", len(experts), h, hi - lo, w13, s13, out["down_proj", "weight_packed"],
-                           out["down_proj", "weight_scale"])
+                dst[e0:e0 + len(ids)] = rw.values(self.seed, f"{base}{ids[0]}.{proj}.{leaf}", shape,
+                                                  cfg.num_hidden_layers, xp, rows=rows, cols=cols, keys=keys)
+            name = f"{base}*.{proj}.{leaf}"
+            self.bytes_read[name] = self.bytes_read.get(name, 0) + int(dst.nbytes)
+        if xp is np:  # the numpy backend's bf16 form
+            s13, s2 = s13.view(bfloat16), s2.view(bfloat16)
+        return Int4Experts("compressed-tensors", n_exp, h, part, w13, s13, w2, s2)
 
 
 def shard_nbytes(cfg: ModelConfig, shard: Shard) -> int:
