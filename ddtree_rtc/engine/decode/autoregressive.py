@@ -35,6 +35,8 @@ class AutoregressiveDecode:
     def __init__(self, runner, sampler, clock):
         self.runner, self.sampler, self.clock = runner, sampler, clock
 
+    width = 1  # forward rows one request takes per step
+
     def tail(self, req: Request) -> int:
         """Cache rows written past the committed prefix: none."""
         return 0
