@@ -38,7 +38,8 @@ class FormRecorder(TargetModel):
         elif (b.ctx_lens == 0).all():
             kind = "prefill"
             slots = self.backend.to_host(inputs.slots).astype(np.int64)
-            rows = self.backend.to_host(cache.data.reshape(self.num_layers, -1, cache.row)[:, slots])
+            flat = cache.data.reshape(self.num_layers, -1, cache.row)
+            rows = self.backend.to_host(flat[:, self.backend.asarray(slots)], bf16=False)
             start = 0
             for s, _, n in reqs:
                 self.kv[s] = rows[:, start:start + n]
@@ -50,8 +51,8 @@ class FormRecorder(TargetModel):
         return out
 
 
-def run(model, prompts, new, max_batch, **kw):
-    eng = Engine(model, max_batch=max_batch, page_size=16, max_context=128, **kw)
+def run(model, prompts, new, max_batch, page_size=16, max_context=128, **kw):
+    eng = Engine(model, max_batch=max_batch, page_size=page_size, max_context=max_context, **kw)
     out = eng.run([Request(i, p, new) for i, p in enumerate(prompts)])
     return eng, [r.output for r in out]
 
@@ -111,3 +112,36 @@ def test_rounds_verify_at_most_64_rows(tiny, mode, budget, n, groups):
         else:
             assert len(verifies[0]) == n
         assert not of_kind(rec, "decode")
+
+
+# prompts on both sides of 64 rows (a prefill alone of at most 64 takes the small-M path), 1122 in all
+GPU_LENGTHS = (5, 40, 64, 65, 100, 150, 33, 200, 12, 90)
+
+
+@pytest.mark.gpu
+def test_gpu_ids_and_prefill_rows_do_not_depend_on_concurrency():
+    """On the GPU, through CUDA graphs, on one TP8 rank of the K2.6 slice with the random head (greedy
+    choices near bf16 ties): AR at concurrency 10 and chain at 10 (verify groups of 8 + 2 requests, 64
+    rows) give AR at concurrency 1's ids, and every prompt's prefill writes the same KV bits. Before
+    row-invariant scheduling the ten prompts were prefilled in one forward of 1122 rows."""
+    from ddtree_rtc.bench.decode import random_slice
+
+    model = random_slice(1, seed=3, shard="tp8")
+    prompts = random_prompts(6, GPU_LENGTHS)
+    runs = {}
+    for name, c, mode in (("ar1", 1, "autoregressive"), ("ar10", 10, "autoregressive"), ("chain10", 10, "chain")):
+        rec = FormRecorder(model)
+        drafter = None if mode == "autoregressive" else RandomDrafter(model.backend, model.cfg.vocab_size, 7, seed=3)
+        eng, out = run(rec, prompts, 24, c, page_size=64, max_context=512, cuda_graphs=True, mode=mode,
+                       drafter=drafter)
+        assert eng.invariant and eng.graphs is not None and eng.runner.replays > 0
+        assert of_kind(rec, "prefill") == [((i, 0, n),) for i, n in enumerate(GPU_LENGTHS)]
+        runs[name] = rec, out
+    rec1, want = runs["ar1"]
+    for name in ("ar10", "chain10"):
+        rec, got = runs[name]
+        bad = [i for i in range(len(prompts)) if got[i] != want[i]]
+        assert not bad, f"{name}: requests {bad} differ from ar1, first at tokens " + str(
+            [next((j for j, (a, b) in enumerate(zip(got[i], want[i])) if a != b), "end") for i in bad])
+        for i in range(len(prompts)):
+            assert np.array_equal(rec.kv[i].view(np.uint16), rec1.kv[i].view(np.uint16)), f"{name}: prompt {i}'s KV"
