@@ -3,10 +3,18 @@ speculative rounds. It owns decoding: ``step`` reads schedule -> prefill -> deco
 what decodes for it (``engine.decode``) is handed the runner, the sampler and the stage clock and
 never calls back.
 
-Each step admits what fits (prefill: every new request's whole prompt in one forward, chunked by
-``max_prefill_tokens``), then decodes every running request: one token in one forward
-(``mode='autoregressive'``, ``decode.autoregressive``), or one DDTree / chain round
-(``decode.round``) that emits 1 .. depth + 1 tokens per request. The only host sync per step is
+Each step admits what fits and prefills it (every new request's whole prompt in one forward, the
+prompts grouped up to ``max_prefill_tokens`` per forward), then decodes every running request: one
+token in one forward (``mode='autoregressive'``, ``decode.autoregressive``), or one DDTree / chain
+round (``decode.round``) that emits 1 .. depth + 1 tokens per request. Prefill and decode rows never
+share a forward.
+
+With the model's ``batch_invariant`` and ``small_m_path`` on (the defaults; ``Engine.invariant``) a
+forward's composition never depends on the load, so a request's tokens do not either
+(docs/architecture.md, "The small-M path"): each prompt is prefilled alone, in one forward of its own
+length, and the running requests decode in groups of at most 64 rows (``SMALL_M_MAX_TOKENS``: an AR
+step takes 1 row per request, a round 1 + budget), one forward (AR) or one round each, so every
+decode and verify forward stays on the row-invariant small-M path. The only host sync per step is
 reading the chosen tokens. Every forward goes through the model runner (``engine.runner``); with
 ``cuda_graphs`` (CUDA backend) the decode forward of each batch size and the verify forward of each
 (batch, budget) are captured once and replayed. Per-stage wall time is accumulated by name on the
@@ -21,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..model.target import TargetModel
+from ..model.target import SMALL_M_MAX_TOKENS, TargetModel
 from .clock import StageClock
 from .decode.autoregressive import AutoregressiveDecode, prefill_tokens
 from .decode.round import SpeculativeRound
@@ -176,14 +184,26 @@ class Engine:
         live = [r for r in work.decode if r.finish is None]
         if live:
             before = sum(len(r.output) for r in live)
-            self.decoder.run(live, eos)
+            for group in self._decode_groups(live):
+                self.decoder.run(group, eos)
             self.stats.decode_tokens += sum(len(r.output) for r in live) - before
         self.stats.decode_rounds += len(live)
         self.stats.steps += 1
         return self._retire()
 
+    @property
+    def invariant(self) -> bool:
+        """Whether forwards are composed independently of the load (the module doc): the model's
+        ``batch_invariant`` with its ``small_m_path`` (row invariance holds only on that path)."""
+        return self.model.batch_invariant and self.model.small_m_path
+
     def _prefill_chunks(self, reqs: list[Request]):
-        """Whole prompts in order, as many per chunk as fit ``max_prefill_tokens`` (at least one)."""
+        """Whole prompts in order: one per forward when ``invariant`` (a prompt's rows, logits and KV
+        rows then depend on that prompt only), else as many per forward as fit
+        ``max_prefill_tokens`` (at least one)."""
+        if self.invariant:
+            yield from ([r] for r in reqs)
+            return
         chunk: list[Request] = []
         for r in reqs:
             if chunk and sum(len(c.prompt) for c in chunk) + len(r.prompt) > self.max_prefill_tokens:
@@ -192,6 +212,17 @@ class Engine:
             chunk.append(r)
         if chunk:
             yield chunk
+
+    def _decode_groups(self, reqs: list[Request]):
+        """The running requests in order, as the decoder's forwards take them: all together, or when
+        ``invariant`` in groups of at most SMALL_M_MAX_TOKENS rows (``decoder.width`` rows per
+        request; one request per group where a request alone takes more)."""
+        if not self.invariant:
+            yield reqs
+            return
+        size = max(1, SMALL_M_MAX_TOKENS // self.decoder.width)
+        for i in range(0, len(reqs), size):
+            yield reqs[i:i + size]
 
     def _prefill(self, chunk: list[Request], eos) -> None:
         layers = self.drafter.target_layer_ids if self.drafter is not None else ()

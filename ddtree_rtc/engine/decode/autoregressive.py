@@ -32,6 +32,8 @@ class AutoregressiveDecode:
     """One decode forward per step over every running request (``runner.decode``: replayed from
     the batch size's CUDA graph when the runner has graphs)."""
 
+    width = 1  # forward rows one request takes per step (the engine groups requests by it)
+
     def __init__(self, runner, sampler, clock):
         self.runner, self.sampler, self.clock = runner, sampler, clock
 
