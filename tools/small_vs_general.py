@@ -45,8 +45,8 @@ TOL = {"bf16": 1e-2, "fp32": 1e-4, "logits": 2e-2}  # per-row relative error; lo
 
 def row_errors(be, got, want) -> np.ndarray:
     """Per row (leading dim) ||got - want|| / ||want||, float64; inf where the non-finite entries differ."""
-    a = be.to_host(got).astype(np.float64).reshape(got.shape[0], -1)
-    b = be.to_host(want).astype(np.float64).reshape(want.shape[0], -1)
+    a = _host(be, got).reshape(got.shape[0], -1)
+    b = _host(be, want).reshape(want.shape[0], -1)
     bad = ~np.isfinite(a) | ~np.isfinite(b)
     same_bad = np.all(np.isfinite(a) == np.isfinite(b), axis=1)
     a, b = np.where(bad, 0, a), np.where(bad, 0, b)
@@ -55,9 +55,22 @@ def row_errors(be, got, want) -> np.ndarray:
     return np.where(same_bad, err, np.inf)
 
 
+def _host(be, a) -> np.ndarray:
+    """A backend array (or a host one) as float64 on the host."""
+    return (a if isinstance(a, np.ndarray) else be.to_host(a)).astype(np.float64)
+
+
 class Table:
-    def __init__(self, be):
-        self.be, self.rows = be, []
+    def __init__(self, be, with_ref: bool = True):
+        self.be, self.rows, self.refs = be, [], []
+        self.with_ref = with_ref
+
+    def add_ref(self, name: str, kind: str, small, general, ref):
+        """A third opinion on one stage: the numpy reference on the general path's input, against the
+        small path's forced output and the general path's (which of the two is off)."""
+        ref = np.asarray(ref)
+        self.refs.append({"stage": name, "kind": kind, "small": row_errors(self.be, small, ref),
+                          "general": row_errors(self.be, general, ref)})
 
     def add(self, name: str, kind: str, forced=None, free=None, want_forced=None, want_free=None):
         """One stage: the small path's output fed the general input (forced) and on its own (free),
@@ -72,6 +85,15 @@ class Table:
             if e is not None and (e > TOL[r["kind"]]).any():
                 return r
         return None
+
+    def print_refs(self):
+        if not self.refs:
+            return
+        print("against the numpy reference on the general path's input (max row err, rows > tol):")
+        for r in self.refs:
+            tol = TOL[r["kind"]]
+            cells = [f"{w} {np.max(r[w]):.2e} ({int((r[w] > tol).sum())})" for w in ("small", "general")]
+            print(f"  {r['stage']:<22} {r['kind']:<6} {cells[0]:<26} {cells[1]}")
 
     def print(self):
         print(f"{'stage':<22} {'kind':<6} {'forced: max row err':>20} {'rows>tol':>8}   {'free: max row err':>18} "
@@ -88,6 +110,28 @@ class Table:
                 w = 20 if which == "forced" else 18
                 cells.append(f"{f'{e[i]:.2e} (row {i})':>{w}} {n:>8}")
             print(f"{r['stage']:<22} {r['kind']:<6} {cells[0]}   {cells[1]}")
+
+
+def dense_ref(be, x, w) -> np.ndarray:
+    """x w^T in float64 (bf16 x; bf16 or fp32 w) on the backend's device, as fp32 on the host."""
+    xp = be.xp
+    f = (lambda a: a) if w.dtype == np.float32 else be.from_bf16
+    y = be.from_bf16(x).astype(xp.float64) @ f(w).astype(xp.float64).T
+    return np.asarray(be.to_host(y.astype(xp.float32)))
+
+
+def routed_ref(be, x, ids, w, experts):
+    """The routed experts' sum (no shared expert) by the reference: reference/moe_gemm.py on numpy,
+    bench.moe.mma_reference (its float64 twin on the 'mma' blobs) on CUDA."""
+    if not be.is_cuda:
+        from ddtree_rtc.reference.moe_gemm import moe_experts
+
+        return moe_experts(x, ids, w, experts, check_ids=False)
+    import cupy
+
+    from ddtree_rtc.bench.moe import mma_reference
+
+    return be.to_host(mma_reference(x, ids, w, experts, xp=cupy))
 
 
 def build_model(a) -> TargetModel:
@@ -223,6 +267,15 @@ def attention(model, table, i, x_s, x_g, cur_s, cur_g, caches, snapshot):
     want_rows = flat_rows(cache_g.layer(i))[slots]
     table.add(p + "cache rows", "bf16", fo["rows"], fr["rows"], want_rows, want_rows)
     table.add(p + "attn o_lat", "bf16", fo["o_lat"], fr["o_lat"], o_lat_g, o_lat_g)
+    if table.with_ref:
+        from ddtree_rtc.reference.mla_attention import mla_attention as ref_attention
+        from ddtree_rtc.reference.mla_attention import mla_attention_plan as ref_plan
+
+        b = cur_g.batch
+        plan_r = ref_plan(b.ctx_lens, b.num_new, cache_g.allocator.page_table(b.seq_ids), d.num_heads, PAGE,
+                          cache_g.num_pages)
+        o_r, _ = ref_attention(plan_r, be.to_host(q_att_g), be.to_host(cache_g.layer(i)), model.cfg.softmax_scale)
+        table.add_ref(p + "attn o_lat", "bf16", fo["o_lat"], o_lat_g, o_r)
     table.add(p + "attn W_UV", "bf16", fo["o"], fr["o"], o_g, o_g)
     table.add(p + "attn o_proj", "bf16", fo["out"], fr["out"], out_g, out_g)
     strays = {"general": stray_rows(be, cache_g.layer(i), snapshot, slots),
@@ -307,12 +360,17 @@ def mlp(model, table, i, x_s, x_g, plans, flips):
 
     fo, fr = small(x_g, True), small(x_s, False)
     table.add(p + "router logits", "fp32", fo["logits"], fr["logits"], logits_g, logits_g)
+    if table.with_ref:
+        table.add_ref(p + "router logits", "fp32", fo["logits"], logits_g, dense_ref(be, x_g, lw.gate_weight))
     same_f = np.array_equal(be.to_host(fo["ids"]), be.to_host(ids_g))  # the weights in the same slot order
     table.add(p + "top-k weights", "fp32", fo["w"] if same_f else None, None, w_g, w_g)
     if hs_g is not None:
         table.add(p + "shared silu*up", "bf16", fo["hs"], fr["hs"], hs_g, hs_g)
         table.add(p + "shared out", "bf16", fo["shared"], fr["shared"], shared_g, shared_g)
     table.add(p + "routed sum", "bf16", fo["routed"], None, routed_g, None)
+    if table.with_ref:
+        ids_r = ids_g - be.xp.int32(offset) if lw.is_expert_shard else ids_g
+        table.add_ref(p + "routed sum", "bf16", fo["routed"], routed_g, routed_ref(be, x_g, ids_r, w_g, lw.experts))
     table.add(p + "MoE out", "bf16", fo["out"], fr["out"], out_g, out_g)
     for which, ids_s, x in (("forced", fo["ids"], x_g), ("free", fr["ids"], x_s)):
         for f in route_report(model, i, x, ids_s, ids_g):
@@ -320,10 +378,11 @@ def mlp(model, table, i, x_s, x_g, plans, flips):
     return fr["out"], out_g
 
 
-def replay(model, m: int, seed: int, ctx_max: int, pdl: bool):
-    """Both paths over one decode batch; returns (table, report dict)."""
+def replay(model, m: int, seed: int, ctx_max: int, pdl: bool, reference: bool = True):
+    """Both paths over one decode batch; returns (table, report dict). ``reference``: also the numpy
+    reference of the attention, router, routed experts and head on the general path's input."""
     be, cfg = model.backend, model.cfg
-    table = Table(be)
+    table = Table(be, reference)
     rng = np.random.default_rng(seed)
     cache_g, cache_s, ctx = make_caches(model, m, rng, ctx_max)
     tokens = np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, m)
@@ -358,6 +417,9 @@ def replay(model, m: int, seed: int, ctx_max: int, pdl: bool):
     table.add("head logits", "logits", be.linear(x_g, model.lm_head, impl=impl_s), be.linear(x_s, model.lm_head,
                                                                                             impl=impl_s),
               logits_g, logits_g)
+    if reference:
+        table.add_ref("head logits", "logits", be.linear(x_g, model.lm_head, impl=impl_s), logits_g,
+                      dense_ref(be, x_g, model.lm_head))
     # model.forward both ways, each twice, on fresh copies of the initial cache
     fwd = {}
     for name, small in (("small", True), ("general", False)):
@@ -381,6 +443,8 @@ def replay(model, m: int, seed: int, ctx_max: int, pdl: bool):
         "stages": [{"stage": r["stage"], "kind": r["kind"],
                     "forced": None if r["forced"] is None else r["forced"].tolist(),
                     "free": None if r["free"] is None else r["free"].tolist()} for r in table.rows],
+        "reference": [{"stage": r["stage"], "kind": r["kind"], "small": r["small"].tolist(),
+                       "general": r["general"].tolist()} for r in table.refs],
         "topk_flips": flips, "stray_cache_rows": strays,
         "forward": {"rel": rel, "per_row": per_row.tolist(),
                     "deterministic": {k: bool(np.array_equal(v[0], v[1])) for k, v in fwd.items()},
@@ -401,6 +465,7 @@ def print_report(table: Table, rep: dict) -> bool:
     print(f"\n== M = {rep['m']}, PDL {'on' if rep['pdl'] else 'off'}, contexts {rep['ctx'][:8]}"
           f"{' ...' if len(rep['ctx']) > 8 else ''}")
     table.print()
+    table.print_refs()
     ok = True
     first = table.first_beyond("forced")
     if first is None:
@@ -415,6 +480,11 @@ def print_report(table: Table, rep: dict) -> bool:
     free = table.first_beyond("free")
     print("free: " + ("no stage beyond tolerance" if free is None else
                       f"first stage beyond tolerance: {free['stage']} (max row err {np.max(free['free']):.2e})"))
+    for r in table.refs:
+        for which in ("small", "general"):
+            if (r[which] > TOL[r["kind"]]).any():
+                print(f"reference: the {which} path's {r['stage']} is beyond tolerance of the numpy reference")
+                ok = False
     for f in rep["topk_flips"]:
         print(f"top-k ids differ ({f['run']}): layer {f['layer']} row {f['row']}: small-only {f['small_only']} "
               f"general-only {f['general_only']}, general margin {f['margin']:.2e}"
@@ -450,6 +520,7 @@ def main() -> int:
     ap.add_argument("--m", default="1,17", help="decode batch sizes (<= 64)")
     ap.add_argument("--ctx-max", type=int, default=4096, help="contexts drawn below this (the GPU test: 4096)")
     ap.add_argument("--pdl", default="on", help="on, off or on,off: off makes every PDL launch plain")
+    ap.add_argument("--no-reference", action="store_true", help="skip the numpy reference's third opinion")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     if a.seed is None:
@@ -465,7 +536,7 @@ def main() -> int:
         with pdl_off(pdl):
             for m in (int(v) for v in a.m.split(",")):
                 t1 = time.time()
-                table, rep = replay(model, m, a.batch_seed, a.ctx_max, pdl)
+                table, rep = replay(model, m, a.batch_seed, a.ctx_max, pdl, not a.no_reference)
                 ok &= print_report(table, rep)
                 print(f"  ({time.time() - t1:.1f} s)")
                 reports.append(rep)
