@@ -251,8 +251,12 @@ def run_gpu(rng, name, m, with_shared=True, f32=False, pdl=None, kernel_offset=F
     h_gpu = plan.h.get()[valid]
     h_ref = expert_hidden(x, ids, ex, check_ids=False)[valid].astype(bfloat16).view(np.uint16)
     ulps = bf16_ulps(h_gpu, h_ref)
-    assert ulps.max() <= 1 and (ulps > 0).sum() <= max(4, 1e-3 * ulps.size), \
-        f"h: {int((ulps > 0).sum())} of {ulps.size} elements differ, by up to {int(ulps.max())} bf16 ulps"
+    # (an h near zero comes from a gate sum near zero, whose fp32 rounding is large relative to it: there
+    # the difference is bounded absolutely, by the sums' error at the scale of h)
+    a, b = h_gpu.view(bfloat16).astype(np.float64), h_ref.view(bfloat16).astype(np.float64)
+    far = (ulps > 1) & ~(np.abs(a - b) <= 1e-5 * np.sqrt(np.mean(b * b)))
+    assert not far.any() and (ulps > 0).sum() <= max(4, 1e-3 * ulps.size), \
+        f"h: {int((ulps > 0).sum())} of {ulps.size} elements differ, {int(far.sum())} by more than one bf16 ulp"
     h_own = np.zeros((m * top_k, i), np.float32)
     h_own[valid] = h_gpu.view(bfloat16).astype(np.float32)
     y_own = down_combine(h_own, ids, w, ex, shared=shared, out=np.empty((m, h), np.float32) if f32 else None)
