@@ -123,12 +123,18 @@ def test_dummy_on_the_gpu_matches_numpy(checkpoints):
     repack of the checkpoint's."""
     import cupy  # noqa: F401
 
-    d, head, seed = checkpoints["tiny"]
-    cfg = load_config(d)
-    for world, ep in ((2, False), (2, True)):
-        shard, comm = Shard(1, world, ep), SimulatedRank(1, world)
+    # rank 1 of 2 under EP (whole experts) and TP; a TP split of the experts' intermediate must leave
+    # the CUDA kernels' 128-wide k blocks whole (tiny's 128 does not split, small's 256 does)
+    for preset, ep in (("tiny", True), ("small", True), ("small", False)):
+        d, head, seed = checkpoints[preset]
+        cfg = load_config(d)
+        shard, comm = Shard(1, 2, ep), SimulatedRank(1, 2)
         host = TargetModel.load(d, Backend("cuda"), shard=shard, comm=comm)
         dev = TargetModel.dummy(cfg, Backend("cuda"), seed=seed, head=head, shard=shard, comm=comm)
+        experts = next(ly.mlp.experts for ly in host.layers if not isinstance(ly.mlp, DenseMLP))
+        assert (experts.num_experts, experts.intermediate) == ((cfg.n_routed_experts // 2, cfg.moe_intermediate_size)
+                                                               if ep else (cfg.n_routed_experts,
+                                                                           cfg.moe_intermediate_size // 2))
         a = {k: (v.get() if hasattr(v, "get") else v) for k, v in arrays(host).items()}
         b = {k: (v.get() if hasattr(v, "get") else v) for k, v in arrays(dev).items()}
         assert_same_bits(a, b)

@@ -9,6 +9,8 @@
 #             the oracle's tau against its expected value), then `bench decode` at the TP8 and EP8 shares
 #             with the general and the small-M kernels (b1 / b33, ctx 4k)
 #   core      one call when only one may come (BUDGET seconds): the never-run GPU tests, then bench node
+#   diag      tools/small_vs_general.py (the small-M path against the general kernels stage by stage, M 1 and
+#             17, PDL on and off: the first stage that parts), then the tests it concerns with --tb=short
 # Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.
 set -uo pipefail
 O=${OUT:-gpu_out}; mkdir -p "$O"
@@ -58,5 +60,16 @@ lossless)
       --small-m all --iters 10 --json "$O/decode_$shard.json" >"$O/decode_$shard.txt" 2>&1
     echo "== bench decode $shard rc=$? $(el)"; tail -10 "$O/decode_$shard.txt" | cut -c1-200
   done ;;
+diag)  # where the small-M path and the general kernels part, then the tests of this session's fixes
+  timeout "$(left 300)" python3 tools/small_vs_general.py --m 1,17 --pdl on,off --json "$O/small_vs_general.json" \
+    >"$O/small_vs_general.txt" 2>&1
+  echo "== small_vs_general rc=$? $(el) (1: a difference above tolerance, see the table)"
+  grep -vE "^L[0-9]+ |^head |^stage " "$O/small_vs_general.txt" | cut -c1-220 | tail -40
+  timeout "$(left 575)" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --tb=short \
+    tests/test_small_m_gpu.py::test_small_path_logits_match_the_general_path tests/test_dummy_load.py \
+    tests/test_moe_small.py::test_kernel_variants tests/test_moe_small.py::test_kernel_vs_reference \
+    >"$O/pytest_diag.txt" 2>&1
+  echo "== pytest diag rc=$? $(el)"
+  grep -E "^(FAILED|ERROR|E  )|passed|failed" "$O/pytest_diag.txt" | cut -c1-220 | tail -30 ;;
 *) echo "PART must be tests, bench or lossless"; exit 2 ;;
 esac

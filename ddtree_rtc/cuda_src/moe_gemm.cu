@@ -285,7 +285,12 @@ __device__ __forceinline__ void moe_gemm(const unsigned char* __restrict__ w, lo
     pdl_trigger();
   }
   const int u = blockIdx.y;
-  if (u >= num_blocks[0]) return;  // the whole CTA (exiting counts as triggering): no barrier yet
+  if (u >= num_blocks[0]) {  // the whole CTA (exiting counts as triggering): no barrier yet
+    // EARLY: it still waits, so that this kernel never completes before the one it depends on (with
+    // an empty list every CTA ends here, and the next kernel's wait covers only this one)
+    if constexpr (EARLY) pdl_wait();
+    return;
+  }
   const int e = block_expert[u];
   const int n_cta = blockIdx.x % n_ctas, split = blockIdx.x / n_ctas;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;

@@ -10,7 +10,9 @@ Stream capture records the launch as a programmatic edge of the CUDA graph.
 The rule every kernel launched this way keeps (and that makes early reads safe): it triggers its
 dependents only after its own wait, so when kernel n starts, kernel n - 2 has completed. Kernel n may
 therefore read what n - 2 and earlier wrote before its wait, but what n - 1 wrote only after it, and
-it writes nothing before it.
+it writes nothing before it. A CTA that exits counts as triggering, and the next kernel's wait covers
+only this one: a kernel all of whose CTAs could exit before their wait would complete before the
+kernel it depends on, so a CTA with nothing to do still waits before it exits.
 """
 
 from __future__ import annotations

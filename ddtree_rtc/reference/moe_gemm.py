@@ -48,7 +48,16 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=
     'compressed-tensors'), shared bf16 [M, H] or None -> y bf16 [M, H] (fp32, unrounded, when
     ``out`` is an fp32 array: a tensor-parallel partial sum). ``plan`` is the CUDA
     wrapper's and is ignored here. Pairs whose id is out of range contribute nothing (with
-    ``check_ids`` they raise instead)."""
+    ``check_ids`` they raise instead). The composition of ``expert_hidden`` and ``down_combine``."""
+    h = expert_hidden(x, topk_ids, experts, check_ids)
+    return down_combine(h, topk_ids, topk_weights, experts, shared, out)
+
+
+def expert_hidden(x, topk_ids, experts, check_ids: bool = True) -> np.ndarray:
+    """The first half of ``moe_experts``: h [M * k, I] fp32 holding bf16 values, h[m * k + j] =
+    bf16(silu(g) * u) of token m through expert topk_ids[m, j] (g, u: float64 sums rounded to fp32);
+    rows of out-of-range ids are zero. A kernel's own h (its gate/up sums rounded in its order) can be
+    fed to ``down_combine`` to check the rest of it exactly."""
     check_experts_layout(experts, "compressed-tensors")
     m, hidden = x.shape
     if m == 0:
@@ -57,25 +66,42 @@ def moe_experts(x, topk_ids, topk_weights, experts, shared=None, out=None, plan=
         raise ValueError(f"x: expected [M, {experts.hidden}], got {x.shape}")
     ids = np.asarray(topk_ids)
     top_k = ids.shape[1]
-    if ids.shape[0] != m or np.asarray(topk_weights).shape != ids.shape:
-        raise ValueError(f"topk_ids/topk_weights: expected [{m}, k] each, got {ids.shape} and "
-                         f"{np.asarray(topk_weights).shape}")
+    if ids.shape[0] != m:
+        raise ValueError(f"topk_ids: expected [{m}, k], got {ids.shape}")
     al = moe_align(ids, experts.num_experts, 1, check_ids=check_ids)
     inter = experts.intermediate
     xf = x.astype(np.float32)
-    d = np.zeros((m * top_k, hidden), dtype=np.float32)
+    h = np.zeros((m * top_k, inter), dtype=np.float32)
     for e in range(experts.num_experts):
         pairs = al.sorted_pairs[al.offsets[e]:al.offsets[e] + al.counts[e]]
         if pairs.size == 0:
             continue
         w13 = dequant_int4(experts.w13[e], experts.w13_scale[e])
-        w2 = dequant_int4(experts.w2[e], experts.w2_scale[e])
         gu = (xf[pairs // top_k].astype(np.float64) @ w13.T.astype(np.float64)).astype(np.float32)
-        h = (silu_f32(gu[:, :inter]) * gu[:, inter:]).astype(bfloat16).astype(np.float32)
-        d[pairs] = h.astype(np.float64) @ w2.T.astype(np.float64)  # batch-invariant sums
+        h[pairs] = (silu_f32(gu[:, :inter]) * gu[:, inter:]).astype(bfloat16).astype(np.float32)
+    return h
+
+
+def down_combine(h, topk_ids, topk_weights, experts, shared=None, out=None):
+    """The second half of ``moe_experts``: h [M * k, I] (bf16 values) -> y, d = h @ W2[e]^T summed in
+    float64, y = sum_j w[m, j] * d (slots in order, fp32) (+ shared[m]); out-of-range ids add nothing."""
+    ids = np.asarray(topk_ids)
+    m, top_k = ids.shape
+    hidden = experts.hidden
+    if np.asarray(topk_weights).shape != ids.shape:
+        raise ValueError(f"topk_ids/topk_weights: expected [{m}, k] each, got {ids.shape} and "
+                         f"{np.asarray(topk_weights).shape}")
+    if h.shape != (m * top_k, experts.intermediate):
+        raise ValueError(f"h: expected [{m * top_k}, {experts.intermediate}], got {h.shape}")
+    valid = (ids >= 0) & (ids < experts.num_experts)
+    flat = ids.reshape(-1)
+    d = np.zeros((m * top_k, hidden), dtype=np.float32)
+    for e in np.unique(flat[valid.reshape(-1)]):
+        pairs = np.flatnonzero(flat == e)
+        w2 = dequant_int4(experts.w2[e], experts.w2_scale[e])
+        d[pairs] = np.asarray(h[pairs], np.float32).astype(np.float64) @ w2.T.astype(np.float64)  # batch-invariant
     w = np.asarray(topk_weights, dtype=np.float32)
     d = d.reshape(m, top_k, hidden)
-    valid = (ids >= 0) & (ids < experts.num_experts)
     acc = np.zeros((m, hidden), dtype=np.float32)
     for j in range(top_k):
         acc = acc + np.where(valid[:, j:j + 1], w[:, j:j + 1] * d[:, j], np.float32(0))
