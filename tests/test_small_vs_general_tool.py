@@ -23,7 +23,7 @@ def tool():
 
 def _model(tool):
     args = types.SimpleNamespace(backend="numpy", preset="tiny", layers=None, seed=0, moe_layers=1)
-    return tool.separate_kernels(tool.build_model(args))
+    return tool.build_model(args)
 
 
 def test_numpy_paths_agree_stage_by_stage(tool, capsys):

@@ -8,7 +8,9 @@
 #   lossless  tools/k2_6_lossless.py (random head: DDTree / chain ids against AR at concurrency 1 and 10;
 #             the oracle's tau against its expected value), then `bench decode` at the TP8 and EP8 shares
 #             with the general and the small-M kernels (b1 / b33, ctx 4k)
-#   core      one call when only one may come (BUDGET seconds): the never-run GPU tests, then bench node
+#   core      one call when only one may come (BUDGET seconds): the GPU tests of code never run on a GPU
+#             (tree-path attention, row-invariant scheduling, bench node's memory plan, ...), then
+#             tools/small_vs_general.py, then a short tools/k2_6_lossless.py (ids against AR)
 #   diag      tools/small_vs_general.py (the small-M path against the general kernels stage by stage, M 1 and
 #             17, PDL on and off: the first stage that parts), then the tests it concerns with --tb=short
 # Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.
@@ -21,19 +23,22 @@ export DDTREE_RTC_COMMIT=${DDTREE_RTC_COMMIT:-$(git rev-parse --short HEAD 2>/de
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$O/install.log" 2>&1 || tail -5 "$O/install.log"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 case "${PART:-tests}" in
-core)  # one call when only one may come: the never-run GPU tests, then bench node
+core)  # one call when only one may come (BUDGET s): the GPU tests of code never run on a GPU, the diagnostic, lossless
   B=${BUDGET:-570}  # seconds this part may take in all (the device call's limit, less a margin)
-  timeout "$(left $(( B < 250 ? B : B * 53 / 100 )))" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --durations=10 \
-    tests/test_dist.py tests/test_dist_vocab.py tests/test_dummy_load.py tests/test_packed_verify.py tests/test_small_m_gpu.py \
-    tests/test_budget_engine.py tests/test_budget.py \
-    tests/test_moe_small.py tests/test_mla_small.py >"$O/pytest_core.txt" 2>&1
+  timeout "$(left $(( B * 50 / 100 )))" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --tb=short --durations=10 \
+    tests/test_mla_small.py tests/test_small_m_gpu.py tests/test_invariant_schedule.py tests/test_mla_attention.py \
+    tests/test_moe_small.py tests/test_moe_gemm.py tests/test_dummy_load.py tests/test_bench_node.py \
+    >"$O/pytest_core.txt" 2>&1
   echo "== pytest core rc=$? $(el) (124: stopped at the time limit)"
   grep -E "^(FAILED|ERROR)|passed|failed" "$O/pytest_core.txt" | cut -c1-200 | tail -25
-  [ "$B" -lt 250 ] && { tail -c 600 "$O/pytest_core.txt"; exit 0; }  # too short for bench node: the tests alone
-  timeout "$(left "$B")" ddtree-rtc bench node --quick --layouts tp --small-m on,off \
-    --json "$O/node.json" >"$O/node.txt" 2>&1
-  echo "== bench node rc=$? $(el)"; tail -12 "$O/node.txt" | cut -c1-220
-  [ -s "$O/node.json" ] && python3 tools/node_summary.py "$O/node.json" ;;
+  [ "$B" -lt 250 ] && { tail -c 600 "$O/pytest_core.txt"; exit 0; }  # too short for the rest: the tests alone
+  timeout "$(left $(( B * 68 / 100 )))" python3 tools/small_vs_general.py --m 1,17 --pdl on \
+    --json "$O/small_vs_general.json" >"$O/small_vs_general.txt" 2>&1
+  echo "== small_vs_general rc=$? $(el) (1: a difference above tolerance)"
+  grep -vE "^L[0-9]+ |^head |^stage " "$O/small_vs_general.txt" | cut -c1-220 | tail -12
+  timeout "$(left "$B")" python3 tools/k2_6_lossless.py --out "$O" --timeout 60 --tokens 64 --no-tau \
+    --runs ar1,ar10,chain1,chain10,b8c1,b32c1 >"$O/lossless.txt" 2>&1
+  echo "== lossless rc=$? $(el)"; tail -9 "$O/lossless.txt" | cut -c1-220 ;;
 tests)
   first="tests/test_packed_verify.py tests/test_small_m_gpu.py tests/test_mla_small.py tests/test_moe_small.py tests/test_budget.py
     tests/test_budget_engine.py tests/test_dummy_load.py tests/test_dist_vocab.py tests/test_dist.py"
@@ -71,5 +76,5 @@ diag)  # where the small-M path and the general kernels part, then the tests of 
     >"$O/pytest_diag.txt" 2>&1
   echo "== pytest diag rc=$? $(el)"
   grep -E "^(FAILED|ERROR|E  )|passed|failed" "$O/pytest_diag.txt" | cut -c1-220 | tail -30 ;;
-*) echo "PART must be tests, bench or lossless"; exit 2 ;;
+*) echo "PART must be core, tests, bench, lossless or diag"; exit 2 ;;
 esac

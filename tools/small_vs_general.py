@@ -147,14 +147,6 @@ def build_model(a) -> TargetModel:
     return TargetModel.dummy(cfg, Backend(a.backend), seed=a.seed, head="random")
 
 
-def separate_kernels(model: TargetModel) -> TargetModel:
-    """The model with the separate small-M kernels (the fused blocks, where the model has them, off):
-    the path this replay follows stage by stage."""
-    if hasattr(model, "fused_blocks"):
-        model.fused_blocks = False
-    return model
-
-
 def make_caches(model, m: int, rng, ctx_max: int):
     """The general path's cache (random rows at scale 1, the GPU test's) and the small path's copy,
     one allocator; each sequence's context drawn from [min(100, ctx_max / 2), ctx_max)."""
@@ -526,7 +518,7 @@ def main() -> int:
     if a.seed is None:
         a.seed = 3 if a.backend == "cuda" and a.preset is None else 0
     t0 = time.time()
-    model = separate_kernels(build_model(a))
+    model = build_model(a)
     if model.shard.world != 1:
         raise SystemExit("small_vs_general: a model on one rank only")
     print(f"{model.backend}, {model.num_layers} layers, {model.dims.num_heads} heads, hidden {model.cfg.hidden_size}, "
