@@ -394,6 +394,7 @@ def _run(args, comm, json_path) -> dict:
         comm.close()
     notes = {"model": f"K2.6 dims, layer 0 dense + {args.moe_layers} MoE layers, random weights"
                       + ("" if args.shard == "none" else f", one rank's {args.shard} share (collectives left out)"),
+             "shard": args.shard,  # projection.selfcheck models the whole slice only (shard "none")
              "floor": "weights read (routed experts: only those the step's tokens touch) + KV rows read, "
                       "over the read ceiling", "page_size": PAGE,
              "queued": "the step enqueued behind a host-released gate kernel: kernels back to back, no host "

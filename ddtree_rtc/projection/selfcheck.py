@@ -25,8 +25,8 @@ def selfcheck() -> list[dict]:
     for name in files:
         d = load_benchmark(name)
         pf = platform_of(d.get("device", ""), pfs)
-        if pf is None or "quick" in name:
-            continue
+        if pf is None or "quick" in name or (d.get("notes") or {}).get("shard", "none") != "none":
+            continue  # (a rank's share, bench decode --shard: not the whole slice this models)
         dev = measured_device(f"{d['device']} ({name})", d["ceilings"]["read_gbs"], pf, pfs["h200"])
         union = measured_union()
         for r in d["rows"]:
