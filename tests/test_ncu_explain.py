@@ -194,7 +194,9 @@ def test_report_command_writes_json_and_markdown(tool, tmp_path, capsys):
     doc = json.loads((tmp_path / "o" / "ncu_explain.json").read_text())
     assert doc["cases"][0]["stages"][0]["kernels"][1]["diagnosis"].startswith("latency-bound")
     assert (tmp_path / "o" / "ncu_explain.md").read_text().startswith("# ncu per kernel")
-    assert "general b1 | attention | 2 | 22.7 | 84.0 | 61.3 | 15.0 |" in capsys.readouterr().out
+    row = "general b1 | attention | 2 | 22.7 | 84.0 | 61.3 | 15.0 MISSED | 0.28 | 696 | " \
+        "linear_gemv_kernel<8, 256>: 20.5"
+    assert row + ", latency-bound" in capsys.readouterr().out
 
 
 def test_ncu_command_profiles_only_the_marked_range(tool, tmp_path):

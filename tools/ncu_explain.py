@@ -7,7 +7,7 @@ one-line diagnosis, and per stage the sum of its kernels against the stage's mea
     python tools/ncu_explain.py report --csv RAW.csv --cases CASES.json [--measured DECODE.json] --out DIR
 
 ``run`` (i) runs ``profile`` under ``ncu --clock-control none --profile-from-start off``: per case
-(``--cases general:1,small-m:1,general:33,small-m:33``, ctx 4k), two warm-up steps, then one eager step
+(``--cases general:1,small-m:1,small-m:33,general:33``, ctx 4k), two warm-up steps, then one eager step
 in which only the kernels of layer ``--layer`` (the first MoE layer) lie between cudaProfilerStart and
 cudaProfilerStop; a tiny marker kernel (``ddtree_ncu_mark_c<case>_<stage>``) is launched at each stage
 boundary, so the CSV can be cut into stages; (ii) exports ncu's raw page as CSV (``--print-units
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MARK_PREFIX = "ddtree_ncu_mark_"
 MARK_RE = re.compile(MARK_PREFIX + r"c(\d+)_([a-z]+)")
-DEFAULT_CASES = "general:1,small-m:1,general:33,small-m:33"
+DEFAULT_CASES = "general:1,small-m:1,small-m:33,general:33"  # in priority order: the last are skipped first
 PATHS = ("general", "small-m")
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
 # metrics beside the sections' (bytes by direction; the L2 hit rate even where a section lacks it)
@@ -200,6 +200,7 @@ def drive(model, cases, ctx: int, layer: int, marks, deadline: float, warmup: in
             flush_l2()
             be.synchronize()
         on = (lambda tag, idx=idx: marks(idx, tag)) if marks is not None else (lambda tag: None)
+        t1 = time.time()
         rec["tags"] = profiled_step(model, inputs, cache, moe_plan, layer, on)
         if be.is_cuda:
             import cupy
@@ -207,9 +208,11 @@ def drive(model, cases, ctx: int, layer: int, marks, deadline: float, warmup: in
             cupy.cuda.get_current_stream().synchronize()
             del cache, inputs, moe_plan
             cupy.get_default_memory_pool().free_all_blocks()
-        rec["seconds"] = time.time() - t0
-        est_case_s = max(est_case_s, rec["seconds"])
-        log(f"case {idx} {rec['actual_path']} b{batch}: {rec['seconds']:.1f} s")
+        rec["seconds"], rec["profiled_s"] = time.time() - t0, time.time() - t1
+        # the next case's cost: its profiled step (ncu's replays) and a margin for its set-up; the
+        # warm-up of a case can hold its kernels' first compilation, which the next may not need
+        est_case_s = max(est_case_s, rec["profiled_s"] + 5)
+        log(f"case {idx} {rec['actual_path']} b{batch}: {rec['seconds']:.1f} s, {rec['profiled_s']:.1f} s profiled")
         out.append(rec)
     return out
 
@@ -260,9 +263,11 @@ FIELDS = {  # our name -> ncu raw-page column
     "limit_blocks": "launch__occupancy_limit_blocks",
     "sms": "device__attribute_multiprocessor_count",
 }
-STALL_RES = (  # WarpStateStats' per-issue ratios; the sampled counts as a fallback
+STALL_RES = (  # WarpStateStats' per-issue ratios first; other spellings of the same breakdown after
     re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$"),
-    re.compile(r"^smsp__pcsamp_warps_issue_stalled_(\w+?)$"),
+    re.compile(r"^smsp__average_warp_latency_issue_stalled_(\w+?)(?:\.ratio|\.sum)?$"),
+    re.compile(r"^smsp__warp_issue_stalled_(\w+?)_per_warp_active\.pct$"),
+    re.compile(r"^smsp__pcsamp_warps_issue_stalled_(\w+?)(?:_not_issued)?$"),
 )
 STALL_WHY = {
     "long_scoreboard": "waiting on global/local loads: too few loads in flight per warp",
@@ -567,12 +572,17 @@ def markdown(rep: dict) -> str:
 
 def short_table(rep: dict) -> str:
     """The few lines a device call prints last."""
-    rows = ["case | stage | launches | kernels µs | measured µs | gap µs | target µs | verdict"]
+    rows = ["case | stage | launches | kernels µs | measured µs | gap µs | target µs | DRAM read / floor bytes | "
+            "busy GB/s | largest kernel: µs, diagnosis"]
     for c in rep["cases"]:
         for s in c.get("stages", []):
+            big = max(s["kernels"], key=lambda k: k.get("duration_us") or 0) if s.get("kernels") else None
+            over = s["dram_read_bytes"] / s["floor_bytes"] if s.get("floor_bytes") else None
+            largest = f"{big['short'][:36]}: {_f(big.get('duration_us'))}, {big['diagnosis'][:110]}" if big else "-"
             rows.append(f"{c.get('actual_path', c['path'])} b{c['batch']} | {s['stage']} | {s['n_kernels']} | "
                         f"{s['sum_kernel_us']:.1f} | {_f(s.get('measured_us'))} | {_f(s.get('gap_us'))} | "
-                        f"{_f(s.get('target_us'))} | {s['verdict'][:160]}")
+                        f"{_f(s.get('target_us'))}{' MISSED' if s.get('missed') else ''} | {_f(over, '.2f')} | "
+                        f"{_f(s.get('kernel_gbs'), '.0f')} | {largest}")
         if not c.get("stages"):
             rows.append(f"{c['path']} b{c['batch']} | - | not profiled: {c.get('skipped') or c.get('missing')}")
     return "\n".join(rows)
@@ -661,7 +671,8 @@ def cmd_run(a) -> int:
         print("ncu_explain: no ncu on PATH, in /usr/local/cuda/bin or /opt/nvidia/nsight-compute/*/", file=sys.stderr)
         return 2
     parse_cases(a.cases)
-    rep_file = out / "ncu_step.ncu-rep"
+    # the .ncu-rep stays on the device machine unless asked for (a device call returns 8 files at most)
+    rep_file = (out if a.keep_rep else Path(os.environ.get("TMPDIR", "/tmp"))) / "ncu_step.ncu-rep"
     csv_file = out / "ncu_raw.csv"
     measured = out / "decode_measured.json"
     env_py = sys.executable
@@ -718,6 +729,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-kernels", type=int, default=600, help="ncu --launch-count: a cap on profiled kernels")
     p.add_argument("--measured", help="a bench decode JSON to take stage times from instead of running it")
     p.add_argument("--ncu", help="the ncu binary (default: found on PATH or under /opt/nvidia)")
+    p.add_argument("--keep-rep", action="store_true", help="write ncu_step.ncu-rep into --out too")
     p = sub.add_parser("profile", parents=[common], help="the driver (under ncu)")
     p.add_argument("--backend", choices=("cuda", "numpy"), default="cuda")
     p.add_argument("--seed", type=int, default=0)
