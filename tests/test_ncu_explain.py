@@ -253,3 +253,45 @@ def test_marker_kernels_run_on_the_gpu(tool):
                       log=lambda *_: None)
     cupy.cuda.get_current_stream().synchronize()
     assert [r["tags"] for r in recs] == [["attention", "moe", "end"]] * 2 and not marks.on
+
+
+FAKE_NCU = '''#!{python}
+"""A stand-in for ncu: runs the program it is given (everything from the driver's python on), writes
+the --export file, and prints the test's CSV for --import. {refuse}: refuses --section at once."""
+import pathlib, subprocess, sys
+args = sys.argv[1:]
+if "--import" in args:
+    assert args[args.index("--page") + 1] == "raw" and "--csv" in args
+    print(pathlib.Path({csv!r}).read_text())
+    sys.exit(0)
+if {refuse} and "--section" in args:
+    print("==ERROR== Could not find section 'WarpStateStats'")
+    sys.exit(1)
+start = next(i for i, a in enumerate(args) if a.endswith("ncu_explain.py")) - 1
+rc = subprocess.call(args[start:])
+pathlib.Path(args[args.index("--export") + 1]).write_text("report")
+sys.exit(rc)
+'''
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_run_drives_ncu_then_reports(tool, tmp_path, refuse, capsys):
+    import sys
+
+    (tmp_path / "raw.csv").write_text(CSV)
+    ncu = tmp_path / "ncu"
+    ncu.write_text(FAKE_NCU.format(python=sys.executable, csv=str(tmp_path / "raw.csv"), refuse=refuse))
+    ncu.chmod(0o755)
+    out = tmp_path / "out"
+    assert tool.main(["run", "--out", str(out), "--ncu", str(ncu), "--backend", "numpy", "--budget", "200",
+                      "--measure-s", "10", "--ctx", "200", "--cases", "general:1"]) == 0
+    log = (out / "ncu_log.txt").read_text()
+    assert log.count("--clock-control none") == (2 if refuse else 1)
+    cases = json.loads((out / "ncu_cases.json").read_text())
+    assert cases["cases"][0]["tags"] == ["attention", "moe", "end"]
+    rep = json.loads((out / "ncu_explain.json").read_text())
+    assert [s["stage"] for s in rep["cases"][0]["stages"]] == ["attention", "moe"]
+    printed = capsys.readouterr().out
+    assert ("explicit metrics" in printed) == refuse and "9 kernels profiled" in printed
+    assert sorted(p.name for p in out.iterdir()) == ["ncu_cases.json", "ncu_explain.json", "ncu_explain.md",
+                                                     "ncu_log.txt", "ncu_raw.csv"]

@@ -685,7 +685,7 @@ def cmd_run(a) -> int:
                 break
             rep_file.unlink(missing_ok=True)
             driver = [env_py, str(Path(__file__).resolve()), "profile", "--out", str(out), "--cases", a.cases,
-                      "--ctx", str(a.ctx), "--layer", str(a.layer), "--shard", a.shard,
+                      "--ctx", str(a.ctx), "--layer", str(a.layer), "--shard", a.shard, "--backend", a.backend,
                       "--deadline", str(time.time() + share - 15)]
             t1 = time.time()
             rc = _run(ncu_command(ncu, rep_file, driver, a.max_kernels, sections), share, log)
@@ -699,7 +699,7 @@ def cmd_run(a) -> int:
             print(f"ncu profiled no kernel (rc {rc}); the end of {out / 'ncu_log.txt'}:")
             print((out / "ncu_log.txt").read_text()[-2500:])
             return 1
-        if not a.measured and left() > 40:
+        if not a.measured and a.backend == "cuda" and left() > 40:
             paths = sorted({p for p, _ in parse_cases(a.cases)})
             small = {("general",): "off", ("small-m",): "on"}.get(tuple(paths), "all")
             batches = ",".join(sorted({str(b) for _, b in parse_cases(a.cases)}, key=int))
@@ -723,6 +723,8 @@ def main(argv=None) -> int:
     common.add_argument("--ctx", type=int, default=4096)
     common.add_argument("--layer", type=int, default=1, help="the layer profiled (1: the first MoE layer)")
     common.add_argument("--shard", choices=("none", "tp8", "ep8"), default="tp8")
+    common.add_argument("--backend", choices=("cuda", "numpy"), default="cuda",
+                        help="numpy: the tiny preset, no kernels (a CPU check of the plumbing)")
     p = sub.add_parser("run", parents=[common], help="ncu + driver, bench decode, report (GPU machine)")
     p.add_argument("--budget", type=float, default=240, help="seconds for all of it")
     p.add_argument("--measure-s", type=float, default=70, help="seconds kept for bench decode after ncu")
@@ -731,7 +733,6 @@ def main(argv=None) -> int:
     p.add_argument("--ncu", help="the ncu binary (default: found on PATH or under /opt/nvidia)")
     p.add_argument("--keep-rep", action="store_true", help="write ncu_step.ncu-rep into --out too")
     p = sub.add_parser("profile", parents=[common], help="the driver (under ncu)")
-    p.add_argument("--backend", choices=("cuda", "numpy"), default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline", type=float, default=0, help="wall clock (epoch s) after which cases are skipped")
     p = sub.add_parser("report", help="CSV + cases -> ncu_explain.json / .md")
