@@ -239,6 +239,23 @@ def test_driver_skips_cases_past_its_deadline(tool, tiny_model):
     assert recs[0]["skipped"] and "tags" not in recs[0]
 
 
+def test_a_failing_case_is_recorded_and_the_next_runs(tool, tiny_model, monkeypatch):
+    real, saved = tool.setup_case, []
+
+    def setup(model, batch, ctx):
+        if batch == 2:
+            raise MemoryError("out of memory allocating the cache")
+        return real(model, batch, ctx)
+
+    monkeypatch.setattr(tool, "setup_case", setup)
+    recs = tool.drive(tiny_model, [("general", 2), ("general", 1)], 200, 1, None, deadline=float("inf"), warmup=0,
+                      log=lambda *_: None, save=lambda r: saved.append(len(r)))
+    assert recs[0]["error"] == "MemoryError: out of memory allocating the cache" and "tags" not in recs[0]
+    assert recs[1]["tags"] == ["attention", "moe", "end"] and saved == [1, 2]
+    rep = tool.build_report([], {"cases": recs, "layer": 1}, None)
+    assert "not profiled: MemoryError" in tool.markdown(rep)
+
+
 @pytest.mark.gpu
 def test_marker_kernels_run_on_the_gpu(tool):
     import cupy

@@ -157,8 +157,13 @@ class CudaMarks:
             self.on = True
         self.fns[f"{MARK_PREFIX}c{case}_{tag}"]((1,), (32,), ())
         if tag == "end":
-            cupy.cuda.runtime.profilerStop()
-            self.on = False
+            self.stop()
+
+    def stop(self) -> None:
+        import cupy
+
+        cupy.cuda.runtime.profilerStop()
+        self.on = False
 
 
 def build_model(backend: str, shard: str, seed: int):
@@ -176,45 +181,62 @@ def build_model(backend: str, shard: str, seed: int):
 
 
 def drive(model, cases, ctx: int, layer: int, marks, deadline: float, warmup: int = 2, est_case_s: float = 0.0,
-          log=print) -> list[dict]:
+          log=print, save=None) -> list[dict]:
     """Per case: its path switched on the model, ``warmup`` plain steps, then the profiled one, with
     ``marks(case_index, tag)`` at the profiled layer's stage boundaries (CudaMarks on the GPU).
-    A case that would start after ``deadline - est_case_s`` (wall clock) is skipped and recorded so."""
-    be, out = model.backend, []
+    A case that would start after ``deadline - est_case_s`` (wall clock) is skipped and recorded so;
+    a case that raises is recorded with its error and the next one runs. ``save(records)`` after
+    each case (the driver writes them as it goes)."""
+    out = []
     for idx, (path, batch) in enumerate(cases):
         rec = {"index": idx, "path": path, "batch": batch, "ctx": ctx, "layer": layer}
+        out.append(rec)
         if time.time() > deadline - est_case_s:
             rec["skipped"] = "no time left under the ncu budget"
-            out.append(rec)
             log(f"case {idx} {path} b{batch}: skipped (time)")
-            continue
-        t0 = time.time()
-        model.small_m_path = path == "small-m"
-        rec["actual_path"] = "small-m" if model.small_m(batch) else "general"
-        cache, inputs, moe_plan = setup_case(model, batch, ctx)
-        for _ in range(warmup):
-            model.run(inputs, cache, output="logits", moe_plan=moe_plan)
-        if be.is_cuda:
-            from ddtree_rtc.bench.harness import flush_l2
-
-            flush_l2()
-            be.synchronize()
-        on = (lambda tag, idx=idx: marks(idx, tag)) if marks is not None else (lambda tag: None)
-        t1 = time.time()
-        rec["tags"] = profiled_step(model, inputs, cache, moe_plan, layer, on)
-        if be.is_cuda:
-            import cupy
-
-            cupy.cuda.get_current_stream().synchronize()
-            del cache, inputs, moe_plan
-            cupy.get_default_memory_pool().free_all_blocks()
-        rec["seconds"], rec["profiled_s"] = time.time() - t0, time.time() - t1
-        # the next case's cost: its profiled step (ncu's replays) and a margin for its set-up; the
-        # warm-up of a case can hold its kernels' first compilation, which the next may not need
-        est_case_s = max(est_case_s, rec["profiled_s"] + 5)
-        log(f"case {idx} {rec['actual_path']} b{batch}: {rec['seconds']:.1f} s, {rec['profiled_s']:.1f} s profiled")
-        out.append(rec)
+        else:
+            try:
+                _one_case(model, rec, marks, warmup)
+            except Exception as e:  # one broken case must not cost the others their profiles
+                rec["error"] = f"{type(e).__name__}: {e}"[:500]
+                if getattr(marks, "on", False):
+                    marks.stop()
+                log(f"case {idx} {path} b{batch}: {rec['error']}")
+            else:
+                # the next case's cost: its profiled step (ncu's replays) and a margin for its set-up;
+                # a case's warm-up may hold its kernels' first compilation, which the next may not need
+                est_case_s = max(est_case_s, 1.3 * rec["profiled_s"] + 5)
+                log(f"case {idx} {rec['actual_path']} b{batch}: {rec['seconds']:.1f} s, "
+                    f"{rec['profiled_s']:.1f} s profiled")
+        if save is not None:
+            save(out)
     return out
+
+
+def _one_case(model, rec: dict, marks, warmup: int) -> None:
+    be = model.backend
+    t0 = time.time()
+    model.small_m_path = rec["path"] == "small-m"
+    rec["actual_path"] = "small-m" if model.small_m(rec["batch"]) else "general"
+    cache, inputs, moe_plan = setup_case(model, rec["batch"], rec["ctx"])
+    for _ in range(warmup):
+        model.run(inputs, cache, output="logits", moe_plan=moe_plan)
+    if be.is_cuda:
+        from ddtree_rtc.bench.harness import flush_l2
+
+        flush_l2()
+        be.synchronize()
+    idx = rec["index"]
+    on = (lambda tag: marks(idx, tag)) if marks is not None else (lambda tag: None)
+    t1 = time.time()
+    rec["tags"] = profiled_step(model, inputs, cache, moe_plan, rec["layer"], on)
+    if be.is_cuda:
+        import cupy
+
+        be.synchronize()
+        del cache, inputs, moe_plan
+        cupy.get_default_memory_pool().free_all_blocks()
+    rec["seconds"], rec["profiled_s"] = time.time() - t0, time.time() - t1
 
 
 def cmd_profile(a) -> int:
@@ -225,13 +247,17 @@ def cmd_profile(a) -> int:
     model = build_model(a.backend, a.shard, a.seed)
     marks = CudaMarks(len(cases)) if a.backend == "cuda" else None
     print(f"model built in {time.time() - t0:.1f} s", flush=True)
-    recs = drive(model, cases, a.ctx, a.layer, marks, deadline=a.deadline or math.inf)
-    doc = {"shard": a.shard, "backend": a.backend, "layer": a.layer, "ctx": a.ctx, "cases": recs}
+    doc = {"shard": a.shard, "backend": a.backend, "layer": a.layer, "ctx": a.ctx, "cases": []}
     if a.backend == "cuda":
         from ddtree_rtc.bench.harness import device_info
 
         doc["device"] = device_info()
-    (out / "ncu_cases.json").write_text(json.dumps(doc, indent=1))
+
+    def save(recs):
+        doc["cases"] = recs
+        (out / "ncu_cases.json").write_text(json.dumps(doc, indent=1))
+
+    drive(model, cases, a.ctx, a.layer, marks, deadline=a.deadline or math.inf, save=save)
     return 0
 
 
@@ -520,7 +546,7 @@ def build_report(kernels: list[dict], cases_doc: dict, measured: dict | None) ->
     for rec in cases_doc["cases"]:
         c = dict(rec)
         c["stages"] = []
-        if rec.get("skipped"):
+        if rec.get("skipped") or rec.get("error"):
             out["cases"].append(c)
             continue
         path = rec.get("actual_path", rec["path"])
@@ -547,8 +573,9 @@ def markdown(rep: dict) -> str:
              "decode's stage time (queued step, events). gap = measured - sum of kernels.", ""]
     for c in rep["cases"]:
         title = f"## {c.get('actual_path', c['path'])} b{c['batch']} ctx{c['ctx'] // 1024}k"
-        if c.get("skipped") or c.get("missing"):
-            lines += [title, "", f"not profiled: {c.get('skipped') or c.get('missing')}", ""]
+        why = c.get("skipped") or c.get("error") or c.get("missing")
+        if why:
+            lines += [title, "", f"not profiled: {why}", ""]
             continue
         lines += [title, ""]
         for s in c["stages"]:
@@ -584,7 +611,8 @@ def short_table(rep: dict) -> str:
                         f"{_f(s.get('target_us'))}{' MISSED' if s.get('missed') else ''} | {_f(over, '.2f')} | "
                         f"{_f(s.get('kernel_gbs'), '.0f')} | {largest}")
         if not c.get("stages"):
-            rows.append(f"{c['path']} b{c['batch']} | - | not profiled: {c.get('skipped') or c.get('missing')}")
+            why = c.get("skipped") or c.get("error") or c.get("missing")
+            rows.append(f"{c['path']} b{c['batch']} | - | not profiled: {why}")
     return "\n".join(rows)
 
 
@@ -686,7 +714,7 @@ def cmd_run(a) -> int:
             rep_file.unlink(missing_ok=True)
             driver = [env_py, str(Path(__file__).resolve()), "profile", "--out", str(out), "--cases", a.cases,
                       "--ctx", str(a.ctx), "--layer", str(a.layer), "--shard", a.shard, "--backend", a.backend,
-                      "--deadline", str(time.time() + share - 15)]
+                      "--deadline", str(time.time() + share - 30)]
             t1 = time.time()
             rc = _run(ncu_command(ncu, rep_file, driver, a.max_kernels, sections), share, log)
             n_kernels = export_csv(ncu, rep_file, csv_file, log) if rep_file.exists() else 0
