@@ -43,6 +43,7 @@ METRICS = [  # (name, unit), in the raw page's (alphabetical) order
     ("launch__registers_per_thread", "register/thread"),
     ("launch__waves_per_multiprocessor", ""),
     ("lts__t_sector_hit_rate.pct", "%"),
+    ("sm__cycles_elapsed.avg.per_second", "hz"),
     ("sm__maximum_warps_per_active_cycle_pct", "%"),
     ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "%"),
     ("sm__warps_active.avg.pct_of_peak_sustained_active", "%"),
@@ -52,14 +53,14 @@ METRICS = [  # (name, unit), in the raw page's (alphabetical) order
     ("smsp__average_warps_issue_stalled_wait_per_issue_active.ratio", "ratio"),
 ]
 MARK = {"sms": "132", "rd": "0", "wr": "0", "dram": "0.1", "mem": "0.5", "ns": "1,024", "blk": "32", "grid": "1",
-        "lreg": "32", "lsm": "32", "reg": "16", "waves": "0.00", "l2": "0", "theo": "100", "sm": "0.1",
-        "occ": "3.1", "bar": "0", "lsb": "0", "sel": "1", "wait": "0.5"}
+        "lreg": "32", "lsm": "32", "reg": "16", "waves": "0.00", "l2": "0", "hz": "1,755,000,000", "theo": "100",
+        "sm": "0.1", "occ": "3.1", "bar": "0", "lsb": "0", "sel": "1", "wait": "0.5"}
 
 
 def _row(i, name, block_dims, grid_dims, **v):
     v = {**MARK, **v}
     vals = [v[k] for k in ("sms", "rd", "wr", "dram", "mem", "ns", "blk", "grid", "lreg", "lsm", "reg", "waves", "l2",
-                           "theo", "sm", "occ", "bar", "lsb", "sel", "wait")]
+                           "hz", "theo", "sm", "occ", "bar", "lsb", "sel", "wait")]
     fixed = [str(i), "4242", "python3", "127.0.0.1", name, "1", "7", block_dims, grid_dims, "0", "9.0"]
     return ",".join(f'"{c}"' for c in fixed + vals)
 
@@ -124,6 +125,7 @@ def test_raw_page_is_parsed_in_base_units(tool):
     assert gemv["duration_us"] == pytest.approx(20.48)
     assert gemv["dram_read"] == 15_728_640 and gemv["grid"] == 66 and gemv["block"] == 256
     assert gemv["occ_theoretical_pct"] == 50 and gemv["regs"] == 96 and gemv["sms"] == 132
+    assert gemv["sm_mhz"] == pytest.approx(1755)
     assert gemv["stalls"]["long_scoreboard"] == pytest.approx(14.2)
     assert ks[6]["dram_read"] is None and ks[6]["duration_us"] == pytest.approx(1.536)
     assert tool.short_name(gemv["name"]) == "linear_gemv_kernel<8, 256>"
@@ -177,8 +179,15 @@ def test_report_puts_kernels_against_the_measured_stage(tool, tmp_path):
     assert moe["dram_read_bytes"] == 31_457_280 and moe["missed"]
     assert rep["cases"][1]["skipped"] and rep["read_gbs"] == 3102.4
     md = tool.markdown(rep)
+    assert "SM clock during the kernels 1755-1755 MHz" in md
     assert "## general b1 ctx4k" in md and "| 1 | `linear_gemv_kernel<8, 256>` | 20.48 |" in md
     assert "not profiled: no time left" in md
+
+
+def test_kernels_longer_than_the_stage_are_called_overlapped(tool):
+    ks = tool.split_stages(tool.read_raw_csv(CSV))[0]["attention"]
+    s = tool.stage_summary("attention", 1, ks, {"us": 20.0, "floor_us": 18.2, "bytes": 56e6}, 3100.0)
+    assert s["gap_us"] < 0 and "measured 20.0 µs < kernels alone 22.7 (2 launches: they overlap" in s["verdict"]
 
 
 def test_moe_target_at_33_is_three_quarters_of_the_touched_bytes(tool):

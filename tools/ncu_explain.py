@@ -266,6 +266,8 @@ def cmd_profile(a) -> int:
 _UNIT_SCALE = {  # to µs for times, bytes for sizes, as ncu's raw page writes them (SI prefixes)
     "nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6,
     "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9,
+    "hz": 1e-6, "Khz": 1e-3, "Mhz": 1.0, "Ghz": 1e3, "cycle/second": 1e-6, "cycle/usecond": 1.0,  # clocks in MHz
+    "cycle/nsecond": 1e3,
 }
 FIELDS = {  # our name -> ncu raw-page column
     "duration_us": "gpu__time_duration.sum",
@@ -288,6 +290,8 @@ FIELDS = {  # our name -> ncu raw-page column
     "limit_warps": "launch__occupancy_limit_warps",
     "limit_blocks": "launch__occupancy_limit_blocks",
     "sms": "device__attribute_multiprocessor_count",
+    "sm_mhz": "sm__cycles_elapsed.avg.per_second",
+    "dram_mhz": "dram__cycles_elapsed.avg.per_second",
 }
 STALL_RES = (  # WarpStateStats' per-issue ratios first; other spellings of the same breakdown after
     re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$"),
@@ -516,8 +520,12 @@ def verdict(s: dict, ranked: list[dict], read_gbs: float | None) -> str:
     parts = []
     if "measured_us" in s:
         gap = s["gap_us"]
-        parts.append(f"measured {s['measured_us']:.1f} µs = kernels {busy:.1f} + between them {gap:.1f} "
-                     f"({gap / n if n else 0:.1f} µs per launch, {n} launches)")
+        if gap >= 0:
+            parts.append(f"measured {s['measured_us']:.1f} µs = kernels {busy:.1f} + between them {gap:.1f} "
+                         f"({gap / n if n else 0:.1f} µs per launch, {n} launches)")
+        else:  # in the step the kernels overlap (PDL) or run from a warmer L2 than ncu's flushed one
+            parts.append(f"measured {s['measured_us']:.1f} µs < kernels alone {busy:.1f} ({n} launches: they "
+                         f"overlap or share the L2 in the step)")
         if s.get("floor_bytes"):
             over = s["dram_read_bytes"] / s["floor_bytes"]
             parts.append(f"DRAM read {s['dram_read_bytes'] / 1e6:.2f} MB = {over:.2f}x the floor's bytes")
@@ -568,9 +576,13 @@ def _f(v, spec=".1f", none="-"):
 
 def markdown(rep: dict) -> str:
     dev = (rep.get("device") or {}).get("device", "?")
+    mhz = sorted(k["sm_mhz"] for c in rep["cases"] for s in c.get("stages", []) for k in s["kernels"]
+                 if k.get("sm_mhz"))
+    clocks = f"SM clock during the kernels {mhz[0]:.0f}-{mhz[-1]:.0f} MHz (median {mhz[len(mhz) // 2]:.0f}). " \
+        if mhz else ""
     lines = [f"# ncu per kernel: one decode step, layer {rep.get('layer')} of the {rep.get('shard')} shard ({dev})",
              "", "Kernel times are ncu's (each kernel alone, L2 flushed, clocks as found); measured = bench "
-             "decode's stage time (queued step, events). gap = measured - sum of kernels.", ""]
+             f"decode's stage time (queued step, events). gap = measured - sum of kernels. {clocks}", ""]
     for c in rep["cases"]:
         title = f"## {c.get('actual_path', c['path'])} b{c['batch']} ctx{c['ctx'] // 1024}k"
         why = c.get("skipped") or c.get("error") or c.get("missing")
