@@ -7,8 +7,8 @@ Compute's raw page, as parsers of it in public repositories show it): the fixed 
 ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size", "Grid Size",
 "Device", "CC", then one column per metric name; a second row of units with empty fixed columns; one
 row per kernel, numbers with thousands separators, "n/a" where a metric has no value; ncu's own
-'==PROF==' lines around it. The metric names are those of the SpeedOfLight, Occupancy, LaunchStats,
-WarpStateStats and MemoryWorkloadAnalysis sections on sm_90. The values are invented."""
+'==PROF==' lines around it. The metric names are those the SpeedOfLight, Occupancy, LaunchStats and
+WarpStateStats sections collect on sm_90, and the tool's explicit ones. The values are invented."""
 
 import importlib.util
 import json

@@ -47,7 +47,8 @@ MARK_PREFIX = "ddtree_ncu_mark_"
 MARK_RE = re.compile(MARK_PREFIX + r"c(\d+)_([a-z]+)")
 DEFAULT_CASES = "general:1,small-m:1,small-m:33,general:33"  # in priority order: the last are skipped first
 PATHS = ("general", "small-m")
-SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
+# what the diagnosis reads (MemoryWorkloadAnalysis and the rest would only add replay passes)
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats")
 # metrics beside the sections' (bytes by direction; the L2 hit rate even where a section lacks it)
 EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sector_hit_rate.pct")
 # the fallback when the sections are refused: explicit sm_90 metric names only
@@ -669,18 +670,20 @@ def ncu_command(ncu: str, report: Path, driver: list[str], max_kernels: int, sec
 
 
 def export_csv(ncu: str, rep_file: Path, csv_file: Path, log) -> int:
-    """ncu's raw page of ``rep_file`` as CSV (base units) into ``csv_file``; returns the kernels in it."""
-    with open(csv_file, "w") as f:
+    """ncu's raw page of ``rep_file`` as CSV into ``csv_file`` (base units; ncu's own units if it
+    refuses --print-units); returns the number of kernels in it."""
+    for units in (["--print-units", "base"], []):
+        with open(csv_file, "w") as f:
+            try:
+                subprocess.run([ncu, "--import", str(rep_file), "--csv", "--page", "raw", *units],
+                               stdout=f, stderr=log, timeout=120)
+            except subprocess.TimeoutExpired:
+                log.write("export timed out\n")
         try:
-            subprocess.run([ncu, "--import", str(rep_file), "--csv", "--page", "raw", "--print-units", "base"],
-                           stdout=f, stderr=log, timeout=120)
-        except subprocess.TimeoutExpired:
-            log.write("export timed out\n")
-    try:
-        return len(read_raw_csv(csv_file.read_text(errors="replace")))
-    except ValueError as e:
-        log.write(f"export: {e}\n")
-        return 0
+            return len(read_raw_csv(csv_file.read_text(errors="replace")))
+        except ValueError as e:
+            log.write(f"export {' '.join(units)}: {e}\n")
+    return 0
 
 
 def _run(cmd, timeout: float, log) -> int:
