@@ -17,12 +17,19 @@ measured time (queued, from events, L2 flushed: the numbers the issue's targets 
 skips the cases it has no time left for, ncu stops after ``--max-kernels`` profiled kernels, and each
 subprocess has a timeout.
 
-A stage's stage time runs from the previous stage's end to this one's (bench decode's `mark`): the
-attention block is the layer's MLA launches plus the residual norm; the MoE stage is router, experts,
-shared expert, combine plus the next layer's input norm. ``gap`` = measured - sum of kernel durations:
-the GPU's switch between kernels and each kernel's ramp and tail, which ncu (each kernel alone, caches
-flushed: ``--cache-control all``) does not see. ncu's durations are each kernel run alone from a cold
-L2, at the clocks the card runs at (``--clock-control none``)."""
+A stage runs from the previous stage's end to its own (bench decode's ``mark``): the attention block is
+the layer's MLA launches plus the residual norm; the MoE stage is router, experts, shared expert and
+combine plus the next layer's input norm. Per stage: ``gap`` = measured - the sum of ncu's kernel
+durations, i.e. the time between kernels (the GPU's switch from one to the next, waits), plus whatever
+separates ncu's isolated runs from the step's (negative where PDL overlaps kernels in the step); the
+DRAM bytes its kernels read against the stage's floor bytes; the target (issue 45: 15 µs at b1; at b33
+the MoE layer at 75% of its touched experts' bytes). Per kernel: launch-bound (under 4 µs and 2 MB),
+DRAM-bound (>= 60% of peak), compute-bound, L1/L2-bound, else latency-bound, with its DRAM share,
+occupancy (and what caps it), CTAs against SMs and the top warp stall. ncu's durations are each kernel
+alone from a flushed L2 (``--cache-control all``), at the clocks the card runs at (``--clock-control
+none``; the report gives the SM clock ncu saw). Pass ``--measured`` a bench decode JSON of the same cases
+to skip step (iii); the device call returns ncu_explain.md / .json, ncu_raw.csv, ncu_cases.json,
+ncu_log.txt and decode_measured.json (the .ncu-rep only with ``--keep-rep``)."""
 
 from __future__ import annotations
 
