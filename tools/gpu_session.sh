@@ -11,9 +11,9 @@
 #   core      one call when only one may come (BUDGET seconds): the GPU tests of code never run on a GPU
 #             (tree-path attention, row-invariant scheduling, bench node's memory plan, ...), then
 #             tools/small_vs_general.py, then a short tools/k2_6_lossless.py (ids against AR)
-#   ncu       tools/ncu_explain.py (BUDGET s, default 240): ncu on one eager decode step of bench decode's TP8
-#             slice, layer 1's kernels only (general / small-M at b1, small-M / general at b33, ctx 4k), then
-#             bench decode on the same cases; per kernel a diagnosis, per stage kernels vs measured time
+#   ncu       tools/ncu_explain.py (BUDGET s, default 240): bench decode's stage times on the TP8 slice
+#             (general / small-M at b1, small-M / general at b33, ctx 4k), then ncu on one eager step of each,
+#             layer 1's kernels only; per kernel a diagnosis, per stage its kernels against the measured time
 #   diag      tools/small_vs_general.py (the small-M path against the general kernels stage by stage, M 1 and
 #             17, PDL on and off: the first stage that parts), then the tests it concerns with --tb=short
 # Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.

@@ -6,14 +6,15 @@ one-line diagnosis, and per stage the sum of its kernels against the stage's mea
     python tools/ncu_explain.py profile --out DIR ...          # the driver, run under ncu (run starts it)
     python tools/ncu_explain.py report --csv RAW.csv --cases CASES.json [--measured DECODE.json] --out DIR
 
-``run`` (i) runs ``profile`` under ``ncu --clock-control none --profile-from-start off``: per case
+``run`` (i) runs ``ddtree-rtc bench decode`` on the same cases (``--moe-layers 1``, under
+``--measure-s``) for each stage's measured time (queued, from events, L2 flushed: the numbers the
+issue's targets are read from); on a fresh machine it also compiles the kernels the driver needs;
+(ii) runs ``profile`` under ``ncu --clock-control none --profile-from-start off``: per case
 (``--cases general:1,small-m:1,small-m:33,general:33``, ctx 4k), two warm-up steps, then one eager step
 in which only the kernels of layer ``--layer`` (the first MoE layer) lie between cudaProfilerStart and
 cudaProfilerStop; a tiny marker kernel (``ddtree_ncu_mark_c<case>_<stage>``) is launched at each stage
-boundary, so the CSV can be cut into stages; (ii) exports ncu's raw page as CSV (``--print-units
-base``); (iii) with the time left, ``ddtree-rtc bench decode`` on the same cases for each stage's
-measured time (queued, from events, L2 flushed: the numbers the issue's targets are read from);
-(iv) ``report``: ncu_explain.json and ncu_explain.md in DIR. ncu's wall time is bounded: the driver
+boundary, so the CSV can be cut into stages; (iii) exports ncu's raw page as CSV (``--print-units
+base``); (iv) ``report``: ncu_explain.json and ncu_explain.md in DIR. ncu's wall time is bounded: the driver
 skips the cases it has no time left for, ncu stops after ``--max-kernels`` profiled kernels, and each
 subprocess has a timeout.
 
@@ -28,7 +29,7 @@ DRAM-bound (>= 60% of peak), compute-bound, L1/L2-bound, else latency-bound, wit
 occupancy (and what caps it), CTAs against SMs and the top warp stall. ncu's durations are each kernel
 alone from a flushed L2 (``--cache-control all``), at the clocks the card runs at (``--clock-control
 none``; the report gives the SM clock ncu saw). Pass ``--measured`` a bench decode JSON of the same cases
-to skip step (iii); the device call returns ncu_explain.md / .json, ncu_raw.csv, ncu_cases.json,
+to skip step (i); the device call returns ncu_explain.md / .json, ncu_raw.csv, ncu_cases.json,
 ncu_log.txt and decode_measured.json (the .ncu-rep only with ``--keep-rep``)."""
 
 from __future__ import annotations
@@ -727,10 +728,21 @@ def cmd_run(a) -> int:
     measured = out / "decode_measured.json"
     env_py = sys.executable
     with open(out / "ncu_log.txt", "w") as log:
+        if not a.measured and a.backend == "cuda":
+            # first: the stage times, and the kernels' first compilation on a fresh machine (NVRTC's disk
+            # cache), which the driver under ncu then skips
+            cases = parse_cases(a.cases)
+            paths = sorted({p for p, _ in cases})
+            small = {("general",): "off", ("small-m",): "on"}.get(tuple(paths), "all")
+            batches = ",".join(sorted({str(b) for _, b in cases}, key=int))
+            t1 = time.time()
+            rc = _run([env_py, "-m", "ddtree_rtc.cli", "bench", "decode", "--shard", a.shard, "--moe-layers", "1",
+                       "--batches", batches, "--contexts", str(a.ctx), "--small-m", small, "--iters", "5",
+                       "--json", str(measured)], min(a.measure_s, left() - 100), log)
+            print(f"== bench decode rc={rc} {time.time() - t1:.0f} s (124: stopped at its time limit)", flush=True)
         n_kernels, rc = 0, 124
         for sections in (True, False):
-            # ncu's share of the budget: the rest is for the export, bench decode and the report
-            share = left() - a.measure_s - 15
+            share = left() - 15  # the rest: the export and the report
             if share < 30:
                 break
             rep_file.unlink(missing_ok=True)
@@ -749,14 +761,6 @@ def cmd_run(a) -> int:
             print(f"ncu profiled no kernel (rc {rc}); the end of {out / 'ncu_log.txt'}:")
             print((out / "ncu_log.txt").read_text()[-2500:])
             return 1
-        if not a.measured and a.backend == "cuda" and left() > 40:
-            paths = sorted({p for p, _ in parse_cases(a.cases)})
-            small = {("general",): "off", ("small-m",): "on"}.get(tuple(paths), "all")
-            batches = ",".join(sorted({str(b) for _, b in parse_cases(a.cases)}, key=int))
-            rc = _run([env_py, "-m", "ddtree_rtc.cli", "bench", "decode", "--shard", a.shard, "--moe-layers", "1",
-                       "--batches", batches, "--contexts", str(a.ctx), "--small-m", small, "--iters", "5",
-                       "--json", str(measured)], left() - 10, log)
-            print(f"== bench decode rc={rc}", flush=True)
     ns = argparse.Namespace(csv=csv_file, cases=out / "ncu_cases.json", measured=a.measured or measured, out=out)
     if not ns.cases.exists():
         print(f"the driver wrote no {ns.cases}: see {out / 'ncu_log.txt'}")
@@ -777,7 +781,8 @@ def main(argv=None) -> int:
                         help="numpy: the tiny preset, no kernels (a CPU check of the plumbing)")
     p = sub.add_parser("run", parents=[common], help="ncu + driver, bench decode, report (GPU machine)")
     p.add_argument("--budget", type=float, default=240, help="seconds for all of it")
-    p.add_argument("--measure-s", type=float, default=70, help="seconds kept for bench decode after ncu")
+    p.add_argument("--measure-s", type=float, default=80,
+                   help="at most this many seconds for bench decode (run first; ncu gets at least 100)")
     p.add_argument("--max-kernels", type=int, default=600, help="ncu --launch-count: a cap on profiled kernels")
     p.add_argument("--measured", help="a bench decode JSON to take stage times from instead of running it")
     p.add_argument("--ncu", help="the ncu binary (default: found on PATH or under /opt/nvidia)")
