@@ -11,6 +11,9 @@
 #   core      one call when only one may come (BUDGET seconds): the GPU tests of code never run on a GPU
 #             (tree-path attention, row-invariant scheduling, bench node's memory plan, ...), then
 #             tools/small_vs_general.py, then a short tools/k2_6_lossless.py (ids against AR)
+#   ncu       tools/ncu_explain.py (BUDGET s, default 240): bench decode's stage times on the TP8 slice
+#             (general / small-M at b1, small-M / general at b33, ctx 4k), then ncu on one eager step of each,
+#             layer 1's kernels only; per kernel a diagnosis, per stage its kernels against the measured time
 #   diag      tools/small_vs_general.py (the small-M path against the general kernels stage by stage, M 1 and
 #             17, PDL on and off: the first stage that parts), then the tests it concerns with --tb=short
 # Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.
@@ -76,5 +79,11 @@ diag)  # where the small-M path and the general kernels part, then the tests of 
     >"$O/pytest_diag.txt" 2>&1
   echo "== pytest diag rc=$? $(el)"
   grep -E "^(FAILED|ERROR|E  )|passed|failed" "$O/pytest_diag.txt" | cut -c1-220 | tail -30 ;;
-*) echo "PART must be core, tests, bench, lossless or diag"; exit 2 ;;
+ncu)  # why the attention block and the MoE layer miss their targets (issue 45): ncu per kernel, one layer
+  B=${BUDGET:-240}  # seconds this part may take in all (the first call on a fresh machine compiles: 400)
+  timeout "$(left "$B")" python3 tools/ncu_explain.py run --out "$O" --budget "$(left $(( B - 10 )))"
+  echo "== ncu_explain rc=$? $(el) (files: ncu_explain.md / .json, ncu_raw.csv, ncu_log.txt)"
+  [ -s "$O/ncu_explain.md" ] && grep -E '^(## |\*\*)' "$O/ncu_explain.md" | cut -c1-600
+  [ -s "$O/ncu_explain.md" ] || tail -c 2000 "$O/ncu_log.txt" ;;
+*) echo "PART must be core, tests, bench, lossless, ncu or diag"; exit 2 ;;
 esac
