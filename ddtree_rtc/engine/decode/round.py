@@ -107,6 +107,13 @@ class SpeculativeRound:
         """Verify rows one request may take: its root and every node slot of the tree buffers."""
         return 1 + self.budget
 
+    @property
+    def min_rows(self) -> int:
+        """Verify rows one request takes at least (the engine's row-invariant grouping packs by it):
+        with a fixed budget all of ``width``; with the auto budget its root, the nodes being shared
+        within the round's rows (``AutoBudget.max_rows``)."""
+        return 1 if self.auto is not None else self.width
+
     def tail(self, req) -> int:
         """Cache rows a round writes past the committed prefix: the root and every node slot."""
         return 1 + self.budget
