@@ -213,6 +213,73 @@ def test_row_buckets():
         assert t[0] == b and t[-1] == b * w and all(x < y <= max(x * 1.5, x + 8) for x, y in zip(t, t[1:]))
 
 
+def test_a_row_cap_keeps_the_buckets_under_it():
+    """Row-invariant scheduling caps a round at 64 verify rows: every bucket is under the cap, the
+    roots alone are always one, and the cap itself is one where the batch's rows could pass it."""
+    cost = moe_cost()
+    capped = AutoBudget(MAX, DEPTH, cost, bucketed=True, max_rows=64)
+    assert capped.graph_buckets(10) == capped.buckets(10) == (10, 16, 24, 32, 48, 64)
+    assert capped.graph_buckets(1) == (1, 8, 16, 24, 32, 48, 64)
+    assert capped.graph_buckets(64) == (64,)
+    assert AutoBudget(4, DEPTH, cost, bucketed=True, max_rows=64).graph_buckets(2) == row_buckets(2, 5)
+    assert AutoBudget(MAX, DEPTH, cost, bucketed=True, max_rows=50).graph_buckets(10) == (10, 16, 24, 32, 48, 50)
+    eager = AutoBudget(MAX, DEPTH, cost, max_rows=64)
+    assert eager.buckets(3) == tuple(range(3, 65)) and eager.graph_buckets(3) == (3, 8, 16, 24, 32, 48, 64)
+    assert AutoBudget(MAX, DEPTH, cost, bucketed=True).buckets(10) == row_buckets(10, MAX + 1)  # no cap
+    # 64 roots leave no row for a node: the round does not draft
+    assert capped.should_draft(list(range(63))) and not capped.should_draft(list(range(64)))
+    with pytest.raises(BudgetError, match="max_rows must be >= 1"):
+        AutoBudget(MAX, DEPTH, cost, max_rows=0)
+
+
+def count_rate(vals, counts, cost, buckets):
+    """Expected tokens per modelled second of a cut (the rows at the smallest bucket holding them)."""
+    b = len(vals)
+    nodes = b + int(counts.sum())
+    rows = min(t for t in buckets if t >= nodes)
+    gain = sum(vals[i, :n].sum() for i, n in enumerate(counts))
+    return (b + gain) / (cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(rows, nodes, b)))
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_a_capped_policy_picks_the_best_counts_within_the_cap(bucketed):
+    """Ten requests of several profiles where the uncapped choice verifies far more than 64 rows:
+    under the cap the choice is at most 64 rows, and no cut within the cap (the best k nodes of
+    every total k, and random cuts) has more expected tokens per second. AR and chains stay in the
+    space: dear nodes give none, a confident drafter under a tight cap its top-1 path."""
+    rng = np.random.default_rng(7)
+    sims = [OracleSim(**PROFILES[n], seed=30 + i) for i, n in enumerate(sorted(PROFILES) * 3)][:10]
+    vals = np.stack([np.exp(s.tree.scores[0, 1:]) for s in sims])  # non-increasing per request (pop order)
+    b, caps = len(vals), np.full(10, MAX)
+    cheap = CostModel.fanout(base_s=4e-3, row_s=1e-7, expert_s=60 * 1e-9, draft_s=1e-3, fixed_s=1e-3)
+    free = AutoBudget(MAX, DEPTH, cheap, bucketed=bucketed)
+    assert free.choose(vals, caps, 0).rows > 2 * 64  # uncapped: far past the cap
+    auto = AutoBudget(MAX, DEPTH, cheap, bucketed=bucketed, max_rows=64)
+    c = auto.choose(vals, caps, 0)
+    buckets = auto.buckets(b)
+    assert c.rows <= 64 and b + c.counts.sum() <= c.rows and c.counts.sum() > 0
+    assert len(set(c.counts.tolist())) > 1  # shared by value: the profiles get different counts
+    best = count_rate(vals, c.counts, cheap, buckets)
+    assert c.seconds == pytest.approx(cheap.fixed_s(b) + cheap.draft_s(b) + c.verify_s)
+    order = np.argsort(-vals.ravel(), kind="stable")
+    for k in range(64 - b + 1):  # the best k-node cut of every size k within the cap
+        counts = np.bincount(order[:k] // MAX, minlength=b)
+        assert count_rate(vals, counts, cheap, buckets) <= best * (1 + 1e-12), k
+    for _ in range(300):  # random cuts within the cap
+        counts = rng.multinomial(rng.integers(0, 64 - b + 1), np.full(b, 1 / b))
+        assert count_rate(vals, np.minimum(counts, MAX), cheap, buckets) <= best * (1 + 1e-12)
+    # dear nodes: autoregressive; a confident drafter, one request, a cap of 8 rows: its top-1 path
+    dear = CostModel(verify=((1, 1e-3), (2, 2e-3)), fixed=((1, 1e-3),))
+    tree = build(rng.standard_normal((b, DEPTH, VOCAB)).astype(np.float32))
+    c = AutoBudget(MAX, DEPTH, dear, bucketed=bucketed, max_rows=64).choose(np.exp(tree.scores[:, 1:]), caps, 0)
+    assert c.counts.tolist() == [0] * b and c.rows == b
+    confident = OracleSim(p=0.97)
+    one = AutoBudget(MAX, DEPTH, CostModel(verify=((1, 1e-3), (10**6, 1e-3))), bucketed=bucketed, max_rows=8)
+    c = one.choose(np.exp(confident.tree.scores[0, 1:])[None], [MAX], 0)
+    assert c.counts.tolist() == [7] and c.rows == 8
+    assert confident.depth[1:8].tolist() == list(range(1, 8)) and all(confident.rank[j] == 0 for j in range(1, 8))
+
+
 def test_the_verify_is_priced_by_the_packed_rows():
     """Unequal counts cost the rows they take: a cheap request's nodes are not paid for in the
     others' slots. Of two requests, one confident and one not, auto verifies the first's nodes

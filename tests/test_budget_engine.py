@@ -124,7 +124,8 @@ def test_predicted_and_measured_tau_are_reported(tiny, cont):
 def test_warm_up_measures_the_costs_it_chooses_by(tiny, cont):
     """The CUDA warm-up path, run on numpy (a cost model marked measured and empty): at the first
     drafted round every row bucket's verify is timed (the trees cut to fill it and the roots alone)
-    and the draft and the rest of the round are timed afterwards; the ids stay autoregressive
+    and the draft and the rest of the round are timed afterwards (row-invariant, as here by default,
+    a smaller batch's missing buckets at its own first drafted round); the ids stay autoregressive
     decoding's."""
     from ddtree_rtc.engine.decode.budget import row_buckets
 
@@ -136,9 +137,36 @@ def test_warm_up_measures_the_costs_it_chooses_by(tiny, cont):
     got = [r.output for r in eng.run([Request(i, p, 10) for i, p in enumerate(ps)])]
     assert got == want
     auto = eng.round.auto
-    assert auto.cost is cost and [x for x, _ in cost.verify] == list(map(float, row_buckets(2, 5)))
+    batches = eng.round._auto_round.measured_batches  # 2, and 1 if the last request drafted alone
+    assert auto.cost is cost and 2 in batches and batches <= {1, 2}
+    assert [x for x, _ in cost.verify] == sorted(map(float, set().union(*map(auto.graph_buckets, batches))))
+    assert set(row_buckets(2, 5)) <= {x for x, _ in cost.verify}
     assert all(t > 0 for _, t in cost.verify) and cost.draft_s(2) > 0 and cost.expert_s >= 0
     assert auto.stats.drafted_rounds > 0
+
+
+def test_warm_up_under_the_row_cap_measures_every_bucket_it_uses(tiny, cont):
+    """Row-invariant scheduling (the default) caps a round at 64 verify rows: five requests of 17
+    rows at most (85) verify within the graph buckets under 64 (CUDA graphs' buckets, simulated on
+    numpy), the warm-up measures those, and as the batch shrinks (requests of other lengths finish)
+    a smaller batch's first drafted round measures the buckets below the first batch's roots."""
+    ps = prompts(19, (6, 9, 4, 12, 7))
+    new = [30, 4, 9, 6, 11]  # request 1 is done in 3 rounds at most, request 0 takes 4 at least
+    _, want = run(tiny, ps, new, max_batch=5)
+    cost = CostModel(draft=(), fixed=(), measured=True, source="warm-up")
+    eng = Engine(tiny, max_batch=5, page_size=16, max_context=128, mode="ddtree",
+                 drafter=oracle(tiny, cont, accept_p=0.9), budget="auto", max_budget=MAX, cost=cost)
+    auto = eng.round.auto
+    assert eng.invariant and auto.max_rows == 64
+    auto.bucketed = True  # the CUDA graphs' buckets (numpy runs any shape eagerly)
+    auto.probe_every = 1  # every round drafts (the measured timings would decide the holds)
+    got = [r.output for r in eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(ps, new))])]
+    assert got == want
+    measured = {int(x) for x, _ in cost.verify}
+    batches = eng.round._auto_round.measured_batches
+    assert 5 in batches and len(batches) > 1 and max(measured) == 64
+    assert all(set(auto.graph_buckets(b)) <= measured for b in batches)
+    assert set(auto.stats.rows_hist) <= measured  # every verify used is a measured bucket
 
 
 def test_bad_input_is_named(tiny, cont):
@@ -183,7 +211,6 @@ def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, 
     every verify shape captured is a row bucket's."""
     from test_round_gpu import assert_agree, copies, dense_tiny_config, oracle_of, pick_clear, pool_requests, run_engine
 
-    from ddtree_rtc.engine.decode.budget import row_buckets
     from ddtree_rtc.model.make_model import make_model
 
     d = tmp_path_factory.mktemp("tiny_dense_auto")
@@ -202,7 +229,8 @@ def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, 
     assert (auto.cost.source == "warm-up") == (table is None)
     if table is None:  # every bucket measured, the fan-out slope and the draft's seconds too
         measured = {x for x, _ in auto.cost.verify}
-        assert any(measured >= set(map(float, row_buckets(b, MAX + 1))) for b in range(1, 5))
+        assert any(measured >= set(map(float, auto.graph_buckets(b))) for b in range(1, 5))
         assert auto.cost.draft_s(4) > 0
-    if graphs:
-        assert all(key[1] in row_buckets(key[0], MAX + 1) for key in eng.runner._shapes if key[2])
+    if graphs:  # the row-invariant default: none over 64 rows
+        assert all(key[1] in auto.graph_buckets(key[0]) for key in eng.runner._shapes if key[2])
+        assert max(key[1] for key in eng.runner._shapes if key[2]) <= 64

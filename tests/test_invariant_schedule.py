@@ -114,6 +114,63 @@ def test_rounds_verify_at_most_64_rows(tiny, mode, budget, n, groups):
         assert not of_kind(rec, "decode")
 
 
+def steps_of(eng, rec, reqs):
+    """Run ``reqs`` step by step: per step the requests that decode in it (running before it) and
+    the verify forms it made."""
+    for r in reqs:
+        eng.submit(r)
+    out = []
+    while eng.has_work():
+        live = sorted(r.rid for r in eng.running_requests() if r.finish is None)
+        n = len(rec.forms)
+        eng.step()
+        out.append((live, [f for k, f in rec.forms[n:] if k == "verify"]))
+    return [r.output for r in sorted(eng.scheduler.finished, key=lambda r: r.rid)], out
+
+
+SAMPLED = dict(temperature=[0.0, 0.8, 1.0, 1.3, 0.0, 0.7, 1.0, 0.9, 1.2, 0.6],
+               top_p=[1.0, 0.9, 1.0, 0.8, 1.0, 1.0, 0.95, 0.9, 1.0, 0.85], seed=[None, 3, 4, 5, None, 6, 7, 8, 9, 10])
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_auto_shares_one_round_of_64_rows_at_concurrency_10(tiny, cont, sampled):
+    """decode.budget auto at concurrency 10 (max_budget 16: 17 rows a request at most): one round per
+    step over every running request, its policy sharing at most 64 verify rows (nodes free in the
+    cost table, so it fills them), the ids the engine's AR ids (T = 0, and T > 0 beside T = 0).
+    With batch_invariant off, the old uncapped round (every request at max_budget: 170 rows)."""
+    from ddtree_rtc.engine.decode.budget import CostModel
+    from ddtree_rtc.speculative.drafters import OracleDrafter
+
+    prompts = random_prompts(8, LENGTHS)
+    new = [9, 12, 6, 10, 11, 7, 12, 8, 10, 9]
+    kw = SAMPLED if sampled else {}
+
+    def reqs():
+        return [Request(i, p, new[i], **{k: v[i] for k, v in kw.items()}) for i, p in enumerate(prompts)]
+
+    want = [r.output for r in Engine(tiny, max_batch=10, page_size=16, max_context=128).run(reqs())]
+    for invariant in (True, False):
+        rec = FormRecorder(tiny, batch_invariant=invariant)
+        eng = Engine(rec, max_batch=10, page_size=16, max_context=128, mode="ddtree",
+                     drafter=OracleDrafter(tiny.backend, tiny.cfg.vocab_size, 7, cont, accept_p=0.9),
+                     budget="auto", max_budget=16, cost=CostModel(verify=((1, 1e-3), (10**6, 1e-3))))
+        assert eng.invariant == invariant and eng.round.auto.max_rows == (SMALL_M_MAX_TOKENS if invariant else None)
+        got, steps = steps_of(eng, rec, reqs())
+        assert got == want, f"invariant={invariant}: ids differ from AR"
+        for live, verifies in steps:  # one round per step, over every running request
+            assert [[s for s, _, _ in f] for f in verifies] == ([live] if live else [])
+        verifies = [f for _, v in steps for f in v]
+        assert verifies and all(m <= 17 for f in verifies for _, _, m in f)
+        rows = [sum(m for _, _, m in f) for f in verifies]
+        st = eng.round.auto.stats
+        if invariant:
+            assert max(rows) == SMALL_M_MAX_TOKENS and all(t <= SMALL_M_MAX_TOKENS for t in rows)
+            assert set(st.rows_hist) <= set(range(1, SMALL_M_MAX_TOKENS + 1))
+        else:
+            assert max(rows) == 10 * 17
+        assert sum(st.counts_hist.values()) == eng.stats.decode_rounds
+
+
 # prompts on both sides of 64 rows (a prefill alone of at most 64 takes the small-M path), 1122 in all
 GPU_LENGTHS = (5, 40, 64, 65, 100, 150, 33, 200, 12, 90)
 

@@ -13,8 +13,10 @@ With the model's ``batch_invariant`` and ``small_m_path`` on (the defaults; ``En
 forward's composition never depends on the load, so a request's tokens do not either
 (docs/architecture.md, "The small-M path"): each prompt is prefilled alone, in one forward of its own
 length, and the running requests decode in groups of at most 64 rows (``SMALL_M_MAX_TOKENS``: an AR
-step takes 1 row per request, a round 1 + budget), one forward (AR) or one round each, so every
-decode and verify forward stays on the row-invariant small-M path. The only host sync per step is
+step takes 1 row per request, a fixed-budget round 1 + budget; ``decoder.min_rows``), one forward
+(AR) or one round each, so every decode and verify forward stays on the row-invariant small-M path.
+With ``decode.budget: auto`` a request takes 1 row at least, so a group holds up to 64 requests and
+its policy shares the 64 verify rows among them (``AutoBudget.max_rows``). The only host sync per step is
 reading the chosen tokens. Every forward goes through the model runner (``engine.runner``); with
 ``cuda_graphs`` (CUDA backend) the decode forward of each batch size and the verify forward of each
 (batch, budget) are captured once and replayed. Per-stage wall time is accumulated by name on the
@@ -109,8 +111,10 @@ class Engine:
         if cost is None and not self.backend.is_cuda:
             raise BudgetError("decode.budget auto on the numpy backend needs decode.cost_table (a verify cost "
                               "table, engine/decode/budget.py): only the CUDA backend measures one at warm-up")
-        # with CUDA graphs a verify shape is a captured graph: a few row buckets; eagerly any row count is one
-        return AutoBudget(max_budget, drafter.depth, cost, bucketed=graphs)
+        # with CUDA graphs a verify shape is a captured graph: a few row buckets; eagerly any row count is one.
+        # Invariant, a round's verify holds at most SMALL_M_MAX_TOKENS rows (the module doc)
+        return AutoBudget(max_budget, drafter.depth, cost, bucketed=graphs,
+                          max_rows=SMALL_M_MAX_TOKENS if self.invariant else None)
 
     @property
     def context_limit(self) -> int:
@@ -215,12 +219,12 @@ class Engine:
 
     def _decode_groups(self, reqs: list[Request]):
         """The running requests in order, as the decoder's forwards take them: all together, or when
-        ``invariant`` in groups of at most SMALL_M_MAX_TOKENS rows (``decoder.width`` rows per
+        ``invariant`` in groups of at most SMALL_M_MAX_TOKENS rows (``decoder.min_rows`` rows per
         request; one request per group where a request alone takes more)."""
         if not self.invariant:
             yield reqs
             return
-        size = max(1, SMALL_M_MAX_TOKENS // self.decoder.width)
+        size = max(1, SMALL_M_MAX_TOKENS // self.decoder.min_rows)
         for i in range(0, len(reqs), size):
             yield reqs[i:i + size]
 

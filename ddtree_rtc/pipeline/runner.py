@@ -506,6 +506,7 @@ def run_pipeline(pipe: Pipeline, quiet: bool = False, ranks: Ranks | None = None
             "auto": None if engine.round.auto is None else {
                 **engine.round.auto.stats.summary(), "max_budget": engine.round.auto.max_budget,
                 "row_buckets": "graphs" if engine.round.auto.bucketed else "every count",
+                "max_rows": engine.round.auto.max_rows,
                 "cost_model": engine.round.auto.cost.to_json()}},
         "cuda_graphs": None if engine.graphs is None else {"captured": engine.graphs.captures,
                                                            "replays": engine.graphs.replays},

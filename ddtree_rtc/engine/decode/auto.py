@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from ...reference.tree_build import TreeArrays
-from .budget import AutoBudget, Choice, experts_touched, fit_expert_s, node_values, row_buckets
+from .budget import AutoBudget, Choice, experts_touched, fit_expert_s, node_values
 
 MEASURE_REPS = 3
 OVERHEAD_DECAY = 0.9  # weight of the running mean of the measured draft / other seconds per round
@@ -50,6 +50,7 @@ class AutoRound:
     def __init__(self, auto: AutoBudget, backend, runner):
         self.auto, self.backend, self.runner = auto, backend, runner
         self.measured_batches: set = set()
+        self._slopes: list = []  # every fan-out slope measured (the model's is their median)
         self._ones = {}
 
     def estimate(self, tree: TreeArrays, rids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,14 +85,14 @@ class AutoRound:
         return np.asarray(budgets, np.int64)
 
     def measure(self, rids, prefix, tree: TreeArrays, num_nodes: np.ndarray, output: str) -> None:
-        """Time the verify of every row bucket for this batch (``row_buckets``: the graphs' buckets;
+        """Time the verify of every row bucket of this batch not in the table yet (``missing``;
         eagerly the table interpolates between them): the tree cut to fill the bucket (every row a
         distinct node, as far as the trees have nodes) and the roots alone (one distinct node per
         request); the second gives the fan-out slope, which also prices the nodes the trees lacked."""
         be, runner, cost = self.backend, self.runner, self.auto.cost
         b, width = len(rids), self.auto.width
-        points, slopes = [], []
-        for total in row_buckets(b, width):
+        points, slopes = [], self._slopes
+        for total in self.missing(b):
             counts = fill_counts(num_nodes - 1, total - b)
             secs = {}
             for kind, cut in (("full", counts), ("lean", np.zeros(b, np.int64))):
@@ -117,10 +118,22 @@ class AutoRound:
         self.cut(tree, num_nodes - 1)
         self.measured_batches.add(b)
 
+    def missing(self, batch: int) -> list:
+        """The batch's verify row buckets (``AutoBudget.graph_buckets``) the table has no point at."""
+        known = {x for x, _ in self.auto.cost.verify}
+        return [t for t in self.auto.graph_buckets(batch) if float(t) not in known]
+
     def needs_measure(self, batch: int) -> bool:
-        """Measure at the first drafted round only: the table is over verified rows, so later batch
-        sizes read it between (or past) the rows measured."""
-        return self.auto.cost.measured and not self.measured_batches
+        """Measure at the first drafted round: the table is over verified rows, so later batch sizes
+        read it between (or past) the rows measured. Under a row cap (``AutoBudget.max_rows``) the
+        rows never pass it, and a later, smaller batch's buckets below the first batch's roots
+        (its own roots, 8, ...) are measured at its first drafted round."""
+        auto = self.auto
+        if not auto.cost.measured:
+            return False
+        if not self.measured_batches:
+            return True
+        return auto.max_rows is not None and batch not in self.measured_batches and bool(self.missing(batch))
 
     def observe_times(self, batch: int, draft_s: float | None, round_s: float, choice: Choice) -> None:
         """The measured draft (draft + top-k + build + estimate) and the rest of the round outside the

@@ -32,7 +32,7 @@ class AutoregressiveDecode:
     """One decode forward per step over every running request (``runner.decode``: replayed from
     the batch size's CUDA graph when the runner has graphs)."""
 
-    width = 1  # forward rows one request takes per step (the engine groups requests by it)
+    width = min_rows = 1  # forward rows one request takes per step (the engine groups requests by min_rows)
 
     def __init__(self, runner, sampler, clock):
         self.runner, self.sampler, self.clock = runner, sampler, clock

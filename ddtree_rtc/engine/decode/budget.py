@@ -486,16 +486,21 @@ class AutoBudget:
     ``probe_every``-th round probes, i.e. drafts and values its nodes optimistically (``weights``),
     so a drafter better than its probabilities is found out (verified nodes are the calibration's
     only evidence). ``bucketed``: the verify rows come in ``row_buckets`` (CUDA graphs: one per
-    bucket), else any row count is a shape (eager forwards)."""
+    bucket), else any row count is a shape (eager forwards). ``max_rows``: the most verify rows of
+    a round (the engine's row-invariant scheduling: SMALL_M_MAX_TOKENS, so the verify stays on the
+    small-M path), or None (``batch * width``): the batch's nodes are then shared within it."""
 
     def __init__(self, max_budget: int, depth: int, cost: CostModel | None, bucketed: bool = False,
-                 probe_every: int = 8, explore_every: int = 32):
+                 probe_every: int = 8, explore_every: int = 32, max_rows: int | None = None):
         from ...reference.tree_build import MAX_BUDGET
 
         if not 1 <= int(max_budget) <= MAX_BUDGET:
             raise BudgetError(f"decode.max_budget {max_budget} is outside 1..{MAX_BUDGET} (the tree buffers' maximum)")
         if probe_every < 1:
             raise BudgetError(f"probe_every must be >= 1, got {probe_every}")
+        if max_rows is not None and int(max_rows) < 1:
+            raise BudgetError(f"max_rows must be >= 1 (verify rows of a round), got {max_rows}")
+        self.max_rows = None if max_rows is None else int(max_rows)
         self.max_budget, self.depth = int(max_budget), depth
         self.cost = cost if cost is not None else CostModel(draft=(), fixed=(), measured=True, source="warm-up")
         self.bucketed = bool(bucketed)
@@ -507,7 +512,10 @@ class AutoBudget:
         self._held: set = set()  # requests whose last drafted round got no node
 
     def should_draft(self, rids) -> bool:
-        return any(self._ar_rounds.get(r, 0) <= 0 for r in rids)
+        """Whether the round drafts: some request is not held (or probes), and the rows hold more
+        than the roots (at ``max_rows`` roots no node fits, so a draft would be wasted)."""
+        room = self.buckets(len(rids))[-1] > len(rids)
+        return room and any(self._ar_rounds.get(r, 0) <= 0 for r in rids)
 
     def skipped(self, rids) -> None:
         for r in rids:
@@ -543,9 +551,24 @@ class AutoBudget:
         return 1 + self.max_budget
 
     def buckets(self, batch: int) -> tuple[int, ...]:
-        """The verify row counts of a batch: ``row_buckets``, or every count from the roots alone to
-        every request at max_budget."""
-        return row_buckets(batch, self.width) if self.bucketed else tuple(range(batch, batch * self.width + 1))
+        """The verify row counts of a batch: ``graph_buckets``, or (eagerly) every count from the
+        roots alone to every request at max_budget; none over ``max_rows``."""
+        if self.bucketed:
+            return self.graph_buckets(batch)
+        return tuple(range(batch, self._top(batch) + 1))
+
+    def graph_buckets(self, batch: int) -> tuple[int, ...]:
+        """``row_buckets`` of a batch under ``max_rows``: those up to it, the roots alone always, and
+        the cap itself where the batch's rows could pass it (the verify graphs; the warm-up times
+        these)."""
+        top = self._top(batch)
+        return tuple(sorted({t for t in row_buckets(batch, self.width) if t <= top} | {top}))
+
+    def _top(self, batch: int) -> int:
+        """The most verify rows of a batch: every request at max_budget, at most ``max_rows`` (the
+        roots always fit: a group never holds more requests than rows)."""
+        most = batch * self.width
+        return most if self.max_rows is None else max(batch, min(self.max_rows, most))
 
     def choose(self, values, caps, ctx: float) -> Choice:
         return choose(values, caps, self.cost, self.buckets(len(values)), ctx, drafted=True)

@@ -107,6 +107,13 @@ class SpeculativeRound:
         """Verify rows one request may take: its root and every node slot of the tree buffers."""
         return 1 + self.budget
 
+    @property
+    def min_rows(self) -> int:
+        """Verify rows one request takes at least (the engine's row-invariant grouping packs by it):
+        with a fixed budget all of ``width``; with the auto budget its root, the nodes being shared
+        within the round's rows (``AutoBudget.max_rows``)."""
+        return 1 if self.auto is not None else self.width
+
     def tail(self, req) -> int:
         """Cache rows a round writes past the committed prefix: the root and every node slot."""
         return 1 + self.budget
@@ -246,7 +253,9 @@ class SpeculativeRound:
         rids, b = [r.rid for r in reqs], len(reqs)
         prefix = np.array([r.length - 1 for r in reqs], np.int32)
         roots = np.array([r.output[-1] for r in reqs], np.int32)
-        caps = np.array([self.budget_of(r) for r in reqs], np.int64)
+        # no request gets more nodes than the largest bucket leaves past the roots (under a row cap,
+        # fewer than max_budget), so none is built
+        caps = np.minimum([self.budget_of(r) for r in reqs], auto.buckets(b)[-1] - b).astype(np.int64)
         bufs = self.buffers_for(b)
         bufs.set_limits(budgets=caps)
         for r, p in zip(reqs, prefix):
