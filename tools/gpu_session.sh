@@ -39,7 +39,7 @@ core)  # one call when only one may come (BUDGET s): the GPU tests of code never
     --json "$O/small_vs_general.json" >"$O/small_vs_general.txt" 2>&1
   echo "== small_vs_general rc=$? $(el) (1: a difference above tolerance)"
   grep -vE "^L[0-9]+ |^head |^stage " "$O/small_vs_general.txt" | cut -c1-220 | tail -12
-  timeout "$(left "$B")" python3 tools/k2_6_lossless.py --out "$O" --timeout 60 --tokens 64 --no-tau \
+  timeout "$(left "$B")" python3 tools/k2_6_lossless.py --out "$O" --timeout 150 --tokens 64 --no-tau \
     --runs ar1,ar10,chain1,chain10,b8c1,b32c1 >"$O/lossless.txt" 2>&1
   echo "== lossless rc=$? $(el)"; tail -9 "$O/lossless.txt" | cut -c1-220 ;;
 tests)
