@@ -68,11 +68,11 @@ def main() -> int:
     ap.add_argument("--no-tau", action="store_true")
     ap.add_argument("--pipeline", default=PIPE, help="another pipeline (a CPU check of this tool: tiny_ddtree.yaml)")
     ap.add_argument("--set", dest="extra", action="append", default=None,
-                    help="overrides for every run, after model.load=dummy (which a later --set model.load=... replaces)")
+                    help="overrides for every run, after model.load=dummy (--set model.load=... replaces it)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     names = [n for n in a.runs.split(",") if n]
-    extra = ("model.load=dummy", *(a.extra or ()))  # always: else each run first makes the preset's random weights on the host
+    extra = ("model.load=dummy", *(a.extra or ()))  # always: else a run first makes host weights
     res, ids = {}, {}
     for n in names:
         r = run(a.out, n, {"model.head": "random", **RUNS[n]}, a.tokens, a.timeout, a.pipeline, extra)
