@@ -114,6 +114,23 @@ def test_rounds_verify_at_most_64_rows(tiny, mode, budget, n, groups):
         assert not of_kind(rec, "decode")
 
 
+def test_a_budget_over_the_invariant_rows_is_named(tiny):
+    """A fixed budget whose one verify is over 64 rows cannot stay on the row-invariant path: the
+    engine says so when it is made (and not when batch_invariant is off)."""
+    import warnings
+
+    drafter = RandomDrafter(tiny.backend, tiny.cfg.vocab_size, 7, seed=3)
+    with pytest.warns(UserWarning, match="decode.budget 64: one request's verify \\(65 rows\\)"):
+        Engine(FormRecorder(tiny), max_batch=2, page_size=16, max_context=256, mode="ddtree", drafter=drafter,
+               budget=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(FormRecorder(tiny), max_batch=2, page_size=16, max_context=256, mode="ddtree", drafter=drafter,
+               budget=63)
+        Engine(FormRecorder(tiny, batch_invariant=False), max_batch=2, page_size=16, max_context=256,
+               mode="ddtree", drafter=drafter, budget=64)
+
+
 def steps_of(eng, rec, reqs):
     """Run ``reqs`` step by step: per step the requests that decode in it (running before it) and
     the verify forms it made."""

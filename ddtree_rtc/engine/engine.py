@@ -27,6 +27,7 @@ is on).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,6 +97,12 @@ class Engine:
             self.round = SpeculativeRound(model, self.cache, self.pages, self.runner, drafter, mode, budget,
                                           self.sampler, self.clock, auto=auto)
         self.decoder = self.round or AutoregressiveDecode(self.runner, self.sampler, self.clock)
+        if self.invariant and self.decoder.min_rows > SMALL_M_MAX_TOKENS:
+            warnings.warn(f"decode.budget {self.decoder.min_rows - 1}: one request's verify ({self.decoder.min_rows} "
+                          f"rows) is over the {SMALL_M_MAX_TOKENS} rows of the row-invariant path, so on a GPU its ids "
+                          f"may part from autoregressive decoding at near-ties, and each request verifies in a round "
+                          f"of its own; a budget of at most {SMALL_M_MAX_TOKENS - 1}, or 'auto', keeps both",
+                          stacklevel=2)
         self.scheduler = Scheduler(max_batch, self.pages, tail=self.decoder.tail)
 
     def _auto_budget(self, mode: str, drafter, max_budget: int, cost, graphs: bool):
