@@ -29,8 +29,8 @@ case "${PART:-tests}" in
 core)  # one call when only one may come (BUDGET s): the GPU tests of code never run on a GPU, the diagnostic, lossless
   B=${BUDGET:-570}  # seconds this part may take in all (the device call's limit, less a margin)
   timeout "$(left $(( B * 50 / 100 )))" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --tb=short --durations=10 \
-    tests/test_mla_small.py tests/test_small_m_gpu.py tests/test_invariant_schedule.py tests/test_mla_attention.py \
-    tests/test_moe_small.py tests/test_moe_gemm.py tests/test_dummy_load.py tests/test_bench_node.py \
+    tests/test_invariant_schedule.py tests/test_dummy_load.py tests/test_bench_node.py tests/test_mla_small.py \
+    tests/test_small_m_gpu.py tests/test_moe_small.py tests/test_mla_attention.py tests/test_moe_gemm.py \
     >"$O/pytest_core.txt" 2>&1
   echo "== pytest core rc=$? $(el) (124: stopped at the time limit)"
   grep -E "^(FAILED|ERROR)|passed|failed" "$O/pytest_core.txt" | cut -c1-200 | tail -25
