@@ -111,23 +111,11 @@ def boundaries(model, layer: int) -> dict:
 
 
 def setup_case(model, batch: int, ctx: int):
-    """bench decode's case (decode.bench_case): ``batch`` sequences at context ``ctx``, random cache."""
-    import numpy as np
+    """bench decode's case (decode.decode_case): ``batch`` sequences at context ``ctx``, random cache."""
+    from ddtree_rtc.bench.decode import decode_case
 
-    from ddtree_rtc.bench.decode import PAGE
-    from ddtree_rtc.bench.harness import fill_random_bf16
-    from ddtree_rtc.engine.kv_cache import PagedKVCache
-    from ddtree_rtc.model.target import ForwardBatch
-
-    per_seq = -(-(ctx + 1) // PAGE)
-    cache = PagedKVCache(model.backend, model.num_layers, batch * per_seq, PAGE, model.dims.row)
-    fill_random_bf16(cache.data, scale=1.0, seed=batch + ctx)
-    for s in range(batch):
-        cache.allocator.reserve(s, ctx + 1)
-    rng = np.random.default_rng(batch * 7 + ctx)
-    tokens = [[int(t)] for t in rng.integers(0, model.cfg.vocab_size, batch)]
-    step = ForwardBatch.causal(list(range(batch)), [ctx] * batch, tokens)
-    return cache, model.prepare(step, cache), model.moe_plan(batch)
+    cache, _step, inputs, moe_plan = decode_case(model, batch, ctx)
+    return cache, inputs, moe_plan
 
 
 def profiled_step(model, inputs, cache, moe_plan, layer: int, on_boundary) -> list[str]:

@@ -241,11 +241,12 @@ def touched_experts(model, inputs, cache, moe_plan) -> dict[int, int]:
     return seen
 
 
-def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes) -> list[Row]:
+def decode_case(model, batch: int, ctx: int):
+    """One decode step's setting: ``batch`` sequences at context ``ctx`` in a cache of random rows
+    (scale 1), one random token each. Returns (cache, the ForwardBatch, its prepared inputs, MoE plan)."""
     from ..engine.kv_cache import PagedKVCache
-    from ..engine.runner import ModelRunner
     from ..model.target import ForwardBatch
-    row_bytes = model.dims.row * 2
+
     per_seq = -(-(ctx + 1) // PAGE)
     cache = PagedKVCache(model.backend, model.num_layers, batch * per_seq, PAGE, model.dims.row)
     fill_random_bf16(cache.data, scale=1.0, seed=batch + ctx)
@@ -254,8 +255,13 @@ def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes
     rng = np.random.default_rng(batch * 7 + ctx)
     tokens = [[int(t)] for t in rng.integers(0, model.cfg.vocab_size, batch)]
     step = ForwardBatch.causal(list(range(batch)), [ctx] * batch, tokens)
-    inputs = model.prepare(step, cache)
-    moe_plan = model.moe_plan(batch)
+    return cache, step, model.prepare(step, cache), model.moe_plan(batch)
+
+
+def bench_case(model, batch: int, ctx: int, iters: int, gate: Gate, weight_bytes) -> list[Row]:
+    from ..engine.runner import ModelRunner
+    row_bytes = model.dims.row * 2
+    cache, step, inputs, moe_plan = decode_case(model, batch, ctx)
     touched = touched_experts(model, inputs, cache, moe_plan)
 
     def eager():
