@@ -17,6 +17,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def load_tool():
+    """A script of tools/ (not a package) as a module: ``load_tool("node_summary")``."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load
+
+
 @pytest.fixture
 def rng(request):
     """A fresh seed every run (printed on failure), so kernels meet new inputs each time."""

@@ -10,21 +10,14 @@ row per kernel, numbers with thousands separators, "n/a" where a metric has no v
 '==PROF==' lines around it. The metric names are those the SpeedOfLight, Occupancy, LaunchStats and
 WarpStateStats sections collect on sm_90, and the tool's explicit ones. The values are invented."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("ncu_explain", ROOT / "tools" / "ncu_explain.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def tool(load_tool):
+    return load_tool("ncu_explain")
 
 
 FIXED = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",

@@ -7,11 +7,9 @@ case the projection took. A GPU run of bench node differs from this file in its 
 identity fields: device (a GPU) and preset (k2.6). The test sets those two fields by hand to stand for
 such a run; the unchanged numpy file must be left out."""
 
-import importlib.util
 import json
 import shutil
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +23,6 @@ from ddtree_rtc.projection.model import device_for
 from ddtree_rtc.projection.node import node_points
 from ddtree_rtc.projection.platforms import platform_of
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYERS = 2  # dense layer 0 and one MoE layer made; bench node scales to 61
 
 
@@ -206,10 +203,8 @@ def test_a_broken_gpu_node_file_is_named(node_doc, bench_dir):
         node_points()
 
 
-def test_node_summary_tool_prints_the_readme_table(node_doc, capsys, tmp_path):
-    spec = importlib.util.spec_from_file_location("node_summary", ROOT / "tools" / "node_summary.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+def test_node_summary_tool_prints_the_readme_table(node_doc, capsys, tmp_path, load_tool):
+    tool = load_tool("node_summary")
     doc = as_gpu_run(node_doc, "NVIDIA H100 80GB HBM3")
     path = tmp_path / "node_h100.json"
     node.write_json(doc, path)

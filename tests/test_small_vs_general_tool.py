@@ -3,22 +3,15 @@ the numpy backend, where both paths share their references: every stage equal, m
 to the stage replay; and a broken small-path op (RoPE positions off by one in mla_query_small) is
 named as the first stage beyond tolerance with the general path's input."""
 
-import importlib.util
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("small_vs_general", ROOT / "tools" / "small_vs_general.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def tool(load_tool):
+    return load_tool("small_vs_general")
 
 
 def _model(tool):
