@@ -130,21 +130,28 @@ ATTENTION = 10  # q_a+kv_a, q_a norm, q_b, query, cache rows, attention + merge,
 MOE = 6  # router + shared gate_up, routing, shared down, experts (2), the residual norm
 
 
-def test_launches_per_decoder_layer(tiny_dir, rng):
-    """Kernel launches per stage of a 7-row forward at one rank, counted from the ops it runs
-    (testing.stage_launches): a MoE decoder layer on the small-M path is 16 launches."""
-    model = TargetModel.load(tiny_dir, OpRecorder())
+def _check_launches(model, rng, attention: int, moe_launches: int) -> set[int]:
+    """A 7-row forward's launches per stage (testing.stage_launches): ``attention`` per attention
+    block, ``moe_launches`` per MoE layer's MLP, their sum per MoE decoder layer. Returns the MoE
+    layers' indices."""
     tokens = rng.integers(0, 1024, 7).tolist()
     stages = stage_launches(model, ForwardBatch.causal(["a"], [0], [tokens], last_only=False), _cache(model, tokens))
     moe = {i for i, ly in enumerate(model.layers) if hasattr(ly.mlp, "experts")}
-    assert moe, "the tiny preset has MoE layers"
     for stage, layer, n in stages:
         if stage == "attention":
-            assert n == ATTENTION, layer
+            assert n == attention, layer
         elif stage == "mlp" and layer in moe:
-            assert n == MOE, layer
+            assert n == moe_launches, layer
     per_layer = {i: sum(n for s, ly, n in stages if ly == i) for i in moe}
-    assert set(per_layer.values()) == {ATTENTION + MOE}
+    assert set(per_layer.values()) == ({attention + moe_launches} if moe else set())
+    return moe
+
+
+def test_launches_per_decoder_layer(tiny_dir, rng):
+    """Kernel launches per stage of a 7-row forward at one rank, counted from the ops it runs
+    (testing.stage_launches): a MoE decoder layer on the small-M path is 16 launches."""
+    moe = _check_launches(TargetModel.load(tiny_dir, OpRecorder()), rng, ATTENTION, MOE)
+    assert moe, "the tiny preset has MoE layers"
 
 
 # on a tensor-parallel rank each sublayer's norm gives way to its all-reduce, the rounding (to_bf16) and
@@ -161,17 +168,8 @@ def test_tp_rank_launches_per_decoder_layer(tiny_dir, rng):
     from ddtree_rtc.parallel.simulated import SimulatedRank
 
     model = TargetModel.load(tiny_dir, OpRecorder(), shard=Shard(0, 2, True), comm=SimulatedRank(0, 2))
-    tokens = rng.integers(0, 1024, 7).tolist()
-    stages = stage_launches(model, ForwardBatch.causal(["a"], [0], [tokens], last_only=False), _cache(model, tokens))
-    moe = {i for i, ly in enumerate(model.layers) if hasattr(ly.mlp, "experts")}
+    moe = _check_launches(model, rng, TP_ATTENTION, TP_MOE)
     assert moe and 0 not in moe, "the tiny preset: a dense layer 0, then MoE layers"
-    for stage, layer, n in stages:
-        if stage == "attention":
-            assert n == TP_ATTENTION, layer
-        elif stage == "mlp" and layer in moe:
-            assert n == TP_MOE, layer
-    per_layer = {i: sum(n for s, ly, n in stages if ly == i) for i in moe}
-    assert set(per_layer.values()) == {TP_ATTENTION + TP_MOE}
     assert model.comm.stats.calls["all_reduce"] >= 2 * model.num_layers
 
 
