@@ -283,3 +283,31 @@ def stage_launches(model: TargetModel, batch: ForwardBatch, cache) -> list[tuple
 
     model.run(model.prepare(batch, cache), cache, output="none", mark=mark)
     return out
+
+
+# -- the command line in a child process -----------------------------------------------------------------
+
+def start_cli_run(root, out, *args: str, backend: str = "numpy"):
+    """``ddtree-rtc run *args`` started in a child process from the checkout ``root`` (its package
+    first on the path), writing its JSON to ``out``; finish it with ``finish_process``."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-m", "ddtree_rtc.cli", "run", *args, "--quiet",
+                             "--set", f"output.json={out}", "--set", f"runtime.backend={backend}"],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_process(p, timeout: float = 300):
+    """Its output once ``p`` ends (a CompletedProcess); killed, and the timeout raised, past ``timeout`` s."""
+    import subprocess
+
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from ddtree_rtc.parallel.launch import RankFailed, make_communicator, rank_env, 
 from ddtree_rtc.parallel.local import LocalCommunicator
 from ddtree_rtc.pipeline.runner import greedy_continuation
 from ddtree_rtc.speculative.drafters import OracleDrafter
-from ddtree_rtc.testing import assert_close, last_logits
+from ddtree_rtc.testing import assert_close, finish_process, last_logits, start_cli_run
 
 CTX = mp.get_context("fork")
 NEW = 6  # tokens generated per request
@@ -439,25 +438,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _start_cli(tmp_path, name: str, *args: str, backend: str = "numpy") -> subprocess.Popen:
-    out = tmp_path / f"{name}.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, "-m", "ddtree_rtc.cli", "run", *args, "--quiet",
-                             "--set", f"output.json={out}", "--set", f"runtime.backend={backend}"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
-    try:
-        stdout, stderr = p.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-        raise
-    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return start_cli_run(ROOT, tmp_path / f"{name}.json", *args, backend=backend)
 
 
 def _run_cli(tmp_path, name: str, *args: str, backend: str = "numpy") -> subprocess.CompletedProcess:
-    return _finish(_start_cli(tmp_path, name, *args, backend=backend))
+    return finish_process(_start_cli(tmp_path, name, *args, backend=backend))
 
 
 def _ids(tmp_path, name: str) -> list:
@@ -476,7 +461,7 @@ def test_cli_nproc_matches_one_rank(tmp_path, pipeline, extra):
     one = None if pipeline in _ONE_RANK_IDS else _start_cli(tmp_path, "one", pipeline)
     two = _run_cli(tmp_path, "two", pipeline, "--nproc", "2", "--set", "runtime.tensor_parallel=2", *extra)
     if one is not None:
-        one = _finish(one)
+        one = finish_process(one)
         assert one.returncode == 0, one.stderr
         _ONE_RANK_IDS[pipeline] = _ids(tmp_path, "one")
     assert two.returncode == 0, two.stderr
@@ -488,7 +473,7 @@ def test_cli_nproc_matches_one_rank(tmp_path, pipeline, extra):
 
 def test_cli_refuses_a_world_that_is_not_the_pipelines(tmp_path):
     # the three refusals run side by side
-    no_tp, no_nproc, uneven = map(_finish, [
+    no_tp, no_nproc, uneven = map(finish_process, [
         _start_cli(tmp_path, "x", "pipelines/tiny.yaml", "--nproc", "2"),
         _start_cli(tmp_path, "y", "pipelines/tiny.yaml", "--set", "runtime.tensor_parallel=2"),
         _start_cli(tmp_path, "z", "pipelines/tiny.yaml", "--nproc", "3", "--set", "runtime.tensor_parallel=3")])

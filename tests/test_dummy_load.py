@@ -3,9 +3,6 @@ every TP / EP rank's shard; a simulated rank's weight bytes and collectives equa
 ``--nproc N`` run; bad input is refused by key."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +18,7 @@ from ddtree_rtc.model.shard import Shard
 from ddtree_rtc.model.target import DenseMLP, TargetModel
 from ddtree_rtc.parallel.simulated import SimulatedRank
 from ddtree_rtc.pipeline.schema import PipelineError, parse_pipeline
+from ddtree_rtc.testing import finish_process, start_cli_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,24 +143,15 @@ def test_dummy_on_the_gpu_matches_numpy(checkpoints):
 # -- the simulated rank against a real --nproc run -------------------------------------------------------
 def _start(tmp_path, name, *args):
     out = tmp_path / f"{name}.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return out, subprocess.Popen(
-        [sys.executable, "-m", "ddtree_rtc.cli", "run", "pipelines/tiny.yaml", "--quiet",
-         "--set", f"output.json={out}", "--set", "runtime.backend=numpy",
-         "--set", "workload.synthetic.count=2", "--set", "workload.synthetic.output_len=4", *args],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return out, start_cli_run(ROOT, out, "pipelines/tiny.yaml", "--set", "workload.synthetic.count=2",
+                              "--set", "workload.synthetic.output_len=4", *args)
 
 
 def _finish(started):
     out, p = started
-    try:
-        _, stderr = p.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-        raise
-    assert p.returncode == 0, stderr
-    return json.loads(out.read_text()), stderr
+    done = finish_process(p)
+    assert done.returncode == 0, done.stderr
+    return json.loads(out.read_text()), done.stderr
 
 
 @pytest.mark.parametrize("ep", [False, True])
