@@ -514,7 +514,7 @@ class AutoBudget:
     def should_draft(self, rids) -> bool:
         """Whether the round drafts: some request is not held (or probes), and the rows hold more
         than the roots (at ``max_rows`` roots no node fits, so a draft would be wasted)."""
-        room = self.buckets(len(rids))[-1] > len(rids)
+        room = self.top_rows(len(rids)) > len(rids)
         return room and any(self._ar_rounds.get(r, 0) <= 0 for r in rids)
 
     def skipped(self, rids) -> None:
@@ -555,16 +555,16 @@ class AutoBudget:
         roots alone to every request at max_budget; none over ``max_rows``."""
         if self.bucketed:
             return self.graph_buckets(batch)
-        return tuple(range(batch, self._top(batch) + 1))
+        return tuple(range(batch, self.top_rows(batch) + 1))
 
     def graph_buckets(self, batch: int) -> tuple[int, ...]:
         """``row_buckets`` of a batch under ``max_rows``: those up to it, the roots alone always, and
         the cap itself where the batch's rows could pass it (the verify graphs; the warm-up times
         these)."""
-        top = self._top(batch)
+        top = self.top_rows(batch)
         return tuple(sorted({t for t in row_buckets(batch, self.width) if t <= top} | {top}))
 
-    def _top(self, batch: int) -> int:
+    def top_rows(self, batch: int) -> int:
         """The most verify rows of a batch: every request at max_budget, at most ``max_rows`` (the
         roots always fit: a group never holds more requests than rows)."""
         most = batch * self.width

@@ -255,7 +255,7 @@ class SpeculativeRound:
         roots = np.array([r.output[-1] for r in reqs], np.int32)
         # no request gets more nodes than the largest bucket leaves past the roots (under a row cap,
         # fewer than max_budget), so none is built
-        caps = np.minimum([self.budget_of(r) for r in reqs], auto.buckets(b)[-1] - b).astype(np.int64)
+        caps = np.minimum([self.budget_of(r) for r in reqs], auto.top_rows(b) - b).astype(np.int64)
         bufs = self.buffers_for(b)
         bufs.set_limits(budgets=caps)
         for r, p in zip(reqs, prefix):
