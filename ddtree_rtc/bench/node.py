@@ -559,20 +559,12 @@ def depth_view(model, n: int):
 
 
 def graph_step_us(model, batch: int, ctx: int, iters: int) -> float:
-    """One AR step of ``batch`` requests at context ``ctx`` replayed as a CUDA graph (engine.runner):
-    bench decode's graph figure alone, for the scaling probe."""
-    from ..engine.kv_cache import PagedKVCache
+    """One AR step of ``batch`` requests at context ``ctx`` (bench decode's case, decode.decode_case)
+    replayed as a CUDA graph (engine.runner): bench decode's graph figure alone, for the scaling probe."""
     from ..engine.runner import ModelRunner
-    from ..model.target import ForwardBatch
-    from .harness import fill_random_bf16
+    from .decode import decode_case
 
-    cache = PagedKVCache(model.backend, model.num_layers, batch * -(-(ctx + 1) // PAGE), PAGE, model.dims.row)
-    fill_random_bf16(cache.data, scale=1.0, seed=batch + ctx)
-    for s in range(batch):
-        cache.allocator.reserve(s, ctx + 1)
-    rng = np.random.default_rng(batch * 7 + ctx)
-    step = ForwardBatch.causal(list(range(batch)), [ctx] * batch,
-                               [[int(t)] for t in rng.integers(0, model.cfg.vocab_size, batch)])
+    cache, step, _, _ = decode_case(model, batch, ctx)
     runner = ModelRunner(model, cache, ctx + 1, graphs=True)
     runner.decode(step)  # captures
     return time_gpu(runner.graph_of(batch).launch, warmup=2, iters=iters).median_us
