@@ -275,21 +275,7 @@ __device__ __forceinline__ void attention_body(
         for (int sn = 0; sn < C::SN; ++sn) l += red_s[sn * C::BM + r];
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const float lse2 = l > 0.f ? m_s[r] + log2f(l) : neg_inf();
-        if (it.part < 0) {
-          bf16* dst = out + (it.row_g0 + r) * DV + o_col0 + tq * 2;
-#pragma unroll
-          for (int nt = 0; nt < C::ONT; ++nt)
-            *reinterpret_cast<unsigned*>(dst + nt * 8) =
-                pack_bf16(acc[mt][nt][2 * h] * inv, acc[mt][nt][2 * h + 1] * inv);
-          if (o_col0 == 0 && tq == 0) lse[it.row_g0 + r] = lse2 * LN2;
-        } else {
-          float* dst = o_part + ((long long)it.part * C::BM + r) * DV + o_col0 + tq * 2;
-#pragma unroll
-          for (int nt = 0; nt < C::ONT; ++nt)
-            *reinterpret_cast<float2*>(dst + nt * 8) =
-                make_float2(acc[mt][nt][2 * h] * inv, acc[mt][nt][2 * h + 1] * inv);
-          if (o_col0 == 0 && tq == 0) lse_part[(long long)it.part * C::BM + r] = lse2;
-        }
+        write_row<C::BM>(acc[mt], h, inv, lse2, o_col0 == 0, it, r, o_col0, tq, out, lse, o_part, lse_part);
       }
     }
   }

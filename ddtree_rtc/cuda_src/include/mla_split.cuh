@@ -129,6 +129,34 @@ __device__ __forceinline__ bool visible(int pos, const Item& it, bool row_ok, in
 }
 
 
+// The epilogue of one finished query row (split_body and mla_attention.cu's attention_body): half h
+// of a thread's mma accumulator tile acc[ONT][4] (C fragment row g + 8h: the item's row r, columns
+// o_col0 + 8 nt + 2 tq and +1) times inv (1 / row sum, 0 for an empty row). A final item (part < 0)
+// writes bf16 out row row_g0 + r and lse = lse2 ln 2 (lse2: the row's log2-sum-exp); a split-K
+// partial writes fp32 o_part row part * BM + r and lse_part = lse2. The lse comes from lane tq == 0
+// of the warp holding column 0 (lse_col); the tq test stays in here, as the callers had it, since
+// hoisting the whole condition into the caller changes the sm_100 schedule.
+template <int BM, int ONT>
+__device__ __forceinline__ void write_row(const float (&acc)[ONT][4], int h, float inv, float lse2, bool lse_col,
+                                          const Item& it, int r, int o_col0, int tq, bf16* __restrict__ out,
+                                          float* __restrict__ lse, float* __restrict__ o_part,
+                                          float* __restrict__ lse_part) {
+  if (it.part < 0) {
+    bf16* dst = out + (it.row_g0 + r) * DV + o_col0 + tq * 2;
+#pragma unroll
+    for (int nt = 0; nt < ONT; ++nt)
+      *reinterpret_cast<unsigned*>(dst + nt * 8) = pack_bf16(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
+    if (lse_col && tq == 0) lse[it.row_g0 + r] = lse2 * LN2;
+  } else {
+    float* dst = o_part + ((long long)it.part * BM + r) * DV + o_col0 + tq * 2;
+#pragma unroll
+    for (int nt = 0; nt < ONT; ++nt)
+      *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
+    if (lse_col && tq == 0) lse_part[(long long)it.part * BM + r] = lse2;
+  }
+}
+
+
 // ---- Decode variant: at most 16 query rows per item, K of S split across the warps.
 // Per stage of BN cache rows: warp w computes the partial S [16 x BN] over its KPW k16 steps of the
 // 576 (independent chains: BN/8 n-tiles x 2 accumulator sets), the partials meet in smem, and every
@@ -367,19 +395,7 @@ __device__ __forceinline__ void split_body(
       if (r >= it.m_count) continue;
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const float lse2 = l > 0.f ? m_run[h] + log2f(l) : neg_inf();
-      if (it.part < 0) {
-        bf16* dst = out + (it.row_g0 + r) * DV + o_col0 + tq * 2;
-#pragma unroll
-        for (int nt = 0; nt < C::ONT; ++nt)
-          *reinterpret_cast<unsigned*>(dst + nt * 8) = pack_bf16(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
-        if (warp == 0 && tq == 0) lse[it.row_g0 + r] = lse2 * LN2;
-      } else {
-        float* dst = o_part + ((long long)it.part * C::BM + r) * DV + o_col0 + tq * 2;
-#pragma unroll
-        for (int nt = 0; nt < C::ONT; ++nt)
-          *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
-        if (warp == 0 && tq == 0) lse_part[(long long)it.part * C::BM + r] = lse2;
-      }
+      write_row<C::BM>(acc, h, inv, lse2, warp == 0, it, r, o_col0, tq, out, lse, o_part, lse_part);
     }
   }
 }
