@@ -80,10 +80,16 @@ class DummySource:
 
     def _out(self, a, name: str):
         """Backend form; counted in bytes_read as a reader counts what it hands out."""
-        if self.xp is np and a.dtype == np.uint16:
-            a = a.view(bfloat16)
-        self.bytes_read[name] = self.bytes_read.get(name, 0) + int(a.nbytes)
+        a = self._form(a)
+        self._count(name, a.nbytes)
         return a
+
+    def _form(self, a):
+        """The backend's form of a made array: bf16 bits as bfloat16 on numpy."""
+        return a.view(bfloat16) if self.xp is np and a.dtype == np.uint16 else a
+
+    def _count(self, name: str, nbytes: int) -> None:
+        self.bytes_read[name] = self.bytes_read.get(name, 0) + int(nbytes)
 
     def _make(self, s: TensorSpec, axis: int, lo: int, hi: int):
         xp, cfg = self.xp, self.cfg
@@ -140,11 +146,8 @@ class DummySource:
                                            dtype=np.uint64).reshape(-1, 1, 1))
                 dst[e0:e0 + len(ids)] = rw.values(self.seed, f"{base}{ids[0]}.{proj}.{leaf}", shape,
                                                   cfg.num_hidden_layers, xp, rows=rows, cols=cols, keys=keys)
-            name = f"{base}*.{proj}.{leaf}"
-            self.bytes_read[name] = self.bytes_read.get(name, 0) + int(dst.nbytes)
-        if xp is np:  # the numpy backend's bf16 form
-            s13, s2 = s13.view(bfloat16), s2.view(bfloat16)
-        return Int4Experts("compressed-tensors", n_exp, h, part, w13, s13, w2, s2)
+            self._count(f"{base}*.{proj}.{leaf}", dst.nbytes)
+        return Int4Experts("compressed-tensors", n_exp, h, part, w13, self._form(s13), w2, self._form(s2))
 
 
 def shard_nbytes(cfg: ModelConfig, shard: Shard) -> int:
