@@ -65,7 +65,7 @@ lossless)
   echo "== lossless rc=$? $(el)"; tail -16 "$O/lossless.txt" | cut -c1-220
   for shard in tp8 ep8; do
     timeout "$(left 575)" ddtree-rtc bench decode --shard $shard --moe-layers 2 --batches 1,33 --contexts 4096 \
-      --small-m all --iters 10 --json "$O/decode_$shard.json" >"$O/decode_$shard.txt" 2>&1
+      --small-m both --iters 10 --json "$O/decode_$shard.json" >"$O/decode_$shard.txt" 2>&1
     echo "== bench decode $shard rc=$? $(el)"; tail -10 "$O/decode_$shard.txt" | cut -c1-200
   done ;;
 diag)  # where the small-M path and the general kernels part, then the tests of this session's fixes

@@ -721,7 +721,7 @@ def cmd_run(a) -> int:
             # cache), which the driver under ncu then skips
             cases = parse_cases(a.cases)
             paths = sorted({p for p, _ in cases})
-            small = {("general",): "off", ("small-m",): "on"}.get(tuple(paths), "all")
+            small = {("general",): "off", ("small-m",): "on"}.get(tuple(paths), "both")
             batches = ",".join(sorted({str(b) for _, b in cases}, key=int))
             t1 = time.time()
             rc = _run([env_py, "-m", "ddtree_rtc.cli", "bench", "decode", "--shard", a.shard, "--moe-layers", "1",

@@ -360,9 +360,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--shard", choices=SHARDS, default="none",
                     help="one rank's share of K2.6 (tp8: 8 heads, intermediates and vocab / 8; ep8: 48 whole "
                          "experts), collectives left out")
-    ap.add_argument("--small-m", choices=("on", "off", "both", "all"), default="on",
-                    help="the small-M path (runtime.small_m_path) for batches <= 64: on, off, or both / all "
-                         "(rows of each: the general kernels, then the small-M ones)")
+    ap.add_argument("--small-m", choices=("on", "off", "both"), default="on",
+                    help="the small-M path (runtime.small_m_path) for batches <= 64: on, off, or both (rows of "
+                         "each: the general kernels, then the small-M ones)")
     args = ap.parse_args(argv)
 
     if args.moe_layers < 0:
@@ -387,7 +387,7 @@ def _run(args, comm, json_path) -> dict:
     weight_bytes = layer_weight_bytes(model)
     gate = Gate()
     rows = []
-    paths = {"on": (True,), "off": (False,), "both": (False, True), "all": (False, True)}[args.small_m]
+    paths = {"on": (True,), "off": (False,), "both": (False, True)}[args.small_m]
     for b in (int(v) for v in args.batches.split(",")):
         for c in (int(v) for v in args.contexts.split(",")):
             for small in paths:
