@@ -3,7 +3,7 @@
 # H100/H200 with the CUDA 13 stack: `PART=tests bash tools/gpu_session.sh`, then bench, then lossless.
 #   tests     the whole `pytest -m gpu`, the files never run on a GPU before first (small-M, budget, dummy
 #             weights, vocabulary slices, single-rank NCCL), then the rest, as far as the time allows
-#   bench     `bench node` (K2.6 at 61 layers as rank 0 of TP8, small-M path on and off) and `bench budget`
+#   bench     the single-rank NCCL tests, then `bench node` (K2.6 at 61 layers as rank 0 of TP8, small-M path on and off) and `bench budget`
 #             (auto against AR, chain and fixed budgets at concurrency 1 / 4 / 10)
 #   lossless  tools/k2_6_lossless.py (random head: DDTree / chain ids against AR at concurrency 1 and 10;
 #             the oracle's tau against its expected value), then `bench decode` at the TP8 and EP8 shares
@@ -52,7 +52,10 @@ tests)
   grep -E "^(FAILED|ERROR)|passed|failed" "$O/pytest_gpu.txt" | cut -c1-220 | tail -30
   tail -c 300 "$O/pytest_gpu.txt" ;;
 bench)
-  timeout "$(left 290)" ddtree-rtc bench node --quick --layouts tp --small-m on,off \
+  timeout "$(left 45)" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --tb=short tests/test_dist.py \
+    tests/test_dist_vocab.py >"$O/pytest_dist.txt" 2>&1  # the single-rank NCCL path that run/serve --nproc use
+  echo "== pytest dist rc=$? $(el)"; grep -E "^(FAILED|ERROR)|passed|failed" "$O/pytest_dist.txt" | cut -c1-200 | tail -8
+  timeout "$(left 300)" ddtree-rtc bench node --quick --layouts tp --small-m on,off \
     --json "$O/node.json" >"$O/node.txt" 2>&1
   echo "== bench node rc=$? $(el)"; tail -30 "$O/node.txt" | cut -c1-220
   [ -s "$O/node.json" ] && python3 tools/node_summary.py "$O/node.json" | tee -a "$O/node.txt"
