@@ -193,6 +193,52 @@ def test_head_gemm_small_vs_reference_and_invariant(heads, t):
     assert np.array_equal(absorb(idx), full_a[idx]) and np.array_equal(expand(idx), full_e[idx])
 
 
+def _misaligned_copy(a):
+    """A device copy of the bf16 array ``a`` that starts 2 bytes past a 16-byte boundary (the head
+    GEMMs' scalar-load fallback)."""
+    import cupy
+
+    bits = np.ascontiguousarray(a).astype(bfloat16).view(np.uint16)
+    buf = cupy.zeros(bits.size + 8, cupy.uint16)
+    view = buf[1:1 + bits.size].reshape(bits.shape)
+    view[...] = cupy.asarray(bits)
+    assert view.data.ptr % 16 == 2
+    return view
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trans_w,k,n", [(True, 37, 40), (True, 600, 9), (True, 512, 32), (False, 32, 512),
+                                         (False, 150, 13), (False, 40, 24)])
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_head_gemm_small_odd_shapes_and_alignment(trans_w, k, n, t):
+    """Generic shapes (K or N not a multiple of 8, K past one register pass, the tiny models' 32-wide
+    heads) against the reference, outputs NaN-prefilled; weights and x 2 bytes off a 16-byte boundary
+    (scalar loads) give the same bits as the aligned ones (16-byte loads where the shape allows);
+    each token's rows the same bits as in a batch of 64."""
+    import cupy
+
+    from ddtree_rtc.kernels.mla_attention import mla_head_gemm
+    from ddtree_rtc.reference.mla_attention import mla_head_gemm as ref_gemm
+    from ddtree_rtc.testing import to_device_bf16
+
+    rng = _seeded(f"head gemm odd {trans_w} {k} {n} {t}")
+    heads = 3
+    w = random_bf16(rng, (heads, n, k) if trans_w else (heads, k, n), k ** -0.5)
+    x = random_bf16(rng, (64, heads, k))
+    wd, wm = to_device_bf16(w), _misaligned_copy(w)
+
+    def run(idx, wdev, misaligned=False):
+        xd = _misaligned_copy(x[idx]) if misaligned else to_device_bf16(x[idx])
+        out = cupy.full((len(idx), heads, n), 0x7FC0, cupy.uint16)
+        return mla_head_gemm(xd, wdev, trans_w, out=out, impl="invariant").get()
+
+    idx = rng.permutation(64)[:t]
+    got = run(idx, wd)
+    assert_close(got, ref_gemm(x[idx], w, trans_w), "bf16_accum", "out")
+    assert np.array_equal(got, run(idx, wm, misaligned=True)), "scalar loads give other bits"
+    assert np.array_equal(got, run(np.arange(64), wd)[idx]), "rows differ from the same rows in a batch of 64"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [8, 64])
 def test_shape_split_attention_is_bitwise_invariant(heads):

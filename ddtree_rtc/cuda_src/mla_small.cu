@@ -3,19 +3,22 @@
 // their norm and RoPE (mla_kv_rows_small), and the per-head GEMMs (mla_head_gemm_small: W_UK
 // absorption q_nope [T, H, 128] x W_UK[h] [128, 512], W_UV expansion o_lat [T, H, 512] x W_UV[h]^T).
 //
-// The head GEMMs (include/mla_small.cuh: head_gemm_kc, head_gemm_nc). At T = 1 and a TP8 rank's 8 heads
-// they are a 1 MB weight read done by a few thousand outputs, so their time is load latency: one CTA
-// per (head, 32 output columns, group of G tokens), all 256 threads sharing the K sum of those columns,
-// each thread's weight loads 16 bytes wide, coalesced along the weight rows and independent of each
-// other (all in flight at once), issued before the wait on the previous kernel (weights never depend on
-// it). Row invariance by construction: which thread adds which k, and the tree that combines the
-// threads' fp32 partials (shuffles in a fixed lane order, then the warps in warp order through shared
-// memory), follow from K alone; no atomics, nothing chosen from T or the SM count. G (1, 2, 4 or 8, the
-// smallest power of two >= min(T, 8)) only says how many tokens a CTA takes: the per-token arithmetic is
-// the same for every G, and the reduction tree is the same whichever lane ends up holding a sum. Tokens
-// beyond 8 go to more CTAs (grid z) rather than a longer loop in one: the fp32 FMAs are the cost at
-// T = 64 (4 k FMAs per thread and token for W_UV), and spreading them over the SMs beats reusing
-// weights that L2 already serves. Unaligned views fall back to scalar loads with the same arithmetic.
+// The head GEMMs (include/mla_small.cuh: head_gemm_kc for W_UV's k-contiguous rows, head_gemm_nc for
+// W_UK's n-contiguous rows; mla_query_small is head_gemm_nc plus the RoPE). At T = 1 and a TP8 rank's 8
+// heads each is a 1 MB weight read feeding a few thousand outputs, so its time is load latency, and
+// what cuts it is many loads in flight, not arithmetic: one CTA per (head, 32 output columns, group of
+// G tokens), all 256 threads splitting the K sum of those columns, each thread's weight loads 16 bytes
+// wide, coalesced along the weight rows and independent of each other. Weights never depend on the
+// previous kernel, so their L2 prefetch and register loads come before the PDL wait; x after it.
+// Row invariance by construction: which thread adds which k, and the tree that combines the threads'
+// fp32 partials (shuffles in a fixed lane order, then the warps in warp order through shared memory),
+// follow from K alone; no atomics, nothing chosen from T or the SM count. G (1, 2, 4 or 8: the smallest
+// power of two >= min(T, 8)) only says how many tokens a CTA takes; a token's arithmetic is the same
+// for every G, and the tree's sum does not depend on which lane ends up holding it (fp32 addition
+// commutes). Tokens beyond 8 go to more CTAs (grid z), not a longer loop in one: at T = 64 the fp32
+// FMAs are the cost (64 per thread and token for W_UV), better spread over the SMs than serialised to
+// reuse weights that L2 serves anyway. Views whose rows are not 16-byte aligned, or whose vectors are not
+// whole (K or N not a multiple of 8), take scalar loads: the same sums, the same bits.
 #include "common.cuh"
 #include "mla_small.cuh"
 #include "skinny_pair.cuh"

@@ -74,11 +74,12 @@ constexpr int log2_of(int v) { return v <= 1 ? 0 : 1 + log2_of(v / 2); }
 // w + h w_h + k w_k + n w_n, out [T, H, N] (strides o_t, o_h; n contiguous); head h, output columns
 // 32 bx .. 32 bx + 31, tokens t0 .. t0 + G - 1 (a token past T recomputes token T - 1, never written).
 
-// k contiguous in W (w_k = 1, the host's choice: W_UV's rows [N, K]). Warp w owns columns n0 = 32 bx + 4 w .. n0 + 3 whole;
-// lane l sums the 16-byte k chunks c = l + 32 j (k = 8 c .. 8 c + 7), j = 0, 1, ..., in that order, each
-// over its eight k in order (one warp load: 512 contiguous bytes of a weight row or of x), then the 32
-// lanes' partials go through lane_tree_sum (4 rows x up to 2 tokens at a time). A pass holds 2 chunks of
-// each of the 4 rows in registers (K <= 512: one pass, kept for all G tokens).
+// k contiguous in W (w_k = 1, the host's choice: W_UV's rows [N, K]). Warp w owns columns n0 = 32 bx +
+// 4 w .. n0 + 3 whole; lane l sums the 16-byte k chunks c = l + 32 j (k = 8 c .. 8 c + 7), j = 0, 1, ...,
+// in that order, each over its eight k in order (one warp load: 512 contiguous bytes of a weight row or
+// of x), then the 32 lanes' partials go through lane_tree_sum (4 rows x up to 2 tokens at a time: the
+// registers of 4 would spill). A pass holds 2 chunks of each of the 4 rows in registers (K <= 512: one
+// pass, kept for all G tokens).
 template <int G, bool VEC>
 __device__ __forceinline__ void head_gemm_kc(const bf16* __restrict__ x, long long x_t, long long x_h,
                                              const bf16* __restrict__ w, long long w_h, long long w_k,
