@@ -6,6 +6,7 @@ order follow the token count. Same contract and numbers (up to fp32 summation or
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,10 +40,35 @@ def group_size(t: int) -> int:
     return g
 
 
-def _aligned(a, strides: tuple[int, ...]) -> bool:
-    """Whether every row start of ``a`` (a view; element strides ``strides`` of its leading dims) is
-    16-byte aligned: the kernels' 16-byte loads."""
-    return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in strides)
+def _aligned(ptr: int, strides) -> bool:
+    """Whether every row start of a view at ``ptr`` (bytes; element strides ``strides`` of its
+    leading dims, bf16) is 16-byte aligned: the kernels' 16-byte loads."""
+    return ptr % 16 == 0 and all(s % 8 == 0 for s in strides)
+
+
+@dataclass(frozen=True)
+class HeadGemmPlan:
+    grid: tuple[int, int, int]  # (ceil(N / 32), H, ceil(T / group)), 256 threads
+    group: int  # tokens per CTA
+    kc: bool  # W has k contiguous (head_gemm_kc), else head_gemm_nc
+    w_k: int
+    w_n: int
+    vec: bool  # 16-byte loads: the kernel's VEC promise (aligned rows, whole 8-element vectors)
+
+
+def head_gemm_plan(t: int, h: int, k: int, n: int, trans_w: bool, x_ptr: int, x_strides, w_ptr: int,
+                   w_strides) -> HeadGemmPlan:
+    """The launch of mla_head_gemm_small for x [T, H, K] (element strides ``x_strides``, k
+    contiguous) and w [H, N, K] (trans_w) or [H, K, N] (``w_strides``), from shapes, strides and
+    addresses; never from anything but this call's operands."""
+    w_k, w_n = (w_strides[2], w_strides[1]) if trans_w else (w_strides[1], w_strides[2])
+    kc = w_k == 1
+    if kc:  # whole 16-byte k chunks of W's and x's rows
+        vec = k % 8 == 0 and _aligned(w_ptr, (w_strides[0], w_n)) and _aligned(x_ptr, x_strides[:2])
+    else:  # whole 8-column pieces of W's rows
+        vec = w_n == 1 and n % 8 == 0 and _aligned(w_ptr, (w_strides[0], w_k))
+    g = group_size(t)
+    return HeadGemmPlan((-(-n // 32), h, -(-t // g)), g, kc, w_k, w_n, vec)
 
 
 def mla_head_gemm_small(x, w, trans_w: bool, out):
@@ -58,17 +84,11 @@ def mla_head_gemm_small(x, w, trans_w: bool, out):
     check("out", out, BF16, shape=(t, h, n), contiguous=False)
     if t == 0 or h == 0 or n == 0:
         return out
-    w_k, w_n = (ws[2], ws[1]) if trans_w else (ws[1], ws[2])
-    kc = w_k == 1  # k contiguous in W (the W_UV expansion's rows): head_gemm_kc, else head_gemm_nc
-    if kc:  # 16-byte loads of whole k chunks of W's and x's rows
-        vec = k % 8 == 0 and _aligned(w, (ws[0], w_n)) and _aligned(x, xs[:2])
-    else:  # of whole 8-column pieces of W's rows
-        vec = w_n == 1 and n % 8 == 0 and _aligned(w, (ws[0], w_k))
-    g = group_size(t)
-    launch(module("mla_small").fn("mla_head_gemm_small"), (-(-n // 32), h, -(-t // g)), (256,),
-           (x, np.int64(xs[0]), np.int64(xs[1]), w, np.int64(ws[0]), np.int64(w_k), np.int64(w_n), out,
-            np.int64(os_[0]), np.int64(os_[1]), np.int32(t), np.int32(k), np.int32(n), np.int32(g),
-            np.int32(kc), np.int32(vec)), pdl=_pdl(x.device.id))
+    p = head_gemm_plan(t, h, k, n, trans_w, x.data.ptr, xs, w.data.ptr, ws)
+    launch(module("mla_small").fn("mla_head_gemm_small"), p.grid, (256,),
+           (x, np.int64(xs[0]), np.int64(xs[1]), w, np.int64(ws[0]), np.int64(p.w_k), np.int64(p.w_n), out,
+            np.int64(os_[0]), np.int64(os_[1]), np.int32(t), np.int32(k), np.int32(n), np.int32(p.group),
+            np.int32(p.kc), np.int32(p.vec)), pdl=_pdl(x.device.id))
     return out
 
 
@@ -99,7 +119,7 @@ def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=N
     launch(module("mla_small").fn("mla_query_small"), (LAT // 32 + 1, h, -(-t // g)), (256,),
            (q, np.int64(qs[0]), np.int64(qs[1]), np.int32(nope), w_uk, np.int64(ws[0]), np.int64(ws[1]), out,
             positions, inv_freq, np.float32(rope_scale), np.int32(t), np.int32(h), np.int32(g),
-            np.int32(_aligned(w_uk, ws[:2]))), pdl=_pdl(q.device.id))
+            np.int32(_aligned(w_uk.data.ptr, ws[:2]))), pdl=_pdl(q.device.id))
     return out
 
 
