@@ -63,8 +63,10 @@ struct Query {
   __device__ __forceinline__ static void run(A... a) { query_small<G, VEC>(a...); }
 };
 
-// Grid (ceil(N / 32), H, ceil(T / group)), 256 threads. The bodies load their first weights, then wait
-// on the previous kernel (x is its output), then let the next one launch.
+// Grid (ceil(N / 32), H, ceil(T / group)), 256 threads; kc, vec, group: kernels/mla_small.head_gemm_plan
+// (vec: the host's promise of aligned, whole 16-byte vectors). The bodies load their first weights, then
+// wait on the previous kernel (x is its output), then let the next one launch. Two CTAs per SM (at most
+// 128 registers): W_UV's grid at T = 64 (256 CTAs) fits the SMs of an H100 at once.
 extern "C" __global__ void __launch_bounds__(kThreads, 2) mla_head_gemm_small(
     const bf16* __restrict__ x, long long x_t, long long x_h, const bf16* __restrict__ w, long long w_h,
     long long w_k, long long w_n, bf16* __restrict__ out, long long o_t, long long o_h, int T, int K, int N,
