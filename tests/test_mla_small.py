@@ -147,6 +147,37 @@ def test_tree_rows_emulated_bitwise_equal_their_twins(rng, monkeypatch, heads, v
     assert_close(lse, lse_ref, "fp32", "lse")
 
 
+def test_head_gemm_plan_keeps_the_vector_promise():
+    """The host side of the row-invariant head GEMMs (kernels/mla_small.head_gemm_plan): the model's
+    views of kv_b [H, nope + 128, 512] take 16-byte loads (W_UV: k-contiguous rows, head_gemm_kc;
+    W_UK: n-contiguous rows, head_gemm_nc); whatever would break the kernel's VEC promise (a row start
+    off 16 bytes, K or N not a multiple of 8, n not contiguous) takes scalar loads; the grid covers
+    every column and token, and the token group follows T alone."""
+    from ddtree_rtc.kernels.mla_small import group_size, head_gemm_plan
+
+    base = 1 << 20
+    for heads, nope in ((8, 128), (64, 128), (4, 32)):
+        rows = nope + 128
+        kv_b = (rows * 512, 512, 1)
+        x_uv = (heads * 512, 512, 1)
+        uv = head_gemm_plan(5, heads, 512, 128, True, base, x_uv, base + nope * 512 * 2, kv_b)
+        assert (uv.kc, uv.vec, uv.w_k, uv.w_n, uv.grid) == (True, True, 1, 512, (4, heads, 1))
+        x_uk = (heads * (nope + 64), nope + 64, 1)  # q[:, :, :nope]
+        uk = head_gemm_plan(33, heads, nope, 512, False, base, x_uk, base, kv_b)
+        assert (uk.kc, uk.vec, uk.w_k, uk.w_n, uk.grid) == (False, True, 512, 1, (16, heads, 5))
+    assert not head_gemm_plan(1, 2, 512, 128, True, base, (1024, 512, 1), base + 2, (65536, 512, 1)).vec
+    assert not head_gemm_plan(1, 2, 512, 128, True, base + 2, (1024, 512, 1), base, (65536, 512, 1)).vec
+    assert not head_gemm_plan(1, 2, 512, 128, True, base, (1000, 500, 1), base, (65536, 512, 1)).vec
+    assert not head_gemm_plan(1, 2, 37, 40, True, base, (74, 37, 1), base, (1480, 37, 1)).vec
+    assert not head_gemm_plan(1, 2, 128, 13, False, base, (256, 128, 1), base, (1664, 13, 1)).vec
+    assert not head_gemm_plan(1, 2, 128, 512, False, base, (256, 128, 1), base, (65536, 512, 2)).vec
+    assert not head_gemm_plan(1, 2, 128, 512, False, base, (256, 128, 1), base, (65536, 516, 1)).vec
+    assert head_gemm_plan(1, 2, 128, 512, False, base, (256, 128, 1), base, (65536, 1, 128)).kc  # W^T view
+    for t, g in ((1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (33, 8), (64, 8)):
+        p = head_gemm_plan(t, 8, 512, 128, True, base, (4096, 512, 1), base, (131072, 512, 1))
+        assert group_size(t) == p.group == g and p.grid[2] * g >= t > (p.grid[2] - 1) * g
+
+
 # ---- GPU ----
 
 def _seeded(name):
@@ -191,6 +222,52 @@ def test_head_gemm_small_vs_reference_and_invariant(heads, t):
     assert_close(expand(idx), ref_gemm(o_lat[idx], kv_b[:, 128:], True), "bf16_accum", "o")
     full_a, full_e = absorb(np.arange(64)), expand(np.arange(64))
     assert np.array_equal(absorb(idx), full_a[idx]) and np.array_equal(expand(idx), full_e[idx])
+
+
+def _misaligned_copy(a):
+    """A device copy of the bf16 array ``a`` that starts 2 bytes past a 16-byte boundary (the head
+    GEMMs' scalar-load fallback)."""
+    import cupy
+
+    bits = np.ascontiguousarray(a).astype(bfloat16).view(np.uint16)
+    buf = cupy.zeros(bits.size + 8, cupy.uint16)
+    view = buf[1:1 + bits.size].reshape(bits.shape)
+    view[...] = cupy.asarray(bits)
+    assert view.data.ptr % 16 == 2
+    return view
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trans_w,k,n", [(True, 37, 40), (True, 600, 9), (True, 512, 32), (False, 32, 512),
+                                         (False, 150, 13), (False, 40, 24)])
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_head_gemm_small_odd_shapes_and_alignment(trans_w, k, n, t):
+    """Generic shapes (K or N not a multiple of 8, K past one register pass, the tiny models' 32-wide
+    heads) against the reference, outputs NaN-prefilled; weights and x 2 bytes off a 16-byte boundary
+    (scalar loads) give the same bits as the aligned ones (16-byte loads where the shape allows);
+    each token's rows the same bits as in a batch of 64."""
+    import cupy
+
+    from ddtree_rtc.kernels.mla_attention import mla_head_gemm
+    from ddtree_rtc.reference.mla_attention import mla_head_gemm as ref_gemm
+    from ddtree_rtc.testing import to_device_bf16
+
+    rng = _seeded(f"head gemm odd {trans_w} {k} {n} {t}")
+    heads = 3
+    w = random_bf16(rng, (heads, n, k) if trans_w else (heads, k, n), k ** -0.5)
+    x = random_bf16(rng, (64, heads, k))
+    wd, wm = to_device_bf16(w), _misaligned_copy(w)
+
+    def run(idx, wdev, misaligned=False):
+        xd = _misaligned_copy(x[idx]) if misaligned else to_device_bf16(x[idx])
+        out = cupy.full((len(idx), heads, n), 0x7FC0, cupy.uint16)
+        return mla_head_gemm(xd, wdev, trans_w, out=out, impl="invariant").get()
+
+    idx = rng.permutation(64)[:t]
+    got = run(idx, wd)
+    assert_close(got, ref_gemm(x[idx], w, trans_w), "bf16_accum", "out")
+    assert np.array_equal(got, run(idx, wm, misaligned=True)), "scalar loads give other bits"
+    assert np.array_equal(got, run(np.arange(64), wd)[idx]), "rows differ from the same rows in a batch of 64"
 
 
 @pytest.mark.gpu

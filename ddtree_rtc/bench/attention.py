@@ -9,7 +9,10 @@ batched matmuls (cuBLAS, fp16 data of the same size, contiguous KV) + a masked f
 at 8 heads (a TP8 rank) and 64 heads, batch 1 / 8 / 32, context 4k / 16k, plus one 64-head tree verify
 (b8, N16). The first row of a case is the variant the plan picks; every other row's output and LSE
 are checked against it (``check`` in extra), so a broken kernel shows as a mismatch, not as a fast
-time. Time = attention + merge launch; % = cache bytes against the read ceiling."""
+time. Time = attention + merge launch; % = cache bytes against the read ceiling.
+
+``--head-gemms``: the small-M path's MLA head GEMMs and absorbed query (cuda_src/mla_small.cu) at one
+TP8 rank's 8 heads, T = 1, 8, 33, 64, against the general path's cuBLAS launches (``head_gemm_rows``)."""
 
 from __future__ import annotations
 
@@ -201,6 +204,80 @@ def variant_rows(case: Case) -> list[Row]:
     return rows
 
 
+HEAD_GEMM_TOKENS = (1, 8, 33, 64)
+GRAPH_REPS = 16  # launches per graph for the chained time
+
+
+def _chained_us(fn, reps: int = GRAPH_REPS) -> float:
+    """µs per call of ``fn`` captured ``reps`` times back to back in one CUDA graph (PDL edges where
+    the kernels launch with PDL), weights warm in L2: the cost of a launch inside a step's graph."""
+    from .harness import capture_graph
+
+    graph = capture_graph(lambda: [fn() for _ in range(reps)])
+    return time_gpu(graph.launch, warmup=3, iters=20, flush_l2=False).median_us / reps
+
+
+def _head_gemm_case(name: str, run, bytes_: int) -> Row:
+    """``run(impl)`` -> output (device): impl="invariant" timed (single launch, L2 flushed: the
+    weights come from HBM as in a step) against impl="auto" (the general path), outputs compared."""
+    us = {impl: time_gpu(lambda impl=impl: run(impl), warmup=3, iters=30).median_us for impl in ("invariant", "auto")}
+    chained = {impl: _chained_us(lambda impl=impl: run(impl)) for impl in ("invariant", "auto")}
+    err = rel_diff(bf16_to_f32(run("invariant").get()), bf16_to_f32(run("auto").get()))
+    return Row(name, us["invariant"], bytes=bytes_, peer="general path (cuBLAS)", peer_us=us["auto"],
+               extra={"graph_us": chained["invariant"], "peer_graph_us": chained["auto"],
+                      "check": "ok" if err < 1e-2 else f"MISMATCH (rel) {err:.3g}"})
+
+
+def head_gemm_rows(heads: int = 8) -> list[Row]:
+    """The small-M path's MLA head GEMMs at one TP8 rank's heads (K2.6: kv_b [H, 256, 512], views as
+    model/mla.py takes them) for T = 1, 8, 33, 64: the W_UV expansion (o_lat [T, H, 512] x W_UV[h]^T)
+    and the W_UK absorption (q_nope [T, H, 128] x W_UK[h]) with impl="invariant" (cuda_src/mla_small.cu)
+    against impl="auto" (strided-batched cuBLAS); mla_query_small (W_UK + RoPE(q_pe) in one launch)
+    against the general path's three launches (cuBLAS GEMM, q_pe copy, RoPE). Bytes: weights + x + out."""
+    import cupy
+
+    from ..kernels.mla_attention import mla_head_gemm
+    from ..kernels.mla_small import mla_query_small
+    from ..kernels.rope import rope
+    from ..reference.rope import rope_inv_freq
+
+    kv_b = random_bf16_device((heads, 256, DV), scale=DV ** -0.5, seed=11)
+    w_uk, w_uv = kv_b[:, :128], kv_b[:, 128:]
+    w_bytes = heads * 128 * DV * 2
+    inv_freq = cupy.asarray(np.asarray(rope_inv_freq(64, 50000.0, None), np.float32))
+    rows = []
+    for t in HEAD_GEMM_TOKENS:
+        o_lat = random_bf16_device((t, heads, DV), seed=12)
+        q = random_bf16_device((t, heads, 192), seed=13)
+        pos = cupy.arange(4000, 4000 + t, dtype=cupy.int32)
+        o = cupy.empty((t, heads, 128), cupy.uint16)
+        q_att = cupy.empty((t, heads, ROW), cupy.uint16)
+
+        def expand(impl, o=o, o_lat=o_lat):
+            return mla_head_gemm(o_lat, w_uv, True, out=o, impl=impl)
+
+        def absorb(impl, q=q, q_att=q_att):
+            mla_head_gemm(q[:, :, :128], w_uk, False, out=q_att[:, :, :DV], impl=impl)
+            return q_att[:, :, :DV]
+
+        def query(impl, q=q, q_att=q_att, pos=pos):
+            if impl == "invariant":
+                return mla_query_small(q, w_uk, pos, inv_freq, 1.0, out=q_att)
+            mla_head_gemm(q[:, :, :128], w_uk, False, out=q_att[:, :, :DV], impl="auto")
+            q_att[:, :, DV:] = q[:, :, 128:]
+            return rope(q_att, pos, inv_freq, DV, 64, "interleaved", 1.0)
+
+        x_out = 2 * t * heads * (DV + 128)
+        rows.append(_head_gemm_case(f"W_UV expand h{heads} T{t}", expand, w_bytes + x_out))
+        rows.append(_head_gemm_case(f"W_UK absorb h{heads} T{t}", absorb, w_bytes + x_out))
+        rows.append(_head_gemm_case(f"query (W_UK + RoPE) h{heads} T{t}", query,
+                                    w_bytes + 2 * t * heads * (192 + ROW)))
+        for r in rows[-3:]:
+            print(f"  {r.case}: {r.us:.2f} µs (general {r.peer_us:.2f}); in a graph {r.extra['graph_us']:.2f} "
+                  f"(general {r.extra['peer_graph_us']:.2f}) {r.extra['check']}", flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="ddtree-rtc bench attention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes (a smoke run)")
@@ -208,7 +285,16 @@ def main(argv=None) -> dict:
                     help="every tile variant side by side on decode / verify cases, checked against the pick")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     ap.add_argument("--no-peer", action="store_true", help="skip the CuPy peer")
+    ap.add_argument("--head-gemms", action="store_true",
+                    help="the small-M path's MLA head GEMMs and absorbed query (8 heads, T = 1, 8, 33, 64) "
+                         "against the general path's cuBLAS launches")
     args = ap.parse_args(argv)
+    if args.head_gemms:
+        return report("MLA head GEMMs, small-M path (impl=invariant) vs general (cuBLAS)", head_gemm_rows(),
+                      args.json, notes={"us": "one launch, L2 flushed (weights from HBM)",
+                                        "graph_us": f"per launch, {GRAPH_REPS} back to back in one CUDA graph, "
+                                                    "weights warm in L2",
+                                        "bytes": "weights + x + out", "check": "rel diff to the general path < 1e-2"})
     if args.variants:
         rows = [r for h, ctx, b, n in VARIANT_CASES for r in variant_rows(Case(h, ctx, b, n))]
         return report("MLA attention tile variants", rows, args.json,

@@ -6,6 +6,7 @@ order follow the token count. Same contract and numbers (up to fp32 summation or
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,6 +31,46 @@ def _strides(name: str, a) -> tuple[int, ...]:
     return tuple(s // a.itemsize for s in a.strides)
 
 
+def group_size(t: int) -> int:
+    """Tokens per CTA of the head GEMMs (grid z = ceil(T / group)): the smallest power of two >=
+    min(T, 8). It changes only which CTA takes a token, never a token's arithmetic."""
+    g = 1
+    while g < min(t, 8):
+        g *= 2
+    return g
+
+
+def _aligned(ptr: int, strides) -> bool:
+    """Whether every row start of a view at ``ptr`` (bytes; element strides ``strides`` of its
+    leading dims, bf16) is 16-byte aligned: the kernels' 16-byte loads."""
+    return ptr % 16 == 0 and all(s % 8 == 0 for s in strides)
+
+
+@dataclass(frozen=True)
+class HeadGemmPlan:
+    grid: tuple[int, int, int]  # (ceil(N / 32), H, ceil(T / group)), 256 threads
+    group: int  # tokens per CTA
+    kc: bool  # W has k contiguous (head_gemm_kc), else head_gemm_nc
+    w_k: int
+    w_n: int
+    vec: bool  # 16-byte loads: the kernel's VEC promise (aligned rows, whole 8-element vectors)
+
+
+def head_gemm_plan(t: int, h: int, k: int, n: int, trans_w: bool, x_ptr: int, x_strides, w_ptr: int,
+                   w_strides) -> HeadGemmPlan:
+    """The launch of mla_head_gemm_small for x [T, H, K] (element strides ``x_strides``, k
+    contiguous) and w [H, N, K] (trans_w) or [H, K, N] (``w_strides``), from shapes, strides and
+    addresses; never from anything but this call's operands."""
+    w_k, w_n = (w_strides[2], w_strides[1]) if trans_w else (w_strides[1], w_strides[2])
+    kc = w_k == 1
+    if kc:  # whole 16-byte k chunks of W's and x's rows
+        vec = k % 8 == 0 and _aligned(w_ptr, (w_strides[0], w_n)) and _aligned(x_ptr, x_strides[:2])
+    else:  # whole 8-column pieces of W's rows
+        vec = w_n == 1 and n % 8 == 0 and _aligned(w_ptr, (w_strides[0], w_k))
+    g = group_size(t)
+    return HeadGemmPlan((-(-n // 32), h, -(-t // g)), g, kc, w_k, w_n, vec)
+
+
 def mla_head_gemm_small(x, w, trans_w: bool, out):
     """Per head h: out[:, h] = x[:, h] @ (w[h].T if trans_w else w[h]); x [T, H, K] (T <= 64), w
     [H, N, K] (trans_w) or [H, K, N], out [T, H, N] bf16; views with a contiguous last dim (x, out)."""
@@ -41,10 +82,13 @@ def mla_head_gemm_small(x, w, trans_w: bool, out):
     if (xs[2] != 1 and k > 1) or (os_[2] != 1 and n > 1):
         raise ValueError(f"x / out: the last dim must be contiguous (strides {x.strides}, {out.strides})")
     check("out", out, BF16, shape=(t, h, n), contiguous=False)
-    w_k, w_n = (ws[2], ws[1]) if trans_w else (ws[1], ws[2])
-    launch(module("mla_small").fn("mla_head_gemm_small"), (-(-n // 32), h, -(-t // 8)), (32, 8),
-           (x, np.int64(xs[0]), np.int64(xs[1]), w, np.int64(ws[0]), np.int64(w_k), np.int64(w_n), out,
-            np.int64(os_[0]), np.int64(os_[1]), np.int32(t), np.int32(k), np.int32(n)), pdl=_pdl(x.device.id))
+    if t == 0 or h == 0 or n == 0:
+        return out
+    p = head_gemm_plan(t, h, k, n, trans_w, x.data.ptr, xs, w.data.ptr, ws)
+    launch(module("mla_small").fn("mla_head_gemm_small"), p.grid, (256,),
+           (x, np.int64(xs[0]), np.int64(xs[1]), w, np.int64(ws[0]), np.int64(p.w_k), np.int64(p.w_n), out,
+            np.int64(os_[0]), np.int64(os_[1]), np.int32(t), np.int32(k), np.int32(n), np.int32(p.group),
+            np.int32(p.kc), np.int32(p.vec)), pdl=_pdl(x.device.id))
     return out
 
 
@@ -71,9 +115,11 @@ def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=N
     check("out", out, BF16, shape=(t, h, LAT + ROPE))
     if t == 0:
         return out
-    launch(module("mla_small").fn("mla_query_small"), (LAT // 32 + 1, h, -(-t // 8)), (32, 8),
+    g = group_size(t)
+    launch(module("mla_small").fn("mla_query_small"), (LAT // 32 + 1, h, -(-t // g)), (256,),
            (q, np.int64(qs[0]), np.int64(qs[1]), np.int32(nope), w_uk, np.int64(ws[0]), np.int64(ws[1]), out,
-            positions, inv_freq, np.float32(rope_scale), np.int32(t), np.int32(h)), pdl=_pdl(q.device.id))
+            positions, inv_freq, np.float32(rope_scale), np.int32(t), np.int32(h), np.int32(g),
+            np.int32(_aligned(w_uk.data.ptr, ws[:2]))), pdl=_pdl(q.device.id))
     return out
 
 

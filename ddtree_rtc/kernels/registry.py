@@ -66,7 +66,8 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("mla_small", ("mla_head_gemm_small", "mla_query_small", "mla_kv_rows_small",
                              *(f"mla_qkv_a_small_s{s}" for s in (1, 2, 4, 8))),
                "the small-M path's row-invariant MLA pieces for T <= 64 tokens: the head GEMMs (W_UK "
-               "absorption, W_UV expansion; one thread per output, k summed in a fixed order), q_a and kv_a in one "
+               "absorption, W_UV expansion; a CTA per head and 32 columns, K split over its threads in a "
+               "fixed order), q_a and kv_a in one "
                "skinny launch, the absorbed query with its RoPE in one launch, and the cache rows (norm, "
                "RoPE, write) in one launch"),
     # -- the DFlash drafter's attention --
