@@ -5,7 +5,8 @@
 #             weights, vocabulary slices, single-rank NCCL), then the rest, as far as the time allows
 #   bench     the single-rank NCCL tests, then `bench node` (K2.6 at 61 layers as rank 0 of TP8, small-M path on and off) and `bench budget`
 #             (auto against AR, chain and fixed budgets at concurrency 1 / 4 / 10); NODE_SM (on,off), NODE_S
-#             (seconds for bench node, 300) and BUDGET_TOKENS (output tokens per request, 128) shorten it
+#             (seconds for bench node, 300) BUDGET_TOKENS (output tokens per request, 128)
+#             and TOTAL (seconds for the part, 570) shorten it
 #   lossless  tools/k2_6_lossless.py (random head: DDTree / chain ids against AR at concurrency 1 and 10;
 #             the oracle's tau against its expected value), then `bench decode` at the TP8 and EP8 shares
 #             with the general and the small-M kernels (b1 / b33, ctx 4k)
@@ -60,7 +61,7 @@ bench)
     --json "$O/node.json" >"$O/node.txt" 2>&1
   echo "== bench node rc=$? $(el)"; tail -30 "$O/node.txt" | cut -c1-220
   [ -s "$O/node.json" ] && python3 tools/node_summary.py "$O/node.json" | tee -a "$O/node.txt"
-  timeout "$(left 570)" ddtree-rtc bench budget --pipeline pipelines/k2_6_slice_ddtree_h200.yaml \
+  timeout "$(left ${TOTAL:-570})" ddtree-rtc bench budget --pipeline pipelines/k2_6_slice_ddtree_h200.yaml \
     --set model.load=dummy --set workload.synthetic.output_len=${BUDGET_TOKENS:-128} --concurrency 1,4,10 \
     --settings autoregressive,chain,8,16,32,64,auto \
     --json "$O/budget.json" >"$O/budget.txt" 2>&1
