@@ -198,7 +198,7 @@ def queued_stage_times(model, inputs, cache, moe_plan, gate: Gate, reps: int, wi
                 held[0] = prev[0] = nxt
 
         def release(gate_event, last):
-            overflowed = gate_event.query()  # the gate already passed: it did not hold the whole window
+            overflowed = gate_event.done  # the gate already passed: it did not hold the whole window
             gate.open()
             last.synchronize()
             if overflowed:

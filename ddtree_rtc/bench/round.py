@@ -153,7 +153,7 @@ def queued_stages(run, gate, reps: int) -> tuple[float, dict, bool]:
             names.append(name)
 
         run(mark)
-        held = held and not events[0].query()  # the gate already passed: it timed out on a full queue
+        held = held and not events[0].done  # the gate already passed: it timed out on a full queue
         gate.open()
         events[-1].synchronize()
         times = [cupy.cuda.get_elapsed_time(events[i - 1], events[i]) * 1e3 for i in range(1, len(events))]
