@@ -114,7 +114,9 @@ def main() -> int:
             got = r["metrics"]["speculative"]["tau"]
             tau = {"measured": got, "expected": want, "ratio": got / want,
                    "tok_per_s_per_user": r["metrics"]["tok_per_s_per_user"]}
-    summary = {"pipeline": PIPE, "tokens": a.tokens, "runs": res, "tau": tau,
+    from ddtree_rtc.bench.harness import stamp
+
+    summary = {**stamp(), "pipeline": a.pipeline, "tokens": a.tokens, "runs": res, "tau": tau,
                "ids": {n: {str(k): v for k, v in d.items()} for n, d in ids.items()}}
     (a.out / "k2_6_lossless.json").write_text(json.dumps(summary))
     print(f"\n{'run':<8} {'tok/s/user':>10} {'tau':>5}  ids vs {base}")

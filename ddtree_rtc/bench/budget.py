@@ -108,7 +108,9 @@ def main(argv=None) -> dict:
                   + (f", tau {r['tau']:.2f}" if r.get("tau") else ""), flush=True)
     summary = summarize(rows)
     print_table(rows, summary)
-    doc = {"pipeline": args.pipeline, "overrides": args.overrides, "max_budget": max_budget,
+    from .harness import stamp
+
+    doc = {**stamp(), "pipeline": args.pipeline, "overrides": args.overrides, "max_budget": max_budget,
            "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows], "summary": summary,
            "same_ids_as_autoregressive": same_ids(rows)}
     if args.json:

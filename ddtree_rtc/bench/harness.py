@@ -298,6 +298,18 @@ def device_info() -> dict:
     }
 
 
+def stamp(device: dict | None = None) -> dict:
+    """When, at which commit and on what a result was measured: the fields every benchmark JSON
+    carries (``device``: what ran it, when not this process's GPU; without a GPU, the numpy backend)."""
+    if device is None:
+        try:
+            device = device_info()
+        except Exception:  # no CUDA here (cupy missing or no device): a numpy-backend run
+            device = {"device": "cpu (numpy backend)"}
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "host": platform.node(), **device}
+
+
 def git_commit() -> str:
     """The commit benchmarked: $DDTREE_RTC_COMMIT when set (copies of the tree without .git, as on
     the lent GPU machine), else git's HEAD with -dirty for uncommitted tracked changes."""
@@ -346,10 +358,7 @@ def report(title: str, rows: list[Row], json_path: str | None = None, notes: dic
         print(" | ".join(c.ljust(w) for c, w in zip(t, widths)))
     doc = {
         "title": title,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "host": platform.node(),
-        **(device or device_info()),
+        **stamp(device),
         "ceilings": ceilings,
         "notes": notes or {},
         "rows": [dict(asdict(r), gbs=r.gbs, tflops=r.tflops, fraction_of_ceiling=r.fraction()) for r in rows],
