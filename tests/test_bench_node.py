@@ -233,7 +233,8 @@ def _fake_cupy(stream):
             stream.launch()
             self.t, self.gate = stream.clock, stream.gate
 
-        def query(self):
+        @property
+        def done(self):  # cupy.cuda.Event.done: whether the device has passed the event
             return stream.passed.get(self.gate, False)
 
         def synchronize(self):
