@@ -31,8 +31,8 @@ differ), rounded up to a row bucket (engine/decode/budget.row_buckets) when they
 round's. With ``decode.budget: auto`` (``auto``: engine/decode/budget.AutoBudget) the tree is built at
 the maximum budget, each request's is cut to the node count the cost-aware policy chooses, and the
 verify packs the cut trees into the smallest row bucket that holds them (engine/decode/auto.py): the
-plan then comes after the build, and the host reads the node values once before the verify (stage
-"budget").
+plan then comes after the build, and the host reads the build's scores, depths and node counts once
+before the verify and values the nodes there (stage "budget").
 """
 
 from __future__ import annotations
