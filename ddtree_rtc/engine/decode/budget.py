@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,7 +142,9 @@ class Calibration:
     def request_factor_used(self, rid) -> float:
         live, used = self.request_factor(rid), self._req_used.get(rid, 1.0)
         p, _ = self._req.get(rid, (0.0, 0.0))
-        if self._beyond_noise(np.array([live]), np.array([used]), np.array([used * p])):
+        # _beyond_noise of one factor, in scalars (per request and round, before the round's sync)
+        z = abs(math.log(max(live, 1e-12)) - math.log(max(used, 1e-12))) * math.sqrt(used * p + 1.0)
+        if z > self.gate:
             self._req_used[rid] = used = live
         return used
 

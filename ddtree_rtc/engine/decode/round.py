@@ -261,6 +261,9 @@ class SpeculativeRound:
         for r, p in zip(reqs, prefix):
             pages.reserve(r.rid, int(p) + self.width)
         roots_dev, prefix_dev, ctx = be.asarray(roots), be.asarray(prefix), float(prefix.mean())
+        # host work that does not need the tree goes before the draft: from the estimate's sync to the
+        # verify's launch the device idles
+        page_table = be.asarray(pages.page_table(rids))
         drafted = auto.should_draft(rids)
         measuring = drafted and ar.needs_measure(b)
         raw = depth = draft_s = None
@@ -282,7 +285,6 @@ class SpeculativeRound:
             ar.root_only(tree, roots_dev, prefix_dev)
             choice = auto.ar_choice(b, ctx)
         step = clock.time("plan", runner.plan_tree, rids, prefix, 1 + choice.counts, self.width, choice.rows)
-        page_table = be.asarray(pages.page_table(rids))
         row_reqs = self.row_reqs(reqs, step)
         output = self.sampler.output_for(row_reqs)
         out = clock.time("verify", self._verify, step, tree, output)
