@@ -199,7 +199,12 @@ def test_bench_budget_compares_settings_on_the_tiny_pipeline(tmp_path):
     assert doc["same_ids_as_autoregressive"] == {"2": {"autoregressive": True, "chain": True, "4": True, "auto": True}}
     s = doc["summary"]["2"]
     assert {s["best_fixed"], s["worst_fixed"]} <= {"chain", "4"} and s["auto_over_best"] > 0
-    assert json.loads((tmp_path / "b.json").read_text())["rows"][-1]["budget"]["nodes_hist"]
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert rows[-1]["budget"]["nodes_hist"]
+    # the host's time per step by stage: every setting verifies or decodes, auto alone values its trees
+    assert all(r["wall_us_per_step"] > 0 for r in rows)
+    assert rows[-1]["stage_us_per_step"]["budget"] > 0 and rows[-1]["stage_us_per_step"]["verify"] > 0
+    assert "budget" not in rows[2]["stage_us_per_step"] and rows[2]["stage_us_per_step"]["verify"] > 0
 
 
 @pytest.mark.gpu
