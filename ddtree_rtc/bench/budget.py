@@ -7,7 +7,8 @@ graphs captured; auto without ``decode.cost_table`` times its verify buckets her
 pass. Reported per row: tok/s per user (each request's tokens after the first over the time they
 took, averaged), total tok/s, tau, and for auto the nodes it chose, its predicted vs measured tau
 and tokens per modelled verify second; and the host's microseconds per engine step in each stage of
-the engine's StageClock (where a setting's round time goes on the host). Per concurrency: auto over
+the engine's StageClock (where a setting's round time goes on the host), with the CUDA graphs
+captured in the timed pass (0 when the warm-up captured every shape it replays). Per concurrency: auto over
 the best and the worst fixed budget (chain included), the issue's targets being >= 1.0x and >= 1.15x."""
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def engine_for(pipe, model, drafter, setting: str, concurrency: int, max_budget:
 def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
     d = pipe.decode
     reqs = [Request(i, p, new, temperature=d.temperature, top_p=d.top_p) for i, p in enumerate(prompts)]
-    stages, steps = dict(engine.stats.stage_seconds), engine.stats.steps
+    stages, steps, captures = dict(engine.stats.stage_seconds), engine.stats.steps, engine.runner.captures
     t0 = time.perf_counter()
     done = engine.run(reqs)
     wall = time.perf_counter() - t0
@@ -74,7 +75,8 @@ def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
            # stages' own: 'budget' holds auto's wait for the build, 'commit' the round's last sync
            "stage_us_per_step": {k: (v - stages.get(k, 0.0)) / steps * 1e6
                                  for k, v in engine.stats.stage_seconds.items()},
-           "wall_us_per_step": wall / steps * 1e6}
+           "wall_us_per_step": wall / steps * 1e6,
+           "graph_captures": engine.runner.captures - captures}  # in this pass (the warm-up's are not timed)
     rnd = engine.round
     if rnd is not None:
         out["tau"] = rnd.stats.tau
@@ -160,7 +162,8 @@ def print_table(rows, summary) -> None:
           "'commit' for the round)")
     for r in rows:
         st = r.get("stage_us_per_step") or {}
-        print(f"c{r['concurrency']} {r['setting']}: step {r.get('wall_us_per_step', 0):.0f} | "
+        print(f"c{r['concurrency']} {r['setting']}: step {r.get('wall_us_per_step', 0):.0f}, "
+              f"{r.get('graph_captures', 0)} graphs captured | "
               + ", ".join(f"{k} {v:.0f}" for k, v in sorted(st.items(), key=lambda kv: -kv[1]) if v >= 1))
     print("\nconcurrency | setting | tok/s per user | total tok/s | tau | auto: nodes (most chosen), tau pred / meas")
     for r in rows:
