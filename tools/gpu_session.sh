@@ -11,8 +11,8 @@
 #             the oracle's tau against its expected value), then `bench decode` at the TP8 and EP8 shares
 #             with the general and the small-M kernels (b1 / b33, ctx 4k)
 #   core      one call when only one may come (BUDGET seconds): the GPU tests of code never run on a GPU
-#             (tree-path attention, row-invariant scheduling, bench node's memory plan, ...), then
-#             tools/small_vs_general.py, then a short tools/k2_6_lossless.py (ids against AR)
+#             (both attention splits across 2048 keys, auto's host-side estimate and the verify fill, ...),
+#             then tools/small_vs_general.py, then a short tools/k2_6_lossless.py (ids against AR)
 #   ncu       tools/ncu_explain.py (BUDGET s, default 240): bench decode's stage times on the TP8 slice
 #             (general / small-M at b1, small-M / general at b33, ctx 4k), then ncu on one eager step of each,
 #             layer 1's kernels only; per kernel a diagnosis, per stage its kernels against the measured time
@@ -31,8 +31,9 @@ case "${PART:-tests}" in
 core)  # one call when only one may come (BUDGET s): the GPU tests of code never run on a GPU, the diagnostic, lossless
   B=${BUDGET:-570}  # seconds this part may take in all (the device call's limit, less a margin)
   timeout "$(left $(( B * 50 / 100 )))" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --tb=short --durations=10 \
-    tests/test_invariant_schedule.py tests/test_dummy_load.py tests/test_bench_node.py tests/test_mla_small.py \
-    tests/test_small_m_gpu.py tests/test_moe_small.py tests/test_mla_attention.py tests/test_moe_gemm.py \
+    tests/test_mla_small.py tests/test_packed_verify.py tests/test_tree_round.py tests/test_budget.py \
+    tests/test_budget_engine.py tests/test_round_gpu.py tests/test_bench_round.py tests/test_small_m_gpu.py \
+    tests/test_invariant_schedule.py tests/test_bench_node.py \
     >"$O/pytest_core.txt" 2>&1
   echo "== pytest core rc=$? $(el) (124: stopped at the time limit)"
   grep -E "^(FAILED|ERROR)|passed|failed" "$O/pytest_core.txt" | cut -c1-200 | tail -25
