@@ -298,14 +298,21 @@ def device_info() -> dict:
     }
 
 
+def host_device() -> dict:
+    """The JSON's device fields for a run on the numpy backend: named as the host CPU, never a GPU, so
+    that ``projection`` (which reads ``device``) cannot take its figures for a GPU's."""
+    return {"device": f"numpy backend on the host CPU ({platform.machine() or 'unknown'}), not a GPU",
+            "backend": "numpy"}
+
+
 def stamp(device: dict | None = None) -> dict:
     """When, at which commit and on what a result was measured: the fields every benchmark JSON
-    carries (``device``: what ran it, when not this process's GPU; without a GPU, the numpy backend)."""
+    carries (``device``: what ran it, when not this process's GPU; without a GPU, ``host_device``)."""
     if device is None:
         try:
             device = device_info()
         except Exception:  # no CUDA here (cupy missing or no device): a numpy-backend run
-            device = {"device": "cpu (numpy backend)"}
+            device = host_device()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "host": platform.node(), **device}
 

@@ -67,7 +67,7 @@ from pathlib import Path
 import numpy as np
 
 from ..reference.tree_build import MAX_BUDGET
-from .harness import Row, read_ceiling_gbs, report, time_gpu
+from .harness import Row, host_device, read_ceiling_gbs, report, time_gpu
 
 FULL_LAYERS = 61
 WORLD = 8
@@ -907,15 +907,6 @@ def summary_doc(layouts: list[dict], args) -> dict:
     return {"layouts": layouts, "published_acceptance": PUBLISHED_TAU, "published_source": PUBLISHED_SOURCE,
             "collective_us": list(args.collective_us), "collective_source": COLLECTIVE_SOURCE,
             "accept_p": args.accept_p, "full_layers": FULL_LAYERS}
-
-
-def host_device() -> dict:
-    """The JSON's device fields for a run on the numpy backend: named as the host CPU, never a GPU, so
-    that ``projection`` (which reads ``device``) cannot take its figures for a GPU's."""
-    import platform
-
-    return {"device": f"numpy backend on the host CPU ({platform.machine() or 'unknown'}), not a GPU",
-            "backend": "numpy"}
 
 
 def document(rows: list[Row], layouts: list[dict], args, be=None) -> dict:
