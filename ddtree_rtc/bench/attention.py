@@ -211,10 +211,9 @@ GRAPH_REPS = 16  # launches per graph for the chained time
 def _chained_us(fn, reps: int = GRAPH_REPS) -> float:
     """µs per call of ``fn`` captured ``reps`` times back to back in one CUDA graph (PDL edges where
     the kernels launch with PDL), weights warm in L2: the cost of a launch inside a step's graph."""
-    from .harness import capture_graph
+    from .harness import graphed
 
-    graph = capture_graph(lambda: [fn() for _ in range(reps)])
-    return time_gpu(graph.launch, warmup=3, iters=20, flush_l2=False).median_us / reps
+    return time_gpu(graphed(lambda: [fn() for _ in range(reps)]), warmup=3, iters=20, flush_l2=False).median_us / reps
 
 
 def _head_gemm_case(name: str, run, bytes_: int) -> Row:
@@ -236,10 +235,13 @@ def head_gemm_rows(heads: int = 8) -> list[Row]:
     against the general path's three launches (cuBLAS GEMM, q_pe copy, RoPE). Bytes: weights + x + out."""
     import cupy
 
+    from ..backend import Backend
     from ..kernels.mla_attention import mla_head_gemm
     from ..kernels.mla_small import mla_query_small
-    from ..kernels.rope import rope
+    from ..model.mla import MLADims, absorb_query
     from ..reference.rope import rope_inv_freq
+
+    be, dims = Backend("cuda", quiet=True), MLADims(heads)
 
     kv_b = random_bf16_device((heads, 256, DV), scale=DV ** -0.5, seed=11)
     w_uk, w_uv = kv_b[:, :128], kv_b[:, 128:]
@@ -263,9 +265,7 @@ def head_gemm_rows(heads: int = 8) -> list[Row]:
         def query(impl, q=q, q_att=q_att, pos=pos):
             if impl == "invariant":
                 return mla_query_small(q, w_uk, pos, inv_freq, 1.0, out=q_att)
-            mla_head_gemm(q[:, :, :128], w_uk, False, out=q_att[:, :, :DV], impl="auto")
-            q_att[:, :, DV:] = q[:, :, 128:]
-            return rope(q_att, pos, inv_freq, DV, 64, "interleaved", 1.0)
+            return absorb_query(be, q, w_uk, dims, pos, inv_freq, out=q_att)
 
         x_out = 2 * t * heads * (DV + 128)
         rows.append(_head_gemm_case(f"W_UV expand h{heads} T{t}", expand, w_bytes + x_out))

@@ -99,8 +99,17 @@ def mla_query(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps
     t, h = x.shape[0], dims.num_heads
     cq = x if w.q_a is None else backend.rmsnorm(backend.linear(x, w.q_a, impl=impl), w.q_a_norm, eps)
     q = backend.linear(cq, w.q_b, impl=impl).reshape(t, h, dims.qk_head)
-    q_att = backend.empty((t, h, dims.row), "bf16")
-    backend.mla_head_gemm(q[:, :, :dims.qk_nope], w.w_uk(dims), False, out=q_att[:, :, :dims.kv_lora], impl=impl)
+    return absorb_query(backend, q, w.w_uk(dims), dims, positions, inv_freq, rope_scale, impl)
+
+
+def absorb_query(backend, q, w_uk, dims: MLADims, positions, inv_freq, rope_scale: float = 1.0, impl: str = "auto",
+                 out=None):
+    """The general path's absorbed query from q [T, H, qk_nope + qk_rope]: [q_nope · W_UK[h] | RoPE(q_pe)]
+    [T, H, kv_lora + qk_rope] bf16 in three launches (the head GEMM, the q_pe copy, the RoPE); the
+    small-M path does the same in one (``mla_query_small``)."""
+    t, h = q.shape[0], dims.num_heads
+    q_att = backend.empty((t, h, dims.row), "bf16") if out is None else out
+    backend.mla_head_gemm(q[:, :, :dims.qk_nope], w_uk, False, out=q_att[:, :, :dims.kv_lora], impl=impl)
     q_att[:, :, dims.kv_lora:] = q[:, :, dims.qk_nope:]
     return backend.rope(q_att, positions, inv_freq, dims.kv_lora, dims.qk_rope, "interleaved", rope_scale)
 
