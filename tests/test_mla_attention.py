@@ -366,14 +366,14 @@ def _skip_unless_built_for(variant):
         pytest.skip(f"{variant} runs on {WGMMA_ARCH} only")
 
 
-def _run_kernel(bt, scale=K26_SCALE, num_sms=None, variant=None, words=None):
+def _run_kernel(bt, scale=K26_SCALE, num_sms=None, variant=None, words=None, split=None):
     import cupy
 
     from ddtree_rtc.kernels import mla_attention as k
     from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
 
     batch = ref.validate_batch(*bt.plan_args())
-    plan = k.build_plan(batch, num_sms=num_sms, variant=variant)
+    plan = k.build_plan(batch, num_sms=num_sms, variant=variant, split=split)
     t = int(bt.n.sum())
     out = nan_bf16_bits((t, bt.heads, ref.DV))
     lse = cupy.full((t, bt.heads), np.nan, dtype=cupy.float32)

@@ -115,11 +115,11 @@ def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=N
     check("out", out, BF16, shape=(t, h, LAT + ROPE))
     if t == 0:
         return out
-    g = group_size(t)
-    launch(module("mla_small").fn("mla_query_small"), (LAT // 32 + 1, h, -(-t // g)), (256,),
+    p = head_gemm_plan(t, h, nope, LAT, False, q.data.ptr, qs, w_uk.data.ptr, ws)  # the W_UK part's
+    launch(module("mla_small").fn("mla_query_small"), (LAT // 32 + 1, h, p.grid[2]), (256,),
            (q, np.int64(qs[0]), np.int64(qs[1]), np.int32(nope), w_uk, np.int64(ws[0]), np.int64(ws[1]), out,
-            positions, inv_freq, np.float32(rope_scale), np.int32(t), np.int32(h), np.int32(g),
-            np.int32(_aligned(w_uk.data.ptr, ws[:2]))), pdl=_pdl(q.device.id))
+            positions, inv_freq, np.float32(rope_scale), np.int32(t), np.int32(h), np.int32(p.group),
+            np.int32(p.vec)), pdl=_pdl(q.device.id))
     return out
 
 
