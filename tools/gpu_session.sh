@@ -11,7 +11,7 @@
 #             the oracle's tau against its expected value), then `bench decode` at the TP8 and EP8 shares
 #             with the general and the small-M kernels (b1 / b33, ctx 4k)
 #   core      one call when only one may come (BUDGET seconds): the GPU tests of code never run on a GPU
-#             (both attention splits across 2048 keys, auto's host-side estimate and the verify fill, ...),
+#             (both attention splits across 2048 keys), the round and budget GPU tests,
 #             then tools/small_vs_general.py, then a short tools/k2_6_lossless.py (ids against AR)
 #   ncu       tools/ncu_explain.py (BUDGET s, default 240): bench decode's stage times on the TP8 slice
 #             (general / small-M at b1, small-M / general at b33, ctx 4k), then ncu on one eager step of each,
