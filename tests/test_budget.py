@@ -292,6 +292,90 @@ def test_the_verify_is_priced_by_the_packed_rows():
     assert c.verify_s == pytest.approx(float(cost.verify_s(c.rows, c.rows, 2)))
 
 
+def test_the_policy_prices_its_candidates_once_per_batch_and_table(monkeypatch):
+    """The verify of every candidate count is priced once per (batch, buckets, table), not every
+    round (the choice runs on the host while the device waits for it): rounds at other values and
+    contexts reuse the curve, and their choice is the best cut under ``verify_s`` itself. A new
+    table (a warm-up point, a new fan-out slope) prices again. The rows are always the smallest
+    bucket that holds the roots and the chosen nodes (no bigger graph than the nodes need)."""
+    priced, in_choose = [], [False]  # the tables priced by choose (the checks below price their own)
+    base = CostModel._verify_base
+    monkeypatch.setattr(CostModel, "_verify_base", lambda self, r, n: (in_choose[0] and priced.append(len(r)))
+                        or base(self, r, n))
+    cost = moe_cost()
+    cost.ctx_s, cost.ctx_ref = 2e-8, 512
+    auto = AutoBudget(MAX, DEPTH, cost, bucketed=True, max_rows=64)
+    sims = [OracleSim(**PROFILES[n], seed=50 + i) for i, n in enumerate(sorted(PROFILES))]
+
+    def check(b, ctx, i):
+        vals = np.stack([np.exp(s.tree.scores[0, 1:]) for s in sims[i:i + b]])[:, : 64 - b]
+        in_choose[0] = True
+        c = auto.choose(vals, np.full(b, MAX), ctx)
+        in_choose[0] = False
+        nodes = b + int(c.counts.sum())
+        buckets = auto.buckets(b)
+        assert c.rows == min(t for t in buckets if t >= nodes)
+        assert c.verify_s == float(np.maximum(base(cost, c.rows, nodes) + cost.ctx_s * b * (ctx - 512), 0))
+        assert c.verify_s == pytest.approx(float(cost.verify_s(c.rows, nodes, b, ctx)), rel=1e-12)
+        order = np.argsort(-vals.ravel(), kind="stable")
+        rate = lambda counts: (b + sum(vals[j, :n].sum() for j, n in enumerate(counts))) / (  # noqa: E731
+            cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(
+                min(t for t in buckets if t >= b + counts.sum()), b + counts.sum(), b, ctx)))
+        best = rate(c.counts)
+        for k in range(64 - b + 1):
+            assert rate(np.bincount(order[:k] // vals.shape[1], minlength=b)) <= best * (1 + 1e-12)
+        return c
+
+    for i, ctx in enumerate((0.0, 512.0, 1500.0, 3000.0)):
+        check(1, ctx, i)
+    check(3, 700.0, 0)
+    check(3, 900.0, 1)
+    assert len(priced) == 2  # batch 1 and batch 3, each once
+    before = check(1, 1500.0, 3).rows
+    assert before > 1  # a tree, not the root alone
+    cost.add_verify(before, 1.0)  # a table where those rows are dear: priced again, the choice follows it
+    assert len(priced) == 2 and check(1, 1500.0, 3).rows != before and len(priced) == 3
+    cost.expert_s *= 2
+    check(1, 1500.0, 3)
+    assert len(priced) == 4
+
+
+def test_the_rounds_estimate_reads_the_tree_once_and_launches_nothing(rng):
+    """AutoRound.estimate between the build and the verify: three reads of the build's output (the
+    first waits for it) and numpy on the host, no array work on the device (each launch is host
+    time while the device waits for the choice); the values are ``node_values`` of those arrays
+    under the calibration's weights, the trees cut short and past their nodes (NaN scores) too."""
+    from ddtree_rtc.engine.decode.auto import AutoRound
+
+    class HostOnly:  # a backend that counts its reads and has no array module to launch on
+        reads = 0
+
+        def to_host(self, a):
+            HostOnly.reads += 1
+            return np.array(a)
+
+        def __getattr__(self, name):
+            raise AssertionError(f"estimate used the backend's {name!r}")
+
+    b = 5
+    tree = build(rng.standard_normal((b, DEPTH, VOCAB)).astype(np.float32), budget=37)
+    tree.num_nodes[...] = rng.integers(1, 39, b)
+    for i, n in enumerate(tree.num_nodes):
+        tree.scores[i, n:] = np.nan
+    auto = AutoBudget(37, DEPTH, moe_cost())
+    auto.calibration.pred[1:], auto.calibration.meas[1:] = 50.0, 50.0 * 0.7 ** np.arange(1, DEPTH + 1)
+    rids = list(range(b))
+    w = Calibration.weights(auto.calibration, rids)
+    assert not np.allclose(w[:, 1:], 1.0)  # calibrated: the values are not the raw P
+    vals, raw, depth = AutoRound(auto, HostOnly(), None).estimate(tree, rids)
+    assert HostOnly.reads == 3
+    np.testing.assert_array_equal(vals, node_values(np, tree.scores, tree.node_depth, tree.num_nodes, w)[:, 1:])
+    np.testing.assert_array_equal(raw, node_values(np, tree.scores, tree.node_depth, tree.num_nodes,
+                                                   np.ones_like(w)))
+    np.testing.assert_array_equal(depth, tree.node_depth)
+    assert np.isfinite(vals).all() and (vals[np.arange(1, 38)[None] >= tree.num_nodes[:, None]] == 0).all()
+
+
 def test_mixed_batch_confident_requests_get_more_nodes():
     sims = [OracleSim(p=0.9), OracleSim(p=0.3, seed=4)]
     vals = np.stack([np.exp(s.tree.scores[0, 1:]) for s in sims])

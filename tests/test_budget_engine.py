@@ -2,6 +2,7 @@
 engine's own autoregressive decode (T = 0 and T > 0; oracle, random and DFlash drafters; mixed
 batches), the extremes of the cost table, and the errors. The policy itself: tests/test_budget.py."""
 
+import numpy as np
 import pytest
 
 from ddtree_rtc.backend import Backend
@@ -113,6 +114,56 @@ def test_free_nodes_give_max_budget_dear_nodes_a_chain_or_autoregressive(tiny, c
     assert got == want and set(eng.round.auto.stats.counts_hist) == {0}  # autoregressive
 
 
+def plan_trace(tiny, cont, ps, new, alter: bool):
+    """Per auto round (free nodes): [rids, plans before its estimate, plans after it, its choice];
+    ``alter``: every third round's cut one node fewer per request (any cut is lossless)."""
+    rounds = []
+    eng = Engine(tiny, max_batch=len(ps), page_size=16, max_context=128, mode="ddtree", budget="auto",
+                 drafter=oracle(tiny, cont, accept_p=0.6), max_budget=MAX, cost=CostModel.from_dict(FREE.to_json()))
+    rnd, auto = eng.round, eng.round.auto
+    plan, go, choose = eng.runner.plan_tree, rnd.run, auto.choose
+
+    def on_plan(*a, **k):
+        rounds[-1][1 if rounds[-1][3] is None else 2].append(tuple(a[2]))
+        return plan(*a, **k)
+
+    def on_choose(*a, **k):
+        c = choose(*a, **k)
+        if alter and len(rounds) % 3 == 0:
+            c.counts = np.maximum(c.counts - 1, 0)
+            c.rows = len(c.counts) + int(c.counts.sum())
+        rounds[-1][3] = (tuple(c.counts.tolist()), c.rows)
+        return c
+
+    eng.runner.plan_tree, auto.choose = on_plan, on_choose
+    rnd.run = lambda reqs, eos: rounds.append([[r.rid for r in reqs], [], [], None]) or go(reqs, eos)
+    return rounds, [r.output for r in eng.run([Request(i, p, new) for i, p in enumerate(ps)])]
+
+
+def test_a_repeated_choice_is_planned_before_the_estimate_and_once(tiny, cont):
+    """The host plans the verify of the last round's cut while the device drafts and builds (the
+    device idles from the estimate's sync to the verify's launch): a round of the same requests
+    whose choice repeats the last one plans once, before the estimate; one whose choice differs
+    plans again after it. The ids stay autoregressive decoding's either way."""
+    ps = prompts(21, (6, 9))
+    _, want = run(tiny, ps, 24)
+    for alter in (False, True):
+        rounds, got = plan_trace(tiny, cont, ps, 24, alter)
+        assert got == want
+        hits = misses = 0
+        for last, (rids, before, after, choice) in zip(rounds, rounds[1:]):
+            assert choice is not None  # free nodes: every round drafts
+            if rids != last[0]:  # other requests: nothing to guess from
+                assert before == [] and len(after) == 1
+            elif choice == last[3]:
+                hits += 1
+                assert before == [tuple(1 + np.array(choice[0]))] and after == []
+            else:
+                misses += 1
+                assert len(before) == 1 and after == [tuple(1 + np.array(choice[0]))]
+        assert hits >= 2 and (misses >= 2 if alter else misses == 0)
+
+
 def test_predicted_and_measured_tau_are_reported(tiny, cont):
     ps = prompts(12, (5, 7, 9))
     eng, _ = run(tiny, ps, 24, oracle(tiny, cont, accept_p=0.8))
@@ -199,7 +250,12 @@ def test_bench_budget_compares_settings_on_the_tiny_pipeline(tmp_path):
     assert doc["same_ids_as_autoregressive"] == {"2": {"autoregressive": True, "chain": True, "4": True, "auto": True}}
     s = doc["summary"]["2"]
     assert {s["best_fixed"], s["worst_fixed"]} <= {"chain", "4"} and s["auto_over_best"] > 0
-    assert json.loads((tmp_path / "b.json").read_text())["rows"][-1]["budget"]["nodes_hist"]
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert rows[-1]["budget"]["nodes_hist"]
+    # the host's time per step by stage: every setting verifies or decodes, auto alone values its trees
+    assert all(r["wall_us_per_step"] > 0 and r["graph_captures"] == 0 for r in rows)  # numpy: no graphs
+    assert rows[-1]["stage_us_per_step"]["budget"] > 0 and rows[-1]["stage_us_per_step"]["verify"] > 0
+    assert "budget" not in rows[2]["stage_us_per_step"] and rows[2]["stage_us_per_step"]["verify"] > 0
 
 
 @pytest.mark.gpu

@@ -56,6 +56,23 @@ def test_chain_mode_is_the_top1_path(rng):
     assert np.array_equal(tree.tokens[:, 1:], top1) and tree.parents[0].tolist() == [-1, 0, 1, 2, 3, 4, 5, 6]
 
 
+def test_limits_go_to_the_device_only_when_they_change(rng):
+    """A round sets the limits every time, mostly to the same values: those make no copy (each is
+    host time while the device may wait); other values are copied and the next build uses them."""
+    be = Backend("numpy")
+    copies = []
+    asarray = be.asarray
+    be.asarray = lambda a: copies.append(np.array(a)) or asarray(a)
+    bufs = TreeBuffers(be, TreeShape(batch=2, budget=8, depth=3, vocab=40))
+    logits = drafter_logits(rng, 2, 3, 40)
+    roots, prefix = np.array([1, 2], np.int32), np.zeros(2, np.int32)
+    for budgets, copied, nodes in (([8, 8], 2, [9, 9]), ([8, 8], 2, [9, 9]), ([2, 8], 4, [3, 9]),
+                                   ([2, 8], 4, [3, 9]), ([2, 5], 6, [3, 6])):
+        bufs.set_limits(budgets=np.array(budgets))
+        assert len(copies) == copied, budgets  # the first two at construction: the maxima
+        assert bufs.budgets.tolist() == budgets and bufs.build(logits, roots, prefix).num_nodes.tolist() == nodes
+
+
 def test_limits_and_shape_are_validated():
     with pytest.raises(ValueError, match="depth=17"):
         TreeShape(batch=1, budget=8, depth=17, vocab=10)

@@ -6,8 +6,10 @@ a fresh engine runs the workload twice: a warm-up pass of ``--warmup-tokens`` pe
 graphs captured; auto without ``decode.cost_table`` times its verify buckets here) and the timed
 pass. Reported per row: tok/s per user (each request's tokens after the first over the time they
 took, averaged), total tok/s, tau, and for auto the nodes it chose, its predicted vs measured tau
-and tokens per modelled verify second. Per concurrency: auto over the best and the worst fixed
-budget (chain included), the issue's targets being >= 1.0x and >= 1.15x."""
+and tokens per modelled verify second; and the host's microseconds per engine step in each stage of
+the engine's StageClock (where a setting's round time goes on the host), with the CUDA graphs
+captured in the timed pass (0 when the warm-up captured every shape it replays). Per concurrency: auto over
+the best and the worst fixed budget (chain included), the issue's targets being >= 1.0x and >= 1.15x."""
 
 from __future__ import annotations
 
@@ -59,14 +61,22 @@ def engine_for(pipe, model, drafter, setting: str, concurrency: int, max_budget:
 def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
     d = pipe.decode
     reqs = [Request(i, p, new, temperature=d.temperature, top_p=d.top_p) for i, p in enumerate(prompts)]
+    stages, steps, captures = dict(engine.stats.stage_seconds), engine.stats.steps, engine.runner.captures
     t0 = time.perf_counter()
     done = engine.run(reqs)
     wall = time.perf_counter() - t0
+    steps = max(engine.stats.steps - steps, 1)
     per_user = [(len(r.output) - 1) / (r.t_done - r.t_first) for r in done
                 if len(r.output) > 1 and r.t_done > r.t_first]
     gen = sum(len(r.output) for r in done)
     out = {"tok_s": gen / wall, "tok_s_per_user": statistics.mean(per_user) if per_user else None,
-           "wall_s": wall, "outputs": [r.output for r in done]}
+           "wall_s": wall, "outputs": [r.output for r in done],
+           # host seconds per engine step (one round per group) in each stage, no device sync but the
+           # stages' own: 'budget' holds auto's wait for the build, 'commit' the round's last sync
+           "stage_us_per_step": {k: (v - stages.get(k, 0.0)) / steps * 1e6
+                                 for k, v in engine.stats.stage_seconds.items()},
+           "wall_us_per_step": wall / steps * 1e6,
+           "graph_captures": engine.runner.captures - captures}  # in this pass (the warm-up's are not timed)
     rnd = engine.round
     if rnd is not None:
         out["tau"] = rnd.stats.tau
@@ -150,6 +160,13 @@ def same_ids(rows) -> dict:
 
 
 def print_table(rows, summary) -> None:
+    print("\nhost µs per engine step by stage (no syncs but the stages' own: auto's 'budget' waits for the build, "
+          "'commit' for the round)")
+    for r in rows:
+        st = r.get("stage_us_per_step") or {}
+        print(f"c{r['concurrency']} {r['setting']}: step {r.get('wall_us_per_step', 0):.0f}, "
+              f"{r.get('graph_captures', 0)} graphs captured | "
+              + ", ".join(f"{k} {v:.0f}" for k, v in sorted(st.items(), key=lambda kv: -kv[1]) if v >= 1))
     print("\nconcurrency | setting | tok/s per user | total tok/s | tau | auto: nodes (most chosen), tau pred / meas")
     for r in rows:
         b = r.get("budget")

@@ -246,10 +246,19 @@ class ModelRunner:
         xp = self.model.backend.xp
         req, slot = s.row_req, s.row_slot
         used = slot < tree.num_nodes[req]
+        # each row reads one slot of the flattened tree: its own, or its request's root (slot 0, at
+        # the root's position: prefix + depth 0). Few array operations: with the auto budget this
+        # runs between the choice and the verify, while the device waits for it
+        flat = req * tree.tokens.shape[1] + xp.where(used, slot, 0)
+        xp.take(tree.tokens.reshape(-1), flat, out=s.inputs.tokens)
+        xp.take(tree.positions.reshape(-1), flat, out=s.inputs.positions)
         words = s.mask.shape[1]
-        s.inputs.tokens[...] = xp.where(used, tree.tokens[req, slot], tree.tokens[req, 0])
-        s.inputs.positions[...] = xp.where(used, tree.positions[req, slot], step.prefix_dev[req])
-        s.mask[...] = xp.where(used[:, None], tree.mask[req, slot, :words], s.self_bits[slot])
+        rows = tree.mask.reshape(-1, tree.mask.shape[-1])
+        if rows.shape[1] == words:
+            xp.take(rows, flat, axis=0, out=s.mask)
+        else:
+            s.mask[...] = xp.take(rows, flat, axis=0)[:, :words]
+        xp.copyto(s.mask, s.self_bits[slot], where=~used[:, None])
 
     def per_slot(self, step: TreeStep, values, fill=-1):
         """``values`` [T] of the verify's rows -> [B, width]: slot j of request b, ``fill`` past its

@@ -6,7 +6,8 @@ maximises the batch's expected tokens per second of round time:
 - **Expected acceptance from the tree.** The best-first build pops nodes in non-increasing path
   probability, so the first n nodes of every request's tree are the best n-node tree, and under the
   drafter's marginals its expected tokens are ``1 + sum_{i <= n} P(path_i)`` (``node_values`` /
-  ``expected_tokens``: one elementwise pass and a cumsum over the build's scores, on the device).
+  ``expected_tokens``: one elementwise pass and a cumsum over the build's scores; numpy or cupy
+  arrays, the round runs it on the host copy: engine/decode/auto.py).
 - **Calibration** (``Calibration``). The product of marginals is biased, so every node's P is scaled
   by a per-depth factor (measured reach of depth d over predicted reach, the predicted reach of a
   depth being the sum of P over its nodes, which are exclusive events; compounding with depth) and
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,7 +142,9 @@ class Calibration:
     def request_factor_used(self, rid) -> float:
         live, used = self.request_factor(rid), self._req_used.get(rid, 1.0)
         p, _ = self._req.get(rid, (0.0, 0.0))
-        if self._beyond_noise(np.array([live]), np.array([used]), np.array([used * p])):
+        # _beyond_noise of one factor, in scalars (per request and round, before the round's sync)
+        z = abs(math.log(max(live, 1e-12)) - math.log(max(used, 1e-12))) * math.sqrt(used * p + 1.0)
+        if z > self.gate:
             self._req_used[rid] = used = live
         return used
 
@@ -215,6 +219,7 @@ class CostModel:
     measured: bool = False
     source: str = "given"
     _verify_points: dict = field(default_factory=dict, repr=False)
+    _curves: dict = field(default_factory=dict, repr=False, compare=False)  # (batch, buckets) -> verify_curve
 
     def __post_init__(self):
         for name in ("verify", "draft", "fixed"):
@@ -233,14 +238,37 @@ class CostModel:
     def verify_s(self, rows, nodes, batch: int = 1, ctx: float = 0.0):
         """Seconds of a verify of ``rows`` rows in all (array-like) holding ``nodes`` distinct nodes
         (array-like; the rest repeat the roots), for ``batch`` requests at mean context ``ctx``."""
+        t = self._verify_base(rows, nodes) + self.ctx_s * batch * (float(ctx) - self.ctx_ref)
+        return np.maximum(t, 0.0)
+
+    def verify_curve(self, batch: int, buckets: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, seconds)`` of a verify holding ``batch + i`` distinct nodes, i = 0 .. the last
+        bucket less ``batch``: the smallest of ``buckets`` (sorted, the first >= batch) that holds
+        them, and ``verify_s`` of it at ``ctx_ref`` before the context term and the clamp at 0
+        (``choose`` adds both). Made once per batch, buckets and table (the policy prices every
+        candidate of every round on it); made again when the table changes (the warm-up's points,
+        ``expert_s``)."""
+        hit = self._curves.get((batch, buckets))
+        # the table is a tuple, replaced (never changed) when a point is added: the same object is the same table
+        if hit is None or hit[0] is not self.verify or hit[1] != self.expert_s:
+            if len(self._curves) >= 64:
+                self._curves.clear()
+            b = np.asarray(buckets, np.int64)
+            nodes = np.arange(batch, int(b[-1]) + 1)
+            rows = b[np.searchsorted(b, nodes)]
+            base = self._verify_base(rows, nodes)
+            rows.flags.writeable = base.flags.writeable = False
+            hit = self._curves[(batch, buckets)] = (self.verify, self.expert_s, rows, base)
+        return hit[2], hit[3]
+
+    def _verify_base(self, rows, nodes):
+        """``verify_s`` before its context term: the table at ``rows`` less the fan-out saving."""
         if not self.verify:
             raise BudgetError("decode.budget auto: the cost model has no verify costs yet (give "
                               "decode.cost_table, or on CUDA let the warm-up measure them)")
         rows = np.asarray(rows, np.float64)
         nodes = np.minimum(np.asarray(nodes, np.float64), rows)
-        t = _interp(self.verify, rows) - self.expert_s * (experts_touched(rows) - experts_touched(nodes))
-        t = t + self.ctx_s * batch * (float(ctx) - self.ctx_ref)
-        return np.maximum(t, 0.0)
+        return _interp(self.verify, rows) - self.expert_s * (experts_touched(rows) - experts_touched(nodes))
 
     def draft_s(self, batch: int) -> float:
         """Seconds of the draft at this batch size (0 until one is given or measured)."""
@@ -359,6 +387,12 @@ class Choice:
     verify_s: float
 
 
+@functools.lru_cache(maxsize=256)
+def _holding(buckets: tuple, batch: int) -> tuple:
+    """The distinct buckets of at least ``batch`` rows, sorted."""
+    return tuple(sorted({int(x) for x in buckets if int(x) >= batch}))
+
+
 ROW_BUCKETS_SMALL = 8  # verify rows: every multiple of this up to 32, then two buckets per octave
 
 
@@ -390,21 +424,23 @@ def choose(values: np.ndarray, caps, cost: CostModel, buckets, ctx: float = 0.0,
     values = np.asarray(values, np.float64)
     b, m = values.shape
     caps = np.minimum(np.asarray(caps, np.int64), m)
-    buckets = np.array(sorted({int(x) for x in buckets if int(x) >= b}), np.int64)
-    if not len(buckets):
-        raise BudgetError(f"no verify row bucket holds the {b} roots of the batch (buckets {list(buckets)})")
+    given = tuple(buckets)
+    buckets = _holding(given, b)
+    if not buckets:
+        raise BudgetError(f"no verify row bucket holds the {b} roots of the batch (buckets {list(given)})")
     over = cost.fixed_s(b) + (cost.draft_s(b) if drafted else 0.0)
     col = np.broadcast_to(np.arange(m)[None, :], (b, m))
     v = np.where(col < caps[:, None], values, -np.inf)
     mono = np.minimum.accumulate(v, axis=1) if m else v
     order = np.argsort(-mono.ravel(), kind="stable")
     keep = np.isfinite(mono.ravel()[order]) & (mono.ravel()[order] > 0)
-    order = order[keep][: int(buckets[-1]) - b]
+    order = order[keep][: buckets[-1] - b]
     o_req, o_val = order // max(m, 1), values.ravel()[order]
     gain = np.concatenate([[0.0], np.cumsum(o_val)])
-    nodes = b + np.arange(len(order) + 1)  # distinct nodes: the roots and the prefix
-    rows = buckets[np.searchsorted(buckets, nodes)]
-    ver = cost.verify_s(rows, nodes, b, ctx)
+    # prefix i holds b + i distinct nodes (the roots and its nodes), priced at the bucket holding them
+    rows, base = cost.verify_curve(b, buckets)
+    rows = rows[: len(order) + 1]
+    ver = np.maximum(base[: len(order) + 1] + cost.ctx_s * b * (float(ctx) - cost.ctx_ref), 0.0)  # verify_s
     rate = (b + gain) / (over + ver)
     i = int(np.flatnonzero(rate >= rate.max() * (1 - 1e-12))[-1])
     counts = np.bincount(o_req[:i], minlength=b).astype(np.int64)
@@ -504,6 +540,7 @@ class AutoBudget:
         self.max_budget, self.depth = int(max_budget), depth
         self.cost = cost if cost is not None else CostModel(draft=(), fixed=(), measured=True, source="warm-up")
         self.bucketed = bool(bucketed)
+        self._buckets: dict = {}  # batch -> its buckets (fixed by the settings above)
         self.calibration = Calibration(depth)
         self.probe_every, self.explore_every = probe_every, explore_every
         self.stats = BudgetStats()
@@ -553,9 +590,11 @@ class AutoBudget:
     def buckets(self, batch: int) -> tuple[int, ...]:
         """The verify row counts of a batch: ``graph_buckets``, or (eagerly) every count from the
         roots alone to every request at max_budget; none over ``max_rows``."""
-        if self.bucketed:
-            return self.graph_buckets(batch)
-        return tuple(range(batch, self.top_rows(batch) + 1))
+        hit = self._buckets.get(batch)
+        if hit is None:
+            hit = self._buckets[batch] = (self.graph_buckets(batch) if self.bucketed
+                                          else tuple(range(batch, self.top_rows(batch) + 1)))
+        return hit
 
     def graph_buckets(self, batch: int) -> tuple[int, ...]:
         """``row_buckets`` of a batch under ``max_rows``: those up to it, the roots alone always, and

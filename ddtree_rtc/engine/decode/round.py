@@ -31,8 +31,10 @@ differ), rounded up to a row bucket (engine/decode/budget.row_buckets) when they
 round's. With ``decode.budget: auto`` (``auto``: engine/decode/budget.AutoBudget) the tree is built at
 the maximum budget, each request's is cut to the node count the cost-aware policy chooses, and the
 verify packs the cut trees into the smallest row bucket that holds them (engine/decode/auto.py): the
-plan then comes after the build, and the host reads the node values once before the verify (stage
-"budget").
+host reads the build's scores, depths and node counts once before the verify and values the nodes
+there (stage "budget"), and the plan needs the choice. From that sync to the verify's launch the
+device idles, so the host plans the last round's cut while the device drafts and builds, and keeps
+that plan when the choice repeats it (the usual case: the policy's counts are stable).
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class SpeculativeRound:
                 raise ValueError(f"budget auto needs mode 'ddtree' and max_budget {auto.max_budget} == the round's "
                                  f"budget {self.budget}")
             self._auto_round = AutoRound(auto, model.backend, runner)
+            self._last_cut = None  # (rids, counts, rows) of the last drafted auto round
 
     @property
     def width(self) -> int:
@@ -261,6 +264,9 @@ class SpeculativeRound:
         for r, p in zip(reqs, prefix):
             pages.reserve(r.rid, int(p) + self.width)
         roots_dev, prefix_dev, ctx = be.asarray(roots), be.asarray(prefix), float(prefix.mean())
+        # host work that does not need the tree goes before the draft: from the estimate's sync to the
+        # verify's launch the device idles
+        page_table = be.asarray(pages.page_table(rids))
         drafted = auto.should_draft(rids)
         measuring = drafted and ar.needs_measure(b)
         raw = depth = draft_s = None
@@ -268,6 +274,11 @@ class SpeculativeRound:
             logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
             clock.time("top-k", bufs.topk, logits, self._split_topk())
             tree = clock.time("build", bufs.grow, roots_dev, prefix_dev)
+            # while the device drafts and builds, the host plans the verify of the last round's cut
+            # (the policy's counts are stable round to round): used if the choice is the same
+            last, guess = self._last_cut, None
+            if not measuring and last is not None and last[0] == rids:
+                guess = clock.time("plan", runner.plan_tree, rids, prefix, 1 + last[1], self.width, last[2])
             values, raw, depth = clock.time("budget", ar.estimate, tree, rids)  # a host sync
             draft_s = time.perf_counter() - t0
             if measuring:
@@ -276,13 +287,16 @@ class SpeculativeRound:
                            output)
             choice = auto.choose(values, caps, ctx)
             ar.cut(tree, choice.counts)
+            if guess is not None and (choice.rows != last[2] or not np.array_equal(choice.counts, last[1])):
+                guess = None
+            self._last_cut = (rids, choice.counts, choice.rows)
         else:
             auto.skipped(rids)
-            tree = bufs.tree
+            tree, guess = bufs.tree, None
             ar.root_only(tree, roots_dev, prefix_dev)
             choice = auto.ar_choice(b, ctx)
-        step = clock.time("plan", runner.plan_tree, rids, prefix, 1 + choice.counts, self.width, choice.rows)
-        page_table = be.asarray(pages.page_table(rids))
+        step = guess if guess is not None else clock.time("plan", runner.plan_tree, rids, prefix, 1 + choice.counts,
+                                                          self.width, choice.rows)
         row_reqs = self.row_reqs(reqs, step)
         output = self.sampler.output_for(row_reqs)
         out = clock.time("verify", self._verify, step, tree, output)

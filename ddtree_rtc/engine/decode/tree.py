@@ -60,14 +60,21 @@ class TreeBuffers:
         self.depths = backend.empty((b,), "int32")
         self.tree: TreeArrays = alloc_tree(backend.xp, b, shape.max_budget, l)
         self.result: AcceptArrays = alloc_accept(backend.xp, b, l)
+        self._host_limits = None  # the (budgets, depths) on the device, as last copied there
         self.set_limits()
 
     def set_limits(self, budgets=None, depths=None) -> None:
-        """Per-request budget (<= the shape's) and depth limit (<= its depth); None = the maximum."""
+        """Per-request budget (<= the shape's) and depth limit (<= its depth); None = the maximum.
+        Copied to the device only when they change (a round sets them every time, mostly the same)."""
         s = self.shape
-        self.budgets[...] = self.backend.asarray(
-            self._limits("budgets", budgets, s.max_budget, "the buffers' budget"))
-        self.depths[...] = self.backend.asarray(self._limits("depths", depths, s.depth, "the drafter depth"))
+        new = (self._limits("budgets", budgets, s.max_budget, "the buffers' budget"),
+               self._limits("depths", depths, s.depth, "the drafter depth"))
+        old = self._host_limits
+        if old is not None and all(np.array_equal(a, b) for a, b in zip(new, old)):
+            return
+        self.budgets[...] = self.backend.asarray(new[0])
+        self.depths[...] = self.backend.asarray(new[1])
+        self._host_limits = new
 
     def _limits(self, name: str, values, most: int, what: str) -> np.ndarray:
         if values is None:
