@@ -318,7 +318,7 @@ def test_attention_across_2048_keys_vs_reference(rng, split, heads, n):
     ctx = [100, 2047, 2048, 2049, 2500, 3071, 3100, 4095, 4097][: 9 if n == 1 else 5]
     bt = tma.Batch(rng, ctx, [n] * len(ctx), heads, 64)
     o_ref, lse_ref = ref.mla_attention(bt.ref_plan(), bt.q, bt.cache, K26_SCALE)
-    plan, o, lse = tma._run_kernel(bt, split=split)
+    plan, o, lse = tma._run_kernel(bt, scale=K26_SCALE, split=split)  # this file's scale, as the reference's
     o, lse = as_f64(o), as_f64(lse)
     rows = np.repeat(np.array(ctx), n)
     for i, c in enumerate(rows):  # per row, so a failure names the context

@@ -305,28 +305,16 @@ def test_engine_tree_verify_equals_ar_through_graphs(model, graphs, budget, b):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 17, 64])
-def test_small_path_logits_match_the_general_path(model, m):
-    """The same decode batch through the small-M path and through the general kernels
-    (small_m_path off): logits within the bf16 tolerance of each other (different sum orders, the
-    same math), so the small path's composition (router, shared expert, id offsets, query, cache
-    rows) is right and not only invariant."""
-    from ddtree_rtc.model.target import ForwardBatch
-    from ddtree_rtc.testing import as_f64
-
-    outs = []
-    for small in (True, False):
-        cache, ctx = _decode_cache(model, m, np.random.default_rng(7))
-        tokens = np.random.default_rng(8).integers(0, 20480, m)
-        b = ForwardBatch.causal(list(range(m)), ctx, [[int(t)] for t in tokens])
-        model.small_m_path = small
-        try:
-            outs.append(as_f64(model.forward(b, cache, output="logits").logits))
-        finally:
-            model.small_m_path = True
-        del cache
-    rel = np.linalg.norm(outs[0] - outs[1]) / np.linalg.norm(outs[1])
-    rows = np.linalg.norm(outs[0] - outs[1], axis=1) / np.linalg.norm(outs[1], axis=1)
-    worst = np.argsort(-rows)[:5]
-    assert rel < 2e-2, (f"small-M path logits differ from the general path's by {rel:.3e} (relative); worst rows "
-                        f"{worst.tolist()} at {[f'{v:.2e}' for v in rows[worst]]}, contexts {ctx[worst].tolist()}; "
-                        f"stage by stage: python tools/small_vs_general.py --m {m}")
+def test_small_path_matches_the_general_path(model, load_tool, m):
+    """The same decode batch (contexts up to 4096) through the small-M path and the general kernels,
+    stage by stage (tools/small_vs_general.py's replay): each small stage fed the general path's input
+    is within the bf16 tolerance of it (different sum orders, the same math); both paths' attention,
+    router, routed experts and head are within tolerance of the numpy reference; neither writes cache
+    rows outside its slots; model.forward is deterministic both ways; and every row of the two
+    forwards' logits within 2e-2, except a row whose routing flipped at a near-tie (two valid sum
+    orders pick different experts where the k-th margin is ~4e-4: the logits then part by ~20%, and
+    only that row)."""
+    svg = load_tool("small_vs_general")
+    table, rep = svg.replay(model, m, seed=7, ctx_max=4096, pdl=True)
+    found = svg.problems(table, rep)
+    assert not found, "\n".join(found) + f"\n(the whole table: python tools/small_vs_general.py --m {m})"

@@ -29,7 +29,7 @@ def test_numpy_paths_agree_stage_by_stage(tool, capsys):
     assert rep["forward"]["rel"] == 0 and all(rep["forward"]["equals_replay"].values())
     assert all(rep["forward"]["deterministic"].values()) and not rep["topk_flips"]
     assert not any(v for s in rep["stray_cache_rows"].values() for v in s.values())
-    assert "FIRST STAGE BEYOND" not in capsys.readouterr().out
+    assert "PROBLEM" not in capsys.readouterr().out and tool.problems(table, rep) == []
 
 
 def test_a_broken_small_op_is_the_first_stage_named(tool, capsys):
@@ -46,4 +46,28 @@ def test_a_broken_small_op_is_the_first_stage_named(tool, capsys):
     assert table.first_beyond("forced")["stage"] == "L0 q_att"
     later = [r for r in table.rows if r["stage"] in ("L0 kv_a", "L0 cache rows", "L0 attn o_lat")]
     assert all(not r["forced"].any() for r in later)  # fed the general input, the stages after it agree
-    assert "FIRST STAGE BEYOND TOLERANCE: L0 q_att" in capsys.readouterr().out
+    assert "PROBLEM: forced: first stage beyond tolerance L0 q_att" in capsys.readouterr().out
+
+
+def test_a_parted_forward_row_is_excused_only_by_a_near_tie_flip_in_it(tool):
+    """problems(): a row of the forward logits beyond the bound is a defect unless the free run flipped
+    that row's experts at a margin under NEAR_TIE; a flip in another row, or at a wide margin, or
+    with no margin known (NaN) excuses nothing."""
+    import copy
+
+    table, rep = tool.replay(_model(tool), 3, 7, 200, True)
+    assert tool.problems(table, rep) == []
+    parted = copy.deepcopy(rep)
+    parted["forward"]["per_row"][1] = 0.2
+
+    def flip(row, margin, run="free"):
+        return {"run": run, "layer": 1, "row": row, "small_only": [3], "general_only": [5], "margin": margin,
+                "group_margin": float("nan")}
+
+    for flips, excused in (([], False), ([flip(1, tool.NEAR_TIE / 4)], True), ([flip(0, tool.NEAR_TIE / 4)], False),
+                           ([flip(1, tool.NEAR_TIE * 4)], False), ([flip(1, float("nan"))], False),
+                           ([flip(1, tool.NEAR_TIE / 4, run="forced")], False)):
+        parted["topk_flips"] = flips
+        found = tool.problems(table, parted)
+        assert (found == []) is excused, (flips, found)
+        assert excused or any("forward logits row 1 " in f for f in found)

@@ -15,9 +15,10 @@ and model.forward's logits both ways (each run twice: the same bits, or a race) 
     python tools/small_vs_general.py --backend numpy --preset small --ctx-max 300   # a CPU check of the tool
     python tools/small_vs_general.py --pdl on,off          # also with every PDL launch made plain
 
-Prints one table per (M, PDL) and exits 1 when a forced stage is beyond tolerance, a path wrote
-outside its slots, a forward was not deterministic, or the forward logits differ by more than the
-GPU test's 2e-2. Only a model on one rank (world 1) is taken.
+Prints one table per (M, PDL) and exits 1 when `problems` finds one: a forced stage beyond tolerance,
+a stage beyond the numpy reference's tolerance, a path writing outside its slots, a forward that is not
+deterministic, or a row of the forward logits beyond 2e-2 that no near-tie routing flip in that row
+explains (tests/test_small_m_gpu.py asserts the same). Only a model on one rank (world 1) is taken.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ from ddtree_rtc.model.target import LATENT_NORM_EPS, DenseMLP, ForwardBatch, Tar
 
 PAGE = 64
 TOL = {"bf16": 1e-2, "fp32": 1e-4, "logits": 2e-2}  # per-row relative error; logits: the GPU test's bound
+# A free run's routing flip is a near-tie when the general router's margin at the k-th expert is below
+# this: by the MoE layer the two paths' hidden states differ by ~0.5-1% (bf16 roundings in different sum
+# orders, compounded over the layers), which moves sigmoid router scores by up to ~1e-3. Measured flips on
+# the TP8 slice (H100): margins 3.9e-4 and 4.7e-4. A row whose logits part beyond TOL["logits"] is
+# explained only by such a flip in that row; any other parting is a defect.
+NEAR_TIE = 2e-3
 
 
 def row_errors(be, got, want) -> np.ndarray:
@@ -452,52 +459,68 @@ def _moe_dims(model):
     return ex.num_experts, model.cfg.num_experts_per_tok, model.cfg.hidden_size, ex.intermediate
 
 
+def problems(table: Table, rep: dict) -> list[str]:
+    """What is wrong in one replay (empty: the two paths agree as well as two sum orders can):
+    a forced stage beyond tolerance; either path's stage beyond tolerance of the numpy reference; a
+    path writing cache rows outside its slots; a forward that is not deterministic; a row of the free
+    forward's logits beyond TOL["logits"] that no near-tie routing flip in that row explains."""
+    out = []
+    first = table.first_beyond("forced")
+    if first is not None:
+        e = first["forced"]
+        bad = np.flatnonzero(e > TOL[first["kind"]])
+        out.append(f"forced: first stage beyond tolerance {first['stage']} ({first['kind']}): rows "
+                   f"{bad[:12].tolist()} rel errors {[f'{v:.2e}' for v in e[bad[:12]]]}")
+    for r in table.refs:
+        for which in ("small", "general"):
+            if (r[which] > TOL[r["kind"]]).any():
+                out.append(f"reference: the {which} path's {r['stage']} is beyond tolerance of the numpy reference")
+    for layer, s in rep["stray_cache_rows"].items():
+        if any(s.values()):
+            out.append(f"cache layer {layer}: rows written outside the batch's slots: {s}")
+    f = rep["forward"]
+    if not all(f["deterministic"].values()):
+        out.append(f"forward not deterministic: {f['deterministic']}")
+    per_row = np.array(f["per_row"])
+    tie_rows = {x["row"] for x in rep["topk_flips"] if x["run"] == "free" and x["margin"] < NEAR_TIE}
+    for r in np.flatnonzero(per_row > TOL["logits"]):
+        if int(r) not in tie_rows:
+            out.append(f"forward logits row {int(r)} (ctx {rep['ctx'][int(r)]}) parts by {per_row[r]:.2e} "
+                       f"> {TOL['logits']:.0e} with no near-tie routing flip (margin < {NEAR_TIE:.0e}) in that row")
+    return out
+
+
 def print_report(table: Table, rep: dict) -> bool:
-    """The table and its verdicts; True when nothing is beyond tolerance."""
+    """The table and its verdicts; True when ``problems`` finds nothing."""
     print(f"\n== M = {rep['m']}, PDL {'on' if rep['pdl'] else 'off'}, contexts {rep['ctx'][:8]}"
           f"{' ...' if len(rep['ctx']) > 8 else ''}")
     table.print()
     table.print_refs()
-    ok = True
-    first = table.first_beyond("forced")
-    if first is None:
+    if table.first_beyond("forced") is None:
         print("forced: every stage within tolerance given the general path's input "
               f"(bf16 {TOL['bf16']:.0e}, fp32 {TOL['fp32']:.0e}, logits {TOL['logits']:.0e} per row)")
-    else:
-        e = first["forced"]
-        bad = np.flatnonzero(e > TOL[first["kind"]])
-        print(f"forced: FIRST STAGE BEYOND TOLERANCE: {first['stage']} ({first['kind']}): rows {bad[:12].tolist()} "
-              f"rel errors {[f'{v:.2e}' for v in e[bad[:12]]]}")
-        ok = False
     free = table.first_beyond("free")
     print("free: " + ("no stage beyond tolerance" if free is None else
                       f"first stage beyond tolerance: {free['stage']} (max row err {np.max(free['free']):.2e})"))
-    for r in table.refs:
-        for which in ("small", "general"):
-            if (r[which] > TOL[r["kind"]]).any():
-                print(f"reference: the {which} path's {r['stage']} is beyond tolerance of the numpy reference")
-                ok = False
     for f in rep["topk_flips"]:
         print(f"top-k ids differ ({f['run']}): layer {f['layer']} row {f['row']}: small-only {f['small_only']} "
               f"general-only {f['general_only']}, general margin {f['margin']:.2e}"
-              + ("" if not np.isfinite(f["group_margin"]) else f", group margin {f['group_margin']:.2e}"))
+              + ("" if not np.isfinite(f["group_margin"]) else f", group margin {f['group_margin']:.2e}")
+              + (" (a near-tie)" if f["margin"] < NEAR_TIE else ""))
     if not rep["topk_flips"]:
         print("top-k ids: the same sets in every row (forced and free)")
-    for layer, s in rep["stray_cache_rows"].items():
-        if any(s.values()):
-            print(f"cache layer {layer}: rows written outside the batch's slots: {s}")
-            ok = False
     f = rep["forward"]
     per_row = np.array(f["per_row"])
     flipped = sorted({x["row"] for x in rep["topk_flips"] if x["run"] == "free"})
     big = np.flatnonzero(per_row > TOL["logits"])
-    print(f"model.forward logits small vs general: rel {f['rel']:.3e} (the GPU test's bound {TOL['logits']:.0e}); "
-          f"rows > bound: {big[:16].tolist()} of {len(per_row)}; rows with a free top-k flip: {flipped[:16]}")
+    print(f"model.forward logits small vs general: rel {f['rel']:.3e}; rows > {TOL['logits']:.0e}: "
+          f"{big[:16].tolist()} of {len(per_row)}; rows with a free top-k flip: {flipped[:16]}")
     print(f"  per row: {' '.join(f'{v:.1e}' for v in per_row[:32])}{' ...' if len(per_row) > 32 else ''}")
     print(f"  deterministic (two runs, same bits): {f['deterministic']}; forward == this replay: {f['equals_replay']}")
-    if not all(f["deterministic"].values()) or f["rel"] > TOL["logits"]:
-        ok = False
-    return ok
+    found = problems(table, rep)
+    for p in found:
+        print("PROBLEM: " + p)
+    return not found
 
 
 def main() -> int:
