@@ -81,7 +81,7 @@ diag)  # where the small-M path and the general kernels part, then the tests of 
   echo "== small_vs_general rc=$? $(el) (1: a difference above tolerance, see the table)"
   grep -vE "^L[0-9]+ |^head |^stage " "$O/small_vs_general.txt" | cut -c1-220 | tail -40
   timeout "$(left 575)" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --tb=short \
-    tests/test_small_m_gpu.py::test_small_path_logits_match_the_general_path tests/test_dummy_load.py \
+    tests/test_small_m_gpu.py::test_small_path_matches_the_general_path tests/test_dummy_load.py \
     tests/test_moe_small.py::test_kernel_variants tests/test_moe_small.py::test_kernel_vs_reference \
     >"$O/pytest_diag.txt" 2>&1
   echo "== pytest diag rc=$? $(el)"
