@@ -8,7 +8,7 @@ import numpy as np
 from ..reference.moe_routing import MAX_EXPERTS, MoEAlignment, align_args, align_capacities, check_route_args
 from . import _cublas
 from ._args import BF16, check, out_array
-from ._launch import launch
+from ._launch import launch, pdl_supported
 from .registry import module
 
 _ROUTE_WARPS = 4
@@ -63,8 +63,9 @@ def moe_route(logits, bias, top_k: int, n_group: int = 1, topk_group: int = 1, n
             np.int32(n_group), np.int32(topk_group), np.int32(bool(norm_topk_prob)),
             np.float32(routed_scaling_factor), ids, w)
     cap = next(c for c in _ROUTE_ENTRIES if c >= e)
-    module("moe_routing").fn(f"moe_route_e{cap}")(grid, (32 * _ROUTE_WARPS,), args,
-                                                 shared_mem=_ROUTE_WARPS * e * 4 if n_group > 1 else 0)
+    # under PDL where the GPU has it: the kernel waits before it reads the logits (cuda_src/moe_routing.cu)
+    launch(module("moe_routing").fn(f"moe_route_e{cap}"), grid, (32 * _ROUTE_WARPS,), args,
+           shared_mem=_ROUTE_WARPS * e * 4 if n_group > 1 else 0, pdl=pdl_supported())
     return ids, w
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._args import BF16, check, grid_1d, out_array
+from ._launch import launch, pdl_supported
 from .registry import module
 
 _ROWS_PER_BLOCK = 8  # short rows: one warp per row, 256 threads
@@ -28,8 +29,10 @@ def rmsnorm(x, weight, eps: float, residual=None, out=None, residual_out=None):
     args = (x, np.int64(d), residual if residual is not None else np.uint64(0), np.int64(d), weight,
             y, np.int64(d), r_out if residual is not None else np.uint64(0), np.int64(d),
             np.int32(rows), np.int32(d), np.float32(eps), np.int32(vec))
+    # under PDL where the GPU has it: the kernels wait before they read (cuda_src/rmsnorm.cu)
     if d > _BLOCK_ROW_MIN_D:
-        module("rmsnorm").fn("rmsnorm_block_kernel")((rows,), (256,), args)
+        launch(module("rmsnorm").fn("rmsnorm_block_kernel"), (rows,), (256,), args, pdl=pdl_supported())
     else:
-        module("rmsnorm").fn("rmsnorm_kernel")(grid_1d(rows, _ROWS_PER_BLOCK), (32 * _ROWS_PER_BLOCK,), args)
+        launch(module("rmsnorm").fn("rmsnorm_kernel"), grid_1d(rows, _ROWS_PER_BLOCK), (32 * _ROWS_PER_BLOCK,), args,
+               pdl=pdl_supported())
     return y if residual is None else (y, r_out)
