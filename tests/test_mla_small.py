@@ -377,7 +377,7 @@ def test_query_and_cache_rows_vs_twins_and_invariant(heads, nope, t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_lora,h", [(1536, 7168), (96, 256)])  # K2.6; tiny
-@pytest.mark.parametrize("t", [1, 3, 17, 33, 64])
+@pytest.mark.parametrize("t", [1, 3, 12, 17, 33, 64])  # every token bucket (8, 16, 32, 64 rows)
 def test_qkv_a_vs_twin_and_invariant(q_lora, h, t):
     """q_a and kv_a in one launch against the two reference linears (NaN-prefilled outputs), and
     each token's rows the same bits as in a batch of 64."""

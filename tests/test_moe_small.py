@@ -294,7 +294,7 @@ def test_kernel_variants(rng, name, m, with_shared, f32, pdl, kernel_offset):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims", [(384, 7168, 256), (16, 256, 12)])  # K2.6 TP8 (router, H, shared Is); small
-@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("m", [*MS, 12])  # every token bucket (8, 16, 32, 64 rows)
 def test_dense_vs_reference_and_invariant(m, dims):
     """moe_small_dense (router logits + the shared expert's SiLU * up): against the general path's
     references with NaN-prefilled outputs, and each token's values the same bits as at M = 64."""

@@ -1,5 +1,5 @@
 // The small-M path's MLA pieces (M <= 64 tokens), each row-invariant: q_a and kv_a in one skinny
-// launch (mla_qkv_a_small_s*), the absorbed query with its RoPE (mla_query_small), the cache rows with
+// launch (mla_qkv_a_small_m*_s*), the absorbed query with its RoPE (mla_query_small), the cache rows with
 // their norm and RoPE (mla_kv_rows_small), and the per-head GEMMs (mla_head_gemm_small: W_UK
 // absorption q_nope [T, H, 128] x W_UK[h] [128, 512], W_UV expansion o_lat [T, H, 512] x W_UV[h]^T).
 //
@@ -27,11 +27,11 @@ using namespace ddt;
 using namespace ddt::mla_small;
 
 // q_a and kv_a over the same x in one launch (include/skinny_pair.cuh, MODE 1): [m, q_lora] and
-// [m, 576] bf16.
-SKINNY_PAIR_ENTRY(mla_qkv_a_small_s1, 1, , 1)
-SKINNY_PAIR_ENTRY(mla_qkv_a_small_s2, 2, __cluster_dims__(2, 1, 1), 1)
-SKINNY_PAIR_ENTRY(mla_qkv_a_small_s4, 4, __cluster_dims__(4, 1, 1), 1)
-SKINNY_PAIR_ENTRY(mla_qkv_a_small_s8, 8, __cluster_dims__(8, 1, 1), 1)
+// [m, 576] bf16; an entry per token bucket (m8 .. m64, picked from M) and cluster size (s1 .. s8).
+SKINNY_PAIR_ENTRIES(mla_qkv_a_small_m8, 1, 1)
+SKINNY_PAIR_ENTRIES(mla_qkv_a_small_m16, 2, 1)
+SKINNY_PAIR_ENTRIES(mla_qkv_a_small_m32, 4, 1)
+SKINNY_PAIR_ENTRIES(mla_qkv_a_small_m64, 8, 1)
 
 // The bodies' instantiations: F<G, VEC>::run(args...) for group = G (1, 2, 4, 8) and vec = VEC.
 template <template <int, bool> class F, typename... A>

@@ -89,8 +89,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down(
 }
 
 // The MoE layer's dense part in one launch (include/skinny_pair.cuh, MODE 0): router logits fp32
-// [m, E] and the shared expert's bf16(silu(gate) * up) [m, Is] from w13 = [gate; up] [2 Is, k].
-SKINNY_PAIR_ENTRY(moe_small_dense_s1, 1, , 0)
-SKINNY_PAIR_ENTRY(moe_small_dense_s2, 2, __cluster_dims__(2, 1, 1), 0)
-SKINNY_PAIR_ENTRY(moe_small_dense_s4, 4, __cluster_dims__(4, 1, 1), 0)
-SKINNY_PAIR_ENTRY(moe_small_dense_s8, 8, __cluster_dims__(8, 1, 1), 0)
+// [m, E] and the shared expert's bf16(silu(gate) * up) [m, Is] from w13 = [gate; up] [2 Is, k]; an
+// entry per token bucket (m8 .. m64, picked from M) and cluster size (s1 .. s8).
+SKINNY_PAIR_ENTRIES(moe_small_dense_m8, 1, 0)
+SKINNY_PAIR_ENTRIES(moe_small_dense_m16, 2, 0)
+SKINNY_PAIR_ENTRIES(moe_small_dense_m32, 4, 0)
+SKINNY_PAIR_ENTRIES(moe_small_dense_m64, 8, 0)

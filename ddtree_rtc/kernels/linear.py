@@ -42,7 +42,7 @@ AUTO_MAX_WEIGHT_ELEMS = 64 << 20
 AUTO_MAX_N = 65536
 
 _THREADS = 256
-_CTAS_PER_SM = 2  # __launch_bounds__(256, 2) in linear.cu
+_CTAS_PER_SM = 2  # __launch_bounds__(256, 2) in linear.cu and skinny_pair.cuh (all but the 64-row entries)
 _WARPS_N = (8, 4, 2, 1)
 _SPLITS = (1, 2, 4, 8)
 # Plan cost model (rough, for ranking only): DRAM GB/s; one CTA's in-flight bytes (256 threads x 8
@@ -86,13 +86,19 @@ def skinny_plan(m: int, n: int, k: int, sms: int) -> SkinnyPlan:
     return SkinnyPlan(f"linear_m{8 if m <= 8 else 16}_s{s}", -(-n // (8 * wn)) * s, wn, s, est)
 
 
+def token_bucket(m: int, what: str = "invariant linear") -> int:
+    """The token rows (8, 16, 32 or 64) of the skinny entry that takes M <= 64 tokens (linear.cu's
+    linear_m*, include/skinny_pair.cuh's *_m*): only how many rows it holds, never how a row is summed."""
+    if not 1 <= m <= INVARIANT_MAX_M:
+        raise ValueError(f"{what}: M = {m} outside 1..{INVARIANT_MAX_M}")
+    return next(v for v in (8, 16, 32, 64) if m <= v)
+
+
 def invariant_plan(m: int, n: int, k: int, sms: int, f32: bool = False) -> SkinnyPlan:
     """The row-invariant plan: (warps_n, split) from (N, K) and the GPU alone, the entry's token
     tiles (8, 16, 32, 64 rows) from M; bf16 or fp32 (``f32``) output."""
-    if not 1 <= m <= INVARIANT_MAX_M:
-        raise ValueError(f"invariant linear: M = {m} outside 1..{INVARIANT_MAX_M}")
+    mt = token_bucket(m)
     base = skinny_plan(_INVARIANT_PLAN_M, n, k, sms)
-    mt = next(v for v in (8, 16, 32, 64) if m <= v)
     return SkinnyPlan(f"linear_m{mt}{'_f32' if f32 else ''}_s{base.split}", base.grid, base.warps_n, base.split,
                       base.est_us)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ._args import BF16, check, out_array
 from ._launch import launch, pdl_supported, sm_count
-from .linear import skinny_plan
+from .linear import skinny_plan, token_bucket
 from .registry import module
 
 MAX_TOKENS = 64
@@ -148,7 +148,7 @@ def mla_kv_rows_small(kv, norm_w, eps: float, positions, inv_freq, rope_scale: f
 
 
 def mla_qkv_a_small(x, w_qa, w_kva, out_q=None, out_kv=None):
-    """q_a and kv_a over the same x in one skinny launch (mla_qkv_a_small_s*: cuda_src/include/
+    """q_a and kv_a over the same x in one skinny launch (mla_qkv_a_small_m*_s*: cuda_src/include/
     skinny_pair.cuh, MODE 1): x [M, H] bf16 (M <= 64), w_qa [q_lora, H], w_kva [576, H] bf16 ->
     (x w_qa^T, x w_kva^T) bf16; K split planned from the shapes alone: rows independent of M."""
     check("x", x, BF16, ndim=2)
@@ -165,8 +165,11 @@ def mla_qkv_a_small(x, w_qa, w_kva, out_q=None, out_kv=None):
             raise ValueError(f"{name}: base address {a.data.ptr:#x} is not 16-byte aligned")
     oq = out_array("out_q", out_q, (m, n1), BF16)
     okv = out_array("out_kv", out_kv, (m, LAT + ROPE), BF16)
+    # (warps_n, split) from the shapes alone, as the invariant linears' plan; M only picks the entry's
+    # token rows (include/skinny_pair.cuh: a row's sums are the same in every bucket)
     plan = skinny_plan(8, n1 + LAT + ROPE, h, sm_count(x.device.id))
-    launch(module("mla_small").fn(f"mla_qkv_a_small_s{plan.split}"), (plan.grid,), (256,), (
+    mt = token_bucket(m, "mla_qkv_a_small")
+    launch(module("mla_small").fn(f"mla_qkv_a_small_m{mt}_s{plan.split}"), (plan.grid,), (256,), (
         x, w_qa, w_kva, oq, okv, np.int32(m), np.int32(n1), np.int32(LAT + ROPE), np.int32(h),
         np.int32(plan.warps_n)), pdl=_pdl(x.device.id))
     return oq, okv

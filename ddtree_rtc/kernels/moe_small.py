@@ -19,7 +19,7 @@ import numpy as np
 from ..reference.moe_small import check_small_shape
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported, sm_count
-from .linear import skinny_plan
+from .linear import skinny_plan, token_bucket
 from .moe_gemm import check_expert_inputs
 from .moe_routing import check_ids_in_range
 from .registry import module, spec
@@ -127,7 +127,7 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
 
 
 def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
-    """The MoE layer's dense part in one launch (moe_small_dense_s*: cuda_src/include/skinny_pair.cuh,
+    """The MoE layer's dense part in one launch (moe_small_dense_m*_s*: cuda_src/include/skinny_pair.cuh,
     MODE 0): x [M, H]
     bf16 (M <= 64), gate_weight bf16 [E, H] (E % 8 == 0), shared_w13 bf16 [2 Is, H] = [gate; up]
     (Is % 4 == 0) -> (router logits fp32 [M, E], bf16(silu(bf16(x gate^T)) * bf16(x up^T)) [M, Is]).
@@ -150,8 +150,11 @@ def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
                              f"16-byte aligned")
     logits = out_array("out_logits", out_logits, (m, e), np.float32)
     hs = out_array("out_hs", out_hs, (m, i2 // 2), BF16)
+    # (warps_n, split) from the shapes alone, as the invariant linears' plan; M only picks the entry's
+    # token rows (include/skinny_pair.cuh: a row's sums are the same in every bucket)
     plan = skinny_plan(8, e + i2, h, sm_count(x.device.id))
-    launch(module("moe_small").fn(f"moe_small_dense_s{plan.split}"), (plan.grid,), (_THREADS,), (
+    mt = token_bucket(m, "moe_small_dense")
+    launch(module("moe_small").fn(f"moe_small_dense_m{mt}_s{plan.split}"), (plan.grid,), (_THREADS,), (
         x, gate_weight, shared_w13, logits, hs, np.int32(m), np.int32(e), np.int32(i2), np.int32(h),
         np.int32(plan.warps_n)), pdl=pdl_supported())
     return logits, hs

@@ -46,8 +46,8 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "with SiLU*up, down, split-K reduce, weighted top-k combine",
                params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4,
                        "MOE_NT4_WEIGHTS_NORMAL": 1}),
-    KernelSpec("moe_small", ("moe_small_gate_up", "moe_small_down", "moe_small_dense_s1", "moe_small_dense_s2",
-                             "moe_small_dense_s4", "moe_small_dense_s8"),
+    KernelSpec("moe_small", ("moe_small_gate_up", "moe_small_down",
+                             *(f"moe_small_dense_m{mt}_s{s}" for mt in (8, 16, 32, 64) for s in (1, 2, 4, 8))),
                "row-invariant INT4 MoE experts for M <= 64 tokens (the small-M path): routed gate_up with "
                "SiLU*up (K over the CTA's warps, summed in warp order), then down + weighted combine + shared "
                "(whole K per warp, slots in order) under PDL; each CTA rebuilds the routing from the ids, "
@@ -64,7 +64,7 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge",
                arch_specific=True),
     KernelSpec("mla_small", ("mla_head_gemm_small", "mla_query_small", "mla_kv_rows_small",
-                             *(f"mla_qkv_a_small_s{s}" for s in (1, 2, 4, 8))),
+                             *(f"mla_qkv_a_small_m{mt}_s{s}" for mt in (8, 16, 32, 64) for s in (1, 2, 4, 8))),
                "the small-M path's row-invariant MLA pieces for T <= 64 tokens: the head GEMMs (W_UK "
                "absorption, W_UV expansion; a CTA per head and 32 columns, K split over its threads in a "
                "fixed order), q_a and kv_a in one "

@@ -1,9 +1,17 @@
 // Two skinny linears over the same x in one launch (the small-M path: M <= 64 tokens), row-invariant.
-// The scheme of include/skinny_mma.cuh with 4 m16 token tiles (M <= 64) and 4 k32 chunks in flight;
-// the K split (warps_k warps, a cluster of S CTAs) is fixed by the plan, which the host makes from the
-// shapes alone. Row blocks of 8: n1 / 8 of w1 [n1, k], then n2 / 8 of w2 [n2, k]. The weights go to
-// L2 before the PDL wait (they do not depend on the previous kernel); x is read and the outputs
-// written after it.
+// The scheme of include/skinny_mma.cuh, with linear.cu's token buckets: MH = 1 (M <= 8: one m16 token
+// tile whose rows 8..15 are zeros, never loaded; 8 k32 chunks in flight), MH = 2 (M <= 16), MH = 4 / 8
+// (M <= 32 / 64: 2 / 4 m16 tiles, 4 chunks in flight so the operands stay in registers). MH = 1, 2, 4
+// fit 128 registers, two CTAs per SM; MH = 8 needs one SM per CTA. The K split (warps_k warps, a
+// cluster of S CTAs) is fixed by the plan, which the host makes from the shapes alone; the host picks
+// MH from M. Row blocks of 8: n1 / 8 of w1 [n1, k], then n2 / 8 of w2 [n2, k]. The weights go to L2
+// before the PDL wait (they do not depend on the previous kernel); x is read and the outputs written
+// after it.
+// Row invariance across the buckets: a token's m16 tile (token / 16) and its lane and register in that
+// tile (token % 16) are the same for every MH; the rows a bucket adds are zeros, and mma rows do not
+// mix; k_sum adds a tile's chunks in chunk order whatever kU is (padding chunks add exactly +0 to
+// sums that start at +0); the reductions depend on (warps_n, S) alone. So a token row's bits depend
+// only on (warps_n, S, K), never on MH or M.
 //   MODE 0 (the MoE layer's dense part): out1 fp32 [m, n1] = x w1^T (router logits); w2 = [gate; up]
 //     (n2 = 2 Is), a block = gate rows i..i+3 and up rows i..i+3 (i = 4 b), out2 bf16 [m, Is] =
 //     bf16(silu(bf16(gate)) * bf16(up)), as the general path's linear, then silu_mul, round them.
@@ -17,8 +25,16 @@ namespace skinny_pair {
 
 using skinny::kThreads;
 using skinny::kWarps;
-constexpr int kMT = 4;  // m16 token tiles: M <= 64
-constexpr int kU = 4;   // k32 chunks in flight per thread
+
+// m16 token tiles of bucket MH, and k32 chunks in flight per thread (as linear.cu)
+template <int MH>
+constexpr int tiles() {
+  return MH == 1 ? 1 : MH / 2;
+}
+template <int MH>
+constexpr int unroll() {
+  return tiles<MH>() == 1 ? 8 : 4;
+}
 
 __device__ __forceinline__ float bf16_round(float v) { return to_f32(to_bf16(v)); }
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
@@ -30,11 +46,11 @@ __device__ __forceinline__ void store(bf16* p, float v) { *p = to_bf16(v); }
 // outputs: the products (MODE 1, and MODE 0's first), or MODE 0's bf16(silu(bf16(gate)) * bf16(up)) of
 // w2 = [gate; up] (lanes t ^ 2 hold the matching up, so the whole warp comes here). Rows >= m are not
 // written.
-template <int MODE, typename Out1>
-__device__ __forceinline__ void store_tile(const float4 (&s)[kMT], int m, int g, int t, bool first, int rb, int b2,
+template <int MODE, int MT, typename Out1>
+__device__ __forceinline__ void store_tile(const float4 (&s)[MT], int m, int g, int t, bool first, int rb, int b2,
                                            Out1* __restrict__ out1, int n1, bf16* __restrict__ out2, int n2) {
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
+  for (int mt = 0; mt < MT; ++mt) {
     const int ta = 16 * mt + g, tb = ta + 8;
     const float v[4] = {s[mt].x, s[mt].y, s[mt].z, s[mt].w};  // (ta, col), (ta, col + 1), (tb, col), (tb, col + 1)
     if (first) {
@@ -68,10 +84,11 @@ __device__ __forceinline__ void store_tile(const float4 (&s)[kMT], int m, int g,
 }
 
 // Grid ceil((n1 + n2) / 8 / warps_n) * S, block kThreads; n1, n2 multiples of 8, k of 8.
-template <int S, int MODE>
+template <int MH, int S, int MODE>
 __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __restrict__ w1,
                                     const bf16* __restrict__ w2, void* __restrict__ out1, bf16* __restrict__ out2,
                                     int m, int n1, int n2, int k, int warps_n) {
+  constexpr int kMT = tiles<MH>(), kU = unroll<MH>();
   __shared__ float4 red[kWarps][kMT][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -94,7 +111,7 @@ __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __re
   bool xa_ok[kMT], xb_ok[kMT];
   const uint4* xa_row[kMT];
   const uint4* xb_row[kMT];
-  skinny::x_rows<kMT>(x, m, pieces, g, true, xa_ok, xb_ok, xa_row, xb_row);
+  skinny::x_rows<kMT>(x, m, pieces, g, MH >= 2, xa_ok, xb_ok, xa_row, xb_row);
   float acc[kMT][4];
   skinny::k_sum<kMT, kU>(acc, wrow, rb_ok, xa_ok, xb_ok, xa_row, xb_row, c_begin, c_end, pieces, t);
   float4 s[kMT];
@@ -102,19 +119,27 @@ __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __re
   if (!holds || !rb_ok) return;  // (warp-uniform: the shuffle below needs the whole warp)
   // s[mt]: D[token 16 mt + g][B rows 2t, 2t + 1], D[token 16 mt + g + 8][B rows 2t, 2t + 1]
   if constexpr (MODE == 0)
-    store_tile<MODE>(s, m, g, t, first, rb, b2, static_cast<float*>(out1), n1, out2, n2);
+    store_tile<MODE, kMT>(s, m, g, t, first, rb, b2, static_cast<float*>(out1), n1, out2, n2);
   else
-    store_tile<MODE>(s, m, g, t, first, rb, b2, static_cast<bf16*>(out1), n1, out2, n2);
+    store_tile<MODE, kMT>(s, m, g, t, first, rb, b2, static_cast<bf16*>(out1), n1, out2, n2);
 }
 
 }  // namespace skinny_pair
 }  // namespace ddt
 
-// One extern "C" entry per cluster size S (1, 2, 4, 8) of skinny_pair::run<S, MODE>; each family
-// lists its four NAME_s{S} uses one per line (the registry test reads them).
-#define SKINNY_PAIR_ENTRY(NAME, S, CLUSTER, MODE)                                                           \
-  extern "C" __global__ void CLUSTER __launch_bounds__(ddt::skinny::kThreads, 1) NAME(                     \
+// One extern "C" entry per (bucket MH, cluster size S) of skinny_pair::run<MH, S, MODE>: NAME_m{8, 16,
+// 32, 64}_s{1, 2, 4, 8} from one SKINNY_PAIR_ENTRIES line per bucket in each family's .cu (the
+// registry lists them; tests/test_kernel_sources.py checks the two agree). Launch bounds: two CTAs per
+// SM (128 registers) except MH = 8.
+#define SKINNY_PAIR_ENTRY(NAME, MH, S, CLUSTER, MODE)                                                       \
+  extern "C" __global__ void CLUSTER __launch_bounds__(ddt::skinny::kThreads, MH == 8 ? 1 : 2) NAME(        \
       const ddt::bf16* __restrict__ x, const ddt::bf16* __restrict__ w1, const ddt::bf16* __restrict__ w2, \
       void* __restrict__ out1, ddt::bf16* __restrict__ out2, int m, int n1, int n2, int k, int warps_n) {   \
-    ddt::skinny_pair::run<S, MODE>(x, w1, w2, out1, out2, m, n1, n2, k, warps_n);                          \
+    ddt::skinny_pair::run<MH, S, MODE>(x, w1, w2, out1, out2, m, n1, n2, k, warps_n);                      \
   }
+
+#define SKINNY_PAIR_ENTRIES(PREFIX, MH, MODE)                                   \
+  SKINNY_PAIR_ENTRY(PREFIX##_s1, MH, 1, , MODE)                                 \
+  SKINNY_PAIR_ENTRY(PREFIX##_s2, MH, 2, __cluster_dims__(2, 1, 1), MODE)        \
+  SKINNY_PAIR_ENTRY(PREFIX##_s4, MH, 4, __cluster_dims__(4, 1, 1), MODE)        \
+  SKINNY_PAIR_ENTRY(PREFIX##_s8, MH, 8, __cluster_dims__(8, 1, 1), MODE)
