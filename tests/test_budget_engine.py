@@ -2,6 +2,9 @@
 engine's own autoregressive decode (T = 0 and T > 0; oracle, random and DFlash drafters; mixed
 batches), the extremes of the cost table, and the errors. The policy itself: tests/test_budget.py."""
 
+import contextlib
+import types
+
 import numpy as np
 import pytest
 
@@ -9,6 +12,7 @@ from ddtree_rtc.backend import Backend
 from ddtree_rtc.engine.decode.budget import BudgetError, CostModel
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.request import Request
+from ddtree_rtc.engine.runner import ModelRunner
 from ddtree_rtc.model.target import TargetModel
 from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter
 from ddtree_rtc.testing import random_prompts as prompts
@@ -218,6 +222,73 @@ def test_warm_up_under_the_row_cap_measures_every_bucket_it_uses(tiny, cont):
     assert 5 in batches and len(batches) > 1 and max(measured) == 64
     assert all(set(auto.graph_buckets(b)) <= measured for b in batches)
     assert set(auto.stats.rows_hist) <= measured  # every verify used is a measured bucket
+
+
+class FakeGraphRunner(ModelRunner):
+    """CUDA graphs simulated on numpy: a capture records its (shape, output) and makes a 'graph'
+    whose launch runs the shape's current inputs eagerly (what a replay of the real one computes)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.captured = []  # (shape key, output) in capture order
+        self.launched = set()  # shape keys replayed
+
+    @staticmethod
+    def supports_graphs(backend) -> bool:
+        return True
+
+    def _pool(self):
+        return None, contextlib.nullcontext()
+
+    def _capture(self, s, hidden_layers, output):
+        from ddtree_rtc.parallel.comm import CommStats
+
+        key = next(k for k, v in self._shapes.items() if v is s)
+        self.captured.append((key, output))
+
+        def launch():
+            self.launched.add(key)
+            s.outs[output] = self.model.run(s.inputs, self.cache, output=output, hidden_layers=hidden_layers,
+                                            moe_plan=s.moe_plan)
+
+        s.graphs[output], s.collectives[output] = types.SimpleNamespace(launch=launch), CommStats()
+
+
+@pytest.mark.parametrize("setting", ["auto", "chain", "4"])
+def test_the_start_captures_every_verify_shape_and_no_other(tiny, cont, monkeypatch, setting):
+    """With CUDA graphs (simulated) the engine captures at its start every verify shape its decoding
+    can reach and no other: auto, each row bucket of each batch size up to max_batch under the 64
+    verify rows (the buckets it may choose); a fixed budget or chain, each batch size of a group at
+    that budget. A run whose requests finish at different times (batch sizes 5 .. 1) and whose auto
+    choices span several buckets then replays those graphs and captures none; the ids stay
+    autoregressive decoding's."""
+    from ddtree_rtc.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "ModelRunner", FakeGraphRunner)
+    ps = prompts(19, (6, 9, 4, 12, 7))
+    new = [30, 4, 9, 6, 11]
+    _, want = run(tiny, ps, new, max_batch=5)
+    auto = setting == "auto"
+    eng = Engine(tiny, max_batch=5, page_size=16, max_context=128, mode="chain" if setting == "chain" else "ddtree",
+                 drafter=oracle(tiny, cont, accept_p=0.7), budget="auto" if auto else int(setting) if
+                 setting.isdigit() else 64, max_budget=MAX, cost=CostModel.from_dict(MOE.to_json()),
+                 cuda_graphs=True)
+    runner, width = eng.runner, eng.round.width
+    assert eng.invariant and eng.warm_up["graphs"] == runner.captures > 0 and eng.warm_up["left"] == 0
+    if auto:
+        eng.round.auto.probe_every = 1  # held requests probe every round: more of the buckets are met
+        reach = {(b, t, width) for b in range(1, 6) for t in eng.round.auto.graph_buckets(b)}
+        assert max(t for _, t, _ in reach) == 64 and min(t for _, t, _ in reach) == 1
+    else:
+        reach = {(b, b * width, width) for b in range(1, min(5, 64 // width) + 1)}
+    assert sorted(runner.captured) == sorted((k, "logits") for k in reach)
+    captures = runner.captures
+    got = [r.output for r in eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(ps, new))])]
+    assert got == want
+    assert runner.captures == captures and len(runner.captured) == captures  # nothing captured while decoding
+    assert runner.launched <= reach and len({b for b, _, _ in runner.launched}) >= 3
+    if auto:
+        assert len(eng.round.auto.stats.rows_hist) >= 3  # the choices span several buckets
 
 
 def test_bad_input_is_named(tiny, cont):
