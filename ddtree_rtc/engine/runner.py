@@ -41,6 +41,7 @@ import numpy as np
 
 from ..model.target import ForwardBatch, ForwardOutput, StepInputs, TargetModel
 from ..reference.tree_build import mask_words
+from .kv_cache import PAGE_SENTINEL
 
 
 @dataclass
@@ -265,11 +266,18 @@ class ModelRunner:
         row_slot = np.arange(total) - q_start[row_req]
         pick = np.full((b, width), -1, np.int64)
         pick[row_req, row_slot] = np.arange(total)
-        slots = np.concatenate([cache.allocator.slots(r, np.arange(p, p + n))
-                                for r, p, n in zip(seq_ids, prefix, num_new)])
-        plan = be.mla_attention_plan(prefix, num_new, cache.allocator.page_table(seq_ids, self.page_width),
-                                     model.dims.num_heads, cache.page_size, cache.num_pages, s.mask,
-                                     check_mask=False, into=s.inputs.plan)
+        table = cache.allocator.page_table(seq_ids, self.page_width)
+        # every row's cache slot from the page table at once (one lookup per request was most of the
+        # plan's host time that grows with the batch)
+        pos = prefix[row_req] + row_slot
+        page = table[row_req, pos // cache.page_size]
+        if (page == PAGE_SENTINEL).any():
+            r = int(row_req[np.argmax(page == PAGE_SENTINEL)])
+            raise ValueError(f"sequence {seq_ids[r]!r}: positions {int(prefix[r])}..{int(prefix[r] + num_new[r] - 1)} "
+                             f"outside its reserved pages")
+        slots = page.astype(np.int64) * cache.page_size + pos % cache.page_size
+        plan = be.mla_attention_plan(prefix, num_new, table, model.dims.num_heads, cache.page_size,
+                                     cache.num_pages, s.mask, check_mask=False, into=s.inputs.plan)
         for dst, src in ((s.inputs.slots, slots), (s.row_req, row_req), (s.row_slot, row_slot), (s.pick, pick)):
             be.copy_in(dst, src.astype(np.int32))
         s.inputs = StepInputs(ForwardBatch(list(seq_ids), prefix, num_new, None, None, s.mask),
