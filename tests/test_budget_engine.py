@@ -203,8 +203,9 @@ def test_warm_up_measures_the_costs_it_chooses_by(tiny, cont):
 def test_warm_up_under_the_row_cap_measures_every_bucket_it_uses(tiny, cont):
     """Row-invariant scheduling (the default) caps a round at 64 verify rows: five requests of 17
     rows at most (85) verify within the graph buckets under 64 (CUDA graphs' buckets, simulated on
-    numpy), the warm-up measures those, and as the batch shrinks (requests of other lengths finish)
-    a smaller batch's first drafted round measures the buckets below the first batch's roots."""
+    numpy). The first drafted round measures those and the buckets of every smaller batch (its first
+    requests), so as the batch shrinks (requests of other lengths finish) nothing is measured mid
+    decoding."""
     ps = prompts(19, (6, 9, 4, 12, 7))
     new = [30, 4, 9, 6, 11]  # request 1 is done in 3 rounds at most, request 0 takes 4 at least
     _, want = run(tiny, ps, new, max_batch=5)
@@ -215,11 +216,14 @@ def test_warm_up_under_the_row_cap_measures_every_bucket_it_uses(tiny, cont):
     assert eng.invariant and auto.max_rows == 64
     auto.bucketed = True  # the CUDA graphs' buckets (numpy runs any shape eagerly)
     auto.probe_every = 1  # every round drafts (the measured timings would decide the holds)
+    ar, sizes = eng.round._auto_round, []
+    measure = ar.measure
+    ar.measure = lambda rids, *a: sizes.append(len(rids)) or measure(rids, *a)
     got = [r.output for r in eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(ps, new))])]
     assert got == want
     measured = {int(x) for x, _ in cost.verify}
-    batches = eng.round._auto_round.measured_batches
-    assert 5 in batches and len(batches) > 1 and max(measured) == 64
+    batches = ar.measured_batches
+    assert sizes == [5] and batches == {1, 2, 3, 4, 5} and max(measured) == 64
     assert all(set(auto.graph_buckets(b)) <= measured for b in batches)
     assert set(auto.stats.rows_hist) <= measured  # every verify used is a measured bucket
 

@@ -159,25 +159,24 @@ class Calibration:
         (root included). The request factor is measured over predicted under the depth factors in use."""
         f, d1 = self._depth_used, self.depth + 1
         counts, accept_len = np.asarray(counts, np.int64), np.asarray(accept_len, np.int64)
-        live = np.flatnonzero(counts > 0)  # a request with no verified node gives no evidence
+        top = int(counts.max()) if len(counts) else 0
         pred = np.zeros(d1)
         meas = np.zeros(d1)
-        if len(live):
+        if top > 0:
             # every request's predicted reach per depth in one bincount over (request, depth) (a loop
-            # of one per request was most of this host time that grows with the batch)
-            n = counts[live]
-            cols = np.arange(1, int(n.max()) + 1)
-            depth = node_depth[live][:, cols].astype(np.int64)
-            used = (cols[None, :] <= n[:, None]) & (depth < d1)
-            idx = np.arange(len(live))[:, None] * d1 + depth
-            per_depth = np.bincount(idx[used], weights=raw[live][:, cols][used],
-                                    minlength=len(live) * d1).reshape(len(live), d1)
-            for pd in per_depth:
-                pred += pd
-            reach = np.cumsum(np.bincount(accept_len[live], minlength=d1 + 1)[::-1])[::-1]  # requests with a >= d
-            meas[1:] = reach[2:d1 + 1]  # depth d is measured reached where accept_len > d
+            # of one per request was most of this host time that grows with the batch); a request
+            # with no verified node gives no evidence (its row stays 0 and is skipped)
+            b = len(counts)
+            depth = node_depth[:, 1:top + 1].astype(np.int64)
+            used = (np.arange(top)[None, :] < counts[:, None]) & (depth < d1)
+            idx = np.arange(b)[:, None] * d1 + depth
+            per_depth = np.bincount(idx[used], weights=raw[:, 1:top + 1][used], minlength=b * d1).reshape(b, d1)
+            live = np.flatnonzero(counts > 0)
+            for i in live:
+                pred += per_depth[i]
+            meas[1:] = (accept_len[live, None] > np.arange(1, d1)[None, :]).sum(axis=0)  # reached depth d
             rd = self.request_decay
-            for i, pd_f in zip(live.tolist(), (per_depth * f).sum(axis=1).tolist()):
+            for i, pd_f in zip(live.tolist(), (per_depth[live] * f).sum(axis=1).tolist()):
                 rid, a = rids[i], int(accept_len[i])
                 p, m = self._req.get(rid, (0.0, 0.0))
                 self._req[rid] = (rd * p + pd_f, rd * m + (a - 1))
