@@ -15,6 +15,7 @@ concurrency: auto over the best and the worst fixed budget (chain included), the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -117,6 +118,8 @@ def main(argv=None) -> dict:
             rows.append(r)
             print(f"c{c} {s}: {r['tok_s_per_user'] or 0:.1f} tok/s per user, {r['tok_s']:.1f} tok/s"
                   + (f", tau {r['tau']:.2f}" if r.get("tau") else ""), flush=True)
+            del eng
+            gc.collect()  # the last engine's graph pools and cache go before the next one measures free memory
     summary = summarize(rows)
     print_table(rows, summary)
     from .harness import stamp
