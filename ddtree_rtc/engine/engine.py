@@ -125,12 +125,16 @@ class Engine:
         Returns what it did: graphs captured, shapes left, their pools' bytes, seconds."""
         if self.pages.num_free_pages != self.pages.num_pages:
             raise RuntimeError("capture_graphs runs before any request holds a page (it writes page 0)")
-        # on several ranks every rank must capture the same shapes (a capture runs the collectives):
-        # their free memory differs, so no bound there
-        if max_bytes is None and self.backend.is_cuda and self.model.shard.world == 1:
+        if max_bytes is None and self.backend.is_cuda:
             import cupy
 
-            max_bytes = int(GRAPH_MEMORY_SHARE * cupy.cuda.runtime.memGetInfo()[0])
+            free = int(cupy.cuda.runtime.memGetInfo()[0])
+            if self.model.shard.world > 1:
+                # every rank must capture the same shapes (a capture runs the collectives, and the
+                # ranks' shapes hold the same bytes): the least free memory of any rank bounds them all
+                be = self.backend
+                free = int(be.to_host(self.model.comm.all_gather(be.asarray(np.array([free], np.int64)))).min())
+            max_bytes = int(GRAPH_MEMORY_SHARE * free)
         t0, before = time.perf_counter(), self.runner.captures
         left = self.runner.capture(self.graph_shapes(), self.sampler.outputs(), max_bytes)
         if left:
