@@ -339,7 +339,7 @@ def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, 
     """budget auto on the CUDA backend (eager or CUDA graphs; the verify costs measured at the first
     drafted round, or a given table) gives CUDA autoregressive ids up to the first near-tie of the
     autoregressive run's own logits (tests/test_round_gpu.py explains the comparison); with graphs,
-    every verify shape captured is a row bucket's."""
+    every verify shape captured is a row bucket's, each captured when the engine starts."""
     from test_round_gpu import assert_agree, copies, dense_tiny_config, oracle_of, pick_clear, pool_requests, run_engine
 
     from ddtree_rtc.model.make_model import make_model
@@ -362,6 +362,7 @@ def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, 
         measured = {x for x, _ in auto.cost.verify}
         assert any(measured >= set(map(float, auto.graph_buckets(b))) for b in range(1, 5))
         assert auto.cost.draft_s(4) > 0
-    if graphs:  # the row-invariant default: none over 64 rows
+    if graphs:  # the row-invariant default: none over 64 rows; all captured at the start, none later
+        assert eng.warm_up["left"] == 0 and eng.runner.captures == eng.warm_up["graphs"] == len(eng.graph_shapes())
         assert all(key[1] in auto.graph_buckets(key[0]) for key in eng.runner._shapes if key[2])
         assert max(key[1] for key in eng.runner._shapes if key[2]) <= 64
