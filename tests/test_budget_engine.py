@@ -2,6 +2,9 @@
 engine's own autoregressive decode (T = 0 and T > 0; oracle, random and DFlash drafters; mixed
 batches), the extremes of the cost table, and the errors. The policy itself: tests/test_budget.py."""
 
+import contextlib
+import types
+
 import numpy as np
 import pytest
 
@@ -9,6 +12,7 @@ from ddtree_rtc.backend import Backend
 from ddtree_rtc.engine.decode.budget import BudgetError, CostModel
 from ddtree_rtc.engine.engine import Engine
 from ddtree_rtc.engine.request import Request
+from ddtree_rtc.engine.runner import ModelRunner
 from ddtree_rtc.model.target import TargetModel
 from ddtree_rtc.speculative.drafters import OracleDrafter, RandomDrafter
 from ddtree_rtc.testing import random_prompts as prompts
@@ -199,8 +203,9 @@ def test_warm_up_measures_the_costs_it_chooses_by(tiny, cont):
 def test_warm_up_under_the_row_cap_measures_every_bucket_it_uses(tiny, cont):
     """Row-invariant scheduling (the default) caps a round at 64 verify rows: five requests of 17
     rows at most (85) verify within the graph buckets under 64 (CUDA graphs' buckets, simulated on
-    numpy), the warm-up measures those, and as the batch shrinks (requests of other lengths finish)
-    a smaller batch's first drafted round measures the buckets below the first batch's roots."""
+    numpy). The first drafted round measures those and the buckets of every smaller batch (its first
+    requests), so as the batch shrinks (requests of other lengths finish) nothing is measured mid
+    decoding."""
     ps = prompts(19, (6, 9, 4, 12, 7))
     new = [30, 4, 9, 6, 11]  # request 1 is done in 3 rounds at most, request 0 takes 4 at least
     _, want = run(tiny, ps, new, max_batch=5)
@@ -211,13 +216,83 @@ def test_warm_up_under_the_row_cap_measures_every_bucket_it_uses(tiny, cont):
     assert eng.invariant and auto.max_rows == 64
     auto.bucketed = True  # the CUDA graphs' buckets (numpy runs any shape eagerly)
     auto.probe_every = 1  # every round drafts (the measured timings would decide the holds)
+    ar, sizes = eng.round._auto_round, []
+    measure = ar.measure
+    ar.measure = lambda rids, *a: sizes.append(len(rids)) or measure(rids, *a)
     got = [r.output for r in eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(ps, new))])]
     assert got == want
     measured = {int(x) for x, _ in cost.verify}
-    batches = eng.round._auto_round.measured_batches
-    assert 5 in batches and len(batches) > 1 and max(measured) == 64
+    batches = ar.measured_batches
+    assert sizes == [5] and batches == {1, 2, 3, 4, 5} and max(measured) == 64
     assert all(set(auto.graph_buckets(b)) <= measured for b in batches)
     assert set(auto.stats.rows_hist) <= measured  # every verify used is a measured bucket
+
+
+class FakeGraphRunner(ModelRunner):
+    """CUDA graphs simulated on numpy: a capture records its (shape, output) and makes a 'graph'
+    whose launch runs the shape's current inputs eagerly (what a replay of the real one computes)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.captured = []  # (shape key, output) in capture order
+        self.launched = set()  # shape keys replayed
+
+    @staticmethod
+    def supports_graphs(backend) -> bool:
+        return True
+
+    def _pool(self):
+        return None, contextlib.nullcontext()
+
+    def _capture(self, s, hidden_layers, output):
+        from ddtree_rtc.parallel.comm import CommStats
+
+        key = next(k for k, v in self._shapes.items() if v is s)
+        self.captured.append((key, output))
+
+        def launch():
+            self.launched.add(key)
+            s.outs[output] = self.model.run(s.inputs, self.cache, output=output, hidden_layers=hidden_layers,
+                                            moe_plan=s.moe_plan)
+
+        s.graphs[output], s.collectives[output] = types.SimpleNamespace(launch=launch), CommStats()
+
+
+@pytest.mark.parametrize("setting", ["auto", "chain", "4"])
+def test_the_start_captures_every_verify_shape_and_no_other(tiny, cont, monkeypatch, setting):
+    """With CUDA graphs (simulated) the engine captures at its start every verify shape its decoding
+    can reach and no other: auto, each row bucket of each batch size up to max_batch under the 64
+    verify rows (the buckets it may choose); a fixed budget or chain, each batch size of a group at
+    that budget. A run whose requests finish at different times (batch sizes 5 .. 1) and whose auto
+    choices span several buckets then replays those graphs and captures none; the ids stay
+    autoregressive decoding's."""
+    from ddtree_rtc.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "ModelRunner", FakeGraphRunner)
+    ps = prompts(19, (6, 9, 4, 12, 7))
+    new = [30, 4, 9, 6, 11]
+    _, want = run(tiny, ps, new, max_batch=5)
+    auto = setting == "auto"
+    eng = Engine(tiny, max_batch=5, page_size=16, max_context=128, mode="chain" if setting == "chain" else "ddtree",
+                 drafter=oracle(tiny, cont, accept_p=0.7), budget="auto" if auto else int(setting) if
+                 setting.isdigit() else 64, max_budget=MAX, cost=CostModel.from_dict(MOE.to_json()),
+                 cuda_graphs=True)
+    runner, width = eng.runner, eng.round.width
+    assert eng.invariant and eng.warm_up["graphs"] == runner.captures > 0 and eng.warm_up["left"] == 0
+    if auto:
+        eng.round.auto.probe_every = 1  # held requests probe every round: more of the buckets are met
+        reach = {(b, t, width) for b in range(1, 6) for t in eng.round.auto.graph_buckets(b)}
+        assert max(t for _, t, _ in reach) == 64 and min(t for _, t, _ in reach) == 1
+    else:
+        reach = {(b, b * width, width) for b in range(1, min(5, 64 // width) + 1)}
+    assert sorted(runner.captured) == sorted((k, "logits") for k in reach)
+    captures = runner.captures
+    got = [r.output for r in eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(ps, new))])]
+    assert got == want
+    assert runner.captures == captures and len(runner.captured) == captures  # nothing captured while decoding
+    assert runner.launched <= reach and len({b for b, _, _ in runner.launched}) >= 3
+    if auto:
+        assert len(eng.round.auto.stats.rows_hist) >= 3  # the choices span several buckets
 
 
 def test_bad_input_is_named(tiny, cont):
@@ -264,7 +339,7 @@ def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, 
     """budget auto on the CUDA backend (eager or CUDA graphs; the verify costs measured at the first
     drafted round, or a given table) gives CUDA autoregressive ids up to the first near-tie of the
     autoregressive run's own logits (tests/test_round_gpu.py explains the comparison); with graphs,
-    every verify shape captured is a row bucket's."""
+    every verify shape captured is a row bucket's, each captured when the engine starts."""
     from test_round_gpu import assert_agree, copies, dense_tiny_config, oracle_of, pick_clear, pool_requests, run_engine
 
     from ddtree_rtc.model.make_model import make_model
@@ -287,6 +362,7 @@ def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, 
         measured = {x for x, _ in auto.cost.verify}
         assert any(measured >= set(map(float, auto.graph_buckets(b))) for b in range(1, 5))
         assert auto.cost.draft_s(4) > 0
-    if graphs:  # the row-invariant default: none over 64 rows
+    if graphs:  # the row-invariant default: none over 64 rows; all captured at the start, none later
+        assert eng.warm_up["left"] == 0 and eng.runner.captures == eng.warm_up["graphs"] == len(eng.graph_shapes())
         assert all(key[1] in auto.graph_buckets(key[0]) for key in eng.runner._shapes if key[2])
         assert max(key[1] for key in eng.runner._shapes if key[2]) <= 64

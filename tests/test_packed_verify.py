@@ -93,6 +93,23 @@ def test_packed_rows_equal_causal_forwards_and_padding_is_harmless(tiny, rng):
             assert (per[b, n:] == -1).all()
 
 
+def test_plan_tree_slots_come_from_each_requests_pages_and_a_row_past_them_is_named(tiny):
+    """The verify's cache slots, from the page table in one lookup, are each request's own
+    (PageAllocator.slots of its positions), and a row past a request's reserved pages is an error
+    naming the request."""
+    cache = PagedKVCache(tiny.backend, tiny.num_layers, 16, 16)
+    for rid, n in ((7, 40), (3, 20), (9, 33)):
+        cache.allocator.reserve(rid, n)
+    runner = ModelRunner(tiny, cache, 64)
+    prefix, rows = np.array([30, 5, 20]), np.array([4, 9, 13])
+    step = runner.plan_tree([7, 3, 9], prefix, rows, 13, 32)
+    want = np.concatenate([cache.allocator.slots(r, np.arange(p, p + n))
+                           for r, p, n in zip([7, 3, 9], prefix, step.rows)])
+    assert np.array_equal(tiny.backend.to_host(step.inputs.slots), want)
+    with pytest.raises(ValueError, match="sequence 3: positions 25..33 outside its reserved pages"):
+        runner.plan_tree([7, 3], [30, 25], [4, 9], 9)  # its 20 rows hold 2 pages: 32
+
+
 @pytest.mark.gpu
 def test_packed_verify_equals_ar_through_graphs():
     """With CUDA graphs on the small-M path: a packed verify of chains of unequal lengths (one a

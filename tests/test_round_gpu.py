@@ -188,7 +188,8 @@ def test_cuda_round_equals_cuda_autoregressive_up_to_near_ties(dense_dir, mode, 
 def test_cuda_round_graph_replay_equals_eager(tiny_dir, temperature):
     """The round with its verify forward replayed from CUDA graphs gives the eager round's ids bit
     for bit (same kernels, same attention and MoE plans), at T = 0 and T > 0; the runner captured
-    one graph per (batch, 1 + budget) shape the rounds met and replayed one per round."""
+    one graph per (batch, 1 + budget) shape a round can meet at the engine's start (none later)
+    and replayed one per round."""
     cuda = TargetModel.load(tiny_dir, Backend("cuda"))
     reqs = pool_requests(temperature, seed=3)[:7]  # 7 requests, 4 slots: round batches of several sizes
     _, ref = run_engine(cuda, copies(reqs))
@@ -203,9 +204,13 @@ def test_cuda_round_graph_replay_equals_eager(tiny_dir, temperature):
             return run_round(live, eos)
 
         eng.round.run = counted
+        started = eng.runner.captures
         outs.append([r.output for r in eng.run(copies(reqs))])
         if graphs:
-            assert eng.runner.captures == len(set(sizes)) == len(eng.runner) >= 2, (eng.runner.captures, sizes)
+            shapes = eng.graph_shapes()  # row-invariant: groups of 3 (64 // 17 rows) requests at most
+            assert shapes == [(b, 17 * b, 17) for b in range(1, 4 if eng.invariant else 5)]
+            assert set(sizes) <= {b for b, _, _ in shapes} and len(set(sizes)) >= 2
+            assert eng.runner.captures == started == len(eng.runner) == len(shapes), (eng.runner.captures, sizes)
             assert eng.runner.replays == len(sizes), (eng.runner.replays, len(sizes))
         else:
             assert eng.runner.captures == eng.runner.replays == 0

@@ -1,19 +1,21 @@
 """The cost-aware budget (``decode.budget: auto``) against fixed budgets, chain and autoregressive
 decoding, on a pipeline's model and workload, at several concurrencies.
 
-The model is loaded once (and the oracle's continuations decoded once); per (concurrency, setting)
-a fresh engine runs the workload twice: a warm-up pass of ``--warmup-tokens`` per request (CUDA
-graphs captured; auto without ``decode.cost_table`` times its verify buckets here) and the timed
-pass. Reported per row: tok/s per user (each request's tokens after the first over the time they
-took, averaged), total tok/s, tau, and for auto the nodes it chose, its predicted vs measured tau
-and tokens per modelled verify second; and the host's microseconds per engine step in each stage of
-the engine's StageClock (where a setting's round time goes on the host), with the CUDA graphs
-captured in the timed pass (0 when the warm-up captured every shape it replays). Per concurrency: auto over
-the best and the worst fixed budget (chain included), the issue's targets being >= 1.0x and >= 1.15x."""
+The model is loaded once (and the oracle's continuations decoded once); per (concurrency, setting) a
+fresh engine (its CUDA graphs captured when it starts: ``graphs_at_start``) runs the workload twice: a
+warm-up pass of ``--warmup-tokens`` per request (auto without ``decode.cost_table`` times its verify
+buckets here) and the timed pass. Reported per row: tok/s per user (each request's tokens after the
+first over the time they took, averaged), total tok/s, tau, and for auto the nodes it chose, its
+predicted vs measured tau and tokens per modelled verify second; and the host's microseconds per engine
+step in each stage of the engine's StageClock (where a setting's round time goes on the host), with the
+CUDA graphs captured in the timed pass (0: the start captured every shape the setting can reach). Per
+concurrency: auto over the best and the worst fixed budget (chain included), the issue's targets being
+>= 1.0x and >= 1.15x."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -112,10 +114,12 @@ def main(argv=None) -> dict:
             run_once(eng, prompts, min(args.warmup_tokens, new), pipe)
             eng.scheduler.finished.clear()
             r = run_once(eng, prompts, new, pipe)
-            r.update(concurrency=c, setting=s)
+            r.update(concurrency=c, setting=s, graphs_at_start=eng.warm_up)
             rows.append(r)
             print(f"c{c} {s}: {r['tok_s_per_user'] or 0:.1f} tok/s per user, {r['tok_s']:.1f} tok/s"
                   + (f", tau {r['tau']:.2f}" if r.get("tau") else ""), flush=True)
+            del eng
+            gc.collect()  # the last engine's graph pools and cache go before the next one measures free memory
     summary = summarize(rows)
     print_table(rows, summary)
     from .harness import stamp
@@ -165,7 +169,8 @@ def print_table(rows, summary) -> None:
     for r in rows:
         st = r.get("stage_us_per_step") or {}
         print(f"c{r['concurrency']} {r['setting']}: step {r.get('wall_us_per_step', 0):.0f}, "
-              f"{r.get('graph_captures', 0)} graphs captured | "
+              f"{r.get('graph_captures', 0)} graphs captured ({(r.get('graphs_at_start') or {}).get('graphs', 0)} "
+              f"at the start) | "
               + ", ".join(f"{k} {v:.0f}" for k, v in sorted(st.items(), key=lambda kv: -kv[1]) if v >= 1))
     print("\nconcurrency | setting | tok/s per user | total tok/s | tau | auto: nodes (most chosen), tau pred / meas")
     for r in rows:

@@ -19,7 +19,8 @@ With ``decode.budget: auto`` a request takes 1 row at least, so a group holds up
 its policy shares the 64 verify rows among them (``AutoBudget.max_rows``). The only host sync per step is
 reading the chosen tokens. Every forward goes through the model runner (``engine.runner``); with
 ``cuda_graphs`` (CUDA backend) the decode forward of each batch size and the verify forward of each
-(batch, budget) are captured once and replayed. Per-stage wall time is accumulated by name on the
+(batch, rows) the decoder can choose are captured once, when the engine starts (``capture_graphs``:
+no step stalls on a capture), and replayed. Per-stage wall time is accumulated by name on the
 engine's StageClock (``stats.stage_seconds``; with a device sync around each stage when ``profile``
 is on).
 """
@@ -43,6 +44,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 
 MODES = ("autoregressive", "ddtree", "chain")
+GRAPH_MEMORY_SHARE = 0.5  # of the device memory free after the KV cache, the most the start's graphs may hold
 
 
 @dataclass
@@ -81,7 +83,7 @@ class Engine:
         self.drafter = drafter
         if drafter is not None:
             drafter.check_target(model.cfg)
-        graphs = cuda_graphs and self.backend.is_cuda
+        graphs = cuda_graphs and ModelRunner.supports_graphs(self.backend)
         self.runner = ModelRunner(model, self.cache, max_context, graphs=graphs,
                                   hidden_layers=() if drafter is None else drafter.target_layer_ids)
         self.graphs = self.runner if graphs else None
@@ -104,6 +106,42 @@ class Engine:
                           f"of its own; a budget of at most {SMALL_M_MAX_TOKENS - 1}, or 'auto', keeps both",
                           stacklevel=2)
         self.scheduler = Scheduler(max_batch, self.pages, tail=self.decoder.tail)
+        self.warm_up = self.capture_graphs() if graphs else None
+
+    def graph_shapes(self) -> list[tuple]:
+        """The runner's shape keys that decoding can reach: every decode group size (1 up to
+        ``max_batch``, invariant at most a group's ``SMALL_M_MAX_TOKENS // decoder.min_rows``) with
+        each shape the decoder may verify (or decode) at that size (``decoder.shapes``)."""
+        group = self.scheduler.max_batch
+        if self.invariant:
+            group = min(group, max(1, SMALL_M_MAX_TOKENS // self.decoder.min_rows))
+        return [key for b in range(1, group + 1) for key in self.decoder.shapes(b)]
+
+    def capture_graphs(self, max_bytes: int | None = None) -> dict:
+        """Capture every graph decoding can reach (``graph_shapes``, each output kind the sampler
+        asks for) now, at the engine's start, so no step stalls on a capture. The graphs' pools may
+        take ``max_bytes`` (default: GRAPH_MEMORY_SHARE of the device memory free now); the shapes
+        past that (a warning says how many) are captured at their first use. Prefill stays eager.
+        Returns what it did: graphs captured, shapes left, their pools' bytes, seconds."""
+        if self.pages.num_free_pages != self.pages.num_pages:
+            raise RuntimeError("capture_graphs runs before any request holds a page (it writes page 0)")
+        if max_bytes is None and self.backend.is_cuda:
+            import cupy
+
+            free = int(cupy.cuda.runtime.memGetInfo()[0])
+            if self.model.shard.world > 1:
+                # every rank must capture the same shapes (a capture runs the collectives, and the
+                # ranks' shapes hold the same bytes): the least free memory of any rank bounds them all
+                be = self.backend
+                free = int(be.to_host(self.model.comm.all_gather(be.asarray(np.array([free], np.int64)))).min())
+            max_bytes = int(GRAPH_MEMORY_SHARE * free)
+        t0, before = time.perf_counter(), self.runner.captures
+        left = self.runner.capture(self.graph_shapes(), self.sampler.outputs(), max_bytes)
+        if left:
+            warnings.warn(f"cuda_graphs: {len(left)} verify / decode shapes not captured at the start (their "
+                          f"pools would pass {max_bytes} bytes); they are captured at their first use", stacklevel=2)
+        return {"graphs": self.runner.captures - before, "left": len(left), "bytes": self.runner.graph_bytes(),
+                "seconds": time.perf_counter() - t0}
 
     def _auto_budget(self, mode: str, drafter, max_budget: int, cost, graphs: bool):
         from .decode.budget import AutoBudget, BudgetError

@@ -14,9 +14,10 @@ A shape is a key (batch, rows, rows per request at most; 0 for causal):
 - Prefill is ragged and runs eagerly (``prefill``).
 
 A shape keeps one graph per output kind: the logits, or on several ranks their argmax merged across
-the vocabulary slices (greedy batches; no logits gathered). A graph is captured the first time its
-shape and output are seen. One eager warm-up run of the same step comes
-first; it compiles nothing new but lets cuBLAS pick its kernels outside the capture, and the KV rows
+the vocabulary slices (greedy batches; no logits gathered). A graph is captured ahead of its first
+use (``capture``: the engine captures every shape decoding can reach when it starts, from the shapes'
+template inputs), or else the first time its shape and output are seen. One eager warm-up run of the
+same step comes first; it compiles nothing new but lets cuBLAS pick its kernels outside the capture, and the KV rows
 it writes are the ones the replay writes again. The graph is then replayed for that step and every
 later one of the shape. Per step the host writes only the step's inputs and attention plan into the
 shape's fixed buffers (``TargetModel.prepare(..., into=...)``) and launches the graph.
@@ -32,6 +33,7 @@ memory how many tiles the current plan cut). Without graphs the same buffers are
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,7 @@ import numpy as np
 
 from ..model.target import ForwardBatch, ForwardOutput, StepInputs, TargetModel
 from ..reference.tree_build import mask_words
+from .kv_cache import PAGE_SENTINEL
 
 
 @dataclass
@@ -80,7 +83,7 @@ class ModelRunner:
     """Owns planning and CUDA graphs of the target forward (see the module doc)."""
 
     def __init__(self, model: TargetModel, cache, max_context: int, graphs: bool = False, hidden_layers=()):
-        if graphs and not model.backend.is_cuda:
+        if graphs and not self.supports_graphs(model.backend):
             raise ValueError("CUDA graphs need the cuda backend")
         self.model, self.cache, self.max_context = model, cache, max_context
         self.graphs, self.hidden_layers = graphs, tuple(hidden_layers)
@@ -88,6 +91,11 @@ class ModelRunner:
         self._shapes: dict[tuple, _Shape] = {}
         self.captures = 0
         self.replays = 0  # graph launches (the first of each shape included)
+
+    @staticmethod
+    def supports_graphs(backend) -> bool:
+        """Whether a runner on ``backend`` can replay graphs (CUDA graphs: the cuda backend)."""
+        return backend.is_cuda
 
     def __len__(self) -> int:
         return sum(len(s.graphs) for s in self._shapes.values())
@@ -115,16 +123,8 @@ class ModelRunner:
         s = self._shapes.get(key)
         if s is not None:
             return s
-        import contextlib
-
         model, be = self.model, self.model.backend
-        pool = None
-        ctx = contextlib.nullcontext()
-        if self.graphs:
-            import cupy
-
-            pool = cupy.cuda.MemoryPool()
-            ctx = cupy.cuda.using_allocator(pool.malloc)
+        pool, ctx = self._pool()
         with ctx:
             num_new = spread_rows(np.ones(b, np.int64), width, t) if width else np.ones(b, np.int64)
             total = int(num_new.sum())
@@ -146,7 +146,7 @@ class ModelRunner:
             plan = be.mla_attention_plan(worst, num_new, table, model.dims.num_heads, self.cache.page_size,
                                          self.cache.num_pages, mask, check_mask=False, replay=True,
                                          split=model.attention_split(total))
-            inputs = StepInputs(ForwardBatch([None] * b, worst, num_new, np.zeros(total, np.int32), pos),
+            inputs = StepInputs(ForwardBatch([None] * b, worst, num_new, np.zeros(total, np.int32), pos, mask),
                                 be.asarray(np.zeros(total, np.int32)), be.asarray(pos),
                                 be.zeros((total,), "int32"), plan,
                                 None if rows is None else be.asarray(rows.astype(np.int64)))
@@ -161,29 +161,71 @@ class ModelRunner:
         if not self.graphs:
             return model.run(s.inputs, cache, output=output, hidden_layers=hidden_layers, moe_plan=s.moe_plan)
         if output not in s.graphs:
-            import cupy
-
-            from ..parallel.comm import CommStats
-
-            stream = cupy.cuda.Stream(non_blocking=True)
-            cupy.cuda.get_current_stream().synchronize()  # the inputs were written on the caller's stream
-            with stream, cupy.cuda.using_allocator(s.pool.malloc):
-                model.run(s.inputs, cache, output=output, hidden_layers=hidden_layers, moe_plan=s.moe_plan)
-                stream.synchronize()
-                counted, model.comm.stats = model.comm.stats, CommStats()  # what the capture enqueues
-                stream.begin_capture()
-                try:
-                    s.outs[output] = model.run(s.inputs, cache, output=output, hidden_layers=hidden_layers,
-                                               moe_plan=s.moe_plan)
-                finally:
-                    s.graphs[output] = stream.end_capture()
-                    s.collectives[output], model.comm.stats = model.comm.stats, counted
-                stream.synchronize()
+            self._capture(s, hidden_layers, output)
             self.captures += 1
         s.graphs[output].launch()
         model.comm.stats.add_counts(s.collectives[output])  # a replay's collectives are not seen by Python
         self.replays += 1
         return s.outs[output]
+
+    def _pool(self):
+        """A new shape's memory pool and the context that allocates from it: with graphs a pool
+        private to the shape (the module doc), else none."""
+        if not self.graphs:
+            return None, contextlib.nullcontext()
+        import cupy
+
+        pool = cupy.cuda.MemoryPool()
+        return pool, cupy.cuda.using_allocator(pool.malloc)
+
+    def _capture(self, s: _Shape, hidden_layers, output: str) -> None:
+        """Capture the shape's forward for ``output`` into ``s.graphs`` (its outputs into
+        ``s.outs``), after one eager run of the same step."""
+        import cupy
+
+        from ..parallel.comm import CommStats
+
+        model, cache = self.model, self.cache
+        stream = cupy.cuda.Stream(non_blocking=True)
+        cupy.cuda.get_current_stream().synchronize()  # the inputs were written on the caller's stream
+        with stream, cupy.cuda.using_allocator(s.pool.malloc):
+            model.run(s.inputs, cache, output=output, hidden_layers=hidden_layers, moe_plan=s.moe_plan)
+            stream.synchronize()
+            counted, model.comm.stats = model.comm.stats, CommStats()  # what the capture enqueues
+            stream.begin_capture()
+            try:
+                s.outs[output] = model.run(s.inputs, cache, output=output, hidden_layers=hidden_layers,
+                                           moe_plan=s.moe_plan)
+            finally:
+                s.graphs[output] = stream.end_capture()
+                s.collectives[output], model.comm.stats = model.comm.stats, counted
+            stream.synchronize()
+
+    def capture(self, keys, outputs=("logits",), max_bytes: int | None = None) -> list:
+        """Capture the graphs of shapes ``keys`` (``(B, 1, 0)`` decode steps, ``(B, T, width)``
+        verifies) for each of ``outputs`` before their first use, in order, so serving never stalls
+        on a capture: each from its shape's template inputs (token 0 at the worst-case positions,
+        every row's KV written to slot 0, the attention plan the worst case's), which later steps
+        overwrite in place. Run it while no request holds a page (slot 0 is page 0's). A shape is
+        not started once the shapes' pools hold ``max_bytes`` (None: no bound); those left are
+        captured at their first use, as any shape not given here. Returns the keys left."""
+        if not self.graphs:
+            return []
+        keys = list(dict.fromkeys(keys))
+        for i, key in enumerate(keys):
+            if max_bytes is not None and self.graph_bytes() >= max_bytes:
+                return keys[i:]
+            b, t, width = key
+            s = self._shape(b, t, width)
+            for output in outputs:
+                if output not in s.graphs:
+                    self._capture(s, self.hidden_layers if width else (), output)
+                    self.captures += 1
+        return []
+
+    def graph_bytes(self) -> int:
+        """Device bytes the shapes' private pools hold (the graphs' intermediates and outputs)."""
+        return sum(s.pool.total_bytes() for s in self._shapes.values() if s.pool is not None)
 
     # -- autoregressive decode -----------------------------------------------------------------
     def decode(self, batch: ForwardBatch, output: str = "logits"):
@@ -224,11 +266,18 @@ class ModelRunner:
         row_slot = np.arange(total) - q_start[row_req]
         pick = np.full((b, width), -1, np.int64)
         pick[row_req, row_slot] = np.arange(total)
-        slots = np.concatenate([cache.allocator.slots(r, np.arange(p, p + n))
-                                for r, p, n in zip(seq_ids, prefix, num_new)])
-        plan = be.mla_attention_plan(prefix, num_new, cache.allocator.page_table(seq_ids, self.page_width),
-                                     model.dims.num_heads, cache.page_size, cache.num_pages, s.mask,
-                                     check_mask=False, into=s.inputs.plan)
+        table = cache.allocator.page_table(seq_ids, self.page_width)
+        # every row's cache slot from the page table at once (one lookup per request was most of the
+        # plan's host time that grows with the batch)
+        pos = prefix[row_req] + row_slot
+        page = table[row_req, pos // cache.page_size]
+        if (page == PAGE_SENTINEL).any():
+            r = int(row_req[np.argmax(page == PAGE_SENTINEL)])
+            raise ValueError(f"sequence {seq_ids[r]!r}: positions {int(prefix[r])}..{int(prefix[r] + num_new[r] - 1)} "
+                             f"outside its reserved pages")
+        slots = page.astype(np.int64) * cache.page_size + pos % cache.page_size
+        plan = be.mla_attention_plan(prefix, num_new, table, model.dims.num_heads, cache.page_size,
+                                     cache.num_pages, s.mask, check_mask=False, into=s.inputs.plan)
         for dst, src in ((s.inputs.slots, slots), (s.row_req, row_req), (s.row_slot, row_slot), (s.pick, pick)):
             be.copy_in(dst, src.astype(np.int32))
         s.inputs = StepInputs(ForwardBatch(list(seq_ids), prefix, num_new, None, None, s.mask),

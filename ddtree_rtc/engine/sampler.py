@@ -45,6 +45,10 @@ class Sampler:
             return "shard" if any(r.temperature for r in reqs) else "argmax"
         return "logits"
 
+    def outputs(self) -> tuple[str, ...]:
+        """Every output ``output_for`` may ask a forward for."""
+        return ("argmax", "shard") if self.world > 1 else ("logits",)
+
     def choose(self, logits, reqs: list[Request], positions):
         """Backend int32 tokens for the rows of ``logits`` (row b: request ``reqs[b]``'s token at
         ``positions[b]``): argmax where the request's temperature is 0, else its seeded sample."""

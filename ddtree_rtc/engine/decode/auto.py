@@ -14,10 +14,10 @@ A round with the auto budget builds every tree at ``max_budget``, then:
 
 A batch whose requests all hold off drafting (their last drafted round got no node) skips the draft
 and the build: the tree is the root alone, one row per request, i.e. an autoregressive step that
-still hands the drafter its context. On CUDA without a cost table the verify of every bucket is
-timed at the first drafted round (``measure``: a few replays of the tree cut to fill the bucket and
-of the roots alone, which give the MoE fan-out slope); the draft and the round's other work are
-timed every drafted round."""
+still hands the drafter its context. On CUDA without a cost table the verify of every bucket of that
+batch size and of every smaller one is timed at the first drafted round (``measure``: a few replays
+of the tree cut to fill the bucket and of the roots alone, which give the MoE fan-out slope); the
+draft and the round's other work are timed every drafted round."""
 
 from __future__ import annotations
 
@@ -86,38 +86,44 @@ class AutoRound:
         return np.asarray(budgets, np.int64)
 
     def measure(self, rids, prefix, tree: TreeArrays, num_nodes: np.ndarray, output: str) -> None:
-        """Time the verify of every row bucket of this batch not in the table yet (``missing``;
-        eagerly the table interpolates between them): the tree cut to fill the bucket (every row a
-        distinct node, as far as the trees have nodes) and the roots alone (one distinct node per
-        request); the second gives the fan-out slope, which also prices the nodes the trees lacked."""
+        """Time the verify of every row bucket not in the table yet (``missing``; eagerly the table
+        interpolates between them) of this batch and of every smaller one (its first requests: a
+        batch shrinks as requests finish, and a bucket first met then would be timed, a stall, mid
+        decoding): the tree cut to fill the bucket (every row a distinct node, as far as the trees
+        have nodes) and the roots alone (one distinct node per request); the second gives the
+        fan-out slope, which also prices the nodes the trees lacked."""
         be, runner, cost = self.backend, self.runner, self.auto.cost
-        b, width = len(rids), self.auto.width
-        points, slopes = [], self._slopes
-        for total in self.missing(b):
-            counts = fill_counts(num_nodes - 1, total - b)
-            secs = {}
-            for kind, cut in (("full", counts), ("lean", np.zeros(b, np.int64))):
-                self.cut(tree, cut)
-                step = runner.plan_tree(rids, prefix, 1 + cut, width, total)
-                runner.fill_tree(step, tree)
-                runner.verify(step, output)  # captures the bucket's graph on first use
-                be.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(MEASURE_REPS):
-                    runner.verify(step, output)
-                be.synchronize()
-                secs[kind] = (time.perf_counter() - t0) / MEASURE_REPS
-            nodes = b + int(counts.sum())
-            points.append((total, nodes, secs["full"]))
-            s = fit_expert_s(b, nodes, secs["full"], secs["lean"])
-            if s is not None:
-                slopes.append(s)
+        width, full = self.auto.width, len(rids)
+        points, slopes, timed = [], self._slopes, set()
+        for b in range(full, 0, -1):
+            for total in self.missing(b):
+                if total in timed:
+                    continue
+                timed.add(total)
+                counts = fill_counts(num_nodes[:b] - 1, total - b)
+                secs = {}
+                for kind, cut in (("full", counts), ("lean", np.zeros(b, np.int64))):
+                    self.cut(tree, np.concatenate([cut, np.zeros(full - b, np.int64)]))
+                    step = runner.plan_tree(rids[:b], prefix[:b], 1 + cut, width, total)
+                    runner.fill_tree(step, tree)
+                    runner.verify(step, output)  # captures the bucket's graph if the start did not
+                    be.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(MEASURE_REPS):
+                        runner.verify(step, output)
+                    be.synchronize()
+                    secs[kind] = (time.perf_counter() - t0) / MEASURE_REPS
+                nodes = b + int(counts.sum())
+                points.append((total, nodes, secs["full"]))
+                s = fit_expert_s(b, nodes, secs["full"], secs["lean"])
+                if s is not None:
+                    slopes.append(s)
+            self.measured_batches.add(b)
         if slopes:
             cost.expert_s = float(np.median(slopes))
         for total, nodes, secs in points:  # every row a distinct node: the trees' missing nodes priced
             cost.add_verify(total, secs + cost.expert_s * float(experts_touched(total) - experts_touched(nodes)))
         self.cut(tree, num_nodes - 1)
-        self.measured_batches.add(b)
 
     def missing(self, batch: int) -> list:
         """The batch's verify row buckets (``AutoBudget.graph_buckets``) the table has no point at."""
@@ -125,10 +131,10 @@ class AutoRound:
         return [t for t in self.auto.graph_buckets(batch) if float(t) not in known]
 
     def needs_measure(self, batch: int) -> bool:
-        """Measure at the first drafted round: the table is over verified rows, so later batch sizes
-        read it between (or past) the rows measured. Under a row cap (``AutoBudget.max_rows``) the
-        rows never pass it, and a later, smaller batch's buckets below the first batch's roots
-        (its own roots, 8, ...) are measured at its first drafted round."""
+        """Measure at the first drafted round (that batch's buckets and every smaller batch's): the
+        table is over verified rows, so later batch sizes read it between (or past) the rows
+        measured. Under a row cap (``AutoBudget.max_rows``) the rows never pass it, and a later,
+        larger batch's roots bucket is measured at its first drafted round."""
         auto = self.auto
         if not auto.cost.measured:
             return False

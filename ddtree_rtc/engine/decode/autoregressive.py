@@ -41,6 +41,11 @@ class AutoregressiveDecode:
         """Cache rows written past the committed prefix: none."""
         return 0
 
+    @staticmethod
+    def shapes(batch: int) -> list[tuple]:
+        """The runner shape a step of ``batch`` requests decodes in (engine.runner)."""
+        return [(batch, 1, 0)]
+
     def run(self, reqs: list[Request], eos_id) -> None:
         batch = ForwardBatch.causal([r.rid for r in reqs], [r.length - 1 for r in reqs],
                                     [[r.output[-1]] for r in reqs])

@@ -151,27 +151,35 @@ class Calibration:
     def weights(self, rids) -> np.ndarray:
         """``[B, depth + 1]`` float64: depth factor times request factor, as in use."""
         f = self.depth_factors_used()
-        return (np.stack([f * self.request_factor_used(r) for r in rids]) if len(rids)
-                else np.zeros((0, self.depth + 1)))
+        return np.array([self.request_factor_used(r) for r in rids], np.float64).reshape(-1, 1) * f
 
     def observe(self, rids, raw, node_depth, counts, accept_len) -> None:
         """``raw``/``node_depth`` ``[B, N]`` host arrays of the built tree (pop order, root at 0),
         ``counts`` ``[B]`` the verified nodes (the cut), ``accept_len`` ``[B]`` the walk's length
         (root included). The request factor is measured over predicted under the depth factors in use."""
-        f = self._depth_used
-        pred = np.zeros(self.depth + 1)
-        meas = np.zeros(self.depth + 1)
-        for b, rid in enumerate(rids):
-            n, a = int(counts[b]), int(accept_len[b])
-            if n <= 0:
-                continue  # nothing drafted was verified: no evidence
-            per_depth = np.bincount(node_depth[b, 1:n + 1].astype(np.int64), weights=raw[b, 1:n + 1],
-                                    minlength=self.depth + 1)[: self.depth + 1]
-            pred += per_depth
-            meas[1:a] += 1.0
-            p, m = self._req.get(rid, (0.0, 0.0))
+        f, d1 = self._depth_used, self.depth + 1
+        counts, accept_len = np.asarray(counts, np.int64), np.asarray(accept_len, np.int64)
+        top = int(counts.max()) if len(counts) else 0
+        pred = np.zeros(d1)
+        meas = np.zeros(d1)
+        if top > 0:
+            # every request's predicted reach per depth in one bincount over (request, depth) (a loop
+            # of one per request was most of this host time that grows with the batch); a request
+            # with no verified node gives no evidence (its row stays 0 and is skipped)
+            b = len(counts)
+            depth = node_depth[:, 1:top + 1].astype(np.int64)
+            used = (np.arange(top)[None, :] < counts[:, None]) & (depth < d1)
+            idx = np.arange(b)[:, None] * d1 + depth
+            per_depth = np.bincount(idx[used], weights=raw[:, 1:top + 1][used], minlength=b * d1).reshape(b, d1)
+            live = np.flatnonzero(counts > 0)
+            for i in live:
+                pred += per_depth[i]
+            meas[1:] = (accept_len[live, None] > np.arange(1, d1)[None, :]).sum(axis=0)  # reached depth d
             rd = self.request_decay
-            self._req[rid] = (rd * p + float((per_depth * f).sum()), rd * m + (a - 1))
+            for i, pd_f in zip(live.tolist(), (per_depth[live] * f).sum(axis=1).tolist()):
+                rid, a = rids[i], int(accept_len[i])
+                p, m = self._req.get(rid, (0.0, 0.0))
+                self._req[rid] = (rd * p + pd_f, rd * m + (a - 1))
         self.pred = self.decay * self.pred + pred
         self.meas = self.decay * self.meas + meas
 

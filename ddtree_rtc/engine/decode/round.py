@@ -121,6 +121,15 @@ class SpeculativeRound:
         """Cache rows a round writes past the committed prefix: the root and every node slot."""
         return 1 + self.budget
 
+    def shapes(self, batch: int) -> list[tuple]:
+        """The runner shapes (engine.runner) a round of ``batch`` requests may verify in: with the
+        auto budget every row bucket the policy may choose (``AutoBudget.buckets``, the roots alone
+        among them); with a fixed budget every request at the round's budget (per-request budgets
+        below it verify in a row bucket, captured at its first use)."""
+        if self.auto is not None:
+            return [(batch, t, self.width) for t in self.auto.buckets(batch)]
+        return [(batch, batch * self.width, self.width)]
+
     def budget_of(self, req) -> int:
         b = self.budget if req.budget is None or self.mode == "chain" else req.budget
         if not 0 <= b <= self.budget:
