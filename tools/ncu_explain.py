@@ -244,7 +244,10 @@ def cmd_profile(a) -> int:
     model = build_model(a.backend, a.shard, a.seed)
     marks = CudaMarks(len(cases)) if a.backend == "cuda" else None
     print(f"model built in {time.time() - t0:.1f} s", flush=True)
-    doc = {"shard": a.shard, "backend": a.backend, "layer": a.layer, "ctx": a.ctx, "cases": []}
+    from ddtree_rtc.bench.harness import git_commit
+
+    doc = {"shard": a.shard, "backend": a.backend, "layer": a.layer, "ctx": a.ctx, "commit": git_commit(),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "cases": []}
     if a.backend == "cuda":
         from ddtree_rtc.bench.harness import device_info
 
@@ -546,8 +549,8 @@ def verdict(s: dict, ranked: list[dict], read_gbs: float | None) -> str:
 def build_report(kernels: list[dict], cases_doc: dict, measured: dict | None) -> dict:
     stages = split_stages(kernels)
     read_gbs = (measured or {}).get("_read_gbs")
-    out = {"device": cases_doc.get("device"), "shard": cases_doc.get("shard"), "layer": cases_doc.get("layer"),
-           "read_gbs": read_gbs, "cases": []}
+    out = {"device": cases_doc.get("device"), "date": cases_doc.get("date"), "commit": cases_doc.get("commit"),
+           "shard": cases_doc.get("shard"), "layer": cases_doc.get("layer"), "read_gbs": read_gbs, "cases": []}
     for rec in cases_doc["cases"]:
         c = dict(rec)
         c["stages"] = []
