@@ -68,6 +68,34 @@ class OracleSim:
         return acc
 
 
+    def at(self, r: int):
+        """The sim whose tree round r has (one tree: itself)."""
+        return self
+
+
+class SwitchSim:
+    """A request whose drafter moves between acceptance profiles (text it is sure of, text it is
+    not): each round the profile stays with probability ``stay`` or else moves to another, drawn
+    uniformly. The tree of a round is that profile's, so a choice made from the round's own tree
+    sees the move at once, and a lagged one (from the past rounds) a round late."""
+
+    def __init__(self, sims, rounds: int, stay: float, seed: int = 0):
+        rng = np.random.default_rng(seed + 77)
+        self.sims, state = sims, [0]
+        for _ in range(rounds - 1):
+            s = state[-1]
+            state.append(s if rng.random() < stay else int(rng.choice([i for i in range(len(sims)) if i != s])))
+        self.state = state
+        self.depth = sims[0].depth
+
+    def at(self, r: int):
+        return self.sims[self.state[r]]
+
+    def reached(self, rounds: int) -> np.ndarray:
+        each = [s.reached(rounds) for s in self.sims]
+        return np.stack([each[self.state[r]][r] for r in range(rounds)])
+
+
 def random_round(rng, batch):
     """A random drafter's round: its trees and [B, N] reached nodes (a uniform true token)."""
     tree = build(rng.standard_normal((batch, DEPTH, VOCAB)).astype(np.float32))
@@ -86,46 +114,62 @@ def moe_cost(draft=2e-3, fixed=1e-3):
     return CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=draft, fixed_s=fixed)
 
 
-def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False):
-    """Tokens, modelled seconds, and per-round (predicted, measured) tokens over ``rounds``
-    rounds of the batch ``sims`` (one OracleSim per request), at a fixed budget or auto; ``.exact``
-    on the returned auto (or the 6th value): the exact expected tokens of the cuts made (the oracle
-    law, no sampling noise)."""
-    cost = cost or moe_cost()
-    b = len(sims)
-    reached = [s.reached(rounds) for s in sims]
+def round_tree(sims):
+    """The round's raw path probabilities and depths ``[B, N]`` of the sims' trees (as the engine
+    reads them: 0 and -1 past the built nodes)."""
     n_max = max(len(s.depth) for s in sims)
-    raw = np.zeros((b, n_max))
-    depth = np.zeros((b, n_max), np.int64)
+    raw = np.zeros((len(sims), n_max))
+    depth = np.full((len(sims), n_max), -1, np.int64)
     for i, s in enumerate(sims):
         n = len(s.depth)
         raw[i, 1:n] = np.exp(s.tree.scores[0, 1:n])
         depth[i, :n] = s.depth
-    auto = AutoBudget(MAX, DEPTH, cost, bucketed=bucketed) if budget == "auto" else None
+    return raw, depth
+
+
+def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=False, choices=None, **auto_kw):
+    """Tokens, modelled seconds, and per-round (predicted, measured) tokens over ``rounds``
+    rounds of the batch ``sims`` (one OracleSim or SwitchSim per request), at a fixed budget or
+    auto; ``.exact`` on the returned auto (or the 6th value): the exact expected tokens of the cuts
+    made (the oracle law, no sampling noise). ``lagged``: auto chooses before the round's tree is
+    known (``AutoBudget.choose_lagged``), else from it (``choose``); ``choices``: a list that gets
+    every drafted round's (lagged counts or None, the counts from the round's own tree)."""
+    cost = cost or moe_cost()
+    b = len(sims)
+    reached = [s.reached(rounds) for s in sims]
+    auto = AutoBudget(MAX, DEPTH, cost, bucketed=bucketed, lagged=lagged, **auto_kw) if budget == "auto" else None
     tokens = seconds = exact = 0.0
     pred, meas = [], []
     rids = list(range(b))
     for r in range(rounds):
+        now = [s.at(r) for s in sims]
+        raw, depth = round_tree(now)
         if auto is None:
             k = DEPTH if budget == "chain" else budget
             counts, drafted = np.full(b, k), True
             sec = cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b * (k + 1), b * (k + 1), b))
         elif auto.should_draft(rids):
-            w = auto.weights(rids)
-            vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth,
-                               np.array([len(s.depth) for s in sims]), w)
-            choice = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
+            choice = auto.choose_lagged(rids, np.full(b, MAX), 0)
+            own = None
+            if choice is None or choices is not None:
+                # the weights of the round's own choice: the lagged choice's, so that only the tree differs
+                w = auto.weights(rids) if choice is None else choice.weights
+                vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth, np.array([len(s.depth) for s in now]), w)
+                own = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
+            if choices is not None:
+                choices.append((None if choice is None else choice.counts, own.counts))
+            choice = choice or own
             counts, drafted, sec = choice.counts, True, choice.seconds
         else:
             choice, drafted = auto.ar_choice(b, 0), False
             counts, sec = choice.counts, choice.seconds
             auto.skipped(rids)
         if budget == "chain":  # the top-1 path: node j of the chain is the rank-0 node at depth j
-            acc = [np.cumprod([reached[i][r, j] for j in chain_nodes(s)]).sum() + 1 for i, s in enumerate(sims)]
-            exact += sum(1 + s.ptrue[chain_nodes(s)].sum() for s in sims)
+            acc = [np.cumprod([reached[i][r, j] for j in chain_nodes(s)]).sum() + 1 for i, s in enumerate(now)]
+            exact += sum(1 + s.ptrue[chain_nodes(s)].sum() for s in now)
         else:
             acc = [reached[i][r, : int(counts[i]) + 1].sum() for i in range(b)]
-            exact += sum(s.etrue[min(int(n), len(s.etrue) - 1)] for s, n in zip(sims, counts))
+            exact += sum(s.etrue[min(int(n), len(s.etrue) - 1)] for s, n in zip(now, counts))
         if auto is not None:
             auto.observe(rids, raw, depth, choice, np.array(acc), drafted)
             if drafted:
@@ -137,6 +181,8 @@ def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False):
 
 
 def chain_nodes(sim):
+    if "_chain" in vars(sim):
+        return sim._chain
     out, u = [], 0
     for _ in range(DEPTH):
         kids = [j for j in range(1, len(sim.depth)) if sim.parent[j] == u and sim.rank[j] == 0]
@@ -144,6 +190,7 @@ def chain_nodes(sim):
             break
         u = kids[0]
         out.append(u)
+    sim._chain = out
     return out
 
 

@@ -125,6 +125,7 @@ def plan_trace(tiny, cont, ps, new, alter: bool):
     eng = Engine(tiny, max_batch=len(ps), page_size=16, max_context=128, mode="ddtree", budget="auto",
                  drafter=oracle(tiny, cont, accept_p=0.6), max_budget=MAX, cost=CostModel.from_dict(FREE.to_json()))
     rnd, auto = eng.round, eng.round.auto
+    auto.lagged = False  # the choice from the round's own tree (the lagged one: the test after)
     plan, go, choose = eng.runner.plan_tree, rnd.run, auto.choose
 
     def on_plan(*a, **k):
@@ -166,6 +167,77 @@ def test_a_repeated_choice_is_planned_before_the_estimate_and_once(tiny, cont):
                 misses += 1
                 assert len(before) == 1 and after == [tuple(1 + np.array(choice[0]))]
         assert hits >= 2 and (misses >= 2 if alter else misses == 0)
+
+
+def event_trace(tiny, cont, ps, new, lagged: bool, drafter=None, cost=FREE):
+    """Per auto round: its events in order ('lag': a lagged choice, 'own': the values of the round's
+    own tree read for its choice, 'plan', 'build', 'sync': a device-to-host read, 'verify'), the
+    outputs and the AutoBudget."""
+    rounds = []
+    eng = Engine(tiny, max_batch=len(ps), page_size=16, max_context=128, mode="ddtree", budget="auto",
+                 drafter=drafter or oracle(tiny, cont, accept_p=0.6), max_budget=MAX,
+                 cost=CostModel.from_dict(cost.to_json()))
+    rnd, auto, be = eng.round, eng.round.auto, eng.backend
+    auto.lagged = lagged
+
+    def spy(obj, name, event):
+        fn = getattr(obj, name)
+
+        def call(*a, **k):
+            out = fn(*a, **k)
+            if rounds and (event != "lag" or out is not None):  # syncs of the prefill before: none
+                rounds[-1].append(event)
+            return out
+
+        setattr(obj, name, call)
+
+    for obj, name, event in ((auto, "choose_lagged", "lag"), (rnd._auto_round, "estimate", "own"),
+                             (eng.runner, "plan_tree", "plan"),
+                             (be, "to_host", "sync"), (rnd, "_verify", "verify")):
+        spy(obj, name, event)
+    go, buffers = rnd.run, rnd.buffers_for
+
+    def bufs(b):
+        t = buffers(b)
+        if not getattr(t, "_spied", False):
+            spy(t, "grow", "build")
+            t._spied = True
+        return t
+
+    rnd.buffers_for = bufs
+    rnd.run = lambda reqs, eos: rounds.append([]) or go(reqs, eos)
+    return rounds, [r.output for r in eng.run([Request(i, p, new) for i, p in enumerate(ps)])], auto
+
+
+def test_the_lagged_choice_puts_no_sync_between_the_build_and_the_verify(tiny, cont):
+    """decode.budget auto (lagged, the default): the first round chooses from its own tree (nothing
+    is known yet: a sync between the build and the verify); every later round chooses from the past
+    rounds and plans once, both before the draft, and reads nothing from the device between its
+    build and its verify (its tree is read after the round's sync, for the next rounds). The ids
+    stay autoregressive decoding's, as they do when the lagged choice is switched off."""
+    ps = prompts(21, (6, 9, 5))
+    _, want = run(tiny, ps, 24)
+    rounds, got, auto = event_trace(tiny, cont, ps, 24, lagged=True)
+    assert got == want
+    assert "lag" not in rounds[0] and len(rounds) >= 4
+    assert rounds[0].index("build") < rounds[0].index("own") < rounds[0].index("verify")
+    for ev in rounds[1:]:
+        assert ev[:2] == ["lag", "plan"] and "own" not in ev, ev
+        assert ev.count("plan") == 1
+        assert "sync" not in ev[ev.index("build"):ev.index("verify")], ev
+    rounds, got, _ = event_trace(tiny, cont, ps, 24, lagged=False)
+    assert got == want and all("lag" not in ev and "own" in ev for ev in rounds)
+    assert all("sync" in ev[ev.index("build"):ev.index("verify")] for ev in rounds)
+
+
+def test_the_lagged_choice_is_lossless_when_the_trees_differ_every_round(tiny, cont):
+    """Lagged choices over a batch whose trees differ every round (the random drafter's): AR's ids
+    (the other lossless tests above run the lagged choice too: it is the default)."""
+    ps = prompts(5, (6, 9, 4))
+    _, want = run(tiny, ps, 16)
+    rounds, got, _ = event_trace(tiny, cont, ps, 16, lagged=True, cost=MOE,
+                                 drafter=RandomDrafter(tiny.backend, tiny.cfg.vocab_size, DEPTH, seed=3))
+    assert got == want and sum("lag" in ev for ev in rounds) >= 1
 
 
 def test_predicted_and_measured_tau_are_reported(tiny, cont):

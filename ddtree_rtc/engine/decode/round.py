@@ -278,13 +278,27 @@ class SpeculativeRound:
         page_table = be.asarray(pages.page_table(rids))
         drafted = auto.should_draft(rids)
         measuring = drafted and ar.needs_measure(b)
-        raw = depth = draft_s = None
+        raw = depth = draft_s = lag = None
+        if drafted and not measuring and ar.draft_known(b):
+            # the lagged choice (from the past rounds) and its plan, before the draft as a fixed
+            # budget's plan: every host-to-device copy of the round is made while the device idles
+            lag = clock.time("budget", auto.choose_lagged, rids, caps, ctx)
+        if lag is not None:
+            choice, guess = lag, None
+            step = clock.time("plan", runner.plan_tree, rids, prefix, 1 + choice.counts, self.width, choice.rows)
+            cut = clock.time("budget", ar.stage_cut, b, choice.counts)
+            self._last_cut = (rids, choice.counts, choice.rows)
         if drafted:
             logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
             clock.time("top-k", bufs.topk, logits, self._split_topk())
             tree = clock.time("build", bufs.grow, roots_dev, prefix_dev)
-            # while the device drafts and builds, the host plans the verify of the last round's cut
-            # (the policy's counts are stable round to round): used if the choice is the same
+        if lag is not None:
+            # the cut on the device, right after the build, and the verify: no sync between them
+            clock.time("budget", ar.apply_cut, tree, cut)
+        elif drafted:
+            # the choice from the round's own tree (a sync). While the device drafts and builds, the
+            # host plans the verify of the last round's cut (the policy's counts are stable round to
+            # round): used if the choice is the same
             last, guess = self._last_cut, None
             if not measuring and last is not None and last[0] == rids:
                 guess = clock.time("plan", runner.plan_tree, rids, prefix, 1 + last[1], self.width, last[2])
@@ -304,8 +318,9 @@ class SpeculativeRound:
             tree, guess = bufs.tree, None
             ar.root_only(tree, roots_dev, prefix_dev)
             choice = auto.ar_choice(b, ctx)
-        step = guess if guess is not None else clock.time("plan", runner.plan_tree, rids, prefix, 1 + choice.counts,
-                                                          self.width, choice.rows)
+        if lag is None:
+            step = guess if guess is not None else clock.time("plan", runner.plan_tree, rids, prefix,
+                                                              1 + choice.counts, self.width, choice.rows)
         row_reqs = self.row_reqs(reqs, step)
         output = self.sampler.output_for(row_reqs)
         out = clock.time("verify", self._verify, step, tree, output)
@@ -313,6 +328,8 @@ class SpeculativeRound:
         acc = clock.time("accept", bufs.accept, choices)
         clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
         accept_len = self._commit(reqs, prefix, step, out, acc, eos_id)
+        if lag is not None:  # the round's built tree, for the next rounds' choices (after the round's sync)
+            raw, depth = clock.time("budget", ar.read_tree, tree)
         auto.observe(rids, raw, depth, choice, accept_len, drafted)
         if not measuring:  # the measuring round's wall time holds the measurement
-            ar.observe_times(b, draft_s, time.perf_counter() - t0, choice)
+            ar.observe_times(b, draft_s, time.perf_counter() - t0, choice, lagged=lag is not None)
