@@ -12,6 +12,7 @@ from ddtree_rtc.engine.decode.budget import (
     BudgetError,
     Calibration,
     CostModel,
+    ValueHistory,
     choose,
     expected_tokens,
     experts_touched,
@@ -431,11 +432,12 @@ def test_mixed_batch_confident_requests_get_more_nodes():
     assert c.expected[0] > c.expected[1]
 
 
+@pytest.mark.parametrize("lagged", [False, True])
 @pytest.mark.parametrize("name", sorted(PROFILES))
-def test_calibrated_tau_tracks_measured_tau_over_2000_oracle_rounds(name):
+def test_calibrated_tau_tracks_measured_tau_over_2000_oracle_rounds(name, lagged):
     cheap = CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 1e-6, draft_s=1e-3)  # trees pay at p=0.4
     tokens, seconds, pred, meas, auto, _ = run_oracle([OracleSim(**PROFILES[name], seed=i) for i in range(2)], 1000,
-                                                      cost=cheap, bucketed=True)
+                                                      cost=cheap, bucketed=True, lagged=lagged)
     assert len(pred) >= 1000 and 2 * len(pred) >= 2000  # request-rounds with a prediction
     err = abs(pred.sum() - meas.sum()) / meas.sum()
     assert err < 0.05, (name, pred.sum() / len(pred) / 2, meas.sum() / len(meas) / 2)
@@ -460,23 +462,29 @@ def compare(mk, rounds=300, **auto_kw):
     return (exact / sec) / (r[5] / r[1]), (tok / sec) / (r[0] / r[1]), best
 
 
-def test_auto_beats_every_fixed_budget_on_a_mixed_batch():
+@pytest.mark.parametrize("lagged", [False, True])
+def test_auto_beats_every_fixed_budget_on_a_mixed_batch(lagged):
     """Requests of four acceptance profiles in one batch: every fixed budget is wrong for some."""
     names = sorted(PROFILES)
-    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)])
-    print(f"\nmixed batch: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)],
+                                   lagged=lagged)
+    print(f"\nmixed batch{' lagged' if lagged else ''}: auto / best fixed ({best}) = {exact:.4f} exact, "
+          f"{sampled:.4f} sampled")
     assert exact > 1.02 and sampled > 1.02, (exact, sampled, best)
 
 
+@pytest.mark.parametrize("lagged", [False, True])
 @pytest.mark.parametrize("name", sorted(PROFILES))
-def test_auto_is_at_least_the_best_fixed_budget_on_one_profile(name):
+def test_auto_is_at_least_the_best_fixed_budget_on_one_profile(name, lagged):
     """A batch of one profile: every round looks the same, so the best fixed budget is the most auto
     can reach unless it may skip the draft (p0.4: nothing pays). The calibration's gate keeps the
     drafter's (here right) probabilities until the evidence says otherwise, so auto settles on the
     best count at once and stays there (without the gate it wanders with the luck of the last
-    rounds: 0.9985x at p0.9)."""
-    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[name], seed=10 + i) for i in range(4)])
-    print(f"\n{name}: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    rounds: 0.9985x at p0.9). Lagged or not: every round's tree is the same, so the past rounds'
+    values are this round's."""
+    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[name], seed=10 + i) for i in range(4)], lagged=lagged)
+    print(f"\n{name}{' lagged' if lagged else ''}: auto / best fixed ({best}) = {exact:.4f} exact, "
+          f"{sampled:.4f} sampled")
     assert exact >= 1 - 1e-9 and sampled >= 1 - 1e-9, (name, exact, sampled, best)
 
 
@@ -484,14 +492,17 @@ MISCALIBRATED = {"over 0.9/0.7": dict(p=0.9, true_p=0.7), "under 0.6/0.85": dict
                  "under 0.7/0.9": dict(p=0.7, true_p=0.9)}
 
 
+@pytest.mark.parametrize("lagged", [False, True])
 @pytest.mark.parametrize("name", sorted(MISCALIBRATED))
-def test_a_miscalibrated_drafter_is_found_out(name):
+def test_a_miscalibrated_drafter_is_found_out(name, lagged):
     """The drafter's probabilities are off (its rank-0 p against the walk's): auto learns the bias
     from the verified nodes (an underconfident drafter through its probes and the compounding
     depth factors) and ends near the best fixed budget, having paid for the rounds it took to learn
     (figures per 1000 rounds; no bound of 1 here: the fixed budget is best in hindsight)."""
-    exact, sampled, best = compare(lambda: [OracleSim(**MISCALIBRATED[name], seed=10 + i) for i in range(4)], 1000)
-    print(f"\n{name}: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    exact, sampled, best = compare(lambda: [OracleSim(**MISCALIBRATED[name], seed=10 + i) for i in range(4)], 1000,
+                                   lagged=lagged)
+    print(f"\n{name}{' lagged' if lagged else ''}: auto / best fixed ({best}) = {exact:.4f} exact, "
+          f"{sampled:.4f} sampled")
     assert exact > 0.96, (name, exact, sampled, best)
 
 
@@ -506,7 +517,9 @@ def test_without_the_gate_auto_wanders_below_the_best_fixed_budget(monkeypatch):
     assert exact < 1 - 1e-4, (exact, best)
 
 
-def test_auto_beats_every_fixed_budget_with_the_random_drafter():
+@pytest.mark.parametrize("lagged", [False, True])
+def test_auto_beats_every_fixed_budget_with_the_random_drafter(lagged):
+    """Fresh random trees every round: lagged (the mean of the past trees) or from the round's own."""
     cost, b, rounds = moe_cost(), 4, 60
     rng = np.random.default_rng(5)
     trees = [random_round(rng, b) for _ in range(rounds)]
@@ -516,13 +529,15 @@ def test_auto_beats_every_fixed_budget_with_the_random_drafter():
                   if True) if k else rounds * b
         sec = rounds * (cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b * (k + 1), b * (k + 1), b)))
         fixed[k] = tok / sec
-    auto = AutoBudget(MAX, DEPTH, cost, bucketed=True)
+    auto = AutoBudget(MAX, DEPTH, cost, bucketed=True, lagged=lagged)
     tok = sec = 0.0
     rids = list(range(b))
     for t, acc in trees:
         if auto.should_draft(rids):
-            vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids))
-            ch = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
+            ch = auto.choose_lagged(rids, np.full(b, MAX), 0)
+            if ch is None:
+                vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids))
+                ch = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
             got = np.array([acc[i, :ch.counts[i] + 1].sum() for i in range(b)])
             auto.observe(rids, np.exp(np.nan_to_num(t.scores, nan=-np.inf)), t.node_depth, ch, got, True)
         else:
@@ -533,9 +548,70 @@ def test_auto_beats_every_fixed_budget_with_the_random_drafter():
         tok += got.sum()
         sec += ch.seconds
     best = max(fixed, key=fixed.get)
-    print(f"\nrandom drafter: auto / best fixed ({best}) = {tok / sec / fixed[best]:.4f} sampled")
+    print(f"\nrandom drafter{' lagged' if lagged else ''}: auto / best fixed ({best}) = {tok / sec / fixed[best]:.4f} "
+          f"sampled ({tok / sec:.1f} tokens per modelled second)")
     assert tok / sec >= max(fixed.values()), (tok / sec, fixed)
     assert auto.stats.skipped_drafts > auto.stats.drafted_rounds  # mostly plain AR, with probes
+
+
+def test_the_lagged_choice_is_the_trees_own_when_rounds_are_alike():
+    """The oracle's tree is the same every round: from the second round on, the counts chosen from
+    the past rounds are those the round's own tree gives (a mixed batch of four profiles)."""
+    names, got = sorted(PROFILES), []
+    run_oracle([OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)], 200, lagged=True, choices=got)
+    assert got[0][0] is None and len(got) > 150
+    assert all(np.array_equal(lag, own) for lag, own in got[1:])
+
+
+def switch_batch(rounds: int, stay: float):
+    return [SwitchSim([OracleSim(p=0.9, seed=30 + i), OracleSim(p=0.4, seed=40 + i)], rounds, stay, seed=i)
+            for i in range(4)]
+
+
+@pytest.mark.parametrize("stay", [0.5, 0.9])
+def test_the_lagged_choice_when_the_drafters_confidence_moves(stay):
+    """Each request's drafter moves between a confident (p 0.9) and an unsure (p 0.4) profile, staying
+    with probability ``stay``: at 0.5 the rounds are independent, at 0.9 the profile holds for ~10
+    rounds. A choice from the round's own tree sees the move at once; the lagged one predicts from
+    the past rounds: the long mean where rounds are independent (persistence ~0: what the best fixed
+    budget gets), the last round where the profile holds (persistence ~0.8). Expected tokens per
+    modelled second (exact), over the best fixed budget's."""
+    rounds = 400
+    own, _, best = compare(lambda: switch_batch(rounds, stay), rounds)
+    lag, _, _ = compare(lambda: switch_batch(rounds, stay), rounds, lagged=True)
+    got = []
+    *_, auto, _ = run_oracle(switch_batch(rounds, stay), rounds, lagged=True, choices=got)
+    differ = np.mean([not np.array_equal(a, o) for a, o in got[1:]])
+    rho = auto.history.rho
+    print(f"\nstay {stay}: auto / best fixed ({best}) = {own:.4f} from the tree, {lag:.4f} lagged "
+          f"(counts differ in {differ:.0%} of rounds; persistence {rho:.2f})")
+    assert own > 1.1 and lag <= own
+    if stay == 0.5:
+        assert lag > 0.99 and rho < 0.15
+    else:
+        assert lag > 1.08 and 0.6 < rho < 0.95
+
+
+def test_value_history_means_persistence_and_pool():
+    h = ValueHistory(4, 3, decay=0.5)
+    assert not h.ready()
+    depth = np.array([[0, 1, 1, 2, -1], [0, 1, 2, 3, 3]])
+    h.update(["a", "b"], np.array([[0, 0.5, 0.2, 0.1, 0.0], [0, 0.9, 0.8, 0.7, 0.1]]), depth)
+    h.update(["a", "b"], np.array([[0, 0.3, 0.2, 0.1, 0.0], [0, 0.9, 0.8, 0.7, 0.1]]), depth)
+    w = np.array([[0, 1, 1, 1], [0, 1, 1, 2.0]])
+    v = h.values(["a", "b"], w)
+    # request a: (0.5 * 0.5 + 0.3) / 1.5 at index 1 (no persistence yet: one pair of rounds, shrunk)
+    assert h.rho < 0.2
+    mean_a = np.array([(0.25 + 0.3) / 1.5, 0.2, 0.1, 0.0])
+    last_a = np.array([0.3, 0.2, 0.1, 0.0])
+    assert v[0] == pytest.approx(mean_a + h.rho * (last_a - mean_a))
+    assert v[1] == pytest.approx([0.9, 0.8, 1.4, 0.2])  # depth 3 weighs 2; rounds alike
+    new = h.values(["c"], w[:1])  # a request with no round: the pool of every request's
+    assert new[0] == pytest.approx([(0.5 * 1.4 + 1.2) / 3, (0.5 * 1.0 + 1.0) / 3, 0.4, 0.1])
+    h.release("a")
+    assert h.values(["a"], w[:1])[0] == pytest.approx(new[0])
+    with pytest.raises(BudgetError, match="decay must be in"):
+        ValueHistory(4, 3, decay=1.0)
 
 
 def test_cost_model_json_and_bench_rows(tmp_path):

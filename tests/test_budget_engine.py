@@ -370,6 +370,9 @@ def test_the_start_captures_every_verify_shape_and_no_other(tiny, cont, monkeypa
 def test_bad_input_is_named(tiny, cont):
     with pytest.raises(BudgetError, match="numpy backend needs decode.cost_table"):
         run(tiny, prompts(1, (4,)), 4, oracle(tiny, cont), cost=None)
+    with pytest.raises(BudgetError, match="budget_choice must be 'lagged' or 'tree', got 'late'"):
+        Engine(tiny, max_batch=1, page_size=16, max_context=128, mode="ddtree", drafter=oracle(tiny, cont),
+               budget="auto", max_budget=MAX, cost=MOE, budget_choice="late")
     for bad in (0, 513):
         with pytest.raises(BudgetError, match=f"decode.max_budget {bad} is outside 1..512"):
             Engine(tiny, 2, 16, 128, mode="ddtree", drafter=oracle(tiny, cont), budget="auto", max_budget=bad,
@@ -392,13 +395,15 @@ def test_bench_budget_compares_settings_on_the_tiny_pipeline(tmp_path):
     doc = main(["--pipeline", "pipelines/tiny_ddtree.yaml", "--set", "decode.budget=auto",
                 "--set", f"decode.cost_table={table}", "--set", "decode.max_budget=8",
                 "--set", "workload.synthetic.count=2", "--set", "workload.synthetic.output_len=6",
-                "--concurrency", "2", "--settings", "autoregressive,chain,4,auto", "--warmup-tokens", "2",
-                "--json", str(tmp_path / "b.json")])
-    assert doc["same_ids_as_autoregressive"] == {"2": {"autoregressive": True, "chain": True, "4": True, "auto": True}}
+                "--concurrency", "2", "--settings", "autoregressive,chain,4,auto-tree,auto", "--warmup-tokens",
+                "2", "--json", str(tmp_path / "b.json")])
+    assert doc["same_ids_as_autoregressive"] == {"2": {"autoregressive": True, "chain": True, "4": True,
+                                                       "auto-tree": True, "auto": True}}
     s = doc["summary"]["2"]
     assert {s["best_fixed"], s["worst_fixed"]} <= {"chain", "4"} and s["auto_over_best"] > 0
+    assert s["auto_over_auto_tree"] > 0
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
-    assert rows[-1]["budget"]["nodes_hist"]
+    assert rows[-1]["budget"]["nodes_hist"] and rows[-2]["budget"]["nodes_hist"]
     # the host's time per step by stage: every setting verifies or decodes, auto alone values its trees
     assert all(r["wall_us_per_step"] > 0 and r["graph_captures"] == 0 for r in rows)  # numpy: no graphs
     assert rows[-1]["stage_us_per_step"]["budget"] > 0 and rows[-1]["stage_us_per_step"]["verify"] > 0
