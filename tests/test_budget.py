@@ -115,6 +115,30 @@ def moe_cost(draft=2e-3, fixed=1e-3):
     return CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=draft, fixed_s=fixed)
 
 
+class Learner:
+    """A round's observe in the engine's order (engine/decode/round.py): the AR hold at once; what
+    it teaches (calibration, value history, stats) at once, or lagged: the counts of round r are
+    chosen during round r-1's verify, after learning round r-2 (round r-1 is learned during round
+    r's; the first lagged choice learns all first)."""
+
+    def __init__(self, auto, lagged: bool):
+        self.auto, self.lagged, self.pend = auto, lagged, []
+
+    def before_choice(self) -> None:
+        while len(self.pend) > 1 or (self.pend and not self.auto.history.ready()):
+            self.auto.learn(*self.pend.pop(0))
+
+    def after_round(self, *args) -> None:  # AutoBudget.observe's arguments
+        if not self.lagged:
+            return self.auto.observe(*args)
+        self.auto.hold(args[0], args[3], args[5])
+        self.pend.append(args)
+
+    def flush(self) -> None:
+        while self.pend:
+            self.auto.learn(*self.pend.pop(0))
+
+
 def round_tree(sims):
     """The round's raw path probabilities and depths ``[B, N]`` of the sims' trees (as the engine
     reads them: 0 and -1 past the built nodes)."""
@@ -139,8 +163,9 @@ def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=Fa
     b = len(sims)
     reached = [s.reached(rounds) for s in sims]
     auto = AutoBudget(MAX, DEPTH, cost, bucketed=bucketed, lagged=lagged, **auto_kw) if budget == "auto" else None
+    learner = Learner(auto, lagged)
     tokens = seconds = exact = 0.0
-    pred, meas = [], []
+    made = []  # (choice, tokens) of the drafted rounds
     rids = list(range(b))
     for r in range(rounds):
         now = [s.at(r) for s in sims]
@@ -150,6 +175,7 @@ def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=Fa
             counts, drafted = np.full(b, k), True
             sec = cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b * (k + 1), b * (k + 1), b))
         elif auto.should_draft(rids):
+            learner.before_choice()
             choice = auto.choose_lagged(rids, np.full(b, MAX), 0)
             own = None
             if choice is None or choices is not None:
@@ -172,13 +198,16 @@ def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=Fa
             acc = [reached[i][r, : int(counts[i]) + 1].sum() for i in range(b)]
             exact += sum(s.etrue[min(int(n), len(s.etrue) - 1)] for s, n in zip(now, counts))
         if auto is not None:
-            auto.observe(rids, raw, depth, choice, np.array(acc), drafted)
+            learner.after_round(rids, raw, depth, choice, np.array(acc), drafted)
             if drafted:
-                pred.append(choice.expected.sum())
-                meas.append(sum(acc))
+                made.append((choice, sum(acc)))
         tokens += sum(acc)
         seconds += sec
-    return tokens, seconds, np.array(pred), np.array(meas), auto, exact
+    if auto is not None:
+        learner.flush()  # a lagged choice's predicted tokens are remade when its round is learned
+    pred = np.array([c.expected.sum() for c, _ in made])
+    meas = np.array([m for _, m in made])
+    return tokens, seconds, pred, meas, auto, exact
 
 
 def chain_nodes(sim):
@@ -530,23 +559,26 @@ def test_auto_beats_every_fixed_budget_with_the_random_drafter(lagged):
         sec = rounds * (cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b * (k + 1), b * (k + 1), b)))
         fixed[k] = tok / sec
     auto = AutoBudget(MAX, DEPTH, cost, bucketed=True, lagged=lagged)
+    learner = Learner(auto, lagged)
     tok = sec = 0.0
     rids = list(range(b))
     for t, acc in trees:
         if auto.should_draft(rids):
+            learner.before_choice()
             ch = auto.choose_lagged(rids, np.full(b, MAX), 0)
             if ch is None:
                 vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids))
                 ch = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
             got = np.array([acc[i, :ch.counts[i] + 1].sum() for i in range(b)])
-            auto.observe(rids, np.exp(np.nan_to_num(t.scores, nan=-np.inf)), t.node_depth, ch, got, True)
+            learner.after_round(rids, np.exp(np.nan_to_num(t.scores, nan=-np.inf)), t.node_depth, ch, got, True)
         else:
             ch = auto.ar_choice(b, 0)
             auto.skipped(rids)
             got = np.ones(b, int)
-            auto.observe(rids, None, None, ch, got, False)
+            learner.after_round(rids, None, None, ch, got, False)
         tok += got.sum()
         sec += ch.seconds
+    learner.flush()
     best = max(fixed, key=fixed.get)
     print(f"\nrandom drafter{' lagged' if lagged else ''}: auto / best fixed ({best}) = {tok / sec / fixed[best]:.4f} "
           f"sampled ({tok / sec:.1f} tokens per modelled second)")
@@ -573,9 +605,11 @@ def test_the_lagged_choice_when_the_drafters_confidence_moves(stay):
     """Each request's drafter moves between a confident (p 0.9) and an unsure (p 0.4) profile, staying
     with probability ``stay``: at 0.5 the rounds are independent, at 0.9 the profile holds for ~10
     rounds. A choice from the round's own tree sees the move at once; the lagged one predicts from
-    the past rounds: the long mean where rounds are independent (persistence ~0: what the best fixed
-    budget gets), the last round where the profile holds (persistence ~0.8). Expected tokens per
-    modelled second (exact), over the best fixed budget's."""
+    the rounds up to two before (the engine's order, ``Learner``): the long mean where rounds are
+    independent (persistence ~0: what the best fixed budget gets), towards the last tree learned
+    where the profile holds (persistence ~0.8, over two rounds 0.64). Expected tokens per modelled
+    second (exact), over the best fixed budget's: what the lag costs where the drafter's confidence
+    moves from round to round (none where rounds are alike: the test above)."""
     rounds = 400
     own, _, best = compare(lambda: switch_batch(rounds, stay), rounds)
     lag, _, _ = compare(lambda: switch_batch(rounds, stay), rounds, lagged=True)
@@ -589,7 +623,7 @@ def test_the_lagged_choice_when_the_drafters_confidence_moves(stay):
     if stay == 0.5:
         assert lag > 0.99 and rho < 0.15
     else:
-        assert lag > 1.08 and 0.6 < rho < 0.95
+        assert lag > 1.05 and 0.6 < rho < 0.95
 
 
 def test_value_history_means_persistence_and_pool():

@@ -172,7 +172,7 @@ def test_a_repeated_choice_is_planned_before_the_estimate_and_once(tiny, cont):
 def event_trace(tiny, cont, ps, new, lagged: bool, drafter=None, cost=FREE):
     """Per auto round: its events in order ('lag': a lagged choice, 'own': the values of the round's
     own tree read for its choice, 'plan', 'build', 'sync': a device-to-host read, 'verify'), the
-    outputs and the AutoBudget."""
+    outputs, the AutoBudget and each round's request ids."""
     rounds = []
     eng = Engine(tiny, max_batch=len(ps), page_size=16, max_context=128, mode="ddtree", budget="auto",
                  drafter=drafter or oracle(tiny, cont, accept_p=0.6), max_budget=MAX,
@@ -205,27 +205,35 @@ def event_trace(tiny, cont, ps, new, lagged: bool, drafter=None, cost=FREE):
         return t
 
     rnd.buffers_for = bufs
-    rnd.run = lambda reqs, eos: rounds.append([]) or go(reqs, eos)
-    return rounds, [r.output for r in eng.run([Request(i, p, new) for i, p in enumerate(ps)])], auto
+    rnd.run = lambda reqs, eos: rounds.append([tuple(r.rid for r in reqs)]) or go(reqs, eos)
+    out = [r.output for r in eng.run([Request(i, p, new) for i, p in enumerate(ps)])]
+    return [ev[1:] for ev in rounds], out, auto, [ev[0] for ev in rounds]
 
 
 def test_the_lagged_choice_puts_no_sync_between_the_build_and_the_verify(tiny, cont):
     """decode.budget auto (lagged, the default): the first round chooses from its own tree (nothing
-    is known yet: a sync between the build and the verify); every later round chooses from the past
-    rounds and plans once, both before the draft, and reads nothing from the device between its
-    build and its verify (its tree is read after the round's sync, for the next rounds). The ids
-    stay autoregressive decoding's, as they do when the lagged choice is switched off."""
+    is known yet: a sync between the build and the verify). Every later round plans once, before its
+    draft, and reads nothing from the device between its build and its verify; the counts of the
+    next round are chosen after the verify is enqueued and before the round's sync (while the device
+    verifies), so from the third round on a round starts with its choice made. The built tree is
+    read after the round's sync. The ids stay autoregressive decoding's, as they do when the lagged
+    choice is switched off (then every round syncs between its build and its verify)."""
     ps = prompts(21, (6, 9, 5))
     _, want = run(tiny, ps, 24)
-    rounds, got, auto = event_trace(tiny, cont, ps, 24, lagged=True)
+    rounds, got, auto, rids = event_trace(tiny, cont, ps, 24, lagged=True)
     assert got == want
     assert "lag" not in rounds[0] and len(rounds) >= 4
     assert rounds[0].index("build") < rounds[0].index("own") < rounds[0].index("verify")
+    assert rounds[1][:2] == ["lag", "plan"]
     for ev in rounds[1:]:
-        assert ev[:2] == ["lag", "plan"] and "own" not in ev, ev
-        assert ev.count("plan") == 1
-        assert "sync" not in ev[ev.index("build"):ev.index("verify")], ev
-    rounds, got, _ = event_trace(tiny, cont, ps, 24, lagged=False)
+        assert "own" not in ev and ev.count("plan") == 1 and ev.index("plan") < ev.index("build"), ev
+        v = ev.index("verify")
+        assert "sync" not in ev[ev.index("build"):v], ev
+        assert "lag" in ev[v:] and ev.index("lag", v) < ev.index("sync", v), ev  # the next round's, before the sync
+    same = [i for i in range(2, len(rounds)) if rids[i] == rids[i - 1]]
+    assert len(same) >= 3 and all(rounds[i][0] == "plan" for i in same)  # chosen during the last round
+    assert auto.stats.drafted_rounds == len(rounds)  # every round learned (the last one at its release)
+    rounds, got, *_ = event_trace(tiny, cont, ps, 24, lagged=False)
     assert got == want and all("lag" not in ev and "own" in ev for ev in rounds)
     assert all("sync" in ev[ev.index("build"):ev.index("verify")] for ev in rounds)
 
@@ -235,7 +243,7 @@ def test_the_lagged_choice_is_lossless_when_the_trees_differ_every_round(tiny, c
     (the other lossless tests above run the lagged choice too: it is the default)."""
     ps = prompts(5, (6, 9, 4))
     _, want = run(tiny, ps, 16)
-    rounds, got, _ = event_trace(tiny, cont, ps, 16, lagged=True, cost=MOE,
+    rounds, got, *_ = event_trace(tiny, cont, ps, 16, lagged=True, cost=MOE,
                                  drafter=RandomDrafter(tiny.backend, tiny.cfg.vocab_size, DEPTH, seed=3))
     assert got == want and sum("lag" in ev for ev in rounds) >= 1
 

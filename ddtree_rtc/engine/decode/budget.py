@@ -238,12 +238,13 @@ class ValueHistory:
             return 0.0
         return float(np.clip(self._c1 / self._c0, 0.0, 1.0)) * self._cn / (self._cn + PERSIST_PRIOR)
 
-    def values(self, rids, weights) -> np.ndarray:
+    def values(self, rids, weights, ahead: int = 1) -> np.ndarray:
         """``[B, max_budget]``: each request's predicted calibrated value of pop indices
-        1..max_budget (0 where none was built), ``weights`` ``[B, depth + 1]``."""
+        1..max_budget (0 where none was built) ``ahead`` rounds past the last one learned (the
+        persistence over them: ``rho ** ahead``), ``weights`` ``[B, depth + 1]``."""
         if self._pool is None:
             raise BudgetError("value history: no round observed yet")
-        pool, rho = self._pool, self.rho
+        pool, rho = self._pool, self.rho ** max(int(ahead), 1)
         st = [self._req.get(r) for r in rids]
         s = np.stack([pool[0] if x is None else x[0] for x in st])
         n = np.stack([pool[1] if x is None else x[1] for x in st])
@@ -623,6 +624,7 @@ class BudgetStats:
 
 
 PROBE_Z, PROBE_MAX = 2.0, 2.0  # a probe's optimism: z of the upper bound, and its largest factor
+LAG = 2  # lagged: rounds from the last tree learned to the round chosen (chosen during the verify before it)
 
 
 class AutoBudget:
@@ -729,13 +731,15 @@ class AutoBudget:
         return choose(values, caps, self.cost, self.buckets(len(values)), ctx, drafted=True)
 
     def choose_lagged(self, rids, caps, ctx: float) -> Choice | None:
-        """This round's counts before its build (``lagged``): the requests' mean node values
-        (``ValueHistory``) under this round's weights; None when not lagged or before any drafted
-        round has been observed (the round then chooses from its own tree)."""
+        """A round's counts before its build (``lagged``): the requests' node values predicted by
+        ``ValueHistory`` ``LAG`` rounds ahead (the engine chooses a round's counts during the
+        verify of the round before it, whose tree is not read yet), under this round's weights;
+        None when not lagged or before any drafted round has been learned (the round then
+        chooses from its own tree)."""
         if not self.lagged or not self.history.ready():
             return None
         w = self.weights(rids)
-        c = self.choose(self.history.values(rids, w), caps, ctx)
+        c = self.choose(self.history.values(rids, w, LAG), caps, ctx)
         c.weights = w
         return c
 
@@ -743,10 +747,31 @@ class AutoBudget:
         return choose(np.zeros((batch, 0)), np.zeros(batch, np.int64), self.cost, (batch,), ctx, drafted=False)
 
     def observe(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool) -> None:
-        """After the accept: calibration, value history, the AR hold of requests that got no nodes,
-        the stats. ``raw`` / ``node_depth``: the round's built trees (``ValueHistory.update``). A lagged
-        choice's predicted tokens are remade from the round's own tree, under the weights it chose by
-        (the same estimator as a choice from the tree: its verified nodes' calibrated P)."""
+        """After the accept: ``hold`` then ``learn``."""
+        self.hold(rids, choice, drafted)
+        self.learn(rids, raw, node_depth, choice, accept_len, drafted)
+
+    def hold(self, rids, choice: Choice, drafted: bool) -> None:
+        """Right after the accept (the next round's ``should_draft`` reads it): the AR hold of the
+        requests that got no nodes."""
+        if not drafted:
+            return
+        for r, n in zip(rids, choice.counts):
+            if n > 0:
+                self._held.discard(r)
+                self._ar_rounds[r] = 0
+            elif r not in self._held or self._ar_rounds.get(r, 0) <= 0:  # held now, or probed
+                self._held.add(r)
+                self._ar_rounds[r] = self.probe_every - 1
+            else:  # held, drafted beside others: counts down to its probe as a skipped round does
+                self._ar_rounds[r] -= 1
+
+    def learn(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool) -> None:
+        """What a round teaches: calibration, value history, the stats (a lagged engine round learns
+        while the device runs the next round's verify). ``raw`` / ``node_depth``: the round's built
+        trees (``ValueHistory.update``). A lagged choice's predicted tokens are remade from the
+        round's own tree, under the weights it chose by (the same estimator as a choice from the
+        tree: its verified nodes' calibrated P)."""
         if drafted:
             self.calibration.observe(rids, raw, node_depth, choice.counts, accept_len)
             self.history.update(rids, raw, node_depth)
@@ -756,15 +781,6 @@ class AutoBudget:
                 cum = np.cumsum(vals[:, 1:], axis=1)
                 n = np.asarray(choice.counts, np.int64)
                 choice.expected = 1.0 + np.where(n > 0, cum[np.arange(len(n)), np.maximum(n - 1, 0)], 0.0)
-            for r, n in zip(rids, choice.counts):
-                if n > 0:
-                    self._held.discard(r)
-                    self._ar_rounds[r] = 0
-                elif r not in self._held or self._ar_rounds.get(r, 0) <= 0:  # held now, or probed
-                    self._held.add(r)
-                    self._ar_rounds[r] = self.probe_every - 1
-                else:  # held, drafted beside others: counts down to its probe as a skipped round does
-                    self._ar_rounds[r] -= 1
         self.stats.add_round(choice.counts, choice.rows, accept_len,
                              expected=choice.expected if drafted else None,
                              verify_s=choice.verify_s, round_s=choice.seconds, drafted=drafted)

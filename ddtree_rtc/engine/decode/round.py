@@ -104,6 +104,8 @@ class SpeculativeRound:
                                  f"budget {self.budget}")
             self._auto_round = AutoRound(auto, model.backend, runner)
             self._last_cut = None  # (rids, counts, rows) of the last drafted auto round
+            self._next = None  # lagged: (rids, caps, choice) made for the next round during this one's verify
+            self._pending = None  # lagged: the last round's observe arguments, learned during this round's verify
 
     @property
     def width(self) -> int:
@@ -146,9 +148,16 @@ class SpeculativeRound:
         return bufs
 
     def release(self, rid) -> None:
-        """The request finished or was cancelled: the auto budget forgets it."""
+        """The request finished or was cancelled: the auto budget forgets it (after learning the last
+        round, which may hold it)."""
         if self.auto is not None:
+            self._learn_pending()
             self.auto.release(rid)
+
+    def _learn_pending(self) -> None:
+        if self._pending is not None:
+            self.auto.learn(*self._pending)
+            self._pending = None
 
     def _split_topk(self):
         """On several ranks, the top-k over vocabulary slices (ddtree_rtc.parallel.vocab.topk): a drafter
@@ -279,10 +288,19 @@ class SpeculativeRound:
         drafted = auto.should_draft(rids)
         measuring = drafted and ar.needs_measure(b)
         raw = depth = draft_s = lag = None
-        if drafted and not measuring and ar.draft_known(b):
-            # the lagged choice (from the past rounds) and its plan, before the draft as a fixed
-            # budget's plan: every host-to-device copy of the round is made while the device idles
-            lag = clock.time("budget", auto.choose_lagged, rids, caps, ctx)
+        nxt, self._next = self._next, None
+        if drafted and not measuring and auto.lagged and ar.draft_known(b):
+            # the lagged choice (from the past rounds), made during the last round's verify when the
+            # batch is the same and none of it starts a probe (a probe values optimistically), and its
+            # plan, before the draft as a fixed budget's plan: the round's host-to-device copies are
+            # made while the device idles (a copy from pageable memory waits for the stream)
+            if self._pending is not None and not auto.history.ready():
+                self._learn_pending()  # the first lagged round: nothing was learned during a verify yet
+            if (nxt is not None and nxt[0] == rids and np.array_equal(nxt[1], caps)
+                    and not any(auto.probing(r) for r in rids)):
+                lag = nxt[2]
+            else:
+                lag = clock.time("budget", auto.choose_lagged, rids, caps, ctx)
         if lag is not None:
             choice, guess = lag, None
             step = clock.time("plan", runner.plan_tree, rids, prefix, 1 + choice.counts, self.width, choice.rows)
@@ -327,9 +345,18 @@ class SpeculativeRound:
         choices = clock.time("choose", self._choose, out, output, row_reqs, step)
         acc = clock.time("accept", bufs.accept, choices)
         clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
+        if auto.lagged:
+            # while the device verifies: learn the last round, choose the next one's counts
+            clock.time("budget", self._learn_pending)
+            if drafted and auto.history.ready():
+                self._next = (rids, caps, clock.time("budget", auto.choose_lagged, rids, caps, ctx))
         accept_len = self._commit(reqs, prefix, step, out, acc, eos_id)
         if lag is not None:  # the round's built tree, for the next rounds' choices (after the round's sync)
             raw, depth = clock.time("budget", ar.read_tree, tree)
-        auto.observe(rids, raw, depth, choice, accept_len, drafted)
+        if auto.lagged:
+            auto.hold(rids, choice, drafted)  # the next round's should_draft reads it
+            self._pending = (rids, raw, depth, choice, accept_len, drafted)
+        else:
+            auto.observe(rids, raw, depth, choice, accept_len, drafted)
         if not measuring:  # the measuring round's wall time holds the measurement
             ar.observe_times(b, draft_s, time.perf_counter() - t0, choice, lagged=lag is not None)
