@@ -1,7 +1,8 @@
 """The device half of ``decode.budget: auto`` in a DDTree round (the policy, calibration and cost
 model are in engine/decode/budget.py; docs/architecture.md, "Cost-aware budget").
 
-A round with the auto budget builds every tree at ``max_budget``, then:
+A round with the auto budget builds every tree at ``max_budget``. Choosing from the round's own tree
+(``decode.budget_choice: tree``, and a lagged engine's first and measuring rounds):
 
     estimate -> the host reads the build's scores, depths and node counts (the round's first sync)
                 and values the nodes: path probability x calibration, beside the raw ones
@@ -11,6 +12,13 @@ A round with the auto budget builds every tree at ``max_budget``, then:
                 (the build is best-first), and no kernel after the build looks past ``num_nodes``
     verify   -> the runner's packed verify: each request's root and nodes after one another, the
                 bucket's other rows padding (its graph, captured per bucket)
+
+Lagged (``decode.budget_choice: lagged``, the default): the counts were chosen during the last
+round's verify (AutoBudget.choose_lagged); before the draft the host plans the verify and copies
+``1 + count`` to the device (``stage_cut``), after the build the device takes the minimum with the
+built ``num_nodes`` (``apply_cut``) and the verify follows with no sync between; after the round's
+sync the host reads the built tree (``read_tree``: the values of nodes past the cut too, which say
+whether more nodes would pay), learned during the next round's verify.
 
 A batch whose requests all hold off drafting (their last drafted round got no node) skips the draft
 and the build: the tree is the root alone, one row per request, i.e. an autoregressive step that

@@ -17,15 +17,17 @@ maximises the batch's expected tokens per second of round time:
   as a function of the batch's verified rows in all, the distinct nodes among them (the MoE
   fan-out: N distinct tokens touch ``384 (1 - (1 - 8/384)^N)`` experts per layer) and the context.
   Given as a table (JSON, or ``CostModel.fanout`` for CI), or measured on the device at warm-up.
-- **The lagged choice** (``ValueHistory``, ``AutoBudget.choose_lagged``). Reading the build's values
-  before the verify puts a host round trip between the two (the device idles from the build's end
-  to the verify's launch). So the counts of round r are chosen from what the host knows before
-  round r's build: each request's mean node values by pop index (decayed over its past rounds,
-  kept per depth so the calibration's current weights apply), and round r's values are read after
-  its accept's sync, to update the means and the calibration. The expected tokens of a request's
-  first n nodes in the coming round are ``1 + sum_{i <= n} E[value_i]``, the same sum over the
-  means, so choosing by the means is choosing the count with the most expected tokens per second
-  given the past (exactly so when rounds are alike: the oracle's tree is the same every round).
+- **The lagged choice** (``ValueHistory``, ``AutoBudget.choose_lagged``; ``decode.budget_choice:
+  lagged``, the default). Reading the build's values before the verify puts a host round trip
+  between the two (the device idles from the build's end to the verify's launch). So the engine
+  chooses round r's counts during round r-1's verify, from what the host knows then: each request's
+  node values by pop index predicted from its past trees (up to round r-2's: round r-1's is read
+  after its sync), and learns round r-1 (calibration, values, stats) during round r's verify. The
+  expected tokens of a request's first n nodes in the coming round are ``1 + sum_{i <= n}
+  E[value_i]``, so choosing by the predicted values is choosing the count with the most expected
+  tokens per second given the past: exactly the tree's own choice when rounds are alike (the
+  oracle's tree is the same every round); where the drafter's confidence moves from round to round
+  the lag costs what the tree would have shown (tests/test_budget.py, a switching drafter).
 - **The policy** (``choose``). The batch's nodes are taken greedily in order of value (the global
   best-first order over all requests); every prefix of that order is priced at the verify of the
   smallest row bucket (``row_buckets``: the verify graphs) that holds its rows, the roots included,

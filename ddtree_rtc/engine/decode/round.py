@@ -30,11 +30,18 @@ A fixed budget's verify has the rows of the requests' budgets (1 + budget each; 
 differ), rounded up to a row bucket (engine/decode/budget.row_buckets) when they are not all the
 round's. With ``decode.budget: auto`` (``auto``: engine/decode/budget.AutoBudget) the tree is built at
 the maximum budget, each request's is cut to the node count the cost-aware policy chooses, and the
-verify packs the cut trees into the smallest row bucket that holds them (engine/decode/auto.py): the
-host reads the build's scores, depths and node counts once before the verify and values the nodes
-there (stage "budget"), and the plan needs the choice. From that sync to the verify's launch the
-device idles, so the host plans the last round's cut while the device drafts and builds, and keeps
-that plan when the choice repeats it (the usual case: the policy's counts are stable).
+verify packs the cut trees into the smallest row bucket that holds them (engine/decode/auto.py).
+Lagged (``decode.budget_choice: lagged``, the default), the round is a fixed budget's in its order:
+its counts were chosen during the last round's verify, from the requests' past trees (the host had
+nothing else to do there but wait for the sync), the plan and the cut's copy precede the draft, the
+cut is a device minimum after the build and nothing is read from the device before the round's
+sync; then the host reads the built tree and keeps it to learn during the next round's verify
+(``_pending``), with the next round's counts (``_next``, used when its batch is the same and none of
+it starts a probe). Choosing from the round's own tree (``tree``; a lagged engine's first round and
+its measuring ones), the host reads the build's scores, depths and node counts once before the
+verify and values the nodes there (stage "budget"), and the plan needs the choice: from that sync to
+the verify's launch the device idles, so the host plans the last round's cut while the device drafts
+and builds, and keeps that plan when the choice repeats it.
 """
 
 from __future__ import annotations
