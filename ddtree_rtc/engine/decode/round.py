@@ -273,8 +273,9 @@ class SpeculativeRound:
 
     def _run_auto(self, reqs, eos_id) -> None:
         """The round with the cost-aware budget: draft and build at the maximum budget (or, when
-        every request holds off drafting, the root alone), choose and cut, then plan and verify
-        the cut trees packed into the chosen row bucket (engine/decode/auto.py)."""
+        every request holds off drafting, the root alone), cut to the chosen counts (lagged: chosen
+        before, planned before the draft; else chosen from the build, then planned) and verify the
+        cut trees packed into the chosen row bucket (engine/decode/auto.py)."""
         be, pages, clock, runner, auto, ar = (self.model.backend, self.pages, self.clock, self.runner, self.auto,
                                               self._auto_round)
         t0 = time.perf_counter()
