@@ -18,6 +18,10 @@
 #             layer 1's kernels only; per kernel a diagnosis, per stage its kernels against the measured time
 #   diag      tools/small_vs_general.py (the small-M path against the general kernels stage by stage, M 1 and
 #             17, PDL on and off: the first stage that parts), then the tests it concerns with --tb=short
+#   ab        one command run from each tree of tools/ab_trees.sh (AB: the tree names under ab/, default all;
+#             AB_CMD: the ddtree-rtc arguments, {json} standing for $OUT/ab_<name>.json; default bench decode
+#             TP8 b1/b33 ctx 4k, both paths); the device call must carry ab/. AB_TESTS: pytest arguments
+#             run in each tree first (empty: none). A variant measured against main in one call.
 # Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.
 set -uo pipefail
 O=${OUT:-gpu_out}; mkdir -p "$O"
@@ -92,5 +96,21 @@ ncu)  # why the attention block and the MoE layer miss their targets (issue 45):
   echo "== ncu_explain rc=$? $(el) (files: ncu_explain.md / .json, ncu_raw.csv, ncu_log.txt)"
   [ -s "$O/ncu_explain.md" ] && grep -E '^(## |\*\*)' "$O/ncu_explain.md" | cut -c1-600
   [ -s "$O/ncu_explain.md" ] || tail -c 2000 "$O/ncu_log.txt" ;;
-*) echo "PART must be core, tests, bench, lossless, ncu or diag"; exit 2 ;;
+ab)  # the same command from several trees (tools/ab_trees.sh), each importing its own package (cd + python -m)
+  [ -d ab ] || { echo "no ab/: make it with tools/ab_trees.sh and carry it"; exit 2; }
+  names=${AB:-$(ls ab)}; n=$(echo $names | wc -w)
+  cmd=${AB_CMD:-"bench decode --shard tp8 --moe-layers 2 --batches 1,33 --contexts 4096 --small-m both --iters 10 --json {json}"}
+  for name in $names; do
+    per=$(( $(left ${TOTAL:-570}) / n )); n=$(( n - 1 )); t1=$(date +%s)
+    ( cd "ab/$name" && export DDTREE_RTC_COMMIT="$(cat COMMIT)" &&
+      if [ -n "${AB_TESTS:-}" ]; then
+        timeout -s INT $(( per / 2 )) python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --tb=short $AB_TESTS \
+          > "$O/ab_${name}_pytest.txt" 2>&1
+        echo "== $name pytest rc=$? $(el)"; grep -E "^(FAILED|ERROR)|passed|failed" "$O/ab_${name}_pytest.txt" | tail -8
+      fi
+      timeout $(( per - ($(date +%s) - t1) )) python3 -m ddtree_rtc.cli ${cmd//\{json\}/$O/ab_$name.json} \
+        > "$O/ab_$name.txt" 2>&1
+      rc=$?; echo "== $name ($(cat COMMIT)) rc=$rc $(el)"; tail -8 "$O/ab_$name.txt" | cut -c1-220 )
+  done ;;
+*) echo "PART must be core, tests, bench, lossless, ncu, diag or ab"; exit 2 ;;
 esac

@@ -24,6 +24,7 @@ import time
 
 from ..engine.engine import Engine
 from ..engine.request import Request
+from .harness import stamp
 
 SETTINGS = ("autoregressive", "chain", "8", "16", "32", "64", "auto")
 AUTO = {"auto": "lagged", "auto-tree": "tree"}  # setting -> decode.budget_choice
@@ -125,8 +126,6 @@ def main(argv=None) -> dict:
             gc.collect()  # the last engine's graph pools and cache go before the next one measures free memory
     summary = summarize(rows)
     print_table(rows, summary)
-    from .harness import stamp
-
     doc = {**stamp(), "pipeline": args.pipeline, "overrides": args.overrides, "max_budget": max_budget,
            "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows], "summary": summary,
            "same_ids_as_autoregressive": same_ids(rows)}

@@ -12,8 +12,6 @@ using skinny::kWarps;
 
 namespace {
 
-constexpr int kUnroll = 8;  // k32 chunks (16-byte weight loads) in flight per thread
-
 // bf16: rounded once; fp32: a tensor-parallel partial, unrounded
 template <typename OutT>
 __device__ __forceinline__ OutT out_value(float v);
@@ -36,8 +34,7 @@ __device__ __forceinline__ float out_value<float>(float v) {
 template <int MH, int S, typename OutT>
 __device__ __forceinline__ void linear_skinny(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                               OutT* __restrict__ y, int m, int n, int k, int warps_n, int early) {
-  constexpr int MT = MH == 1 ? 1 : MH / 2;  // m16 token tiles
-  constexpr int kU = MT == 1 ? kUnroll : kUnroll / 2;  // M <= 64: one CTA per SM (launch bounds) to hold them
+  constexpr int MT = skinny::bucket_tiles<MH>(), kU = skinny::bucket_unroll<MH>();  // include/skinny_mma.cuh
   __shared__ float4 red[kWarps][MT][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -87,7 +84,7 @@ __device__ __forceinline__ void linear_skinny(const bf16* __restrict__ x, const 
 // x [m, k], w [n, k], y [m, n] (bf16, or fp32 for the *_f32 entries), all contiguous; grid
 // ceil(n / (8 warps_n)) * S, block 256; early: launched under PDL (see linear_skinny).
 #define LINEAR_ENTRY(NAME, MH, S, CLUSTER, OUT)                                                             \
-  extern "C" __global__ void CLUSTER __launch_bounds__(kThreads, MH == 8 ? 1 : 2)                                    \
+  extern "C" __global__ void CLUSTER __launch_bounds__(kThreads, skinny::bucket_ctas_per_sm<MH>())                   \
       NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, OUT* __restrict__ y, int m, int n, int k,  \
            int warps_n, int early) {                                                                      \
     linear_skinny<MH, S, OUT>(x, w, y, m, n, k, warps_n, early);                                          \

@@ -160,9 +160,7 @@ class ModelRunner:
         model, cache = self.model, self.cache
         if not self.graphs:
             return model.run(s.inputs, cache, output=output, hidden_layers=hidden_layers, moe_plan=s.moe_plan)
-        if output not in s.graphs:
-            self._capture(s, hidden_layers, output)
-            self.captures += 1
+        self._ensure_graph(s, hidden_layers, output)
         s.graphs[output].launch()
         model.comm.stats.add_counts(s.collectives[output])  # a replay's collectives are not seen by Python
         self.replays += 1
@@ -177,6 +175,12 @@ class ModelRunner:
 
         pool = cupy.cuda.MemoryPool()
         return pool, cupy.cuda.using_allocator(pool.malloc)
+
+    def _ensure_graph(self, s: _Shape, hidden_layers, output: str) -> None:
+        """The shape's graph for ``output``: captured (and counted) unless it is already."""
+        if output not in s.graphs:
+            self._capture(s, hidden_layers, output)
+            self.captures += 1
 
     def _capture(self, s: _Shape, hidden_layers, output: str) -> None:
         """Capture the shape's forward for ``output`` into ``s.graphs`` (its outputs into
@@ -218,10 +222,13 @@ class ModelRunner:
             b, t, width = key
             s = self._shape(b, t, width)
             for output in outputs:
-                if output not in s.graphs:
-                    self._capture(s, self.hidden_layers if width else (), output)
-                    self.captures += 1
+                self._ensure_graph(s, self._hidden(width), output)
         return []
+
+    def _hidden(self, width: int) -> tuple:
+        """The hidden layers a forward of this shape hands out: a verify's (``width`` > 0) the
+        drafter's, a decode step's none."""
+        return self.hidden_layers if width else ()
 
     def graph_bytes(self) -> int:
         """Device bytes the shapes' private pools hold (the graphs' intermediates and outputs)."""
@@ -241,7 +248,7 @@ class ModelRunner:
             return getattr(self.model.forward(batch, self.cache, output=output), pick)
         s = self._shape(len(batch.seq_ids), 1, 0)
         s.inputs = self.model.prepare(batch, self.cache, into=s.inputs, page_width=self.page_width)
-        return getattr(self._run(s, (), output), pick)
+        return getattr(self._run(s, self._hidden(0), output), pick)
 
     # -- tree verify ---------------------------------------------------------------------------
     def plan_tree(self, seq_ids, prefix, rows, width: int | None = None, total: int | None = None) -> TreeStep:
@@ -320,7 +327,7 @@ class ModelRunner:
         """Logits [T, V] of every row (or their argmax, ``output='argmax'``) and the hidden
         states at ``hidden_layers`` (with graphs: the graph's buffers, valid until the next verify
         of the shape)."""
-        return self._run(self._shapes[step.key], self.hidden_layers, output)
+        return self._run(self._shapes[step.key], self._hidden(step.key[2]), output)
 
 
 def spread_rows(rows, width: int, total: int) -> np.ndarray:

@@ -25,6 +25,24 @@ namespace skinny {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
+// The token buckets of the skinny entries (linear.cu's linear_m*, skinny_pair.cuh's *_m*), MH = 1, 2,
+// 4, 8 for M <= 8, 16, 32, 64: m16 token tiles (MH = 1 loads only rows 0..7 of its one tile), k32
+// chunks in flight per thread (fewer with more tiles, so the operands stay in registers) and CTAs per
+// SM of the launch bounds (the 64-row bucket needs more than 128 registers). Only how many rows an
+// entry holds: a row's sums are the same in every bucket.
+template <int MH>
+constexpr int bucket_tiles() {
+  return MH == 1 ? 1 : MH / 2;
+}
+template <int MH>
+constexpr int bucket_unroll() {
+  return bucket_tiles<MH>() == 1 ? 8 : 4;
+}
+template <int MH>
+constexpr int bucket_ctas_per_sm() {
+  return MH == 8 ? 1 : 2;
+}
+
 using int4_mma::mma_bf16;  // the m16n8k16 bf16 MMA in scalar-register form
 
 // Weights are read exactly once: keep them out of L1 (which holds x) and fetch 256 B DRAM runs.

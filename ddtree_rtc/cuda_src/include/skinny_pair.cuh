@@ -26,16 +26,6 @@ namespace skinny_pair {
 using skinny::kThreads;
 using skinny::kWarps;
 
-// m16 token tiles of bucket MH, and k32 chunks in flight per thread (as linear.cu)
-template <int MH>
-constexpr int tiles() {
-  return MH == 1 ? 1 : MH / 2;
-}
-template <int MH>
-constexpr int unroll() {
-  return tiles<MH>() == 1 ? 8 : 4;
-}
-
 __device__ __forceinline__ float bf16_round(float v) { return to_f32(to_bf16(v)); }
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
@@ -88,7 +78,7 @@ template <int MH, int S, int MODE>
 __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __restrict__ w1,
                                     const bf16* __restrict__ w2, void* __restrict__ out1, bf16* __restrict__ out2,
                                     int m, int n1, int n2, int k, int warps_n) {
-  constexpr int kMT = tiles<MH>(), kU = unroll<MH>();
+  constexpr int kMT = skinny::bucket_tiles<MH>(), kU = skinny::bucket_unroll<MH>();
   __shared__ float4 red[kWarps][kMT][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -132,7 +122,7 @@ __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __re
 // registry lists them; tests/test_kernel_sources.py checks the two agree). Launch bounds: two CTAs per
 // SM (128 registers) except MH = 8.
 #define SKINNY_PAIR_ENTRY(NAME, MH, S, CLUSTER, MODE)                                                       \
-  extern "C" __global__ void CLUSTER __launch_bounds__(ddt::skinny::kThreads, MH == 8 ? 1 : 2) NAME(        \
+  extern "C" __global__ void CLUSTER __launch_bounds__(ddt::skinny::kThreads, ddt::skinny::bucket_ctas_per_sm<MH>()) NAME( \
       const ddt::bf16* __restrict__ x, const ddt::bf16* __restrict__ w1, const ddt::bf16* __restrict__ w2, \
       void* __restrict__ out1, ddt::bf16* __restrict__ out2, int m, int n1, int n2, int k, int warps_n) {   \
     ddt::skinny_pair::run<MH, S, MODE>(x, w1, w2, out1, out2, m, n1, n2, k, warps_n);                      \

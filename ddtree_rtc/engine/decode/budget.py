@@ -140,8 +140,13 @@ class Calibration:
     def _beyond_noise(self, estimate, used, expected) -> bool:
         """Whether ``estimate`` (factors) is more than ``gate`` standard errors from ``used``
         anywhere, ``expected`` being the accepted nodes the factors in use predict there."""
-        z = np.abs(np.log(np.maximum(estimate, 1e-12)) - np.log(np.maximum(used, 1e-12))) * np.sqrt(expected + 1.0)
-        return bool((z > self.gate).any())
+        return any(self._z(e, u, x) > self.gate for e, u, x in zip(estimate, used, expected))
+
+    @staticmethod
+    def _z(estimate: float, used: float, expected: float) -> float:
+        """Standard errors between one factor's estimate and the one in use (log scale; the error
+        falls as 1 / sqrt(expected accepted nodes)). Scalars: per request and round on the host."""
+        return abs(math.log(max(estimate, 1e-12)) - math.log(max(used, 1e-12))) * math.sqrt(expected + 1.0)
 
     def depth_factors_used(self) -> np.ndarray:
         """``[depth + 1]``: the depth factors in use (see the class doc)."""
@@ -153,9 +158,7 @@ class Calibration:
     def request_factor_used(self, rid) -> float:
         live, used = self.request_factor(rid), self._req_used.get(rid, 1.0)
         p, _ = self._req.get(rid, (0.0, 0.0))
-        # _beyond_noise of one factor, in scalars (per request and round, before the round's sync)
-        z = abs(math.log(max(live, 1e-12)) - math.log(max(used, 1e-12))) * math.sqrt(used * p + 1.0)
-        if z > self.gate:
+        if self._z(live, used, used * p) > self.gate:
             self._req_used[rid] = used = live
         return used
 
@@ -183,8 +186,7 @@ class Calibration:
             idx = np.arange(b)[:, None] * d1 + depth
             per_depth = np.bincount(idx[used], weights=raw[:, 1:top + 1][used], minlength=b * d1).reshape(b, d1)
             live = np.flatnonzero(counts > 0)
-            for i in live:
-                pred += per_depth[i]
+            pred = per_depth[live].sum(axis=0)
             meas[1:] = (accept_len[live, None] > np.arange(1, d1)[None, :]).sum(axis=0)  # reached depth d
             rd = self.request_decay
             for i, pd_f in zip(live.tolist(), (per_depth[live] * f).sum(axis=1).tolist()):
@@ -350,14 +352,18 @@ class CostModel:
     def verify_s(self, rows, nodes, batch: int = 1, ctx: float = 0.0):
         """Seconds of a verify of ``rows`` rows in all (array-like) holding ``nodes`` distinct nodes
         (array-like; the rest repeat the roots), for ``batch`` requests at mean context ``ctx``."""
-        t = self._verify_base(rows, nodes) + self.ctx_s * batch * (float(ctx) - self.ctx_ref)
-        return np.maximum(t, 0.0)
+        return self.with_ctx(self._verify_base(rows, nodes), batch, ctx)
+
+    def with_ctx(self, base, batch: int, ctx: float):
+        """``verify_s`` from its value at ``ctx_ref`` (``base``, array-like): the context term of
+        ``batch`` requests at mean context ``ctx`` added, clamped at 0."""
+        return np.maximum(base + self.ctx_s * batch * (float(ctx) - self.ctx_ref), 0.0)
 
     def verify_curve(self, batch: int, buckets: tuple) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, seconds)`` of a verify holding ``batch + i`` distinct nodes, i = 0 .. the last
         bucket less ``batch``: the smallest of ``buckets`` (sorted, the first >= batch) that holds
         them, and ``verify_s`` of it at ``ctx_ref`` before the context term and the clamp at 0
-        (``choose`` adds both). Made once per batch, buckets and table (the policy prices every
+        (``with_ctx`` adds both). Made once per batch, buckets and table (the policy prices every
         candidate of every round on it); made again when the table changes (the warm-up's points,
         ``expert_s``)."""
         hit = self._curves.get((batch, buckets))
@@ -553,7 +559,7 @@ def choose(values: np.ndarray, caps, cost: CostModel, buckets, ctx: float = 0.0,
     # prefix i holds b + i distinct nodes (the roots and its nodes), priced at the bucket holding them
     rows, base = cost.verify_curve(b, buckets)
     rows = rows[: len(order) + 1]
-    ver = np.maximum(base[: len(order) + 1] + cost.ctx_s * b * (float(ctx) - cost.ctx_ref), 0.0)  # verify_s
+    ver = cost.with_ctx(base[: len(order) + 1], b, ctx)
     rate = (b + gain) / (over + ver)
     i = int(np.flatnonzero(rate >= rate.max() * (1 - 1e-12))[-1])
     counts = np.bincount(o_req[:i], minlength=b).astype(np.int64)
