@@ -12,6 +12,7 @@ from ddtree_rtc.engine.decode.budget import (
     BudgetError,
     Calibration,
     CostModel,
+    ValueHistory,
     choose,
     expected_tokens,
     experts_touched,
@@ -68,6 +69,34 @@ class OracleSim:
         return acc
 
 
+    def at(self, r: int):
+        """The sim whose tree round r has (one tree: itself)."""
+        return self
+
+
+class SwitchSim:
+    """A request whose drafter moves between acceptance profiles (text it is sure of, text it is
+    not): each round the profile stays with probability ``stay`` or else moves to another, drawn
+    uniformly. The tree of a round is that profile's, so a choice made from the round's own tree
+    sees the move at once, and a lagged one (from the past rounds) a round late."""
+
+    def __init__(self, sims, rounds: int, stay: float, seed: int = 0):
+        rng = np.random.default_rng(seed + 77)
+        self.sims, state = sims, [0]
+        for _ in range(rounds - 1):
+            s = state[-1]
+            state.append(s if rng.random() < stay else int(rng.choice([i for i in range(len(sims)) if i != s])))
+        self.state = state
+        self.depth = sims[0].depth
+
+    def at(self, r: int):
+        return self.sims[self.state[r]]
+
+    def reached(self, rounds: int) -> np.ndarray:
+        each = [s.reached(rounds) for s in self.sims]
+        return np.stack([each[self.state[r]][r] for r in range(rounds)])
+
+
 def random_round(rng, batch):
     """A random drafter's round: its trees and [B, N] reached nodes (a uniform true token)."""
     tree = build(rng.standard_normal((batch, DEPTH, VOCAB)).astype(np.float32))
@@ -86,57 +115,104 @@ def moe_cost(draft=2e-3, fixed=1e-3):
     return CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=draft, fixed_s=fixed)
 
 
-def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False):
-    """Tokens, modelled seconds, and per-round (predicted, measured) tokens over ``rounds``
-    rounds of the batch ``sims`` (one OracleSim per request), at a fixed budget or auto; ``.exact``
-    on the returned auto (or the 6th value): the exact expected tokens of the cuts made (the oracle
-    law, no sampling noise)."""
-    cost = cost or moe_cost()
-    b = len(sims)
-    reached = [s.reached(rounds) for s in sims]
+class Learner:
+    """A round's observe in the engine's order (engine/decode/round.py): the AR hold at once; what
+    it teaches (calibration, value history, stats) at once, or lagged: the counts of round r are
+    chosen during round r-1's verify, after learning round r-2 (round r-1 is learned during round
+    r's; the first lagged choice learns all first)."""
+
+    def __init__(self, auto, lagged: bool):
+        self.auto, self.lagged, self.pend = auto, lagged, []
+
+    def before_choice(self) -> None:
+        while len(self.pend) > 1 or (self.pend and not self.auto.history.ready()):
+            self.auto.learn(*self.pend.pop(0))
+
+    def after_round(self, *args) -> None:  # AutoBudget.observe's arguments
+        if not self.lagged:
+            return self.auto.observe(*args)
+        self.auto.hold(args[0], args[3], args[5])
+        self.pend.append(args)
+
+    def flush(self) -> None:
+        while self.pend:
+            self.auto.learn(*self.pend.pop(0))
+
+
+def round_tree(sims):
+    """The round's raw path probabilities and depths ``[B, N]`` of the sims' trees (as the engine
+    reads them: 0 and -1 past the built nodes)."""
     n_max = max(len(s.depth) for s in sims)
-    raw = np.zeros((b, n_max))
-    depth = np.zeros((b, n_max), np.int64)
+    raw = np.zeros((len(sims), n_max))
+    depth = np.full((len(sims), n_max), -1, np.int64)
     for i, s in enumerate(sims):
         n = len(s.depth)
         raw[i, 1:n] = np.exp(s.tree.scores[0, 1:n])
         depth[i, :n] = s.depth
-    auto = AutoBudget(MAX, DEPTH, cost, bucketed=bucketed) if budget == "auto" else None
+    return raw, depth
+
+
+def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=False, choices=None, **auto_kw):
+    """Tokens, modelled seconds, and per-round (predicted, measured) tokens over ``rounds``
+    rounds of the batch ``sims`` (one OracleSim or SwitchSim per request), at a fixed budget or
+    auto; ``.exact`` on the returned auto (or the 6th value): the exact expected tokens of the cuts
+    made (the oracle law, no sampling noise). ``lagged``: auto chooses before the round's tree is
+    known (``AutoBudget.choose_lagged``), else from it (``choose``); ``choices``: a list that gets
+    every drafted round's (lagged counts or None, the counts from the round's own tree)."""
+    cost = cost or moe_cost()
+    b = len(sims)
+    reached = [s.reached(rounds) for s in sims]
+    auto = AutoBudget(MAX, DEPTH, cost, bucketed=bucketed, lagged=lagged, **auto_kw) if budget == "auto" else None
+    learner = Learner(auto, lagged)
     tokens = seconds = exact = 0.0
-    pred, meas = [], []
+    made = []  # (choice, tokens) of the drafted rounds
     rids = list(range(b))
     for r in range(rounds):
+        now = [s.at(r) for s in sims]
+        raw, depth = round_tree(now)
         if auto is None:
             k = DEPTH if budget == "chain" else budget
             counts, drafted = np.full(b, k), True
             sec = cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b * (k + 1), b * (k + 1), b))
         elif auto.should_draft(rids):
-            w = auto.weights(rids)
-            vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth,
-                               np.array([len(s.depth) for s in sims]), w)
-            choice = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
+            learner.before_choice()
+            choice = auto.choose_lagged(rids, np.full(b, MAX), 0)
+            own = None
+            if choice is None or choices is not None:
+                # the weights of the round's own choice: the lagged choice's, so that only the tree differs
+                w = auto.weights(rids) if choice is None else choice.weights
+                vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth, np.array([len(s.depth) for s in now]), w)
+                own = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
+            if choices is not None:
+                choices.append((None if choice is None else choice.counts, own.counts))
+            choice = choice or own
             counts, drafted, sec = choice.counts, True, choice.seconds
         else:
             choice, drafted = auto.ar_choice(b, 0), False
             counts, sec = choice.counts, choice.seconds
             auto.skipped(rids)
         if budget == "chain":  # the top-1 path: node j of the chain is the rank-0 node at depth j
-            acc = [np.cumprod([reached[i][r, j] for j in chain_nodes(s)]).sum() + 1 for i, s in enumerate(sims)]
-            exact += sum(1 + s.ptrue[chain_nodes(s)].sum() for s in sims)
+            acc = [np.cumprod([reached[i][r, j] for j in chain_nodes(s)]).sum() + 1 for i, s in enumerate(now)]
+            exact += sum(1 + s.ptrue[chain_nodes(s)].sum() for s in now)
         else:
             acc = [reached[i][r, : int(counts[i]) + 1].sum() for i in range(b)]
-            exact += sum(s.etrue[min(int(n), len(s.etrue) - 1)] for s, n in zip(sims, counts))
+            exact += sum(s.etrue[min(int(n), len(s.etrue) - 1)] for s, n in zip(now, counts))
         if auto is not None:
-            auto.observe(rids, raw, depth, choice, np.array(acc), drafted)
+            learner.after_round(rids, raw, depth, choice, np.array(acc), drafted)
             if drafted:
-                pred.append(choice.expected.sum())
-                meas.append(sum(acc))
+                made.append((choice, sum(acc)))
         tokens += sum(acc)
         seconds += sec
-    return tokens, seconds, np.array(pred), np.array(meas), auto, exact
+    if auto is not None:
+        learner.flush()  # a lagged choice's predicted tokens are remade when its round is learned
+    pred = np.array([c.expected.sum() for c, _ in made])
+    meas = np.array([m for _, m in made])
+    return tokens, seconds, pred, meas, auto, exact
 
 
 def chain_nodes(sim):
+    if "_chain" in vars(sim):
+        return sim._chain
     out, u = [], 0
     for _ in range(DEPTH):
         kids = [j for j in range(1, len(sim.depth)) if sim.parent[j] == u and sim.rank[j] == 0]
@@ -144,6 +220,7 @@ def chain_nodes(sim):
             break
         u = kids[0]
         out.append(u)
+    sim._chain = out
     return out
 
 
@@ -384,11 +461,12 @@ def test_mixed_batch_confident_requests_get_more_nodes():
     assert c.expected[0] > c.expected[1]
 
 
+@pytest.mark.parametrize("lagged", [False, True])
 @pytest.mark.parametrize("name", sorted(PROFILES))
-def test_calibrated_tau_tracks_measured_tau_over_2000_oracle_rounds(name):
+def test_calibrated_tau_tracks_measured_tau_over_2000_oracle_rounds(name, lagged):
     cheap = CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 1e-6, draft_s=1e-3)  # trees pay at p=0.4
     tokens, seconds, pred, meas, auto, _ = run_oracle([OracleSim(**PROFILES[name], seed=i) for i in range(2)], 1000,
-                                                      cost=cheap, bucketed=True)
+                                                      cost=cheap, bucketed=True, lagged=lagged)
     assert len(pred) >= 1000 and 2 * len(pred) >= 2000  # request-rounds with a prediction
     err = abs(pred.sum() - meas.sum()) / meas.sum()
     assert err < 0.05, (name, pred.sum() / len(pred) / 2, meas.sum() / len(meas) / 2)
@@ -413,23 +491,29 @@ def compare(mk, rounds=300, **auto_kw):
     return (exact / sec) / (r[5] / r[1]), (tok / sec) / (r[0] / r[1]), best
 
 
-def test_auto_beats_every_fixed_budget_on_a_mixed_batch():
+@pytest.mark.parametrize("lagged", [False, True])
+def test_auto_beats_every_fixed_budget_on_a_mixed_batch(lagged):
     """Requests of four acceptance profiles in one batch: every fixed budget is wrong for some."""
     names = sorted(PROFILES)
-    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)])
-    print(f"\nmixed batch: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)],
+                                   lagged=lagged)
+    print(f"\nmixed batch{' lagged' if lagged else ''}: auto / best fixed ({best}) = {exact:.4f} exact, "
+          f"{sampled:.4f} sampled")
     assert exact > 1.02 and sampled > 1.02, (exact, sampled, best)
 
 
+@pytest.mark.parametrize("lagged", [False, True])
 @pytest.mark.parametrize("name", sorted(PROFILES))
-def test_auto_is_at_least_the_best_fixed_budget_on_one_profile(name):
+def test_auto_is_at_least_the_best_fixed_budget_on_one_profile(name, lagged):
     """A batch of one profile: every round looks the same, so the best fixed budget is the most auto
     can reach unless it may skip the draft (p0.4: nothing pays). The calibration's gate keeps the
     drafter's (here right) probabilities until the evidence says otherwise, so auto settles on the
     best count at once and stays there (without the gate it wanders with the luck of the last
-    rounds: 0.9985x at p0.9)."""
-    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[name], seed=10 + i) for i in range(4)])
-    print(f"\n{name}: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    rounds: 0.9985x at p0.9). Lagged or not: every round's tree is the same, so the past rounds'
+    values are this round's."""
+    exact, sampled, best = compare(lambda: [OracleSim(**PROFILES[name], seed=10 + i) for i in range(4)], lagged=lagged)
+    print(f"\n{name}{' lagged' if lagged else ''}: auto / best fixed ({best}) = {exact:.4f} exact, "
+          f"{sampled:.4f} sampled")
     assert exact >= 1 - 1e-9 and sampled >= 1 - 1e-9, (name, exact, sampled, best)
 
 
@@ -437,14 +521,17 @@ MISCALIBRATED = {"over 0.9/0.7": dict(p=0.9, true_p=0.7), "under 0.6/0.85": dict
                  "under 0.7/0.9": dict(p=0.7, true_p=0.9)}
 
 
+@pytest.mark.parametrize("lagged", [False, True])
 @pytest.mark.parametrize("name", sorted(MISCALIBRATED))
-def test_a_miscalibrated_drafter_is_found_out(name):
+def test_a_miscalibrated_drafter_is_found_out(name, lagged):
     """The drafter's probabilities are off (its rank-0 p against the walk's): auto learns the bias
     from the verified nodes (an underconfident drafter through its probes and the compounding
     depth factors) and ends near the best fixed budget, having paid for the rounds it took to learn
     (figures per 1000 rounds; no bound of 1 here: the fixed budget is best in hindsight)."""
-    exact, sampled, best = compare(lambda: [OracleSim(**MISCALIBRATED[name], seed=10 + i) for i in range(4)], 1000)
-    print(f"\n{name}: auto / best fixed ({best}) = {exact:.4f} exact, {sampled:.4f} sampled")
+    exact, sampled, best = compare(lambda: [OracleSim(**MISCALIBRATED[name], seed=10 + i) for i in range(4)], 1000,
+                                   lagged=lagged)
+    print(f"\n{name}{' lagged' if lagged else ''}: auto / best fixed ({best}) = {exact:.4f} exact, "
+          f"{sampled:.4f} sampled")
     assert exact > 0.96, (name, exact, sampled, best)
 
 
@@ -459,7 +546,9 @@ def test_without_the_gate_auto_wanders_below_the_best_fixed_budget(monkeypatch):
     assert exact < 1 - 1e-4, (exact, best)
 
 
-def test_auto_beats_every_fixed_budget_with_the_random_drafter():
+@pytest.mark.parametrize("lagged", [False, True])
+def test_auto_beats_every_fixed_budget_with_the_random_drafter(lagged):
+    """Fresh random trees every round: lagged (the mean of the past trees) or from the round's own."""
     cost, b, rounds = moe_cost(), 4, 60
     rng = np.random.default_rng(5)
     trees = [random_round(rng, b) for _ in range(rounds)]
@@ -469,26 +558,94 @@ def test_auto_beats_every_fixed_budget_with_the_random_drafter():
                   if True) if k else rounds * b
         sec = rounds * (cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b * (k + 1), b * (k + 1), b)))
         fixed[k] = tok / sec
-    auto = AutoBudget(MAX, DEPTH, cost, bucketed=True)
+    auto = AutoBudget(MAX, DEPTH, cost, bucketed=True, lagged=lagged)
+    learner = Learner(auto, lagged)
     tok = sec = 0.0
     rids = list(range(b))
     for t, acc in trees:
         if auto.should_draft(rids):
-            vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids))
-            ch = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
+            learner.before_choice()
+            ch = auto.choose_lagged(rids, np.full(b, MAX), 0)
+            if ch is None:
+                vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids))
+                ch = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
             got = np.array([acc[i, :ch.counts[i] + 1].sum() for i in range(b)])
-            auto.observe(rids, np.exp(np.nan_to_num(t.scores, nan=-np.inf)), t.node_depth, ch, got, True)
+            learner.after_round(rids, np.exp(np.nan_to_num(t.scores, nan=-np.inf)), t.node_depth, ch, got, True)
         else:
             ch = auto.ar_choice(b, 0)
             auto.skipped(rids)
             got = np.ones(b, int)
-            auto.observe(rids, None, None, ch, got, False)
+            learner.after_round(rids, None, None, ch, got, False)
         tok += got.sum()
         sec += ch.seconds
+    learner.flush()
     best = max(fixed, key=fixed.get)
-    print(f"\nrandom drafter: auto / best fixed ({best}) = {tok / sec / fixed[best]:.4f} sampled")
+    print(f"\nrandom drafter{' lagged' if lagged else ''}: auto / best fixed ({best}) = {tok / sec / fixed[best]:.4f} "
+          f"sampled ({tok / sec:.1f} tokens per modelled second)")
     assert tok / sec >= max(fixed.values()), (tok / sec, fixed)
     assert auto.stats.skipped_drafts > auto.stats.drafted_rounds  # mostly plain AR, with probes
+
+
+def test_the_lagged_choice_is_the_trees_own_when_rounds_are_alike():
+    """The oracle's tree is the same every round: from the second round on, the counts chosen from
+    the past rounds are those the round's own tree gives (a mixed batch of four profiles)."""
+    names, got = sorted(PROFILES), []
+    run_oracle([OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(names)], 200, lagged=True, choices=got)
+    assert got[0][0] is None and len(got) > 150
+    assert all(np.array_equal(lag, own) for lag, own in got[1:])
+
+
+def switch_batch(rounds: int, stay: float):
+    return [SwitchSim([OracleSim(p=0.9, seed=30 + i), OracleSim(p=0.4, seed=40 + i)], rounds, stay, seed=i)
+            for i in range(4)]
+
+
+@pytest.mark.parametrize("stay", [0.5, 0.9])
+def test_the_lagged_choice_when_the_drafters_confidence_moves(stay):
+    """Each request's drafter moves between a confident (p 0.9) and an unsure (p 0.4) profile, staying
+    with probability ``stay``: at 0.5 the rounds are independent, at 0.9 the profile holds for ~10
+    rounds. A choice from the round's own tree sees the move at once; the lagged one predicts from
+    the rounds up to two before (the engine's order, ``Learner``): the long mean where rounds are
+    independent (persistence ~0: what the best fixed budget gets), towards the last tree learned
+    where the profile holds (persistence ~0.8, over two rounds 0.64). Expected tokens per modelled
+    second (exact), over the best fixed budget's: what the lag costs where the drafter's confidence
+    moves from round to round (none where rounds are alike: the test above)."""
+    rounds = 400
+    own, _, best = compare(lambda: switch_batch(rounds, stay), rounds)
+    lag, _, _ = compare(lambda: switch_batch(rounds, stay), rounds, lagged=True)
+    got = []
+    *_, auto, _ = run_oracle(switch_batch(rounds, stay), rounds, lagged=True, choices=got)
+    differ = np.mean([not np.array_equal(a, o) for a, o in got[1:]])
+    rho = auto.history.rho
+    print(f"\nstay {stay}: auto / best fixed ({best}) = {own:.4f} from the tree, {lag:.4f} lagged "
+          f"(counts differ in {differ:.0%} of rounds; persistence {rho:.2f})")
+    assert own > 1.1 and lag <= own
+    if stay == 0.5:
+        assert lag > 0.99 and rho < 0.15
+    else:
+        assert lag > 1.05 and 0.6 < rho < 0.95
+
+
+def test_value_history_means_persistence_and_pool():
+    h = ValueHistory(4, 3, decay=0.5)
+    assert not h.ready()
+    depth = np.array([[0, 1, 1, 2, -1], [0, 1, 2, 3, 3]])
+    h.update(["a", "b"], np.array([[0, 0.5, 0.2, 0.1, 0.0], [0, 0.9, 0.8, 0.7, 0.1]]), depth)
+    h.update(["a", "b"], np.array([[0, 0.3, 0.2, 0.1, 0.0], [0, 0.9, 0.8, 0.7, 0.1]]), depth)
+    w = np.array([[0, 1, 1, 1], [0, 1, 1, 2.0]])
+    v = h.values(["a", "b"], w)
+    # request a: (0.5 * 0.5 + 0.3) / 1.5 at index 1 (no persistence yet: one pair of rounds, shrunk)
+    assert h.rho < 0.2
+    mean_a = np.array([(0.25 + 0.3) / 1.5, 0.2, 0.1, 0.0])
+    last_a = np.array([0.3, 0.2, 0.1, 0.0])
+    assert v[0] == pytest.approx(mean_a + h.rho * (last_a - mean_a))
+    assert v[1] == pytest.approx([0.9, 0.8, 1.4, 0.2])  # depth 3 weighs 2; rounds alike
+    new = h.values(["c"], w[:1])  # a request with no round: the pool of every request's
+    assert new[0] == pytest.approx([(0.5 * 1.4 + 1.2) / 3, (0.5 * 1.0 + 1.0) / 3, 0.4, 0.1])
+    h.release("a")
+    assert h.values(["a"], w[:1])[0] == pytest.approx(new[0])
+    with pytest.raises(BudgetError, match="decay must be in"):
+        ValueHistory(4, 3, decay=1.0)
 
 
 def test_cost_model_json_and_bench_rows(tmp_path):

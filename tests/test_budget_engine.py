@@ -125,6 +125,7 @@ def plan_trace(tiny, cont, ps, new, alter: bool):
     eng = Engine(tiny, max_batch=len(ps), page_size=16, max_context=128, mode="ddtree", budget="auto",
                  drafter=oracle(tiny, cont, accept_p=0.6), max_budget=MAX, cost=CostModel.from_dict(FREE.to_json()))
     rnd, auto = eng.round, eng.round.auto
+    auto.lagged = False  # the choice from the round's own tree (the lagged one: the test after)
     plan, go, choose = eng.runner.plan_tree, rnd.run, auto.choose
 
     def on_plan(*a, **k):
@@ -166,6 +167,85 @@ def test_a_repeated_choice_is_planned_before_the_estimate_and_once(tiny, cont):
                 misses += 1
                 assert len(before) == 1 and after == [tuple(1 + np.array(choice[0]))]
         assert hits >= 2 and (misses >= 2 if alter else misses == 0)
+
+
+def event_trace(tiny, cont, ps, new, lagged: bool, drafter=None, cost=FREE):
+    """Per auto round: its events in order ('lag': a lagged choice, 'own': the values of the round's
+    own tree read for its choice, 'plan', 'build', 'sync': a device-to-host read, 'verify'), the
+    outputs, the AutoBudget and each round's request ids."""
+    rounds = []
+    eng = Engine(tiny, max_batch=len(ps), page_size=16, max_context=128, mode="ddtree", budget="auto",
+                 drafter=drafter or oracle(tiny, cont, accept_p=0.6), max_budget=MAX,
+                 cost=CostModel.from_dict(cost.to_json()))
+    rnd, auto, be = eng.round, eng.round.auto, eng.backend
+    auto.lagged = lagged
+
+    def spy(obj, name, event):
+        fn = getattr(obj, name)
+
+        def call(*a, **k):
+            out = fn(*a, **k)
+            if rounds and (event != "lag" or out is not None):  # syncs of the prefill before: none
+                rounds[-1].append(event)
+            return out
+
+        setattr(obj, name, call)
+
+    for obj, name, event in ((auto, "choose_lagged", "lag"), (rnd._auto_round, "estimate", "own"),
+                             (eng.runner, "plan_tree", "plan"),
+                             (be, "to_host", "sync"), (rnd, "_verify", "verify")):
+        spy(obj, name, event)
+    go, buffers = rnd.run, rnd.buffers_for
+
+    def bufs(b):
+        t = buffers(b)
+        if not getattr(t, "_spied", False):
+            spy(t, "grow", "build")
+            t._spied = True
+        return t
+
+    rnd.buffers_for = bufs
+    rnd.run = lambda reqs, eos: rounds.append([tuple(r.rid for r in reqs)]) or go(reqs, eos)
+    out = [r.output for r in eng.run([Request(i, p, new) for i, p in enumerate(ps)])]
+    return [ev[1:] for ev in rounds], out, auto, [ev[0] for ev in rounds]
+
+
+def test_the_lagged_choice_puts_no_sync_between_the_build_and_the_verify(tiny, cont):
+    """decode.budget auto (lagged, the default): the first round chooses from its own tree (nothing
+    is known yet: a sync between the build and the verify). Every later round plans once, before its
+    draft, and reads nothing from the device between its build and its verify; the counts of the
+    next round are chosen after the verify is enqueued and before the round's sync (while the device
+    verifies), so from the third round on a round starts with its choice made. The built tree is
+    read after the round's sync. The ids stay autoregressive decoding's, as they do when the lagged
+    choice is switched off (then every round syncs between its build and its verify)."""
+    ps = prompts(21, (6, 9, 5))
+    _, want = run(tiny, ps, 24)
+    rounds, got, auto, rids = event_trace(tiny, cont, ps, 24, lagged=True)
+    assert got == want
+    assert "lag" not in rounds[0] and len(rounds) >= 4
+    assert rounds[0].index("build") < rounds[0].index("own") < rounds[0].index("verify")
+    assert rounds[1][:2] == ["lag", "plan"]
+    for ev in rounds[1:]:
+        assert "own" not in ev and ev.count("plan") == 1 and ev.index("plan") < ev.index("build"), ev
+        v = ev.index("verify")
+        assert "sync" not in ev[ev.index("build"):v], ev
+        assert "lag" in ev[v:] and ev.index("lag", v) < ev.index("sync", v), ev  # the next round's, before the sync
+    same = [i for i in range(2, len(rounds)) if rids[i] == rids[i - 1]]
+    assert len(same) >= 3 and all(rounds[i][0] == "plan" for i in same)  # chosen during the last round
+    assert auto.stats.drafted_rounds == len(rounds)  # every round learned (the last one at its release)
+    rounds, got, *_ = event_trace(tiny, cont, ps, 24, lagged=False)
+    assert got == want and all("lag" not in ev and "own" in ev for ev in rounds)
+    assert all("sync" in ev[ev.index("build"):ev.index("verify")] for ev in rounds)
+
+
+def test_the_lagged_choice_is_lossless_when_the_trees_differ_every_round(tiny, cont):
+    """Lagged choices over a batch whose trees differ every round (the random drafter's): AR's ids
+    (the other lossless tests above run the lagged choice too: it is the default)."""
+    ps = prompts(5, (6, 9, 4))
+    _, want = run(tiny, ps, 16)
+    rounds, got, *_ = event_trace(tiny, cont, ps, 16, lagged=True, cost=MOE,
+                                 drafter=RandomDrafter(tiny.backend, tiny.cfg.vocab_size, DEPTH, seed=3))
+    assert got == want and sum("lag" in ev for ev in rounds) >= 1
 
 
 def test_predicted_and_measured_tau_are_reported(tiny, cont):
@@ -298,6 +378,9 @@ def test_the_start_captures_every_verify_shape_and_no_other(tiny, cont, monkeypa
 def test_bad_input_is_named(tiny, cont):
     with pytest.raises(BudgetError, match="numpy backend needs decode.cost_table"):
         run(tiny, prompts(1, (4,)), 4, oracle(tiny, cont), cost=None)
+    with pytest.raises(BudgetError, match="budget_choice must be 'lagged' or 'tree', got 'late'"):
+        Engine(tiny, max_batch=1, page_size=16, max_context=128, mode="ddtree", drafter=oracle(tiny, cont),
+               budget="auto", max_budget=MAX, cost=MOE, budget_choice="late")
     for bad in (0, 513):
         with pytest.raises(BudgetError, match=f"decode.max_budget {bad} is outside 1..512"):
             Engine(tiny, 2, 16, 128, mode="ddtree", drafter=oracle(tiny, cont), budget="auto", max_budget=bad,
@@ -320,13 +403,15 @@ def test_bench_budget_compares_settings_on_the_tiny_pipeline(tmp_path):
     doc = main(["--pipeline", "pipelines/tiny_ddtree.yaml", "--set", "decode.budget=auto",
                 "--set", f"decode.cost_table={table}", "--set", "decode.max_budget=8",
                 "--set", "workload.synthetic.count=2", "--set", "workload.synthetic.output_len=6",
-                "--concurrency", "2", "--settings", "autoregressive,chain,4,auto", "--warmup-tokens", "2",
-                "--json", str(tmp_path / "b.json")])
-    assert doc["same_ids_as_autoregressive"] == {"2": {"autoregressive": True, "chain": True, "4": True, "auto": True}}
+                "--concurrency", "2", "--settings", "autoregressive,chain,4,auto-tree,auto", "--warmup-tokens",
+                "2", "--json", str(tmp_path / "b.json")])
+    assert doc["same_ids_as_autoregressive"] == {"2": {"autoregressive": True, "chain": True, "4": True,
+                                                       "auto-tree": True, "auto": True}}
     s = doc["summary"]["2"]
     assert {s["best_fixed"], s["worst_fixed"]} <= {"chain", "4"} and s["auto_over_best"] > 0
+    assert s["auto_over_auto_tree"] > 0
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
-    assert rows[-1]["budget"]["nodes_hist"]
+    assert rows[-1]["budget"]["nodes_hist"] and rows[-2]["budget"]["nodes_hist"]
     # the host's time per step by stage: every setting verifies or decodes, auto alone values its trees
     assert all(r["wall_us_per_step"] > 0 and r["graph_captures"] == 0 for r in rows)  # numpy: no graphs
     assert rows[-1]["stage_us_per_step"]["budget"] > 0 and rows[-1]["stage_us_per_step"]["verify"] > 0

@@ -10,7 +10,9 @@ predicted vs measured tau and tokens per modelled verify second; and the host's 
 step in each stage of the engine's StageClock (where a setting's round time goes on the host), with the
 CUDA graphs captured in the timed pass (0: the start captured every shape the setting can reach). Per
 concurrency: auto over the best and the worst fixed budget (chain included), the issue's targets being
->= 1.0x and >= 1.15x."""
+>= 1.0x and >= 1.15x. ``auto`` is ``decode.budget_choice: lagged`` (each round's counts from the past
+rounds: no sync between the build and the verify); ``auto-tree`` chooses from the round's own tree
+(a host round trip there), for comparison (``auto_over_auto_tree``)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from ..engine.request import Request
 from .harness import stamp
 
 SETTINGS = ("autoregressive", "chain", "8", "16", "32", "64", "auto")
+AUTO = {"auto": "lagged", "auto-tree": "tree"}  # setting -> decode.budget_choice
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="pipeline overrides, as `run --set` (repeatable)")
     ap.add_argument("--concurrency", default="1,4,10", help="requests decoded at once (comma-separated)")
     ap.add_argument("--settings", default=",".join(SETTINGS),
-                    help="autoregressive, chain, a fixed budget, or auto (comma-separated)")
+                    help="autoregressive, chain, a fixed budget, auto or auto-tree (comma-separated)")
     ap.add_argument("--max-budget", type=int, default=None, help="auto's max_budget (default: decode.max_budget)")
     ap.add_argument("--warmup-tokens", type=int, default=16, help="tokens per request in the untimed pass")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
@@ -45,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError:
         ap.error(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}")
     args.settings = tuple(s.strip() for s in args.settings.split(","))
-    bad = [s for s in args.settings if s not in ("autoregressive", "chain", "auto") and not s.isdigit()]
+    bad = [s for s in args.settings if s not in ("autoregressive", "chain", *AUTO) and not s.isdigit()]
     if bad or any(c < 1 for c in args.concurrency) or args.warmup_tokens < 2:
         ap.error(f"--settings: unknown {bad}" if bad else "--concurrency must be >= 1, --warmup-tokens >= 2")
     return args
@@ -54,11 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engine_for(pipe, model, drafter, setting: str, concurrency: int, max_budget: int, cost) -> Engine:
     d, rt = pipe.decode, pipe.runtime
     mode = setting if setting in ("autoregressive", "chain") else "ddtree"
-    budget = "auto" if setting == "auto" else (int(setting) if setting.isdigit() else d.drafter.depth)
+    budget = "auto" if setting in AUTO else (int(setting) if setting.isdigit() else d.drafter.depth)
     return Engine(model, max_batch=concurrency, page_size=rt.page_size, max_context=rt.max_context,
                   seed=d.seed, cuda_graphs=rt.cuda_graphs, mode=mode,
                   drafter=None if mode == "autoregressive" else drafter, budget=budget, max_budget=max_budget,
-                  cost=cost if setting == "auto" else None)
+                  cost=cost if setting in AUTO else None, budget_choice=AUTO.get(setting, "lagged"))
 
 
 def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
@@ -75,7 +78,7 @@ def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
     out = {"tok_s": gen / wall, "tok_s_per_user": statistics.mean(per_user) if per_user else None,
            "wall_s": wall, "outputs": [r.output for r in done],
            # host seconds per engine step (one round per group) in each stage, no device sync but the
-           # stages' own: 'budget' holds auto's wait for the build, 'commit' the round's last sync
+           # stages' own: 'budget' holds auto-tree's wait for the build, 'commit' the round's last sync
            "stage_us_per_step": {k: (v - stages.get(k, 0.0)) / steps * 1e6
                                  for k, v in engine.stats.stage_seconds.items()},
            "wall_us_per_step": wall / steps * 1e6,
@@ -139,8 +142,9 @@ def summarize(rows) -> dict:
     out = {}
     for c in sorted({r["concurrency"] for r in rows}):
         fixed = {r["setting"]: r["tok_s_per_user"] for r in rows
-                 if r["concurrency"] == c and r["setting"] not in ("auto", "autoregressive") and r["tok_s_per_user"]}
+                 if r["concurrency"] == c and r["setting"] not in (*AUTO, "autoregressive") and r["tok_s_per_user"]}
         auto = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "auto"), None)
+        tree = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "auto-tree"), None)
         ar = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "autoregressive"),
                   None)
         if not fixed or auto is None:
@@ -148,7 +152,8 @@ def summarize(rows) -> dict:
         best, worst = max(fixed, key=fixed.get), min(fixed, key=fixed.get)
         out[str(c)] = {"auto": auto, "best_fixed": best, "best": fixed[best], "worst_fixed": worst,
                        "worst": fixed[worst], "auto_over_best": auto / fixed[best],
-                       "auto_over_worst": auto / fixed[worst], "auto_over_ar": auto / ar if ar else None}
+                       "auto_over_worst": auto / fixed[worst], "auto_over_ar": auto / ar if ar else None,
+                       "auto_over_auto_tree": auto / tree if tree else None}
     return out
 
 
@@ -163,7 +168,7 @@ def same_ids(rows) -> dict:
 
 
 def print_table(rows, summary) -> None:
-    print("\nhost µs per engine step by stage (no syncs but the stages' own: auto's 'budget' waits for the build, "
+    print("\nhost µs per engine step by stage (no syncs but the stages' own: auto-tree's 'budget' waits for the build, "
           "'commit' for the round)")
     for r in rows:
         st = r.get("stage_us_per_step") or {}
@@ -185,4 +190,5 @@ def print_table(rows, summary) -> None:
     for c, s in summary.items():
         print(f"c{c}: auto {s['auto']:.1f} tok/s per user = {s['auto_over_best']:.3f}x best fixed ({s['best_fixed']}, "
               f"{s['best']:.1f}), {s['auto_over_worst']:.3f}x worst ({s['worst_fixed']}, {s['worst']:.1f})"
-              + (f", {s['auto_over_ar']:.3f}x AR" if s["auto_over_ar"] else ""))
+              + (f", {s['auto_over_ar']:.3f}x AR" if s["auto_over_ar"] else "")
+              + (f", {s['auto_over_auto_tree']:.3f}x auto-tree" if s.get("auto_over_auto_tree") else ""))

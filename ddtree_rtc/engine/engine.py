@@ -60,11 +60,13 @@ class Engine:
     def __init__(self, model: TargetModel, max_batch: int, page_size: int, max_context: int,
                  num_pages: int | None = None, max_prefill_tokens: int = 4096, seed: int = 0,
                  profile: bool = False, cuda_graphs: bool = False, mode: str = "autoregressive",
-                 drafter=None, budget: int | str = 64, max_budget: int = 64, cost=None):
+                 drafter=None, budget: int | str = 64, max_budget: int = 64, cost=None,
+                 budget_choice: str = "lagged"):
         """``mode``: 'autoregressive', 'ddtree' or 'chain' (the last two need a ``drafter`` from
         ddtree_rtc.speculative.drafters; ``budget``: tree nodes per round, the most any request
         may ask for, or 'auto': chosen per round and request up to ``max_budget`` by the cost
-        model ``cost`` (engine.decode.budget.CostModel; None: measured at warm-up, CUDA only))."""
+        model ``cost`` (engine.decode.budget.CostModel; None: measured at warm-up, CUDA only));
+        ``budget_choice``: auto's counts from the past rounds ('lagged') or the round's own tree ('tree')."""
         if mode not in MODES:
             raise ValueError(f"decode mode must be one of {', '.join(MODES)}, got {mode!r}")
         if (mode == "autoregressive") != (drafter is None):
@@ -90,7 +92,7 @@ class Engine:
         self.round = None
         auto = None
         if budget == "auto":
-            auto = self._auto_budget(mode, drafter, max_budget, cost, graphs)
+            auto = self._auto_budget(mode, drafter, max_budget, cost, graphs, budget_choice)
             budget = max_budget
         elif not isinstance(budget, (int, np.integer)):
             raise ValueError(f"decode.budget must be a node count or 'auto', got {budget!r}")
@@ -143,12 +145,14 @@ class Engine:
         return {"graphs": self.runner.captures - before, "left": len(left), "bytes": self.runner.graph_bytes(),
                 "seconds": time.perf_counter() - t0}
 
-    def _auto_budget(self, mode: str, drafter, max_budget: int, cost, graphs: bool):
+    def _auto_budget(self, mode: str, drafter, max_budget: int, cost, graphs: bool, choice: str):
         from .decode.budget import AutoBudget, BudgetError
 
         if mode != "ddtree":
             raise BudgetError(f"decode.budget auto needs mode 'ddtree' (chain is one of the trees it chooses "
                               f"from), got mode {mode!r}")
+        if choice not in ("lagged", "tree"):
+            raise BudgetError(f"decode.budget_choice must be 'lagged' or 'tree', got {choice!r}")
         if cost is None and self.model.shard.world > 1 and self.model.comm.name != "simulated":
             raise BudgetError("decode.budget auto on several ranks needs decode.cost_table: timings measured on "
                               "each rank differ, and every rank must choose the same trees (a simulated rank, "
@@ -159,7 +163,7 @@ class Engine:
         # with CUDA graphs a verify shape is a captured graph: a few row buckets; eagerly any row count is one.
         # Invariant, a round's verify holds at most SMALL_M_MAX_TOKENS rows (the module doc)
         return AutoBudget(max_budget, drafter.depth, cost, bucketed=graphs,
-                          max_rows=SMALL_M_MAX_TOKENS if self.invariant else None)
+                          max_rows=SMALL_M_MAX_TOKENS if self.invariant else None, lagged=choice == "lagged")
 
     @property
     def context_limit(self) -> int:

@@ -134,6 +134,9 @@ class DecodeSpec:
     seed: int = 0
     max_budget: int = 64  # budget auto: the most nodes a request's tree may have (the tree is built at this)
     cost_table: str | None = None  # budget auto: a verify cost table (JSON); else measured at warm-up (CUDA)
+    # budget auto: each round's counts from the past rounds (lagged: no sync between build and verify)
+    # or from the round's own tree (tree: a host round trip there)
+    budget_choice: Literal["lagged", "tree"] = "lagged"
 
     def __post_init__(self):
         from ..reference.tree_build import MAX_BUDGET
@@ -151,6 +154,8 @@ class DecodeSpec:
                              f"got mode {self.mode!r}")
         if self.cost_table is not None and self.budget != "auto":
             raise ValueError("cost_table is read only with budget 'auto'")
+        if self.budget_choice not in ("lagged", "tree"):
+            raise ValueError(f"budget_choice must be 'lagged' or 'tree', got {self.budget_choice!r}")
         if self.mode != "autoregressive" and self.drafter is None:
             raise ValueError(f"mode {self.mode!r} needs a drafter (decode.drafter: {{kind: oracle | random | dflash}})")
 

@@ -1,7 +1,8 @@
 """The device half of ``decode.budget: auto`` in a DDTree round (the policy, calibration and cost
 model are in engine/decode/budget.py; docs/architecture.md, "Cost-aware budget").
 
-A round with the auto budget builds every tree at ``max_budget``, then:
+A round with the auto budget builds every tree at ``max_budget``. Choosing from the round's own tree
+(``decode.budget_choice: tree``, and a lagged engine's first and measuring rounds):
 
     estimate -> the host reads the build's scores, depths and node counts (the round's first sync)
                 and values the nodes: path probability x calibration, beside the raw ones
@@ -11,6 +12,13 @@ A round with the auto budget builds every tree at ``max_budget``, then:
                 (the build is best-first), and no kernel after the build looks past ``num_nodes``
     verify   -> the runner's packed verify: each request's root and nodes after one another, the
                 bucket's other rows padding (its graph, captured per bucket)
+
+Lagged (``decode.budget_choice: lagged``, the default): the counts were chosen during the last
+round's verify (AutoBudget.choose_lagged); before the draft the host plans the verify and copies
+``1 + count`` to the device (``stage_cut``), after the build the device takes the minimum with the
+built ``num_nodes`` (``apply_cut``) and the verify follows with no sync between; after the round's
+sync the host reads the built tree (``read_tree``: the values of nodes past the cut too, which say
+whether more nodes would pay), learned during the next round's verify.
 
 A batch whose requests all hold off drafting (their last drafted round got no node) skips the draft
 and the build: the tree is the root alone, one row per request, i.e. an autoregressive step that
@@ -50,6 +58,7 @@ class AutoRound:
     def __init__(self, auto: AutoBudget, backend, runner):
         self.auto, self.backend, self.runner = auto, backend, runner
         self.measured_batches: set = set()
+        self._cuts: dict = {}  # batch -> [B] int32 device buffer of the lagged cut
         self._slopes: list = []  # every fan-out slope measured (the model's is their median)
 
     def estimate(self, tree: TreeArrays, rids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -68,6 +77,35 @@ class AutoRound:
         raw = node_values(np, scores, depth, num_nodes, np.ones((len(rids), 1)))
         vals = raw * np.take_along_axis(w, np.clip(depth, 0, w.shape[1] - 1), axis=1)
         return vals[:, 1:], raw, depth
+
+    def read_tree(self, tree: TreeArrays) -> tuple[np.ndarray, np.ndarray]:
+        """Host ``(raw [B, N], depth [B, N])`` of the built tree after the round (the lagged choice:
+        the cut changed ``num_nodes`` only; the build leaves NaN scores and depth -1 past its nodes)."""
+        be = self.backend
+        scores = be.to_host(tree.scores)
+        depth = be.to_host(tree.node_depth).astype(np.int64)
+        built = depth >= 1
+        return np.where(built, np.exp(np.where(built, scores, 0.0)), 0.0), depth
+
+    def draft_known(self, batch: int) -> bool:
+        """Whether a lagged round may run at this batch size: a given table, or a measured one that
+        has timed the draft there (a round choosing from its own tree times its draft and build
+        apart, up to the sync; a lagged round has no sync there and times the round whole)."""
+        cost = self.auto.cost
+        return not cost.measured or any(x == float(batch) for x, _ in cost.draft)
+
+    def stage_cut(self, batch: int, counts: np.ndarray):
+        """The lagged cut's ``1 + counts`` on the device (before the draft: the copy waits for nothing)."""
+        buf = self._cuts.get(batch)
+        if buf is None:
+            buf = self._cuts[batch] = self.backend.empty((batch,), "int32")
+        self.backend.copy_in(buf, (1 + np.asarray(counts)).astype(np.int32))
+        return buf
+
+    def apply_cut(self, tree: TreeArrays, cut) -> None:
+        """``num_nodes = min(num_nodes, 1 + counts)`` on the device after the build (no host data: a
+        lagged count past the nodes the build made leaves them all)."""
+        self.backend.xp.minimum(tree.num_nodes, cut, out=tree.num_nodes)
 
     def cut(self, tree: TreeArrays, counts: np.ndarray) -> None:
         self.backend.copy_in(tree.num_nodes, (1 + np.asarray(counts)).astype(np.int32))
@@ -142,12 +180,17 @@ class AutoRound:
             return True
         return auto.max_rows is not None and batch not in self.measured_batches and bool(self.missing(batch))
 
-    def observe_times(self, batch: int, draft_s: float | None, round_s: float, choice: Choice) -> None:
+    def observe_times(self, batch: int, draft_s: float | None, round_s: float, choice: Choice,
+                      lagged: bool = False) -> None:
         """The measured draft (draft + top-k + build + estimate) and the rest of the round outside the
-        modelled verify, as running means per batch size (cost tables given are kept as they are)."""
+        modelled verify, as running means per batch size (cost tables given are kept as they are). A
+        lagged round is timed whole (no sync splits it): its draft keeps the seconds measured at this
+        batch size (``draft_known``) and the rest goes to the other work."""
         cost = self.auto.cost
         if not cost.measured:
             return
+        if lagged:
+            draft_s = cost.draft_s(batch)
         other = max(round_s - (draft_s or 0.0) - choice.verify_s, 0.0)
         old_d, old_f = dict(cost.draft).get(float(batch)), dict(cost.fixed).get(float(batch))
         mix = lambda old, new: new if old is None else OVERHEAD_DECAY * old + (1 - OVERHEAD_DECAY) * new  # noqa: E731

@@ -17,6 +17,17 @@ maximises the batch's expected tokens per second of round time:
   as a function of the batch's verified rows in all, the distinct nodes among them (the MoE
   fan-out: N distinct tokens touch ``384 (1 - (1 - 8/384)^N)`` experts per layer) and the context.
   Given as a table (JSON, or ``CostModel.fanout`` for CI), or measured on the device at warm-up.
+- **The lagged choice** (``ValueHistory``, ``AutoBudget.choose_lagged``; ``decode.budget_choice:
+  lagged``, the default). Reading the build's values before the verify puts a host round trip
+  between the two (the device idles from the build's end to the verify's launch). So the engine
+  chooses round r's counts during round r-1's verify, from what the host knows then: each request's
+  node values by pop index predicted from its past trees (up to round r-2's: round r-1's is read
+  after its sync), and learns round r-1 (calibration, values, stats) during round r's verify. The
+  expected tokens of a request's first n nodes in the coming round are ``1 + sum_{i <= n}
+  E[value_i]``, so choosing by the predicted values is choosing the count with the most expected
+  tokens per second given the past: exactly the tree's own choice when rounds are alike (the
+  oracle's tree is the same every round); where the drafter's confidence moves from round to round
+  the lag costs what the tree would have shown (tests/test_budget.py, a switching drafter).
 - **The policy** (``choose``). The batch's nodes are taken greedily in order of value (the global
   best-first order over all requests); every prefix of that order is priced at the verify of the
   smallest row bucket (``row_buckets``: the verify graphs) that holds its rows, the roots included,
@@ -188,6 +199,99 @@ class Calibration:
     def release(self, rid) -> None:
         self._req.pop(rid, None)
         self._req_used.pop(rid, None)
+
+
+# -- the lagged values ----------------------------------------------------------------------------
+
+
+HISTORY_DECAY = 0.95  # weight of a request's older rounds in its mean node values
+PERSIST_DECAY = 0.99  # weight of older request-rounds in the persistence's (pooled) moments
+PERSIST_PRIOR = 8.0  # request-rounds of evidence for no persistence (rho shrunk towards 0)
+
+
+class ValueHistory:
+    """What the coming round's node values will be, from the past rounds (the lagged choice).
+
+    Per request: decayed sums of its built nodes' raw path probabilities by pop index and depth,
+    and of the rounds each pop index was built in (their ratio is the mean value; kept per depth
+    so the calibration's weights of the round apply), and the last round's values. The prediction
+    is ``mean + rho (last - mean)``: ``rho`` is the persistence of a request's tree mass (the sum of
+    its built nodes' P) from one round to the next, the lag-1 autocorrelation of its deviations
+    from the request's mean, pooled over requests, decayed, shrunk towards 0 and clipped to [0, 1].
+    Where the drafter's confidence moves in long spells the last round says much about the next
+    (rho near 1); where rounds are alike or independent the long mean is the best guess (rho near
+    0). A request with no round yet takes the pool of every request's rounds (the same sums over
+    all of them), so a new request in a batch does not force a round trip; before any round there
+    are no values (``ready``)."""
+
+    def __init__(self, max_budget: int, depth: int, decay: float = HISTORY_DECAY):
+        if not 0 <= decay < 1:
+            raise BudgetError(f"value history decay must be in [0, 1), got {decay}")
+        self.m, self.d1, self.decay = int(max_budget), depth + 1, decay
+        self._req: dict = {}  # rid -> [sum [m, d1], rounds [m], last [m, d1], last built [m], mass mean, last mass]
+        self._pool = None  # [sum, rounds] over every request's rounds
+        self._c0 = self._c1 = self._cn = 0.0  # decayed lag-0 / lag-1 moments of the mass deviations, their count
+
+    def ready(self) -> bool:
+        return self._pool is not None
+
+    @property
+    def rho(self) -> float:
+        """The persistence of a request's tree mass from round to round (see the class doc)."""
+        if self._c0 <= 0:
+            return 0.0
+        return float(np.clip(self._c1 / self._c0, 0.0, 1.0)) * self._cn / (self._cn + PERSIST_PRIOR)
+
+    def values(self, rids, weights, ahead: int = 1) -> np.ndarray:
+        """``[B, max_budget]``: each request's predicted calibrated value of pop indices
+        1..max_budget (0 where none was built) ``ahead`` rounds past the last one learned (the
+        persistence over them: ``rho ** ahead``), ``weights`` ``[B, depth + 1]``."""
+        if self._pool is None:
+            raise BudgetError("value history: no round observed yet")
+        pool, rho = self._pool, self.rho ** max(int(ahead), 1)
+        st = [self._req.get(r) for r in rids]
+        s = np.stack([pool[0] if x is None else x[0] for x in st])
+        n = np.stack([pool[1] if x is None else x[1] for x in st])
+        w = np.asarray(weights, np.float64)[:, : self.d1]
+        mean = np.where(n > 0, np.einsum("bmd,bd->bm", s, w) / np.maximum(n, 1e-300), 0.0)
+        if rho <= 0:
+            return mean
+        last = np.stack([pool[0] * 0 if x is None else x[2] for x in st])
+        built = np.stack([np.zeros(self.m, bool) if x is None else x[3] for x in st])
+        last = np.where(built, np.einsum("bmd,bd->bm", last, w), mean)
+        return mean + rho * (last - mean)
+
+    def update(self, rids, raw, node_depth) -> None:
+        """``raw`` / ``node_depth`` ``[B, N]`` host arrays of the round's built trees (pop order,
+        root at 0; ``raw`` 0 and depth -1 past the built nodes, as the build leaves them)."""
+        m = min(self.m, raw.shape[1] - 1)
+        d = node_depth[:, 1:m + 1].astype(np.int64)
+        built = np.zeros((len(rids), self.m), bool)
+        built[:, :m] = (d >= 1) & (d < self.d1)
+        s = np.zeros((len(rids), self.m, self.d1))
+        bi, ii = np.nonzero(built[:, :m])
+        s[bi, ii, d[bi, ii]] = raw[:, 1:m + 1][bi, ii]
+        mass = s.sum(axis=(1, 2))
+        k, kp = self.decay, PERSIST_DECAY
+        c0 = c1 = cn = 0.0
+        for i, r in enumerate(rids):
+            x = self._req.get(r)
+            if x is None:
+                self._req[r] = [s[i], built[i].astype(np.float64), s[i], built[i], float(mass[i]), float(mass[i])]
+                continue
+            mu, prev = x[4], x[5]
+            c0 += (prev - mu) ** 2
+            c1 += (mass[i] - mu) * (prev - mu)
+            cn += 1
+            self._req[r] = [k * x[0] + s[i], k * x[1] + built[i], s[i], built[i], k * mu + (1 - k) * mass[i],
+                            float(mass[i])]
+        if cn:
+            self._c0, self._c1, self._cn = kp * self._c0 + c0, kp * self._c1 + c1, kp * self._cn + cn
+        ps, pn = s.sum(axis=0), built.sum(axis=0).astype(np.float64)
+        self._pool = [ps, pn] if self._pool is None else [k * self._pool[0] + ps, k * self._pool[1] + pn]
+
+    def release(self, rid) -> None:
+        self._req.pop(rid, None)
 
 
 # -- the cost of a round -------------------------------------------------------------------------
@@ -399,6 +503,7 @@ class Choice:
     expected: np.ndarray  # [B] predicted tokens (bonus included)
     seconds: float  # the modelled round (fixed + draft + verify)
     verify_s: float
+    weights: np.ndarray | None = None  # lagged: the [B, depth + 1] weights it valued by (expected is remade)
 
 
 @functools.lru_cache(maxsize=256)
@@ -527,6 +632,7 @@ class BudgetStats:
 
 
 PROBE_Z, PROBE_MAX = 2.0, 2.0  # a probe's optimism: z of the upper bound, and its largest factor
+LAG = 2  # lagged: rounds from the last tree learned to the round chosen (chosen during the verify before it)
 
 
 class AutoBudget:
@@ -538,10 +644,14 @@ class AutoBudget:
     only evidence). ``bucketed``: the verify rows come in ``row_buckets`` (CUDA graphs: one per
     bucket), else any row count is a shape (eager forwards). ``max_rows``: the most verify rows of
     a round (the engine's row-invariant scheduling: SMALL_M_MAX_TOKENS, so the verify stays on the
-    small-M path), or None (``batch * width``): the batch's nodes are then shared within it."""
+    small-M path), or None (``batch * width``): the batch's nodes are then shared within it.
+    ``lagged``: the round's counts are chosen before its build from the requests' past values
+    (``choose_lagged``), so no host round trip lies between the build and the verify; else from
+    the round's own tree (``choose``, after a sync)."""
 
     def __init__(self, max_budget: int, depth: int, cost: CostModel | None, bucketed: bool = False,
-                 probe_every: int = 8, explore_every: int = 32, max_rows: int | None = None):
+                 probe_every: int = 8, explore_every: int = 32, max_rows: int | None = None,
+                 lagged: bool = True, history_decay: float = HISTORY_DECAY):
         from ...reference.tree_build import MAX_BUDGET
 
         if not 1 <= int(max_budget) <= MAX_BUDGET:
@@ -556,6 +666,8 @@ class AutoBudget:
         self.bucketed = bool(bucketed)
         self._buckets: dict = {}  # batch -> its buckets (fixed by the settings above)
         self.calibration = Calibration(depth)
+        self.lagged = bool(lagged)
+        self.history = ValueHistory(self.max_budget, depth, history_decay)
         self.probe_every, self.explore_every = probe_every, explore_every
         self.stats = BudgetStats()
         self._drafted = 0
@@ -626,27 +738,63 @@ class AutoBudget:
     def choose(self, values, caps, ctx: float) -> Choice:
         return choose(values, caps, self.cost, self.buckets(len(values)), ctx, drafted=True)
 
+    def choose_lagged(self, rids, caps, ctx: float) -> Choice | None:
+        """A round's counts before its build (``lagged``): the requests' node values predicted by
+        ``ValueHistory`` ``LAG`` rounds ahead (the engine chooses a round's counts during the
+        verify of the round before it, whose tree is not read yet), under this round's weights;
+        None when not lagged or before any drafted round has been learned (the round then
+        chooses from its own tree)."""
+        if not self.lagged or not self.history.ready():
+            return None
+        w = self.weights(rids)
+        c = self.choose(self.history.values(rids, w, LAG), caps, ctx)
+        c.weights = w
+        return c
+
     def ar_choice(self, batch: int, ctx: float) -> Choice:
         return choose(np.zeros((batch, 0)), np.zeros(batch, np.int64), self.cost, (batch,), ctx, drafted=False)
 
     def observe(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool) -> None:
-        """After the accept: calibration, the AR hold of requests that got no nodes, the stats."""
+        """After the accept: ``hold`` then ``learn``."""
+        self.hold(rids, choice, drafted)
+        self.learn(rids, raw, node_depth, choice, accept_len, drafted)
+
+    def hold(self, rids, choice: Choice, drafted: bool) -> None:
+        """Right after the accept (the next round's ``should_draft`` reads it): the AR hold of the
+        requests that got no nodes."""
+        if not drafted:
+            return
+        for r, n in zip(rids, choice.counts):
+            if n > 0:
+                self._held.discard(r)
+                self._ar_rounds[r] = 0
+            elif r not in self._held or self._ar_rounds.get(r, 0) <= 0:  # held now, or probed
+                self._held.add(r)
+                self._ar_rounds[r] = self.probe_every - 1
+            else:  # held, drafted beside others: counts down to its probe as a skipped round does
+                self._ar_rounds[r] -= 1
+
+    def learn(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool) -> None:
+        """What a round teaches: calibration, value history, the stats (a lagged engine round learns
+        while the device runs the next round's verify). ``raw`` / ``node_depth``: the round's built
+        trees (``ValueHistory.update``). A lagged choice's predicted tokens are remade from the
+        round's own tree, under the weights it chose by (the same estimator as a choice from the
+        tree: its verified nodes' calibrated P)."""
         if drafted:
             self.calibration.observe(rids, raw, node_depth, choice.counts, accept_len)
-            for r, n in zip(rids, choice.counts):
-                if n > 0:
-                    self._held.discard(r)
-                    self._ar_rounds[r] = 0
-                elif r not in self._held or self._ar_rounds.get(r, 0) <= 0:  # held now, or probed
-                    self._held.add(r)
-                    self._ar_rounds[r] = self.probe_every - 1
-                else:  # held, drafted beside others: counts down to its probe as a skipped round does
-                    self._ar_rounds[r] -= 1
+            self.history.update(rids, raw, node_depth)
+            if choice.weights is not None:
+                w = choice.weights
+                vals = raw * np.take_along_axis(w, np.clip(node_depth, 0, w.shape[1] - 1).astype(np.int64), axis=1)
+                cum = np.cumsum(vals[:, 1:], axis=1)
+                n = np.asarray(choice.counts, np.int64)
+                choice.expected = 1.0 + np.where(n > 0, cum[np.arange(len(n)), np.maximum(n - 1, 0)], 0.0)
         self.stats.add_round(choice.counts, choice.rows, accept_len,
                              expected=choice.expected if drafted else None,
                              verify_s=choice.verify_s, round_s=choice.seconds, drafted=drafted)
 
     def release(self, rid) -> None:
         self.calibration.release(rid)
+        self.history.release(rid)
         self._ar_rounds.pop(rid, None)
         self._held.discard(rid)

@@ -30,11 +30,18 @@ A fixed budget's verify has the rows of the requests' budgets (1 + budget each; 
 differ), rounded up to a row bucket (engine/decode/budget.row_buckets) when they are not all the
 round's. With ``decode.budget: auto`` (``auto``: engine/decode/budget.AutoBudget) the tree is built at
 the maximum budget, each request's is cut to the node count the cost-aware policy chooses, and the
-verify packs the cut trees into the smallest row bucket that holds them (engine/decode/auto.py): the
-host reads the build's scores, depths and node counts once before the verify and values the nodes
-there (stage "budget"), and the plan needs the choice. From that sync to the verify's launch the
-device idles, so the host plans the last round's cut while the device drafts and builds, and keeps
-that plan when the choice repeats it (the usual case: the policy's counts are stable).
+verify packs the cut trees into the smallest row bucket that holds them (engine/decode/auto.py).
+Lagged (``decode.budget_choice: lagged``, the default), the round is a fixed budget's in its order:
+its counts were chosen during the last round's verify, from the requests' past trees (the host had
+nothing else to do there but wait for the sync), the plan and the cut's copy precede the draft, the
+cut is a device minimum after the build and nothing is read from the device before the round's
+sync; then the host reads the built tree and keeps it to learn during the next round's verify
+(``_pending``), with the next round's counts (``_next``, used when its batch is the same and none of
+it starts a probe). Choosing from the round's own tree (``tree``; a lagged engine's first round and
+its measuring ones), the host reads the build's scores, depths and node counts once before the
+verify and values the nodes there (stage "budget"), and the plan needs the choice: from that sync to
+the verify's launch the device idles, so the host plans the last round's cut while the device drafts
+and builds, and keeps that plan when the choice repeats it.
 """
 
 from __future__ import annotations
@@ -104,6 +111,8 @@ class SpeculativeRound:
                                  f"budget {self.budget}")
             self._auto_round = AutoRound(auto, model.backend, runner)
             self._last_cut = None  # (rids, counts, rows) of the last drafted auto round
+            self._next = None  # lagged: (rids, caps, choice) made for the next round during this one's verify
+            self._pending = None  # lagged: the last round's observe arguments, learned during this round's verify
 
     @property
     def width(self) -> int:
@@ -146,9 +155,16 @@ class SpeculativeRound:
         return bufs
 
     def release(self, rid) -> None:
-        """The request finished or was cancelled: the auto budget forgets it."""
+        """The request finished or was cancelled: the auto budget forgets it (after learning the last
+        round, which may hold it)."""
         if self.auto is not None:
+            self._learn_pending()
             self.auto.release(rid)
+
+    def _learn_pending(self) -> None:
+        if self._pending is not None:
+            self.auto.learn(*self._pending)
+            self._pending = None
 
     def _split_topk(self):
         """On several ranks, the top-k over vocabulary slices (ddtree_rtc.parallel.vocab.topk): a drafter
@@ -257,8 +273,9 @@ class SpeculativeRound:
 
     def _run_auto(self, reqs, eos_id) -> None:
         """The round with the cost-aware budget: draft and build at the maximum budget (or, when
-        every request holds off drafting, the root alone), choose and cut, then plan and verify
-        the cut trees packed into the chosen row bucket (engine/decode/auto.py)."""
+        every request holds off drafting, the root alone), cut to the chosen counts (lagged: chosen
+        before, planned before the draft; else chosen from the build, then planned) and verify the
+        cut trees packed into the chosen row bucket (engine/decode/auto.py)."""
         be, pages, clock, runner, auto, ar = (self.model.backend, self.pages, self.clock, self.runner, self.auto,
                                               self._auto_round)
         t0 = time.perf_counter()
@@ -278,13 +295,36 @@ class SpeculativeRound:
         page_table = be.asarray(pages.page_table(rids))
         drafted = auto.should_draft(rids)
         measuring = drafted and ar.needs_measure(b)
-        raw = depth = draft_s = None
+        raw = depth = draft_s = lag = None
+        nxt, self._next = self._next, None
+        if drafted and not measuring and auto.lagged and ar.draft_known(b):
+            # the lagged choice (from the past rounds), made during the last round's verify when the
+            # batch is the same and none of it starts a probe (a probe values optimistically), and its
+            # plan, before the draft as a fixed budget's plan: the round's host-to-device copies are
+            # made while the device idles (a copy from pageable memory waits for the stream)
+            if self._pending is not None and not auto.history.ready():
+                self._learn_pending()  # the first lagged round: nothing was learned during a verify yet
+            if (nxt is not None and nxt[0] == rids and np.array_equal(nxt[1], caps)
+                    and not any(auto.probing(r) for r in rids)):
+                lag = nxt[2]
+            else:
+                lag = clock.time("budget", auto.choose_lagged, rids, caps, ctx)
+        if lag is not None:
+            choice, guess = lag, None
+            step = clock.time("plan", runner.plan_tree, rids, prefix, 1 + choice.counts, self.width, choice.rows)
+            cut = clock.time("budget", ar.stage_cut, b, choice.counts)
+            self._last_cut = (rids, choice.counts, choice.rows)
         if drafted:
             logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
             clock.time("top-k", bufs.topk, logits, self._split_topk())
             tree = clock.time("build", bufs.grow, roots_dev, prefix_dev)
-            # while the device drafts and builds, the host plans the verify of the last round's cut
-            # (the policy's counts are stable round to round): used if the choice is the same
+        if lag is not None:
+            # the cut on the device, right after the build, and the verify: no sync between them
+            clock.time("budget", ar.apply_cut, tree, cut)
+        elif drafted:
+            # the choice from the round's own tree (a sync). While the device drafts and builds, the
+            # host plans the verify of the last round's cut (the policy's counts are stable round to
+            # round): used if the choice is the same
             last, guess = self._last_cut, None
             if not measuring and last is not None and last[0] == rids:
                 guess = clock.time("plan", runner.plan_tree, rids, prefix, 1 + last[1], self.width, last[2])
@@ -304,15 +344,27 @@ class SpeculativeRound:
             tree, guess = bufs.tree, None
             ar.root_only(tree, roots_dev, prefix_dev)
             choice = auto.ar_choice(b, ctx)
-        step = guess if guess is not None else clock.time("plan", runner.plan_tree, rids, prefix, 1 + choice.counts,
-                                                          self.width, choice.rows)
+        if lag is None:
+            step = guess if guess is not None else clock.time("plan", runner.plan_tree, rids, prefix,
+                                                              1 + choice.counts, self.width, choice.rows)
         row_reqs = self.row_reqs(reqs, step)
         output = self.sampler.output_for(row_reqs)
         out = clock.time("verify", self._verify, step, tree, output)
         choices = clock.time("choose", self._choose, out, output, row_reqs, step)
         acc = clock.time("accept", bufs.accept, choices)
         clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
+        if auto.lagged:
+            # while the device verifies: learn the last round, choose the next one's counts
+            clock.time("budget", self._learn_pending)
+            if drafted and auto.history.ready():
+                self._next = (rids, caps, clock.time("budget", auto.choose_lagged, rids, caps, ctx))
         accept_len = self._commit(reqs, prefix, step, out, acc, eos_id)
-        auto.observe(rids, raw, depth, choice, accept_len, drafted)
+        if lag is not None:  # the round's built tree, for the next rounds' choices (after the round's sync)
+            raw, depth = clock.time("budget", ar.read_tree, tree)
+        if auto.lagged:
+            auto.hold(rids, choice, drafted)  # the next round's should_draft reads it
+            self._pending = (rids, raw, depth, choice, accept_len, drafted)
+        else:
+            auto.observe(rids, raw, depth, choice, accept_len, drafted)
         if not measuring:  # the measuring round's wall time holds the measurement
-            ar.observe_times(b, draft_s, time.perf_counter() - t0, choice)
+            ar.observe_times(b, draft_s, time.perf_counter() - t0, choice, lagged=lag is not None)
