@@ -39,11 +39,11 @@ constexpr int bucket_tiles() {
 }
 template <int MH>
 constexpr int bucket_ntiles() {
-  return MH == 4 ? 4 : MH == 8 ? 2 : 1;
+  return MH == 4 || MH == 8 ? 2 : 1;
 }
 template <int MH>
 constexpr int bucket_unroll() {
-  return bucket_tiles<MH>() == 1 ? 8 : 2;
+  return bucket_tiles<MH>() == 1 ? 8 : MH == 8 ? 4 : 2;
 }
 template <int MH>
 constexpr int bucket_ctas_per_sm() {
