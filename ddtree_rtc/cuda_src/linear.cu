@@ -25,7 +25,7 @@ __device__ __forceinline__ float out_value<float>(float v) {
 }
 
 // MH = 1: M <= 8 (A rows 8..15 are zeros, never loaded); MH = 2: M <= 16; MH = 4 / 8: M <= 32 / 64
-// (2 / 4 m16 tiles of tokens, NT = 4 / 2 n8 weight tiles a warp, fewer k32 chunks in flight so the
+// (2 / 4 m16 tiles of tokens, NT = 1 / 2 n8 weight tiles a warp, fewer k32 chunks in flight so the
 // operands stay in registers). S: CTAs per cluster. A token row's sums depend only on (warps_n, S, K),
 // never on MH or on the other rows (include/skinny_mma.cuh): the small-M path plans them from the shape
 // alone (kernels/linear.py, impl="invariant").

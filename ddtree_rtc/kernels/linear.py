@@ -87,9 +87,9 @@ def skinny_plan(m: int, n: int, k: int, sms: int) -> SkinnyPlan:
 
 
 # n8 weight tiles a warp holds in each token bucket's entries (include/skinny_mma.cuh, bucket_ntiles):
-# a CTA of the 32- and 64-row entries covers NT of the plan's row blocks, its warps' x loads shared
-# by them; the K split, so a row's sums, stay the plan's.
-BUCKET_NTILES = {8: 1, 16: 1, 32: 2, 64: 2}
+# a CTA of the 64-row entries covers NT of the plan's row blocks, its warps' x loads shared by them;
+# the K split, so a row's sums, stay the plan's.
+BUCKET_NTILES = {8: 1, 16: 1, 32: 1, 64: 2}
 
 
 def bucket_grid(n: int, warps_n: int, split: int, rows: int) -> int:

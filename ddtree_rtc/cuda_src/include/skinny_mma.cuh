@@ -27,23 +27,24 @@ constexpr int kWarps = kThreads / 32;
 
 // The token buckets of the skinny entries (linear.cu's linear_m*, skinny_pair.cuh's *_m*), MH = 1, 2,
 // 4, 8 for M <= 8, 16, 32, 64: m16 token tiles (MH = 1 loads only rows 0..7 of its one tile); n8 weight
-// tiles a warp holds (NT: the x fragments a warp loads for a chunk serve NT weight tiles, so x's L1
-// reads per weight byte are 2 tiles / NT, ~8x the weight bytes at 4 tiles with one: past L1's rate at
-// HBM speed; benchmarks/README.md, the small-M path); k32 chunks in flight per thread (fewer with more
-// tiles, so the operands stay in registers) and CTAs per SM of the launch bounds (the 64-row bucket
-// needs more than 128 registers). Only how many rows and columns an entry holds: a row's sums are the
-// same in every bucket. The host's copy of NT: kernels/linear.py, BUCKET_NTILES.
+// tiles a warp holds (NT: the x fragments a warp loads for a chunk serve its NT weight tiles, so x's L1
+// reads are 2 x token tiles / NT times the weight bytes: 8x at 64 rows with one tile, past L1's rate at
+// HBM speed; two tiles there, one at 32 rows, where more CTAs win: benchmarks/README.md, the small-M
+// path); k32 chunks in flight per thread (fewer with more tiles, so the operands stay in registers) and
+// CTAs per SM of the launch bounds (the 64-row bucket needs more than 128 registers). Only how many rows
+// and columns an entry holds: a row's sums are the same in every bucket. The host's copy of NT:
+// kernels/linear.py, BUCKET_NTILES.
 template <int MH>
 constexpr int bucket_tiles() {
   return MH == 1 ? 1 : MH / 2;
 }
 template <int MH>
 constexpr int bucket_ntiles() {
-  return MH == 4 || MH == 8 ? 2 : 1;
+  return MH == 8 ? 2 : 1;
 }
 template <int MH>
 constexpr int bucket_unroll() {
-  return bucket_tiles<MH>() == 1 ? 8 : MH == 8 ? 4 : 2;
+  return bucket_tiles<MH>() == 1 ? 8 : 4;
 }
 template <int MH>
 constexpr int bucket_ctas_per_sm() {

@@ -1,7 +1,7 @@
 // Two skinny linears over the same x in one launch (the small-M path: M <= 64 tokens), row-invariant.
 // The scheme of include/skinny_mma.cuh, with linear.cu's token buckets: MH = 1 (M <= 8: one m16 token
 // tile whose rows 8..15 are zeros, never loaded; 8 k32 chunks in flight), MH = 2 (M <= 16), MH = 4 / 8
-// (M <= 32 / 64: 2 / 4 m16 tiles and 4 / 2 n8 weight tiles a warp, 2 chunks in flight so the operands
+// (M <= 32 / 64: 2 / 4 m16 tiles and 1 / 2 n8 weight tiles a warp, 4 chunks in flight so the operands
 // stay in registers). MH = 1, 2, 4 fit 128 registers, two CTAs per SM; MH = 8 needs one SM per CTA.
 // The K split (warps_k warps, a cluster of S CTAs) is fixed by the plan, which the host makes from the
 // shapes alone; the host picks MH from M. Row blocks of 8: n1 / 8 of w1 [n1, k], then n2 / 8 of w2 [n2, k]. The weights go to L2
