@@ -154,10 +154,10 @@ def test_kernel_fp32_out(rng, m, n, k, impl):
 
 
 def test_token_buckets_and_the_invariant_plan_ignore_m():
-    """M picks only the entry's token rows (8, 16, 32, 64); (grid, warps_n, split) come from the shape
-    alone, for the invariant linears and the skinny pairs (q_a + kv_a, router + shared gate_up at the
+    """M picks only the entry's token rows (8, 16, 32, 64) and with them the grid; (warps_n, split)
+    come from the shape alone, for the invariant linears and the skinny pairs (q_a + kv_a, router + shared gate_up at the
     K2.6 TP8 shard), and every bucket of each pair is a compiled entry of its family."""
-    from ddtree_rtc.kernels.linear import invariant_plan, skinny_plan, token_bucket
+    from ddtree_rtc.kernels.linear import BUCKET_NTILES, bucket_grid, invariant_plan, skinny_plan, token_bucket
     from ddtree_rtc.kernels.registry import SPECS
 
     assert [token_bucket(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
@@ -167,7 +167,13 @@ def test_token_buckets_and_the_invariant_plan_ignore_m():
     pairs = (("mla_small", "mla_qkv_a_small", 1536 + 576), ("moe_small", "moe_small_dense", 384 + 512))
     for family, prefix, n in pairs:
         pair = skinny_plan(8, n, 7168, 132)
-        plans = {(p.grid, p.warps_n, p.split) for p in (invariant_plan(m, n, 7168, 132) for m in range(1, 65))}
-        assert plans == {(pair.grid, pair.warps_n, pair.split)}
+        plans = {(p.warps_n, p.split) for p in (invariant_plan(m, n, 7168, 132) for m in range(1, 65))}
+        assert plans == {(pair.warps_n, pair.split)}
+        for m in range(1, 65):  # the grid covers every row block once with the bucket's weight tiles a warp
+            rows = token_bucket(m)
+            grid = invariant_plan(m, n, 7168, 132).grid
+            assert grid == bucket_grid(n, pair.warps_n, pair.split, rows)
+            per_cta = 8 * pair.warps_n * BUCKET_NTILES[rows]
+            assert (grid // pair.split - 1) * per_cta < n <= grid // pair.split * per_cta
         for mt in (8, 16, 32, 64):
             assert f"{prefix}_m{mt}_s{pair.split}" in SPECS[family].entries

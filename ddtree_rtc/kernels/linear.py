@@ -86,6 +86,17 @@ def skinny_plan(m: int, n: int, k: int, sms: int) -> SkinnyPlan:
     return SkinnyPlan(f"linear_m{8 if m <= 8 else 16}_s{s}", -(-n // (8 * wn)) * s, wn, s, est)
 
 
+# n8 weight tiles a warp holds in each token bucket's entries (include/skinny_mma.cuh, bucket_ntiles):
+# a CTA of the 64-row entries covers NT of the plan's row blocks, its warps' x loads shared by them;
+# the K split, so a row's sums, stay the plan's.
+BUCKET_NTILES = {8: 1, 16: 1, 32: 1, 64: 2}
+
+
+def bucket_grid(n: int, warps_n: int, split: int, rows: int) -> int:
+    """CTAs of a skinny entry of ``rows`` token rows (``token_bucket``) over ``n`` weight rows."""
+    return -(-n // (8 * warps_n * BUCKET_NTILES[rows])) * split
+
+
 def token_bucket(m: int, what: str = "invariant linear") -> int:
     """The token rows (8, 16, 32 or 64) of the skinny entry that takes M <= 64 tokens (linear.cu's
     linear_m*, include/skinny_pair.cuh's *_m*): only how many rows it holds, never how a row is summed."""
@@ -96,11 +107,11 @@ def token_bucket(m: int, what: str = "invariant linear") -> int:
 
 def invariant_plan(m: int, n: int, k: int, sms: int, f32: bool = False) -> SkinnyPlan:
     """The row-invariant plan: (warps_n, split) from (N, K) and the GPU alone, the entry's token
-    tiles (8, 16, 32, 64 rows) from M; bf16 or fp32 (``f32``) output."""
+    tiles (8, 16, 32, 64 rows) and so its grid from M; bf16 or fp32 (``f32``) output."""
     mt = token_bucket(m)
     base = skinny_plan(_INVARIANT_PLAN_M, n, k, sms)
-    return SkinnyPlan(f"linear_m{mt}{'_f32' if f32 else ''}_s{base.split}", base.grid, base.warps_n, base.split,
-                      base.est_us)
+    return SkinnyPlan(f"linear_m{mt}{'_f32' if f32 else ''}_s{base.split}",
+                      bucket_grid(n, base.warps_n, base.split, mt), base.warps_n, base.split, base.est_us)
 
 
 def skinny_fits(x, weight, max_m: int = SKINNY_MAX_M) -> bool:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ._args import BF16, check, out_array
 from ._launch import launch, pdl_supported, sm_count
-from .linear import skinny_plan, token_bucket
+from .linear import bucket_grid, skinny_plan, token_bucket
 from .registry import module
 
 MAX_TOKENS = 64
@@ -169,7 +169,8 @@ def mla_qkv_a_small(x, w_qa, w_kva, out_q=None, out_kv=None):
     # token rows (include/skinny_pair.cuh: a row's sums are the same in every bucket)
     plan = skinny_plan(8, n1 + LAT + ROPE, h, sm_count(x.device.id))
     mt = token_bucket(m, "mla_qkv_a_small")
-    launch(module("mla_small").fn(f"mla_qkv_a_small_m{mt}_s{plan.split}"), (plan.grid,), (256,), (
+    grid = bucket_grid(n1 + LAT + ROPE, plan.warps_n, plan.split, mt)
+    launch(module("mla_small").fn(f"mla_qkv_a_small_m{mt}_s{plan.split}"), (grid,), (256,), (
         x, w_qa, w_kva, oq, okv, np.int32(m), np.int32(n1), np.int32(LAT + ROPE), np.int32(h),
         np.int32(plan.warps_n)), pdl=_pdl(x.device.id))
     return oq, okv

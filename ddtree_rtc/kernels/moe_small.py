@@ -19,7 +19,7 @@ import numpy as np
 from ..reference.moe_small import check_small_shape
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported, sm_count
-from .linear import skinny_plan, token_bucket
+from .linear import bucket_grid, skinny_plan, token_bucket
 from .moe_gemm import check_expert_inputs
 from .moe_routing import check_ids_in_range
 from .registry import module, spec
@@ -154,7 +154,8 @@ def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
     # token rows (include/skinny_pair.cuh: a row's sums are the same in every bucket)
     plan = skinny_plan(8, e + i2, h, sm_count(x.device.id))
     mt = token_bucket(m, "moe_small_dense")
-    launch(module("moe_small").fn(f"moe_small_dense_m{mt}_s{plan.split}"), (plan.grid,), (_THREADS,), (
+    grid = bucket_grid(e + i2, plan.warps_n, plan.split, mt)
+    launch(module("moe_small").fn(f"moe_small_dense_m{mt}_s{plan.split}"), (grid,), (_THREADS,), (
         x, gate_weight, shared_w13, logits, hs, np.int32(m), np.int32(e), np.int32(i2), np.int32(h),
         np.int32(plan.warps_n)), pdl=pdl_supported())
     return logits, hs

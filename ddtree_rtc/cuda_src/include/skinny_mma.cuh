@@ -26,13 +26,21 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 // The token buckets of the skinny entries (linear.cu's linear_m*, skinny_pair.cuh's *_m*), MH = 1, 2,
-// 4, 8 for M <= 8, 16, 32, 64: m16 token tiles (MH = 1 loads only rows 0..7 of its one tile), k32
-// chunks in flight per thread (fewer with more tiles, so the operands stay in registers) and CTAs per
-// SM of the launch bounds (the 64-row bucket needs more than 128 registers). Only how many rows an
-// entry holds: a row's sums are the same in every bucket.
+// 4, 8 for M <= 8, 16, 32, 64: m16 token tiles (MH = 1 loads only rows 0..7 of its one tile); n8 weight
+// tiles a warp holds (NT: the x fragments a warp loads for a chunk serve its NT weight tiles, so x's L1
+// reads are 2 x token tiles / NT times the weight bytes: 8x at 64 rows with one tile, past L1's rate at
+// HBM speed; two tiles there, one at 32 rows, where more CTAs win: benchmarks/README.md, the small-M
+// path); k32 chunks in flight per thread (fewer with more tiles, so the operands stay in registers) and
+// CTAs per SM of the launch bounds (the 64-row bucket needs more than 128 registers). Only how many rows
+// and columns an entry holds: a row's sums are the same in every bucket. The host's copy of NT:
+// kernels/linear.py, BUCKET_NTILES.
 template <int MH>
 constexpr int bucket_tiles() {
   return MH == 1 ? 1 : MH / 2;
+}
+template <int MH>
+constexpr int bucket_ntiles() {
+  return MH == 8 ? 2 : 1;
 }
 template <int MH>
 constexpr int bucket_unroll() {
@@ -98,11 +106,15 @@ __device__ __forceinline__ void k_chunks(int pieces, int workers, int worker, in
   c_end = static_cast<int>(static_cast<long long>(worker + 1) * chunks / workers);
 }
 
-// Under PDL, before the wait: the weight row's pieces of chunks [c_begin, c_end) go to L2 (they do not
-// depend on the previous kernel). `lead`: one lane (t = 0) of a row that exists.
-__device__ __forceinline__ void prefetch_chunks(const uint4* wrow, int c_begin, int c_end, int pieces, bool lead) {
+// Under PDL, before the wait: the weight rows' pieces of chunks [c_begin, c_end) go to L2 (they do not
+// depend on the previous kernel). `lead[j]`: one lane (t = 0) of weight tile j's row, where it exists.
+template <int NT>
+__device__ __forceinline__ void prefetch_chunks(const uint4* const (&wrow)[NT], int c_begin, int c_end, int pieces,
+                                                const bool (&lead)[NT]) {
   const int p0 = c_begin * 4, p1 = min(c_end * 4, pieces);
-  if (lead && p1 > p0) prefetch_l2(wrow + p0, static_cast<unsigned>(p1 - p0) * 16u);
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+    if (lead[j] && p1 > p0) prefetch_l2(wrow[j] + p0, static_cast<unsigned>(p1 - p0) * 16u);
 }
 
 // Lane g's token rows of m16 tile mt of x [m, k]: 16 mt + g (a) and 16 mt + g + 8 (b, only when
@@ -120,24 +132,28 @@ __device__ __forceinline__ void x_rows(const bf16* x, int m, int pieces, int g, 
   }
 }
 
-// acc[mt] = this lane's share of x . W^T over chunks [c_begin, c_end), kU chunks (one 16-byte weight
-// load each) in flight: D[token 16 mt + g][B rows 2t, 2t + 1], D[token 16 mt + g + 8][B rows 2t, 2t + 1]
-// of the warp's 8 weight rows. w_ok: the lane's weight row exists (else its B operand is zero).
-template <int MT, int kU>
-__device__ __forceinline__ void k_sum(float (&acc)[MT][4], const uint4* wrow, bool w_ok, const bool (&a_ok)[MT],
-                                      const bool (&b_ok)[MT], const uint4* const (&a_row)[MT],
-                                      const uint4* const (&b_row)[MT], int c_begin, int c_end, int pieces, int t) {
+// acc[j * MT + mt] = this lane's share of x . W^T over chunks [c_begin, c_end) for weight tile j (of the
+// warp's NT), kU chunks (NT 16-byte weight loads each) in flight: D[token 16 mt + g][B rows 2t, 2t + 1],
+// D[token 16 mt + g + 8][B rows 2t, 2t + 1] of tile j's 8 weight rows. The x fragments of a chunk are
+// loaded once for the NT tiles. w_ok[j]: the lane's row of tile j exists (else its B operand is zero).
+// Each accumulator takes its chunks in chunk order, two k16 mmas a chunk, whatever NT and kU are.
+template <int MT, int NT, int kU>
+__device__ __forceinline__ void k_sum(float (&acc)[NT * MT][4], const uint4* const (&wrow)[NT], const bool (&w_ok)[NT],
+                                      const bool (&a_ok)[MT], const bool (&b_ok)[MT],
+                                      const uint4* const (&a_row)[MT], const uint4* const (&b_row)[MT], int c_begin,
+                                      int c_end, int pieces, int t) {
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  for (int i = 0; i < NT * MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   for (int c = c_begin; c < c_end; c += kU) {
-    uint4 wv[kU], xa[kU][MT], xb[kU][MT];
+    uint4 wv[kU][NT], xa[kU][MT], xb[kU][MT];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int p = (c + u) * 4 + t;
       // Pieces past the range or past K are zero in both operands, so they add exactly +0.
       const bool ok = c + u < c_end && p < pieces;
-      wv[u] = ok && w_ok ? ld_weight(wrow + p) : zero;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) wv[u][j] = ok && w_ok[j] ? ld_weight(wrow[j] + p) : zero;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         xa[u][mt] = ok && a_ok[mt] ? __ldg(a_row[mt] + p) : zero;
@@ -147,16 +163,20 @@ __device__ __forceinline__ void k_sum(float (&acc)[MT][4], const uint4* wrow, bo
 #pragma unroll
     for (int u = 0; u < kU; ++u)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        mma_bf16(acc[mt], xa[u][mt].x, xb[u][mt].x, xa[u][mt].y, xb[u][mt].y, wv[u].x, wv[u].y);
-        mma_bf16(acc[mt], xa[u][mt].z, xb[u][mt].z, xa[u][mt].w, xb[u][mt].w, wv[u].z, wv[u].w);
-      }
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          float (&d)[4] = acc[j * MT + mt];
+          mma_bf16(d, xa[u][mt].x, xb[u][mt].x, xa[u][mt].y, xb[u][mt].y, wv[u][j].x, wv[u][j].y);
+          mma_bf16(d, xa[u][mt].z, xb[u][mt].z, xa[u][mt].w, xb[u][mt].w, wv[u][j].z, wv[u][j].w);
+        }
   }
 }
 
 // The fixed-order sum of the partials acc over the warps_k warps of row tile wn (shared memory, warp
 // order), then over the S CTAs of the cluster (rank order). True on the threads left holding the
-// sum s (wk == 0 of cluster rank 0); every thread of the CTA must call it (barriers).
+// sum s (wk == 0 of cluster rank 0); every thread of the CTA must call it (barriers). MT: the warp's
+// accumulator tiles (k_sum's NT x MT), each reduced alone, in the same order.
 template <int MT, int S>
 __device__ __forceinline__ bool reduce(float4 (&red)[kWarps][MT][32], const float (&acc)[MT][4], float4 (&s)[MT],
                                        int warp, int lane, int wn, int wk, int warps_n, int warps_k, int rank) {

@@ -1,15 +1,15 @@
 // Two skinny linears over the same x in one launch (the small-M path: M <= 64 tokens), row-invariant.
 // The scheme of include/skinny_mma.cuh, with linear.cu's token buckets: MH = 1 (M <= 8: one m16 token
 // tile whose rows 8..15 are zeros, never loaded; 8 k32 chunks in flight), MH = 2 (M <= 16), MH = 4 / 8
-// (M <= 32 / 64: 2 / 4 m16 tiles, 4 chunks in flight so the operands stay in registers). MH = 1, 2, 4
-// fit 128 registers, two CTAs per SM; MH = 8 needs one SM per CTA. The K split (warps_k warps, a
-// cluster of S CTAs) is fixed by the plan, which the host makes from the shapes alone; the host picks
-// MH from M. Row blocks of 8: n1 / 8 of w1 [n1, k], then n2 / 8 of w2 [n2, k]. The weights go to L2
+// (M <= 32 / 64: 2 / 4 m16 tiles and 1 / 2 n8 weight tiles a warp, 4 chunks in flight so the operands
+// stay in registers). MH = 1, 2, 4 fit 128 registers, two CTAs per SM; MH = 8 needs one SM per CTA.
+// The K split (warps_k warps, a cluster of S CTAs) is fixed by the plan, which the host makes from the
+// shapes alone; the host picks MH from M. Row blocks of 8: n1 / 8 of w1 [n1, k], then n2 / 8 of w2 [n2, k]. The weights go to L2
 // before the PDL wait (they do not depend on the previous kernel); x is read and the outputs written
 // after it.
 // Row invariance across the buckets: a token's m16 tile (token / 16) and its lane and register in that
 // tile (token % 16) are the same for every MH; the rows a bucket adds are zeros, and mma rows do not
-// mix; k_sum adds a tile's chunks in chunk order whatever kU is (padding chunks add exactly +0 to
+// mix; k_sum adds a tile's chunks in chunk order whatever kU and NT are (padding chunks add exactly +0 to
 // sums that start at +0); the reductions depend on (warps_n, S) alone. So a token row's bits depend
 // only on (warps_n, S, K), never on MH or M.
 //   MODE 0 (the MoE layer's dense part): out1 fp32 [m, n1] = x w1^T (router logits); w2 = [gate; up]
@@ -73,45 +73,61 @@ __device__ __forceinline__ void store_tile(const float4 (&s)[MT], int m, int g, 
   }
 }
 
-// Grid ceil((n1 + n2) / 8 / warps_n) * S, block kThreads; n1, n2 multiples of 8, k of 8.
+// Grid ceil((n1 + n2) / 8 / warps_n / NT) * S, block kThreads; n1, n2 multiples of 8, k of 8. Warp wn's
+// weight tile j (of NT, include/skinny_mma.cuh's bucket_ntiles) of CTA row block b is row block
+// (b NT + j) warps_n + wn.
 template <int MH, int S, int MODE>
 __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __restrict__ w1,
                                     const bf16* __restrict__ w2, void* __restrict__ out1, bf16* __restrict__ out2,
                                     int m, int n1, int n2, int k, int warps_n) {
-  constexpr int kMT = skinny::bucket_tiles<MH>(), kU = skinny::bucket_unroll<MH>();
-  __shared__ float4 red[kWarps][kMT][32];
+  constexpr int kMT = skinny::bucket_tiles<MH>(), kNT = skinny::bucket_ntiles<MH>();
+  constexpr int kU = skinny::bucket_unroll<MH>();
+  __shared__ float4 red[kWarps][kNT * kMT][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wn = warp % warps_n, wk = warp / warps_n, warps_k = kWarps / warps_n;
   const int rank = S == 1 ? 0 : static_cast<int>(skinny::cluster_rank());
-  const int rb = static_cast<int>(blockIdx.x) / S * warps_n + wn;  // this warp's row block
   const int blocks1 = n1 / 8, blocks = blocks1 + n2 / 8;
-  const bool rb_ok = rb < blocks, first = rb < blocks1;
-  const int b2 = rb - blocks1;
-  // the lane's B row (its mma column g)
-  const int row2 = MODE == 0 ? (g < 4 ? 0 : n2 / 2) + 4 * b2 + (g & 3) : 8 * b2 + g;
-  const bf16* wr = !rb_ok ? w1 : first ? w1 + (long long)(8 * rb + g) * k : w2 + (long long)row2 * k;
   const int pieces = k >> 3;
+  int rb[kNT];
+  bool rb_ok[kNT], lead[kNT];
+  const uint4* wrow[kNT];
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+    rb[j] = (static_cast<int>(blockIdx.x) / S * kNT + j) * warps_n + wn;  // this warp's row block j
+    rb_ok[j] = rb[j] < blocks;
+    lead[j] = t == 0 && rb_ok[j];
+    const int b2 = rb[j] - blocks1;
+    // the lane's B row (its mma column g)
+    const int row2 = MODE == 0 ? (g < 4 ? 0 : n2 / 2) + 4 * b2 + (g & 3) : 8 * b2 + g;
+    const bf16* wr = !rb_ok[j] ? w1 : rb[j] < blocks1 ? w1 + (long long)(8 * rb[j] + g) * k : w2 + (long long)row2 * k;
+    wrow[j] = reinterpret_cast<const uint4*>(wr);
+  }
   int c_begin, c_end;
   skinny::k_chunks(pieces, S * warps_k, rank * warps_k + wk, c_begin, c_end);
-  const uint4* wrow = reinterpret_cast<const uint4*>(wr);
-  skinny::prefetch_chunks(wrow, c_begin, c_end, pieces, t == 0 && rb_ok);
+  skinny::prefetch_chunks<kNT>(wrow, c_begin, c_end, pieces, lead);
   pdl_wait();
   pdl_trigger();
   bool xa_ok[kMT], xb_ok[kMT];
   const uint4* xa_row[kMT];
   const uint4* xb_row[kMT];
   skinny::x_rows<kMT>(x, m, pieces, g, MH >= 2, xa_ok, xb_ok, xa_row, xb_row);
-  float acc[kMT][4];
-  skinny::k_sum<kMT, kU>(acc, wrow, rb_ok, xa_ok, xb_ok, xa_row, xb_row, c_begin, c_end, pieces, t);
-  float4 s[kMT];
-  const bool holds = skinny::reduce<kMT, S>(red, acc, s, warp, lane, wn, wk, warps_n, warps_k, rank);
-  if (!holds || !rb_ok) return;  // (warp-uniform: the shuffle below needs the whole warp)
-  // s[mt]: D[token 16 mt + g][B rows 2t, 2t + 1], D[token 16 mt + g + 8][B rows 2t, 2t + 1]
-  if constexpr (MODE == 0)
-    store_tile<MODE, kMT>(s, m, g, t, first, rb, b2, static_cast<float*>(out1), n1, out2, n2);
-  else
-    store_tile<MODE, kMT>(s, m, g, t, first, rb, b2, static_cast<bf16*>(out1), n1, out2, n2);
+  float acc[kNT * kMT][4];
+  skinny::k_sum<kMT, kNT, kU>(acc, wrow, rb_ok, xa_ok, xb_ok, xa_row, xb_row, c_begin, c_end, pieces, t);
+  float4 s[kNT * kMT];
+  if (!skinny::reduce<kNT * kMT, S>(red, acc, s, warp, lane, wn, wk, warps_n, warps_k, rank)) return;
+  // s[j kMT + mt]: D[token 16 mt + g][B rows 2t, 2t + 1], D[token 16 mt + g + 8][B rows 2t, 2t + 1] of
+  // row block j (rb_ok is warp-uniform: the shuffle in store_tile needs the whole warp)
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+    if (!rb_ok[j]) continue;
+    const float4 (&sj)[kMT] = *reinterpret_cast<const float4(*)[kMT]>(&s[j * kMT]);
+    const bool first = rb[j] < blocks1;
+    if constexpr (MODE == 0)
+      store_tile<MODE, kMT>(sj, m, g, t, first, rb[j], rb[j] - blocks1, static_cast<float*>(out1), n1, out2, n2);
+    else
+      store_tile<MODE, kMT>(sj, m, g, t, first, rb[j], rb[j] - blocks1, static_cast<bf16*>(out1), n1, out2, n2);
+  }
 }
 
 }  // namespace skinny_pair
