@@ -155,8 +155,9 @@ def test_kernel_fp32_out(rng, m, n, k, impl):
 
 def test_token_buckets_and_the_invariant_plan_ignore_m():
     """M picks only the entry's token rows (8, 16, 32, 64) and with them the grid; (warps_n, split)
-    come from the shape alone, for the invariant linears and the skinny pairs (q_a + kv_a, router + shared gate_up at the
-    K2.6 TP8 shard), and every bucket of each pair is a compiled entry of its family."""
+    come from the shape alone, for the invariant linears and the skinny pairs (q_a + kv_a, router +
+    shared gate_up at the K2.6 TP8 shard), and every bucket of each pair is a compiled entry of its
+    family."""
     from ddtree_rtc.kernels.linear import BUCKET_NTILES, bucket_grid, invariant_plan, skinny_plan, token_bucket
     from ddtree_rtc.kernels.registry import SPECS
 

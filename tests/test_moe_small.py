@@ -245,8 +245,9 @@ def run_gpu(rng, name, m, with_shared=True, f32=False, pdl=None, kernel_offset=F
     assert_close(outs[0] if f32 else outs[0].view(bfloat16), y_ref, "bf16_accum")
     assert np.array_equal(outs[0], outs[1]), "two runs must give bitwise the same result"
     # h = bf16(silu(g) * u) rounds the kernel's fp32 mma sums and the reference's float64 ones: at a
-    # rounding boundary they part by one bf16 ulp (~1e-4 of the elements), which moves an fp32 output by
-    # ~1e-5. So h is checked to one ulp, and the down GEMM and combine exactly from the kernel's own h.
+    # rounding boundary they part by one bf16 ulp, which moves an fp32 output by ~1e-5. On an H100 that
+    # was up to 0.3% of the elements at fresh random inputs (6 of 2048, 34 of 32768, 2026-12-07), so the
+    # bound is 1%. h is checked to one ulp, and the down GEMM and combine exactly from the kernel's own h.
     valid = ((ids >= 0) & (ids < e)).reshape(-1)
     h_gpu = plan.h.get()[valid]
     h_ref = expert_hidden(x, ids, ex, check_ids=False)[valid].astype(bfloat16).view(np.uint16)
@@ -255,7 +256,7 @@ def run_gpu(rng, name, m, with_shared=True, f32=False, pdl=None, kernel_offset=F
     # the difference is bounded absolutely, by the sums' error at the scale of h)
     a, b = h_gpu.view(bfloat16).astype(np.float64), h_ref.view(bfloat16).astype(np.float64)
     far = (ulps > 1) & ~(np.abs(a - b) <= 1e-5 * np.sqrt(np.mean(b * b)))
-    assert not far.any() and (ulps > 0).sum() <= max(4, 1e-3 * ulps.size), \
+    assert not far.any() and (ulps > 0).sum() <= max(8, 1e-2 * ulps.size), \
         f"h: {int((ulps > 0).sum())} of {ulps.size} elements differ, {int(far.sum())} by more than one bf16 ulp"
     h_own = np.zeros((m * top_k, i), np.float32)
     h_own[valid] = h_gpu.view(bfloat16).astype(np.float32)

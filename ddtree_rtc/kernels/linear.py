@@ -7,7 +7,8 @@ cuBLAS: row-major y [M, N] is column-major y^T [N, M] = weight (col-major [K, N]
 
 Skinny: weight-bandwidth bound, so the plan only decides how the weight rows and K are spread over
 CTAs (8 rows per warp tile; warps_n row tiles x 8 / warps_n K ranges per CTA; a cluster of `split`
-CTAs along K) so that enough 16-byte loads are in flight on every SM without a long tail.
+CTAs along K) so that enough 16-byte loads are in flight on every SM without a long tail. The 64-row
+entries give each warp two weight tiles (BUCKET_NTILES), so a CTA covers two of the plan's row blocks.
 """
 
 from __future__ import annotations
