@@ -407,7 +407,8 @@ def test_release_gives_back_what_graphs_and_async_frees_leave_in_the_device_pool
 def test_layouts_on_the_gpu_give_their_memory_back():
     """The `small` preset as rank 0 of 2, both layouts one after the other on the GPU, every timer real:
     each layout's weights (made past CuPy's pool), caches and graphs go back before the next layout
-    is planned; every stage row is timed, and the step and the round also at the probe's depth."""
+    is planned, and no captured piece took memory from the CUDA graph memory pool (memory.phases,
+    printed); every stage row is timed, and the step and the round also at the probe's depth."""
     from ddtree_rtc.bench.decode import Gate
 
     args = node.parse_args(["--world", "2", "--batches", "1,3", "--contexts", "64", "--budgets", "4", "--no-chain",
