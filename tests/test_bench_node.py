@@ -507,6 +507,8 @@ def test_the_auto_row_is_simulated_on_the_cases_own_costs(fake_gpu, monkeypatch)
             assert sum(a["rows_hist"].values()) == 120 and sum(a["nodes_hist"].values()) == 120 * b
             assert all(int(k) <= 64 for k in a["rows_hist"])  # the row cap of the invariant small-M path
             assert a["drafted_rounds"] + a["skipped_drafts"] == 120
+            u = q["auto_uncapped"]  # the same rounds without the row cap
+            assert u["auto_over_best"] == pytest.approx(u["tok_s_per_user"] / by[q["best"]])
             assert q["cost_model"]["fixed"] == [[b, pytest.approx(50e-6)]]  # graph - verify stage (s), this case's
     # the two cases' models differ (rounds cost more with the batch): the verify at the roots alone
     v1, v3 = (c["auto"]["projection"][0]["cost_model"]["verify"] for c in cases)
@@ -539,7 +541,7 @@ def test_the_auto_row_under_free_nodes_projects_at_least_the_best_fixed(fake_gpu
         mp.undo()
     (case,) = lay["cases"]
     auto = case["auto"]
-    assert auto["max_rows"] is None
+    assert auto["max_rows"] is None and all("auto_uncapped" not in q for q in auto["projection"])
     for q in auto["projection"]:
         verify = {v for _, v in q["cost_model"]["verify"]}
         assert len(verify) == 1, q["cost_model"]  # nodes free

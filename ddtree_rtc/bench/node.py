@@ -996,7 +996,8 @@ def summary_doc(layouts: list[dict], args) -> dict:
                     tau_predicted, tau_measured},
               settings [{setting, budget, chain, tau, tau_sampled, tau_oracle, us_per_round,
                          round_total_us, tok_s_per_user, tok_s_per_user_sampled, tok_s_per_user_oracle}],
-              best, worst, auto_over_best, auto_over_worst, auto_over_chain, auto_over_best_sampled}
+              best, worst, auto_over_best, auto_over_worst, auto_over_chain, auto_over_best_sampled,
+              auto_uncapped (max_rows set only) {tau, us_per_round, tok_s_per_user, auto_over_best, nodes_hist}}
       published_acceptance, published_source, collective_us, collective_source, accept_p, full_layers."""
     return {"layouts": layouts, "published_acceptance": PUBLISHED_TAU, "published_source": PUBLISHED_SOURCE,
             "collective_us": list(args.collective_us), "collective_source": COLLECTIVE_SOURCE,
