@@ -49,7 +49,10 @@ def case_cost(case: dict, entry: dict, depth: int) -> CostModel:
     less its verify stage, the mean over the case's rounds, at least 0), the draft (the drafter's
     forward and its collectives' latency), and a verify point per measured setting (rows = batch x
     (1 + nodes)) and for the AR step (rows = batch) such that fixed + draft + verify is the setting's
-    projected round, and fixed + verify the AR step's projected time."""
+    projected round, and fixed + verify the AR step's projected time. How the round splits into
+    other work and verify moves no simulated figure (the other work is one constant per case); the
+    floor at 0 is there because a queued verify stage that overflowed the launch queue (host-bound)
+    reads longer than the whole round's graph."""
     b, ctx = case["batch"], case["ctx"]
     fixed_us = statistics.mean(max(0.0, rd["round_us"] - rd["stage_us"]["verify"]) for rd in case["rounds"])
     drafter_calls = case.get("drafter_collectives", {}).get("calls", 0)
