@@ -435,6 +435,7 @@ def test_layouts_on_the_gpu_give_their_memory_back():
             assert all(s["us"] > 0 for v in ar["per_layer"].values() for s in v.values())
             assert ar["probe"]["layers"] == 1 and ar["probe"]["step_us"] > 0
             assert [r["probe"]["layers"] for r in case["rounds"]] == [1]
+            assert case["auto"]["projection"][0]["auto"]["us_per_round"] > 0  # the auto row, simulated
     assert layouts[1]["memory"]["free_bytes"] >= start - node.RELEASE_SLACK_BYTES, story
     assert node.free_bytes(be) >= start - node.RELEASE_SLACK_BYTES, story
 
@@ -498,6 +499,7 @@ def test_the_auto_row_is_simulated_on_the_cases_own_costs(fake_gpu, monkeypatch)
                 assert s["tok_s_per_user"] == pytest.approx(r["tok_s_per_user_oracle"], rel=1e-5)
             a = q["auto"]
             assert a["tok_s_per_user"] == pytest.approx(1e6 * a["tau"] / a["us_per_round"], rel=1e-9)
+            assert a["tokens_per_round"] == pytest.approx(b * a["tau"])
             by = {s["setting"]: s["tok_s_per_user"] for s in q["settings"]}
             assert q["auto_over_best"] == pytest.approx(a["tok_s_per_user"] / by[q["best"]]) and by[q["best"]] == max(
                 by.values())

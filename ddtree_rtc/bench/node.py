@@ -991,9 +991,9 @@ def summary_doc(layouts: list[dict], args) -> dict:
             costs (bench/node_auto.py; not an engine run): rounds, requests, accept_p, max_budget,
             max_rows, bucketed, choice, note, sim_s,
             projection: one per collective_us: {collective_us, cost_model (CostModel.to_json),
-              auto {tau, tau_sampled, us_per_round, tok_s_per_user, tok_s_per_user_sampled, nodes_hist
-                    (per request-round), rows_hist (per round), drafted_rounds, skipped_drafts,
-                    tau_predicted, tau_measured},
+              auto {tau (per request-round), tau_sampled, tokens_per_round (the batch's), us_per_round,
+                    tok_s_per_user, tok_s_per_user_sampled, nodes_hist (per request-round), rows_hist
+                    (per round), drafted_rounds, skipped_drafts, tau_predicted, tau_measured},
               settings [{setting, budget, chain, tau, tau_sampled, tau_oracle, us_per_round,
                          round_total_us, tok_s_per_user, tok_s_per_user_sampled, tok_s_per_user_oracle}],
               best, worst, auto_over_best, auto_over_worst, auto_over_chain, auto_over_best_sampled,

@@ -89,9 +89,11 @@ def auto_row(case: dict, args, vocab: int, invariant: bool, depth: int, rounds: 
         cost = case_cost(case, entry, depth)
         tok, sec, _, _, auto, exact = run_oracle([s.fresh() for s in proto], rounds, cost=cost, bucketed=True,
                                                  lagged=True, max_budget=max_budget, max_rows=max_rows)
+        tok, sec, exact = float(tok), float(sec), float(exact)
         st = auto.stats.summary()
         row = {"collective_us": entry["collective_us"], "cost_model": cost.to_json(),
                "auto": {"tau": exact / (b * rounds), "tau_sampled": tok / (b * rounds),
+                        "tokens_per_round": exact / rounds,
                         "us_per_round": 1e6 * sec / rounds, "tok_s_per_user": exact / b / sec,
                         "tok_s_per_user_sampled": tok / b / sec, "nodes_hist": st["nodes_hist"],
                         "rows_hist": st["rows_hist"], "drafted_rounds": st["drafted_rounds"],
@@ -101,6 +103,7 @@ def auto_row(case: dict, args, vocab: int, invariant: bool, depth: int, rounds: 
         for rd in entry["rounds"]:
             k = "chain" if rd["chain"] else int(rd["budget"])
             tok_k, sec_k, *_, exact_k = run_oracle([s.fresh() for s in proto], rounds, budget=k, cost=cost)
+            tok_k, sec_k, exact_k = float(tok_k), float(sec_k), float(exact_k)
             row["settings"].append({
                 "setting": setting_name(rd), "budget": rd["budget"], "chain": rd["chain"],
                 "tau": exact_k / (b * rounds), "tau_sampled": tok_k / (b * rounds), "tau_oracle": rd["tau_oracle"],
@@ -119,8 +122,9 @@ def auto_row(case: dict, args, vocab: int, invariant: bool, depth: int, rounds: 
                        auto_over_best_sampled=a["tok_s_per_user_sampled"] / max(
                            s["tok_s_per_user_sampled"] for s in row["settings"]))
             if max_rows is not None:  # what the row cap costs auto here: the same rounds without it
-                tok_u, sec_u, _, _, auto_u, exact_u = run_oracle([s.fresh() for s in proto], rounds, cost=cost,
-                                                                 bucketed=True, lagged=True, max_budget=max_budget)
+                _, sec_u, _, _, auto_u, exact_u = run_oracle([s.fresh() for s in proto], rounds, cost=cost,
+                                                             bucketed=True, lagged=True, max_budget=max_budget)
+                sec_u, exact_u = float(sec_u), float(exact_u)
                 row["auto_uncapped"] = {"tau": exact_u / (b * rounds), "us_per_round": 1e6 * sec_u / rounds,
                                         "tok_s_per_user": exact_u / b / sec_u,
                                         "auto_over_best": exact_u / b / sec_u / best["tok_s_per_user"],
