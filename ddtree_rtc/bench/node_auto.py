@@ -26,8 +26,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import numpy as np
-
 from ..engine.decode.budget import CostModel
 from ..model.target import SMALL_M_MAX_TOKENS
 from .budget_sim import MAX, OracleSim, run_oracle
@@ -152,8 +150,3 @@ def summary_line(auto: dict) -> str:
             + (f", <= {auto['max_rows']} rows" if auto["max_rows"] else "") + f"; {p['collective_us']:g} µs): "
             f"tau {a['tau']:.2f}, {a['us_per_round']:.0f} µs/round, nodes per request-round {{{hist}}} | {ratios}")
 
-
-def nodes_mean(auto_proj: dict) -> float:
-    h = auto_proj["auto"]["nodes_hist"]
-    n = sum(h.values())
-    return float(np.dot([int(k) for k in h], list(h.values())) / n) if n else 0.0
