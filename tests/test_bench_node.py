@@ -435,6 +435,7 @@ def test_layouts_on_the_gpu_give_their_memory_back():
             assert all(s["us"] > 0 for v in ar["per_layer"].values() for s in v.values())
             assert ar["probe"]["layers"] == 1 and ar["probe"]["step_us"] > 0
             assert [r["probe"]["layers"] for r in case["rounds"]] == [1]
+            assert case["auto"]["projection"][0]["auto"]["us_per_round"] > 0  # the auto row, simulated
     assert layouts[1]["memory"]["free_bytes"] >= start - node.RELEASE_SLACK_BYTES, story
     assert node.free_bytes(be) >= start - node.RELEASE_SLACK_BYTES, story
 
@@ -451,3 +452,110 @@ def _memory_story(lay: dict) -> str:
                      f"{held['cupy_pool_bytes'] / 1e6:.0f} / {held['graph_pool_bytes'] / 1e6:.0f} / "
                      f"{held['async_pool_bytes'] / 1e6:.0f}")
     return "\n".join(lines)
+
+
+def _round_by_batch(model, batch, budget, args, gate, weight_bytes, tau_stats, chain=False):
+    """A round whose costs depend on the batch and the nodes (the verify 100 µs + 10 µs per verify
+    row), so two cases' cost models differ."""
+    rows = batch * (1 + budget)
+    summ = {"graph_us": 150.0 + 10.0 * rows, "queued_us": 190.0, "eager_us": 300.0, "verify_floor_us": 50.0,
+            "stage_us": {"verify": 100.0 + 10.0 * rows}, "ar_step_us": 100.0, "experts_touched": {1: 5},
+            "tau": tau_stats.tau}
+    return [Row("draft", 1.0, extra={"stage": "draft"}), Row("round (CUDA graph)", summ["graph_us"], extra=summ)]
+
+
+def _node_args(*extra):
+    return node.parse_args(["--world", "4", "--rank", "1", "--batches", "1,3", "--contexts", "8", "--budgets", "4,16",
+                            "--layers", "3", "--no-drafter", "--no-components", "--collective-us", "20,8",
+                            "--iters", "1", "--auto-rounds", "120", *extra])
+
+
+def test_the_auto_row_is_simulated_on_the_cases_own_costs(fake_gpu, monkeypatch):
+    """bench node's auto row (bench/node_auto.py) on the numpy backend: per case and collective
+    latency, auto and every measured setting simulated on a cost model made from that case's own
+    projected figures. Each fixed setting's simulated round is its projected round and its exact
+    tau the bench's oracle tau (so the model is the case's own: the fakes' rounds cost more with
+    the batch, and another case's model would price them otherwise); auto's figures are consistent
+    (tok/s = tokens over time, ratios of the tok/s, histograms summing to the rounds)."""
+    from ddtree_rtc.bench import round as round_bench
+
+    monkeypatch.setattr(round_bench, "bench_case", _round_by_batch)
+    args = _node_args()
+    assert node.parse_args([]).auto_rounds == 300 and args.auto_rounds == 120
+    log = []
+    _, lay = node.run_layout("tp", args, None, log.append, be=Backend("numpy"), preset="tiny")
+    cases = lay["cases"]
+    assert [c["batch"] for c in cases] == [1, 3]
+    for c in cases:
+        auto, b = c["auto"], c["batch"]
+        assert auto["max_rows"] == 64 and auto["max_budget"] == 16 and auto["rounds"] == 120
+        assert len(auto["projection"]) == len(c["projection"]) == 2
+        for p, q in zip(c["projection"], auto["projection"]):
+            assert q["collective_us"] == p["collective_us"]
+            assert [s["setting"] for s in q["settings"]] == ["b4", "b16", "chain"]
+            for s, r in zip(q["settings"], p["rounds"]):
+                assert s["us_per_round"] == pytest.approx(r["round_total_us"], rel=1e-9)  # this case's costs
+                assert s["tau"] == pytest.approx(r["tau_oracle"], rel=1e-5)
+                assert s["tok_s_per_user"] == pytest.approx(r["tok_s_per_user_oracle"], rel=1e-5)
+            a = q["auto"]
+            assert a["tok_s_per_user"] == pytest.approx(1e6 * a["tau"] / a["us_per_round"], rel=1e-9)
+            assert a["tokens_per_round"] == pytest.approx(b * a["tau"])
+            by = {s["setting"]: s["tok_s_per_user"] for s in q["settings"]}
+            assert q["auto_over_best"] == pytest.approx(a["tok_s_per_user"] / by[q["best"]]) and by[q["best"]] == max(
+                by.values())
+            assert q["auto_over_worst"] == pytest.approx(a["tok_s_per_user"] / by[q["worst"]]) and by[
+                q["worst"]] == min(by.values())
+            assert q["auto_over_chain"] == pytest.approx(a["tok_s_per_user"] / by["chain"])
+            assert sum(a["rows_hist"].values()) == 120 and sum(a["nodes_hist"].values()) == 120 * b
+            assert all(int(k) <= 64 for k in a["rows_hist"])  # the row cap of the invariant small-M path
+            assert a["drafted_rounds"] + a["skipped_drafts"] == 120
+            u = q["auto_uncapped"]  # the same rounds without the row cap
+            assert u["auto_over_best"] == pytest.approx(u["tok_s_per_user"] / by[q["best"]])
+            assert q["cost_model"]["fixed"] == [[b, pytest.approx(50e-6)]]  # graph - verify stage (s), this case's
+    # the two cases' models differ (rounds cost more with the batch): the verify at the roots alone
+    v1, v3 = (c["auto"]["projection"][0]["cost_model"]["verify"] for c in cases)
+    assert v1[0][0] == 1 and v3[0][0] == 3 and v1 != v3
+    assert any("auto (simulated on this case's costs" in m for m in log)
+
+
+def test_the_auto_row_under_free_nodes_projects_at_least_the_best_fixed(fake_gpu):
+    """Every round costs the same whatever its nodes (the fakes' verify does not grow with the
+    budget, and the AR step costs as much as a round): auto takes its max_budget every round and
+    projects at least the best fixed setting (exact figures, the same rounds); off the small-M path
+    the row cap is gone."""
+    from ddtree_rtc.bench import round as round_bench
+
+    def flat_round(model, batch, budget, args, gate, weight_bytes, tau_stats, chain=False):
+        summ = {"graph_us": 300.0, "queued_us": 190.0, "eager_us": 300.0, "verify_floor_us": 50.0,
+                "stage_us": {"verify": 250.0}, "ar_step_us": 100.0, "experts_touched": {1: 5}, "tau": tau_stats.tau}
+        return [Row("round (CUDA graph)", 300.0, extra=summ)]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(round_bench, "bench_case", flat_round)
+    mp.setattr(node, "graph_round_us", lambda model, b, budget, ctx, p, chain, iters: 300.0)
+    mp.setattr(node, "graph_step_us", lambda model, b, ctx, iters: 100.0)
+    # the AR step as dear as a round: every point of the table the same
+    mp.setattr(node, "project_case", _flat_projection(node.project_case))
+    try:
+        args = _node_args("--small-m", "off", "--batches", "3")
+        _, lay = node.run_layout("tp", args, None, lambda m: None, be=Backend("numpy"), preset="tiny")
+    finally:
+        mp.undo()
+    (case,) = lay["cases"]
+    auto = case["auto"]
+    assert auto["max_rows"] is None and all("auto_uncapped" not in q for q in auto["projection"])
+    for q in auto["projection"]:
+        verify = {v for _, v in q["cost_model"]["verify"]}
+        assert len(verify) == 1, q["cost_model"]  # nodes free
+        assert q["auto"]["nodes_hist"] == {"16": 3 * 120}
+        assert q["auto_over_best"] >= 1 - 1e-12 and q["auto_over_worst"] > 1
+
+
+def _flat_projection(project):
+    def flat(case, args, n_layers):
+        out = project(case, args, n_layers)
+        for p in out["projection"]:
+            p["ar"]["per_token_us"] = p["rounds"][0]["round_total_us"]
+        return out
+
+    return flat

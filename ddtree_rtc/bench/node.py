@@ -33,7 +33,11 @@ Per layout, context and batch (--batches, --contexts):
     at the published acceptance of z-lab's Kimi-K2.5-DFlash (PUBLISHED_TAU);
   * projected tok/s per user on 8 GPUs = 1 / (measured per-rank time + collective latency x
     collective count), both parts printed, for each latency of --collective-us (cited figures by
-    default, COLLECTIVE_US_CITED; or pass a measured one).
+    default, COLLECTIVE_US_CITED; or pass a measured one);
+  * the auto row (``--auto-rounds``, bench/node_auto.py): ``decode.budget: auto`` SIMULATED over
+    oracle rounds on a cost model made from this case's own projected figures (not an engine run),
+    with every measured setting simulated the same way: auto's tau, µs per round, tok/s per user,
+    chosen node counts, and auto over the best and the worst fixed setting (chain included).
 
 If the rank does not fit the GPU (a TP8 rank of K2.6 is ~78 GB of weights), ``--layers auto`` (the
 default) keeps, per layout, the most layers that fit the free memory at both peaks (making the
@@ -127,6 +131,8 @@ def small_m_choices() -> tuple[str, ...]:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from .node_auto import ROUNDS as AUTO_ROUNDS
+
     ap = argparse.ArgumentParser(
         prog="ddtree-rtc bench node", description=__doc__.split("\n\n")[0],
         epilog="The JSON's 'summary' is documented in ddtree_rtc/bench/node.py (summary_doc).")
@@ -163,6 +169,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true",
                     help="a subset for one short device call: batches 1,10, context 1k, budgets 8,32 + chain, "
                          "5 iterations (explicit flags still win)")
+    ap.add_argument("--auto-rounds", type=int, default=AUTO_ROUNDS,
+                    help="simulated rounds of the auto row per case (decode.budget auto on the case's measured "
+                         f"costs, bench/node_auto.py; default {AUTO_ROUNDS}; 0 skips it)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
     ap.add_argument("--json", metavar="FILE", help="write the rows and the summary as JSON here "
                                                    "(e.g. benchmarks/node_h100.json)")
@@ -204,6 +213,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--layers: expected auto or an integer, got {args.layers!r}")
         if not 1 <= args.layers <= FULL_LAYERS:
             ap.error(f"--layers {args.layers}: outside 1..{FULL_LAYERS}")
+    if args.auto_rounds < 0:
+        ap.error(f"--auto-rounds {args.auto_rounds}: must be >= 0")
     if args.iters < 1 or not 0 < args.accept_p <= 1 or args.hold_us < 0 or any(v < 0 for v in args.collective_us):
         ap.error("--iters >= 1, --accept-p in (0, 1], --hold-us >= 0 and --collective-us >= 0")
     return args
@@ -653,7 +664,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
     from ..model.target import TargetModel
     from ..parallel.simulated import SimulatedRank
     from ..speculative.drafters import OracleDrafter
-    from . import decode
+    from . import decode, node_auto
     from . import round as round_bench
     from .drafter import bench_forward, random_drafter
     from .round import DEPTH
@@ -782,6 +793,10 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                         f"tau {tau:.2f}" + ("" if summ.get("queued_within_launch_queue", True) else
                                             "; its queued stage times overflowed the launch queue (host-bound)"))
                 cases.append(project_case(case, args, n_layers))
+                if args.auto_rounds and case["rounds"]:
+                    case["auto"] = node_auto.auto_row(case, args, cfg.vocab_size, model.batch_invariant
+                                                      and model.small_m_path, DEPTH, args.auto_rounds)
+                    log(f"  {tag}: {node_auto.summary_line(case['auto'])} ({case['auto']['sim_s']:.1f} s of CPU)")
                 rows += case_rows
                 log(f"  {tag}: AR step {case['ar']['step_us']:.0f} µs ({case['ar']['collectives']['calls']} "
                     f"collectives); {time.perf_counter() - t0:.0f} s into this layout")
@@ -919,6 +934,10 @@ def print_summary(layouts: list[dict], log) -> None:
                 f"{best_r['round_us'] / best_r['tau_oracle']:.0f}")
             log(f"{lay['layout']} sm-{c['small_m']} b{c['batch']} ctx{c['ctx']} | {ar['step_us']:.0f} "
                 f"({ar['step_us_61']:.0f}) | {rtxt} | " + "; ".join(cells))
+            if c.get("auto"):
+                from .node_auto import summary_line
+
+                log(f"    {summary_line(c['auto'])}")
             chain = next((p for p in c["projection"][0]["rounds"] if p["chain"]), None) if c["projection"] else None
             if chain is not None:
                 pub = ", ".join(f"{k} {v['tok_s_per_user']:.0f}" for k, v in chain["published"].items())
@@ -968,6 +987,17 @@ def summary_doc(layouts: list[dict], args) -> dict:
              collective_total_us, round_total_us, tau_oracle, per_token_us_oracle,
              tok_s_per_user_oracle, published (chain only) {benchmark: {tau, per_token_us,
              tok_s_per_user}}}]}
+          auto (absent with --auto-rounds 0 or no round): decode.budget auto SIMULATED on this case's
+            costs (bench/node_auto.py; not an engine run): rounds, requests, accept_p, max_budget,
+            max_rows, bucketed, choice, note, sim_s,
+            projection: one per collective_us: {collective_us, cost_model (CostModel.to_json),
+              auto {tau (per request-round), tau_sampled, tokens_per_round (the batch's), us_per_round,
+                    tok_s_per_user, tok_s_per_user_sampled, nodes_hist (per request-round), rows_hist
+                    (per round), drafted_rounds, skipped_drafts, tau_predicted, tau_measured},
+              settings [{setting, budget, chain, tau, tau_sampled, tau_oracle, us_per_round,
+                         round_total_us, tok_s_per_user, tok_s_per_user_sampled, tok_s_per_user_oracle}],
+              best, worst, auto_over_best, auto_over_worst, auto_over_chain, auto_over_best_sampled,
+              auto_uncapped (max_rows set only) {tau, us_per_round, tok_s_per_user, auto_over_best, nodes_hist}}
       published_acceptance, published_source, collective_us, collective_source, accept_p, full_layers."""
     return {"layouts": layouts, "published_acceptance": PUBLISHED_TAU, "published_source": PUBLISHED_SOURCE,
             "collective_us": list(args.collective_us), "collective_source": COLLECTIVE_SOURCE,
