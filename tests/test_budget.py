@@ -278,10 +278,10 @@ def test_tree_paths_gives_depths_and_path_classes(rng):
 
 def test_the_rounds_estimate_reads_the_tree_once_and_launches_nothing(rng):
     """AutoRound.estimate between the build and the verify: three reads of the build's output (the
-    first waits for it; its depths and off-path edges come from the parents) and numpy on the host,
+    first waits for it; its depths and path classes come from the parents) and numpy on the host,
     no array work on the device (each launch is host time while the device waits for the choice);
     the values are ``node_values`` of those arrays under the calibration's weights (by depth and
-    off-path edges), the trees cut short and past their nodes (NaN scores) too."""
+    path class), the trees cut short and past their nodes (NaN scores) too."""
     from ddtree_rtc.engine.decode.auto import AutoRound
 
     class HostOnly:  # a backend that counts its reads and has no array module to launch on

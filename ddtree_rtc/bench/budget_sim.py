@@ -153,7 +153,7 @@ class Learner:
 
 
 def round_tree(sims):
-    """The round's raw path probabilities, depths and off-path edges ``[B, N]`` of the sims' trees
+    """The round's raw path probabilities, depths and path classes ``[B, N]`` of the sims' trees
     (as the engine reads them: 0, -1 and 0 past the built nodes)."""
     n_max = max(len(s.depth) for s in sims)
     raw = np.zeros((len(sims), n_max))

@@ -64,10 +64,10 @@ class AutoRound:
 
     def estimate(self, tree: TreeArrays, rids) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Host ``(values [B, M], raw [B, N], depth [B, N], classes [B, N])``: calibrated node values
-        of nodes 1..M, raw path probabilities, depths and off-path edges of every slot. The host
+        of nodes 1..M, raw path probabilities, depths and path classes of every slot. The host
         reads the build's scores, parents and node counts (the round's first sync; the calibration's
         weights are made before it, while the device still drafts and builds), takes depths and
-        off-path edges from the parents (``tree_paths``) and values the nodes in numpy: at these
+        path classes from the parents (``tree_paths``) and values the nodes in numpy: at these
         sizes (B <= 64 requests of <= 65 slots) that is microseconds, where the same pass on the
         device is ~30 array launches of host time, all of it between the build and the verify (the
         device idles there: the verify waits for the choice)."""

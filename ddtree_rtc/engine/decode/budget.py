@@ -109,36 +109,39 @@ def tree_paths(parents) -> tuple[np.ndarray, np.ndarray]:
     ``OFF_CLASSES - 1`` when two edges or more are not. The drafter gives one distribution per
     depth, so a child's rank is its rank among its siblings, and the best-first build pops a
     parent's children in rank order (rank r + 1 is pushed when rank r is popped): an edge's rank is
-    the number of siblings popped before it. A sort of the slots by parent and one pass per depth
-    level up the ancestors (numpy; no device work)."""
+    the number of siblings popped before it. A sort of the slots by parent and log2(depth)
+    pointer-jumping passes up the ancestors (numpy; no device work)."""
     p = np.asarray(parents).astype(np.int64)
     b, n = p.shape
-    rows = np.arange(b)[:, None]
     child = p >= 0
     child[:, 0] = False
-    bi, ji = np.nonzero(child)
-    pj = p[bi, ji]
-    order = np.lexsort((ji, pj, bi))  # siblings together, in pop order
-    gb, gp = bi[order], pj[order]
-    new = np.ones(len(order), bool)
-    new[1:] = (gb[1:] != gb[:-1]) | (gp[1:] != gp[:-1])
-    at = np.arange(len(order))
-    rank = np.zeros((b, n), np.int64)  # each node's edge: its rank among its siblings
-    rank[bi[order], ji[order]] = at - np.maximum.accumulate(np.where(new, at, 0))
-    depth = np.where(child, 0, -1)
-    depth[:, 0] = 0
-    k = (rank >= 1).astype(np.int64)  # off-path edges on the path
-    top = rank.copy()  # the largest edge rank on the path
-    a = np.where(child, p, -1)  # each node's ancestor being walked
+    # siblings together, in pop order: a stable sort of the slots by (request, parent)
+    order = np.argsort((np.arange(b)[:, None] * (n + 1) + np.where(child, p + 1, 0)).ravel(), kind="stable")
+    key = np.where(child, p + 1, 0).ravel()[order] + (order // n) * (n + 1)
+    at = np.arange(b * n)
+    new = np.ones(b * n, bool)
+    new[1:] = key[1:] != key[:-1]
+    rank = np.empty(b * n, np.int64)  # each node's edge: its rank among its siblings
+    rank[order] = at - np.maximum.accumulate(np.where(new, at, 0))
+    rank = np.where(child, rank.reshape(b, n), 0)
+    # sums and maxima over each node's path by pointer jumping (log2(depth) flat gathers; the root
+    # and unbuilt slots point at themselves and add nothing)
+    own = np.arange(b * n)
+    jump = np.where(child, p + np.arange(b)[:, None] * n, own.reshape(b, n)).ravel()
+    depth = child.ravel().astype(np.int64)
+    k = (rank >= 1).ravel().astype(np.int64)  # off-path edges on the path
+    top = rank.ravel().copy()  # the largest edge rank on the path
     while True:
-        live = a >= 0
-        if not live.any():
+        nxt = jump[jump]
+        depth += np.where(jump != own, depth[jump], 0)
+        k += np.where(jump != own, k[jump], 0)
+        np.maximum(top, top[jump], out=top)
+        if np.array_equal(nxt, jump):
             break
-        depth += live
-        up = np.maximum(a, 0)
-        k += np.where(live, rank[rows, up] >= 1, 0)
-        top = np.where(live, np.maximum(top, rank[rows, up]), top)
-        a = np.where(live, p[rows, up], -1)
+        jump = nxt
+    depth = np.where(child, depth.reshape(b, n), -1)
+    depth[:, 0] = 0
+    k, top = k.reshape(b, n), top.reshape(b, n)
     return depth, np.where(k == 0, 0, np.where(k == 1, np.minimum(top, OFF_RANKS), OFF_CLASSES - 1))
 
 
@@ -454,7 +457,9 @@ class ValueHistory:
         else:
             self._pool[0] *= k
             self._pool[1] *= k
-        np.add.at(self._pool[0], (np.broadcast_to(ii, (b, self.m)), dv, kv), rv)
+        cells = (ii[None, :] * self.d1 + dv) * OFF_CLASSES + kv
+        self._pool[0] += np.bincount(cells.ravel(), weights=rv.ravel(),
+                                     minlength=self._pool[0].size).reshape(self._pool[0].shape)
         self._pool[1] += built.sum(axis=0)
 
     def release(self, rid) -> None:
