@@ -80,15 +80,16 @@ class AutoRound:
         vals = raw * node_weights(np, w, depth, off)
         return vals[:, 1:], raw, depth, off
 
-    def read_tree(self, tree: TreeArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Host ``(raw [B, N], depth [B, N], classes [B, N])`` of the built tree after the round (the
-        lagged choice: the cut changed ``num_nodes`` only; the build leaves NaN scores and parent -1
-        past its nodes)."""
+    def read_tree(self, tree: TreeArrays) -> tuple[np.ndarray, np.ndarray]:
+        """Host ``(raw [B, N], parents [B, N])`` of the built tree after the round (the lagged
+        choice: the cut changed ``num_nodes`` only; the build leaves NaN scores and parent -1 past
+        its nodes). Its depths and path classes (``tree_paths``) are worked out when the round is
+        learned, during the next round's verify."""
         be = self.backend
         scores = be.to_host(tree.scores)
-        depth, off = tree_paths(be.to_host(tree.parents))
-        built = depth >= 1
-        return np.where(built, np.exp(np.where(built, scores, 0.0)), 0.0), depth, off
+        parents = be.to_host(tree.parents)
+        built = parents >= 0  # the root's -1 too: its value is 0
+        return np.where(built, np.exp(np.where(built, scores, 0.0)), 0.0), parents
 
     def draft_known(self, batch: int) -> bool:
         """Whether a lagged round may run at this batch size: a given table, or a measured one that
