@@ -327,11 +327,88 @@ def test_weights_are_made_past_the_pool_and_the_pool_comes_back():
     assert calls == [None, "make", "pool"]
 
 
+class _Device:
+    """A fake GPU's memory as the caches outside CuPy keep it: graph allocation nodes (a cuBLAS GEMM
+    captured on its default workspace pool) take memory from the graph memory pool, which keeps it
+    reserved after their graph is destroyed until trimmed; cudaMallocAsync memory freed on a stream
+    goes back to the default pool at the next synchronize and stays reserved there until trimmed."""
+
+    TOTAL = 1 << 30
+
+    def __init__(self):
+        self.graph_used = self.graph_reserved = 0
+        self.async_used = self.async_pending = self.async_reserved = 0
+
+    def graph(self, nbytes: int):
+        dev = self
+
+        class Graph:  # held in a cycle, as a runner's graphs are: freed only by the collector
+            def __init__(self):
+                self.me = self
+                dev.graph_used += nbytes
+                dev.graph_reserved = max(dev.graph_reserved, dev.graph_used)
+
+            def __del__(self):
+                dev.graph_used -= nbytes
+
+        Graph()
+
+    def backend(self):
+        from types import SimpleNamespace
+
+        dev = self
+        pool = SimpleNamespace(free_all_blocks=lambda: None, total_bytes=lambda: 0)
+
+        def trim_async(handle, keep):
+            dev.async_reserved = max(dev.async_used + dev.async_pending, keep)
+
+        def synchronize():
+            dev.async_pending = 0
+
+        def graph_trim(cu_dev):
+            dev.graph_reserved = dev.graph_used
+            return (0,)
+
+        rt = SimpleNamespace(
+            deviceSynchronize=synchronize, cudaDevAttrMemoryPoolsSupported=115, cudaMemPoolAttrReservedMemCurrent=5,
+            deviceGetAttribute=lambda attr, d: 1, deviceGetDefaultMemPool=lambda d: 77, memPoolTrimTo=trim_async,
+            memPoolGetAttribute=lambda handle, attr: dev.async_reserved,
+            memGetInfo=lambda: (dev.TOTAL - dev.graph_reserved - dev.async_reserved, dev.TOTAL))
+        cuda = SimpleNamespace(runtime=rt, Device=lambda: SimpleNamespace(id=0))
+        xp = SimpleNamespace(cuda=cuda, get_default_memory_pool=lambda: pool,
+                             get_default_pinned_memory_pool=lambda: pool)
+        driver = SimpleNamespace(
+            CUresult=SimpleNamespace(CUDA_SUCCESS=0), cuDeviceGet=lambda d: (0, d), cuDeviceGraphMemTrim=graph_trim,
+            CUgraphMem_attribute=SimpleNamespace(CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT=2),
+            cuDeviceGetGraphMemAttribute=lambda d, attr: (0, dev.graph_reserved))
+        return SimpleNamespace(is_cuda=True, xp=xp), driver
+
+
+def test_release_gives_back_what_graphs_and_async_frees_leave_in_the_device_pools(monkeypatch):
+    """free_bytes (after each timed piece and each layout) gives back, besides CuPy's pools, what the
+    CUDA graph memory pool and the default stream-ordered pool keep after their graphs / frees: a
+    layout whose captured GEMMs took workspace from them (cuBLAS on its default pool) left that
+    memory held after its release, a little more every layout. memory_phase records what each
+    held before the release."""
+    dev = _Device()
+    be, driver = dev.backend()
+    monkeypatch.setattr(node, "_driver", lambda: driver, raising=False)
+    dev.graph(96 << 20)  # a captured piece's graphs, dropped (in a cycle) when the piece ends
+    dev.async_reserved = dev.async_pending = 32 << 20  # freed by cudaMallocAsync's user, not yet synchronized
+    assert node.free_bytes(be) == dev.TOTAL, f"{(dev.TOTAL - node.free_bytes(be)) >> 20} MiB kept after the release"
+    dev.graph(64 << 20)
+    row = node.memory_phase(be, "tp sm-on b1 ctx0k AR step")
+    assert row == {"phase": "tp sm-on b1 ctx0k AR step", "free_bytes": dev.TOTAL,
+                   "held_before_release": {"cupy_pool_bytes": 0, "graph_pool_bytes": 64 << 20, "async_pool_bytes": 0}}
+    assert node.device_caches(be) == {"cupy_pool_bytes": 0, "graph_pool_bytes": 0, "async_pool_bytes": 0}
+
+
 @pytest.mark.gpu
 def test_layouts_on_the_gpu_give_their_memory_back():
     """The `small` preset as rank 0 of 2, both layouts one after the other on the GPU, every timer real:
     each layout's weights (made past CuPy's pool), caches and graphs go back before the next layout
-    is planned; every stage row is timed, and the step and the round also at the probe's depth."""
+    is planned, and no captured piece took memory from the CUDA graph memory pool (memory.phases,
+    printed); every stage row is timed, and the step and the round also at the probe's depth."""
     from ddtree_rtc.bench.decode import Gate
 
     args = node.parse_args(["--world", "2", "--batches", "1,3", "--contexts", "64", "--budgets", "4", "--no-chain",
@@ -342,9 +419,14 @@ def test_layouts_on_the_gpu_give_their_memory_back():
     start = node.free_bytes(be)
     layouts = [node.run_layout(layout, args, gate, lambda msg: None, be=be, preset="small")[1]
                for layout in ("tp", "ep")]
+    story = "\n".join(_memory_story(lay) for lay in layouts)
+    print(story)  # shown with -rP: the free bytes after each phase, and what the caches held before it
     for lay in layouts:
         mem = lay["memory"]
-        assert mem["free_after_release_bytes"] >= mem["free_bytes"] - node.RELEASE_SLACK_BYTES, lay["layout"]
+        assert mem["free_after_release_bytes"] >= mem["free_bytes"] - node.RELEASE_SLACK_BYTES, story
+        # cuBLAS GEMMs captured on its default workspace pool took graph-pool memory (kernels/_cublas.py)
+        graph_pool = [ph["phase"] for ph in mem["phases"] if ph["held_before_release"]["graph_pool_bytes"]]
+        assert not graph_pool, f"graph allocation nodes in: {graph_pool}\n{story}"
         assert mem["free_after_weights_bytes"] < mem["free_bytes"]
         assert lay["layers"] == 3 and len(lay["cases"]) == 4
         for case in lay["cases"]:
@@ -353,5 +435,127 @@ def test_layouts_on_the_gpu_give_their_memory_back():
             assert all(s["us"] > 0 for v in ar["per_layer"].values() for s in v.values())
             assert ar["probe"]["layers"] == 1 and ar["probe"]["step_us"] > 0
             assert [r["probe"]["layers"] for r in case["rounds"]] == [1]
-    assert layouts[1]["memory"]["free_bytes"] >= start - node.RELEASE_SLACK_BYTES
-    assert node.free_bytes(be) >= start - node.RELEASE_SLACK_BYTES
+            assert case["auto"]["projection"][0]["auto"]["us_per_round"] > 0  # the auto row, simulated
+    assert layouts[1]["memory"]["free_bytes"] >= start - node.RELEASE_SLACK_BYTES, story
+    assert node.free_bytes(be) >= start - node.RELEASE_SLACK_BYTES, story
+
+
+def _memory_story(lay: dict) -> str:
+    """A layout's memory phases as lines: free MB after the phase's release (change from the layout's
+    start), then what CuPy's pool, the graph memory pool and the async pool held before it."""
+    phases = lay["memory"]["phases"]
+    start = phases[0]["free_bytes"]
+    lines = [f"{lay['layout']}: phase | free MB (vs start) | held before release MB: cupy pool / graph pool / async"]
+    for ph in phases:
+        held = ph["held_before_release"]
+        lines.append(f"  {ph['phase']} | {ph['free_bytes'] / 1e6:.0f} ({(ph['free_bytes'] - start) / 1e6:+.0f}) | "
+                     f"{held['cupy_pool_bytes'] / 1e6:.0f} / {held['graph_pool_bytes'] / 1e6:.0f} / "
+                     f"{held['async_pool_bytes'] / 1e6:.0f}")
+    return "\n".join(lines)
+
+
+def _round_by_batch(model, batch, budget, args, gate, weight_bytes, tau_stats, chain=False):
+    """A round whose costs depend on the batch and the nodes (the verify 100 µs + 10 µs per verify
+    row), so two cases' cost models differ."""
+    rows = batch * (1 + budget)
+    summ = {"graph_us": 150.0 + 10.0 * rows, "queued_us": 190.0, "eager_us": 300.0, "verify_floor_us": 50.0,
+            "stage_us": {"verify": 100.0 + 10.0 * rows}, "ar_step_us": 100.0, "experts_touched": {1: 5},
+            "tau": tau_stats.tau}
+    return [Row("draft", 1.0, extra={"stage": "draft"}), Row("round (CUDA graph)", summ["graph_us"], extra=summ)]
+
+
+def _node_args(*extra):
+    return node.parse_args(["--world", "4", "--rank", "1", "--batches", "1,3", "--contexts", "8", "--budgets", "4,16",
+                            "--layers", "3", "--no-drafter", "--no-components", "--collective-us", "20,8",
+                            "--iters", "1", "--auto-rounds", "120", *extra])
+
+
+def test_the_auto_row_is_simulated_on_the_cases_own_costs(fake_gpu, monkeypatch):
+    """bench node's auto row (bench/node_auto.py) on the numpy backend: per case and collective
+    latency, auto and every measured setting simulated on a cost model made from that case's own
+    projected figures. Each fixed setting's simulated round is its projected round and its exact
+    tau the bench's oracle tau (so the model is the case's own: the fakes' rounds cost more with
+    the batch, and another case's model would price them otherwise); auto's figures are consistent
+    (tok/s = tokens over time, ratios of the tok/s, histograms summing to the rounds)."""
+    from ddtree_rtc.bench import round as round_bench
+
+    monkeypatch.setattr(round_bench, "bench_case", _round_by_batch)
+    args = _node_args()
+    assert node.parse_args([]).auto_rounds == 300 and args.auto_rounds == 120
+    log = []
+    _, lay = node.run_layout("tp", args, None, log.append, be=Backend("numpy"), preset="tiny")
+    cases = lay["cases"]
+    assert [c["batch"] for c in cases] == [1, 3]
+    for c in cases:
+        auto, b = c["auto"], c["batch"]
+        assert auto["max_rows"] == 64 and auto["max_budget"] == 16 and auto["rounds"] == 120
+        assert len(auto["projection"]) == len(c["projection"]) == 2
+        for p, q in zip(c["projection"], auto["projection"]):
+            assert q["collective_us"] == p["collective_us"]
+            assert [s["setting"] for s in q["settings"]] == ["b4", "b16", "chain"]
+            for s, r in zip(q["settings"], p["rounds"]):
+                assert s["us_per_round"] == pytest.approx(r["round_total_us"], rel=1e-9)  # this case's costs
+                assert s["tau"] == pytest.approx(r["tau_oracle"], rel=1e-5)
+                assert s["tok_s_per_user"] == pytest.approx(r["tok_s_per_user_oracle"], rel=1e-5)
+            a = q["auto"]
+            assert a["tok_s_per_user"] == pytest.approx(1e6 * a["tau"] / a["us_per_round"], rel=1e-9)
+            assert a["tokens_per_round"] == pytest.approx(b * a["tau"])
+            by = {s["setting"]: s["tok_s_per_user"] for s in q["settings"]}
+            assert q["auto_over_best"] == pytest.approx(a["tok_s_per_user"] / by[q["best"]]) and by[q["best"]] == max(
+                by.values())
+            assert q["auto_over_worst"] == pytest.approx(a["tok_s_per_user"] / by[q["worst"]]) and by[
+                q["worst"]] == min(by.values())
+            assert q["auto_over_chain"] == pytest.approx(a["tok_s_per_user"] / by["chain"])
+            assert sum(a["rows_hist"].values()) == 120 and sum(a["nodes_hist"].values()) == 120 * b
+            assert all(int(k) <= 64 for k in a["rows_hist"])  # the row cap of the invariant small-M path
+            assert a["drafted_rounds"] + a["skipped_drafts"] == 120
+            u = q["auto_uncapped"]  # the same rounds without the row cap
+            assert u["auto_over_best"] == pytest.approx(u["tok_s_per_user"] / by[q["best"]])
+            assert q["cost_model"]["fixed"] == [[b, pytest.approx(50e-6)]]  # graph - verify stage (s), this case's
+    # the two cases' models differ (rounds cost more with the batch): the verify at the roots alone
+    v1, v3 = (c["auto"]["projection"][0]["cost_model"]["verify"] for c in cases)
+    assert v1[0][0] == 1 and v3[0][0] == 3 and v1 != v3
+    assert any("auto (simulated on this case's costs" in m for m in log)
+
+
+def test_the_auto_row_under_free_nodes_projects_at_least_the_best_fixed(fake_gpu):
+    """Every round costs the same whatever its nodes (the fakes' verify does not grow with the
+    budget, and the AR step costs as much as a round): auto takes its max_budget every round and
+    projects at least the best fixed setting (exact figures, the same rounds); off the small-M path
+    the row cap is gone."""
+    from ddtree_rtc.bench import round as round_bench
+
+    def flat_round(model, batch, budget, args, gate, weight_bytes, tau_stats, chain=False):
+        summ = {"graph_us": 300.0, "queued_us": 190.0, "eager_us": 300.0, "verify_floor_us": 50.0,
+                "stage_us": {"verify": 250.0}, "ar_step_us": 100.0, "experts_touched": {1: 5}, "tau": tau_stats.tau}
+        return [Row("round (CUDA graph)", 300.0, extra=summ)]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(round_bench, "bench_case", flat_round)
+    mp.setattr(node, "graph_round_us", lambda model, b, budget, ctx, p, chain, iters: 300.0)
+    mp.setattr(node, "graph_step_us", lambda model, b, ctx, iters: 100.0)
+    # the AR step as dear as a round: every point of the table the same
+    mp.setattr(node, "project_case", _flat_projection(node.project_case))
+    try:
+        args = _node_args("--small-m", "off", "--batches", "3")
+        _, lay = node.run_layout("tp", args, None, lambda m: None, be=Backend("numpy"), preset="tiny")
+    finally:
+        mp.undo()
+    (case,) = lay["cases"]
+    auto = case["auto"]
+    assert auto["max_rows"] is None and all("auto_uncapped" not in q for q in auto["projection"])
+    for q in auto["projection"]:
+        verify = {v for _, v in q["cost_model"]["verify"]}
+        assert len(verify) == 1, q["cost_model"]  # nodes free
+        assert q["auto"]["nodes_hist"] == {"16": 3 * 120}
+        assert q["auto_over_best"] >= 1 - 1e-12 and q["auto_over_worst"] > 1
+
+
+def _flat_projection(project):
+    def flat(case, args, n_layers):
+        out = project(case, args, n_layers)
+        for p in out["projection"]:
+            p["ar"]["per_token_us"] = p["rounds"][0]["round_total_us"]
+        return out
+
+    return flat

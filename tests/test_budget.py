@@ -7,94 +7,24 @@ import json
 import numpy as np
 import pytest
 
+from ddtree_rtc.bench import budget_sim
+from ddtree_rtc.bench.budget_sim import DEPTH, MAX, VOCAB, Learner, OracleSim, SwitchSim, build
 from ddtree_rtc.engine.decode.budget import (
+    OFF_CLASSES,
+    OFF_RANKS,
     AutoBudget,
     BudgetError,
     Calibration,
     CostModel,
     ValueHistory,
     choose,
+    class_accepted,
     expected_tokens,
     experts_touched,
     node_values,
     row_buckets,
+    tree_paths,
 )
-from ddtree_rtc.reference.topk import topk_logprobs
-from ddtree_rtc.reference.tree_build import tree_build
-from ddtree_rtc.speculative.drafters import OracleDrafter
-
-DEPTH, VOCAB, MAX = 7, 97, 64
-
-
-def build(logits, budget=MAX):
-    b = logits.shape[0]
-    logq, ids = topk_logprobs(logits, max(1, min(budget, logits.shape[-1])))
-    one = np.ones(b, np.int32)
-    return tree_build(logq, ids, 0 * one, budget * one, DEPTH * one, 0 * one, budget)
-
-
-class OracleSim:
-    """One request's oracle rounds: its tree (the template's) and, per round, which nodes the walk
-    reaches (a reached node's ancestors are reached; at most one node per depth). ``true_p``: the
-    walk follows another rank-0 probability than the drafter's (a miscalibrated drafter)."""
-
-    def __init__(self, p=None, table=None, seed=0, true_p=None):
-        self.od = OracleDrafter(None, VOCAB, DEPTH, None, accept_p=p, table=table, seed=seed)
-        self.tree = build(self.od._template[None])
-        if true_p is not None:  # the same ranks (seed), another law
-            self.od = OracleDrafter(None, VOCAB, DEPTH, None, accept_p=true_p, seed=seed)
-        rank = np.empty_like(self.od._order)
-        for d in range(DEPTH):
-            rank[d, self.od._order[d]] = np.arange(VOCAB)
-        n = int(self.tree.num_nodes[0])
-        self.depth = self.tree.node_depth[0, :n].astype(np.int64)
-        self.parent = self.tree.parents[0, :n].astype(np.int64)
-        self.rank = np.array([-1] + [rank[self.depth[j] - 1, self.tree.tokens[0, j]] for j in range(1, n)])
-        self.rng = np.random.default_rng(seed + 1)
-        self.ptrue = np.ones(n)  # the oracle law's probability that the walk reaches node j
-        for j in range(1, n):
-            self.ptrue[j] = self.ptrue[self.parent[j]] * self.od.rank_probability(self.depth[j] - 1, self.rank[j])
-        self.etrue = 1 + np.concatenate([[0.0], np.cumsum(self.ptrue[1:])])  # [n]: exact tau of a cut at n
-
-    def reached(self, rounds: int) -> np.ndarray:
-        """[rounds, N] bool: node j reached in that round (the oracle's rank law)."""
-        probs = self.od.probs
-        u = self.rng.random((rounds, DEPTH))
-        tail = self.rng.geometric(0.5, (rounds, DEPTH))
-        true = np.where(u < probs[None], 0, tail)
-        acc = np.zeros((rounds, len(self.depth)), bool)
-        acc[:, 0] = True
-        for j in range(1, len(self.depth)):
-            acc[:, j] = acc[:, self.parent[j]] & (true[:, self.depth[j] - 1] == self.rank[j])
-        return acc
-
-
-    def at(self, r: int):
-        """The sim whose tree round r has (one tree: itself)."""
-        return self
-
-
-class SwitchSim:
-    """A request whose drafter moves between acceptance profiles (text it is sure of, text it is
-    not): each round the profile stays with probability ``stay`` or else moves to another, drawn
-    uniformly. The tree of a round is that profile's, so a choice made from the round's own tree
-    sees the move at once, and a lagged one (from the past rounds) a round late."""
-
-    def __init__(self, sims, rounds: int, stay: float, seed: int = 0):
-        rng = np.random.default_rng(seed + 77)
-        self.sims, state = sims, [0]
-        for _ in range(rounds - 1):
-            s = state[-1]
-            state.append(s if rng.random() < stay else int(rng.choice([i for i in range(len(sims)) if i != s])))
-        self.state = state
-        self.depth = sims[0].depth
-
-    def at(self, r: int):
-        return self.sims[self.state[r]]
-
-    def reached(self, rounds: int) -> np.ndarray:
-        each = [s.reached(rounds) for s in self.sims]
-        return np.stack([each[self.state[r]][r] for r in range(rounds)])
 
 
 def random_round(rng, batch):
@@ -115,113 +45,9 @@ def moe_cost(draft=2e-3, fixed=1e-3):
     return CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=draft, fixed_s=fixed)
 
 
-class Learner:
-    """A round's observe in the engine's order (engine/decode/round.py): the AR hold at once; what
-    it teaches (calibration, value history, stats) at once, or lagged: the counts of round r are
-    chosen during round r-1's verify, after learning round r-2 (round r-1 is learned during round
-    r's; the first lagged choice learns all first)."""
-
-    def __init__(self, auto, lagged: bool):
-        self.auto, self.lagged, self.pend = auto, lagged, []
-
-    def before_choice(self) -> None:
-        while len(self.pend) > 1 or (self.pend and not self.auto.history.ready()):
-            self.auto.learn(*self.pend.pop(0))
-
-    def after_round(self, *args) -> None:  # AutoBudget.observe's arguments
-        if not self.lagged:
-            return self.auto.observe(*args)
-        self.auto.hold(args[0], args[3], args[5])
-        self.pend.append(args)
-
-    def flush(self) -> None:
-        while self.pend:
-            self.auto.learn(*self.pend.pop(0))
-
-
-def round_tree(sims):
-    """The round's raw path probabilities and depths ``[B, N]`` of the sims' trees (as the engine
-    reads them: 0 and -1 past the built nodes)."""
-    n_max = max(len(s.depth) for s in sims)
-    raw = np.zeros((len(sims), n_max))
-    depth = np.full((len(sims), n_max), -1, np.int64)
-    for i, s in enumerate(sims):
-        n = len(s.depth)
-        raw[i, 1:n] = np.exp(s.tree.scores[0, 1:n])
-        depth[i, :n] = s.depth
-    return raw, depth
-
-
-def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=False, choices=None, **auto_kw):
-    """Tokens, modelled seconds, and per-round (predicted, measured) tokens over ``rounds``
-    rounds of the batch ``sims`` (one OracleSim or SwitchSim per request), at a fixed budget or
-    auto; ``.exact`` on the returned auto (or the 6th value): the exact expected tokens of the cuts
-    made (the oracle law, no sampling noise). ``lagged``: auto chooses before the round's tree is
-    known (``AutoBudget.choose_lagged``), else from it (``choose``); ``choices``: a list that gets
-    every drafted round's (lagged counts or None, the counts from the round's own tree)."""
-    cost = cost or moe_cost()
-    b = len(sims)
-    reached = [s.reached(rounds) for s in sims]
-    auto = AutoBudget(MAX, DEPTH, cost, bucketed=bucketed, lagged=lagged, **auto_kw) if budget == "auto" else None
-    learner = Learner(auto, lagged)
-    tokens = seconds = exact = 0.0
-    made = []  # (choice, tokens) of the drafted rounds
-    rids = list(range(b))
-    for r in range(rounds):
-        now = [s.at(r) for s in sims]
-        raw, depth = round_tree(now)
-        if auto is None:
-            k = DEPTH if budget == "chain" else budget
-            counts, drafted = np.full(b, k), True
-            sec = cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b * (k + 1), b * (k + 1), b))
-        elif auto.should_draft(rids):
-            learner.before_choice()
-            choice = auto.choose_lagged(rids, np.full(b, MAX), 0)
-            own = None
-            if choice is None or choices is not None:
-                # the weights of the round's own choice: the lagged choice's, so that only the tree differs
-                w = auto.weights(rids) if choice is None else choice.weights
-                vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth, np.array([len(s.depth) for s in now]), w)
-                own = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
-            if choices is not None:
-                choices.append((None if choice is None else choice.counts, own.counts))
-            choice = choice or own
-            counts, drafted, sec = choice.counts, True, choice.seconds
-        else:
-            choice, drafted = auto.ar_choice(b, 0), False
-            counts, sec = choice.counts, choice.seconds
-            auto.skipped(rids)
-        if budget == "chain":  # the top-1 path: node j of the chain is the rank-0 node at depth j
-            acc = [np.cumprod([reached[i][r, j] for j in chain_nodes(s)]).sum() + 1 for i, s in enumerate(now)]
-            exact += sum(1 + s.ptrue[chain_nodes(s)].sum() for s in now)
-        else:
-            acc = [reached[i][r, : int(counts[i]) + 1].sum() for i in range(b)]
-            exact += sum(s.etrue[min(int(n), len(s.etrue) - 1)] for s, n in zip(now, counts))
-        if auto is not None:
-            learner.after_round(rids, raw, depth, choice, np.array(acc), drafted)
-            if drafted:
-                made.append((choice, sum(acc)))
-        tokens += sum(acc)
-        seconds += sec
-    if auto is not None:
-        learner.flush()  # a lagged choice's predicted tokens are remade when its round is learned
-    pred = np.array([c.expected.sum() for c, _ in made])
-    meas = np.array([m for _, m in made])
-    return tokens, seconds, pred, meas, auto, exact
-
-
-def chain_nodes(sim):
-    if "_chain" in vars(sim):
-        return sim._chain
-    out, u = [], 0
-    for _ in range(DEPTH):
-        kids = [j for j in range(1, len(sim.depth)) if sim.parent[j] == u and sim.rank[j] == 0]
-        if not kids:
-            break
-        u = kids[0]
-        out.append(u)
-    sim._chain = out
-    return out
+def run_oracle(sims, rounds, cost=None, **kw):
+    """budget_sim.run_oracle on ``cost``, the MoE fan-out shape unless given."""
+    return budget_sim.run_oracle(sims, rounds, cost=cost or moe_cost(), **kw)
 
 
 PROFILES = {"p0.9": dict(p=0.9), "p0.7": dict(p=0.7), "p0.4": dict(p=0.4),
@@ -417,11 +243,45 @@ def test_the_policy_prices_its_candidates_once_per_batch_and_table(monkeypatch):
     assert len(priced) == 4
 
 
+def classes_by_tokens(tree, logits):
+    """Each node's path class (``tree_paths``) walked from the tokens and the drafter's ranks
+    (independently of ``tree_paths``, which reads the parents alone)."""
+    order = np.argsort(-logits, axis=2, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(logits.shape[2])[None, None, :], axis=2)
+    b, n = tree.tokens.shape
+    cls = np.zeros((b, n), np.int64)
+    for i in range(b):
+        for j in range(1, n):
+            u, k, top = j, 0, 0
+            while u > 0 and tree.parents[i, u] >= 0:
+                r = rank[i, tree.node_depth[i, u] - 1, tree.tokens[i, u]]
+                k, top, u = k + (r > 0), max(top, r), tree.parents[i, u]
+            cls[i, j] = 0 if k == 0 else (min(top, OFF_RANKS) if k == 1 else OFF_CLASSES - 1)
+    return cls
+
+
+def test_tree_paths_gives_depths_and_path_classes(rng):
+    logits = (3 * rng.standard_normal((6, DEPTH, VOCAB))).astype(np.float32)  # peaked: deep trees
+    tree = build(logits, budget=41)
+    depth, cls = tree_paths(tree.parents)
+    np.testing.assert_array_equal(depth, tree.node_depth)
+    np.testing.assert_array_equal(cls, classes_by_tokens(tree, logits))
+    assert set(np.unique(cls[:, 1:])) == set(range(OFF_CLASSES)) and (cls[:, 1] == 0).all()  # 1st pop: top-1
+    accepted = np.array([[0, 1, 2, -1], [0, 3, -1, -1]])  # a walk's nodes, root first
+    got = class_accepted(cls[:2], accepted, [3, 2])
+    want = np.zeros((2, OFF_CLASSES), np.int64)
+    for i, j in ((0, 1), (0, 2), (1, 3)):
+        want[i, cls[i, j]] += 1
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_rounds_estimate_reads_the_tree_once_and_launches_nothing(rng):
     """AutoRound.estimate between the build and the verify: three reads of the build's output (the
-    first waits for it) and numpy on the host, no array work on the device (each launch is host
-    time while the device waits for the choice); the values are ``node_values`` of those arrays
-    under the calibration's weights, the trees cut short and past their nodes (NaN scores) too."""
+    first waits for it; its depths and path classes come from the parents) and numpy on the host,
+    no array work on the device (each launch is host time while the device waits for the choice);
+    the values are ``node_values`` of those arrays under the calibration's weights (by depth and
+    path class), the trees cut short and past their nodes (NaN scores) too."""
     from ddtree_rtc.engine.decode.auto import AutoRound
 
     class HostOnly:  # a backend that counts its reads and has no array module to launch on
@@ -435,20 +295,27 @@ def test_the_rounds_estimate_reads_the_tree_once_and_launches_nothing(rng):
             raise AssertionError(f"estimate used the backend's {name!r}")
 
     b = 5
-    tree = build(rng.standard_normal((b, DEPTH, VOCAB)).astype(np.float32), budget=37)
+    logits = rng.standard_normal((b, DEPTH, VOCAB)).astype(np.float32)
+    tree = build(logits, budget=37)
     tree.num_nodes[...] = rng.integers(1, 39, b)
     for i, n in enumerate(tree.num_nodes):
         tree.scores[i, n:] = np.nan
     auto = AutoBudget(37, DEPTH, moe_cost())
     auto.calibration.pred[1:], auto.calibration.meas[1:] = 50.0, 50.0 * 0.7 ** np.arange(1, DEPTH + 1)
+    auto.calibration._off_used[1:] = [3.0, 2.0, 1.5, 0.5]
     rids = list(range(b))
     w = Calibration.weights(auto.calibration, rids)
-    assert not np.allclose(w[:, 1:], 1.0)  # calibrated: the values are not the raw P
-    vals, raw, depth = AutoRound(auto, HostOnly(), None).estimate(tree, rids)
+    assert w.shape == (b, DEPTH + 1, OFF_CLASSES) and not np.allclose(w[:, 1:], 1.0)  # the values are not the raw P
+    np.testing.assert_allclose(w[:, 1:, 1] / w[:, 1:, 0], 3.0)  # a path class's factor
+    auto.weights = lambda r: w  # without the off-path optimism (AutoBudget.weights)
+    vals, raw, depth, off = AutoRound(auto, HostOnly(), None).estimate(tree, rids)
     assert HostOnly.reads == 3
-    np.testing.assert_array_equal(vals, node_values(np, tree.scores, tree.node_depth, tree.num_nodes, w)[:, 1:])
+    want_off = classes_by_tokens(tree, logits)
+    np.testing.assert_array_equal(off, want_off)
+    np.testing.assert_array_equal(vals, node_values(np, tree.scores, tree.node_depth, tree.num_nodes, w,
+                                                    want_off)[:, 1:])
     np.testing.assert_array_equal(raw, node_values(np, tree.scores, tree.node_depth, tree.num_nodes,
-                                                   np.ones_like(w)))
+                                                   np.ones_like(w[:, :, 0])))
     np.testing.assert_array_equal(depth, tree.node_depth)
     assert np.isfinite(vals).all() and (vals[np.arange(1, 38)[None] >= tree.num_nodes[:, None]] == 0).all()
 
@@ -478,14 +345,15 @@ def test_calibrated_tau_tracks_measured_tau_over_2000_oracle_rounds(name, lagged
 FIXED = (*range(10), 12, 16, 32, 64, "chain")
 
 
-def compare(mk, rounds=300, **auto_kw):
+def compare(mk, rounds=300, cost=None, **auto_kw):
     """Auto's tokens per modelled second over the best fixed budget's (chain included), the best
     being the one with the most expected tokens per second: exactly (the expected tokens of the cuts
     made, under the oracle's law: no sampling noise) and as sampled (the same draws for every run,
     so the two sampled figures differ by the choices alone; the best of 15 sampled figures would be
-    the luckiest, not the best budget). Returns (exact ratio, sampled ratio, the best fixed)."""
-    tok, sec, *_, exact = run_oracle(mk(), rounds, **auto_kw)
-    runs = {k: run_oracle(mk(), rounds, budget=k) for k in FIXED}
+    the luckiest, not the best budget). Returns (exact ratio, sampled ratio, the best fixed);
+    ``cost``: the MoE fan-out shape unless given."""
+    tok, sec, *_, exact = run_oracle(mk(), rounds, cost=cost, **auto_kw)
+    runs = {k: run_oracle(mk(), rounds, budget=k, cost=cost) for k in FIXED}
     best = max(runs, key=lambda k: runs[k][5] / runs[k][1])
     r = runs[best]
     return (exact / sec) / (r[5] / r[1]), (tok / sec) / (r[0] / r[1]), best
@@ -535,6 +403,52 @@ def test_a_miscalibrated_drafter_is_found_out(name, lagged):
     assert exact > 0.96, (name, exact, sampled, best)
 
 
+CHEAP_NODES = dict(base_s=4e-3, row_s=2e-6, expert_s=60 * 1e-7, draft_s=1e-3, fixed_s=1e-3)  # bushy trees pay
+
+
+@pytest.mark.parametrize("lagged", [False, True])
+def test_an_understated_off_path_is_found_out(lagged):
+    """The oracle drafter at vocabulary 97 is right on its top-1 path and understates its next ranks
+    (rank 1: 0.039 where the walk takes it 0.115 of the time at p 0.77; about 2.9x, 2.3x, 1.7x at
+    ranks 1, 2, 3). Where nodes are cheap the best fixed budget is the bushy 64. Without the path
+    classes' factors auto stays on the chain (the depth factors see the chain's nodes only, and
+    those are right); with them it values the rank-1 nodes optimistically at first, learns each
+    class's factor from the nodes verified and reaches the best fixed budget."""
+    cost = CostModel.fanout(**CHEAP_NODES)
+    mk = lambda: [OracleSim(p=0.77, seed=10 + i) for i in range(2)]  # noqa: E731
+    exact, sampled, best = compare(mk, cost=cost, lagged=lagged)
+    without, _, _ = compare(mk, cost=cost, lagged=lagged, off_path=False)
+    *_, auto, _ = run_oracle(mk(), 300, cost=cost, lagged=lagged)
+    *_, chain, _ = run_oracle(mk(), 300, cost=cost, lagged=lagged, off_path=False)
+    f = auto.calibration.off_factors_used()
+    print(f"\nunderstated off-path{' lagged' if lagged else ''}: auto / best fixed ({best}) = {exact:.4f} exact, "
+          f"{sampled:.4f} sampled; without the off-path factors {without:.4f}; factors {np.round(f, 2).tolist()}")
+    assert best == 64 and set(chain.stats.counts_hist) == {DEPTH} and without < 0.9
+    assert exact > 0.999 and sampled > 0.99
+    assert 2.0 < f[1] < 4.0 and 1.5 < f[2] < 4.0  # rank-1 and rank-2 edges: the walk's 2.9x and 2.3x
+
+
+@pytest.mark.parametrize("cheap", [False, True])
+def test_a_calibrated_drafter_keeps_its_choice(cheap):
+    """The walk follows the drafter's own probabilities (on and off its top-1 path): the path
+    classes' factors stay at 1 and auto chooses as without them, after the first rounds' exploration
+    of the rank-1 nodes (its whole cost: there the choice goes bushy until 8 accepted nodes' worth
+    of evidence, then never again for the off-path classes alone)."""
+    cost = CostModel.fanout(**CHEAP_NODES) if cheap else moe_cost()
+    mk = lambda: [OracleSim(p=0.77, seed=10 + i, calibrated=True) for i in range(2)]  # noqa: E731
+    exact, _, best = compare(mk, cost=cost)
+    without, _, _ = compare(mk, cost=cost, off_path=False)
+    got, base = [], []
+    *_, auto, _ = run_oracle(mk(), 300, cost=cost, choices=got)
+    run_oracle(mk(), 300, cost=cost, choices=base, off_path=False)
+    print(f"\ncalibrated{' cheap nodes' if cheap else ''}: auto / best fixed ({best}) = {exact:.4f} exact; "
+          f"without the off-path factors {without:.4f}")
+    assert (auto.calibration.off_factors_used() == 1).all()
+    assert exact > without - 0.003
+    late = [i for i in range(50, len(got)) if (i + 1) % auto.explore_every]  # past the start, not exploring
+    assert all(np.array_equal(got[i][1], base[i][1]) for i in late)
+
+
 def test_without_the_gate_auto_wanders_below_the_best_fixed_budget(monkeypatch):
     """The same comparison with the calibration following every estimate (gate 0): the test above
     can fail, and this is how."""
@@ -563,14 +477,18 @@ def test_auto_beats_every_fixed_budget_with_the_random_drafter(lagged):
     tok = sec = 0.0
     rids = list(range(b))
     for t, acc in trees:
+        off = tree_paths(t.parents)[1]
         if auto.should_draft(rids):
             learner.before_choice()
             ch = auto.choose_lagged(rids, np.full(b, MAX), 0)
             if ch is None:
-                vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids))
+                vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids), off)
                 ch = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
             got = np.array([acc[i, :ch.counts[i] + 1].sum() for i in range(b)])
-            learner.after_round(rids, np.exp(np.nan_to_num(t.scores, nan=-np.inf)), t.node_depth, ch, got, True)
+            verified = np.arange(acc.shape[1])[None, :] <= ch.counts[:, None]
+            hit = acc & verified
+            learner.after_round(rids, np.exp(np.nan_to_num(t.scores, nan=-np.inf)), t.node_depth, ch, got, True,
+                                off, np.stack([(hit & (off == c)).sum(axis=1) for c in range(OFF_CLASSES)], axis=1))
         else:
             ch = auto.ar_choice(b, 0)
             auto.skipped(rids)

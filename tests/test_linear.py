@@ -21,6 +21,59 @@ def test_reference_rejects_mismatch(rng):
         ref_linear(random_bf16(rng, (2, 3)), random_bf16(rng, (4, 5)))
 
 
+def test_cublas_handle_keeps_its_workspace_on_every_stream(monkeypatch):
+    """cublasSetStream resets the handle to cuBLAS's default workspace pool, which allocates on its
+    own (per captured graph, kept by the graph memory pool): every call that binds a stream binds
+    the persistent workspace after it, one raw allocation per handle made once, on every stream a
+    capture brings (a new one each)."""
+    import sys
+    from types import SimpleNamespace
+
+    from ddtree_rtc.kernels import _cublas
+
+    calls, made = [], []
+
+    class Lib:
+        def cublasSetStream_v2(self, h, s):
+            calls.append(("stream", h, s))
+            return 0
+
+        def cublasSetPointerMode_v2(self, h, mode):
+            calls.append(("mode", h, mode))
+            return 0
+
+        def cublasSetWorkspace_v2(self, h, ptr, size):
+            calls.append(("workspace", h, ptr, size))
+            return 0
+
+    class Memory:  # a raw device allocation, outside every pool
+        def __init__(self, size):
+            self.ptr, self.size = 0x1000 * (len(made) + 1), size
+            made.append(self)
+
+    stream = SimpleNamespace(ptr=0)
+    cuda = SimpleNamespace(device=SimpleNamespace(get_cublas_handle=lambda: 7), memory=SimpleNamespace(Memory=Memory),
+                           get_current_stream=lambda: stream)
+    pooled = []  # an array from the pool current at the first call (a graph's private pool, maybe)
+
+    def empty(n, dtype):
+        pooled.append(SimpleNamespace(data=SimpleNamespace(ptr=0x9000), nbytes=n))
+        return pooled[-1]
+
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=cuda, empty=empty, uint8=np.uint8))
+    monkeypatch.setattr(_cublas, "_lib", Lib)
+    monkeypatch.setattr(_cublas, "_workspaces", {})
+    for ptr in (11, 12, 13, 11):  # e.g. the caller's stream, then one capture stream per captured forward
+        stream.ptr = ptr
+        assert _cublas.handle() == 7
+    bound = [i for i, c in enumerate(calls) if c[0] == "stream"]
+    assert [calls[i][2] for i in bound] == [11, 12, 13, 11]
+    for i, j in zip(bound, bound[1:] + [len(calls)]):  # each stream bound, then the workspace before the next
+        assert [c for c in calls[i:j] if c[0] == "workspace"], f"stream {calls[i][2]}: no workspace bound after it"
+    assert not pooled and len(made) == 1 and made[0].size == _cublas._WORKSPACE_BYTES
+    assert {c[2:] for c in calls if c[0] == "workspace"} == {(made[0].ptr, _cublas._WORKSPACE_BYTES)}
+
+
 # Skinny-kernel shapes: M in 1..16 (odd ones too), N and K odd-ish multiples of 8 (partial k32
 # chunks, partial 8-row tiles), and the K2.6 decode linears.
 K26_SHAPES = [(1536, 7168), (12288, 1536), (576, 7168), (7168, 8192), (4096, 7168), (7168, 2048), (384, 7168)]

@@ -225,6 +225,9 @@ def test_node_summary_tool_prints_the_readme_table(node_doc, capsys, tmp_path, l
     p20 = case["projection"][0]
     best = max(p20["rounds"], key=lambda r: r["tok_s_per_user_oracle"])
     assert f"20 µs: {p20['ar']['tok_s_per_user']:,.0f} → {best['tok_s_per_user_oracle']:,.0f}" in cells[12]
+    a20 = case["auto"]["projection"][0]  # the auto row (simulated on the case's costs)
+    assert cells[13].startswith(f"20 µs: {a20['auto']['tok_s_per_user']:,.0f} ({a20['auto_over_best']:.2f}× "
+                                f"{a20['best']} / {a20['auto_over_worst']:.2f}× {a20['worst']}); 8 µs: ")
     # a file of the old layout (before rank_us / floor_us_61) gives the same table
     for lay in doc["summary"]["layouts"]:
         for c in lay["cases"]:

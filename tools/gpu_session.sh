@@ -21,7 +21,8 @@
 #   ab        one command run from each tree of tools/ab_trees.sh (AB: the tree names under ab/, default all;
 #             AB_CMD: the ddtree-rtc arguments, {json} standing for $OUT/ab_<name>.json; default bench decode
 #             TP8 b1/b33 ctx 4k, both paths); the device call must carry ab/. AB_TESTS: pytest arguments
-#             run in each tree first (empty: none). A variant measured against main in one call.
+#             run in each tree first (empty: none); AB_TESTS_<name> (non-alphanumerics as _) for one tree
+#             only (set but empty: none there). A variant measured against main in one call.
 # Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.
 set -uo pipefail
 O=${OUT:-gpu_out}; mkdir -p "$O"
@@ -103,8 +104,9 @@ ab)  # the same command from several trees (tools/ab_trees.sh), each importing i
   for name in $names; do
     per=$(( $(left ${TOTAL:-570}) / n )); n=$(( n - 1 )); t1=$(date +%s)
     ( cd "ab/$name" && export DDTREE_RTC_COMMIT="$(cat COMMIT)" &&
-      if [ -n "${AB_TESTS:-}" ]; then
-        timeout -s INT $(( per / 2 )) python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --tb=short $AB_TESTS \
+      tv="AB_TESTS_${name//[^A-Za-z0-9_]/_}"; tests=${!tv-${AB_TESTS:-}}  # a tree's own, else AB_TESTS
+      if [ -n "$tests" ]; then
+        timeout -s INT $(( per / 2 )) python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --tb=short $tests \
           > "$O/ab_${name}_pytest.txt" 2>&1
         echo "== $name pytest rc=$? $(el)"; grep -E "^(FAILED|ERROR)|passed|failed" "$O/ab_${name}_pytest.txt" | tail -8
       fi

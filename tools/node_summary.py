@@ -1,7 +1,8 @@
 """The README's node table from a `ddtree-rtc bench node` JSON (benchmarks/node_<device>.json): per case
 (layout, batch, context, small-M path), the rank's AR time per token at 61 layers against its byte floor,
-the per-layer split (attention block, MoE layer, head, collectives) and the best DDTree round's tok/s per
-user, on the device named in the file. Markdown on stdout; no GPU needed:
+the per-layer split (attention block, MoE layer, head, collectives), the best DDTree round's tok/s per
+user and the auto row's (decode.budget auto simulated on the case's measured costs), on the device named
+in the file. Markdown on stdout; no GPU needed:
 
     python tools/node_summary.py benchmarks/node_h100.json
 """
@@ -38,6 +39,15 @@ def _f(v, nd=0) -> str:
     return "-" if v is None else f"{v:,.{nd}f}"
 
 
+def auto_cell(case: dict) -> str:
+    """The auto row's figures at each collective latency (bench/node_auto.py: decode.budget auto
+    simulated on the case's measured costs, not an engine run), or "-" (files before it, or none)."""
+    auto = case.get("auto")
+    cells = [f"{p['collective_us']:g} µs: {_f(p['auto']['tok_s_per_user'])} ({p['auto_over_best']:.2f}× {p['best']} / "
+             f"{p['auto_over_worst']:.2f}× {p['worst']})" for p in (auto or {}).get("projection", []) if "best" in p]
+    return "; ".join(cells) or "-"
+
+
 def table(doc: dict, name: str = "") -> str:
     """The markdown: one heading line naming the device, the commit and the date, then one row per case."""
     try:
@@ -63,7 +73,8 @@ def table(doc: dict, name: str = "") -> str:
     heads = ["layout", "batch", "ctx", "small-M", "AR µs/token (rank, 61 layers)", "byte floor µs", "x floor",
              "attention µs/layer (floor)", "MoE µs/layer (floor)", "head µs", "collectives per token",
              f"best DDTree round at {lats[0]:g} µs collectives: budget, tau, µs/token" if lats else
-             "best DDTree round", "tok/s per user AR → DDTree"]
+             "best DDTree round", "tok/s per user AR → DDTree",
+             "auto (simulated on the case's costs): tok/s per user, × best / × worst fixed"]
     out += ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for lay in layouts:
         for c in lay["cases"]:
@@ -87,7 +98,8 @@ def table(doc: dict, name: str = "") -> str:
                 if c["ctx"] >= 1024 else str(c["ctx"]), c["small_m"], _f(rank), _f(floor),
                 f"{rank / floor:.1f}" if floor else "-",
                 f"{_f(st.get('attention'), 1)} ({_f(fl.get('attention'), 1)})",
-                f"{_f(st.get('moe'), 1)} ({_f(fl.get('moe'), 1)})", _f(ar.get("head_us"), 1), coll, btxt, tok]) + " |")
+                f"{_f(st.get('moe'), 1)} ({_f(fl.get('moe'), 1)})", _f(ar.get("head_us"), 1), coll, btxt, tok,
+                auto_cell(c)]) + " |")
     return "\n".join(out) + "\n"
 
 

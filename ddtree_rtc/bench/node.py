@@ -33,7 +33,11 @@ Per layout, context and batch (--batches, --contexts):
     at the published acceptance of z-lab's Kimi-K2.5-DFlash (PUBLISHED_TAU);
   * projected tok/s per user on 8 GPUs = 1 / (measured per-rank time + collective latency x
     collective count), both parts printed, for each latency of --collective-us (cited figures by
-    default, COLLECTIVE_US_CITED; or pass a measured one).
+    default, COLLECTIVE_US_CITED; or pass a measured one);
+  * the auto row (``--auto-rounds``, bench/node_auto.py): ``decode.budget: auto`` SIMULATED over
+    oracle rounds on a cost model made from this case's own projected figures (not an engine run),
+    with every measured setting simulated the same way: auto's tau, µs per round, tok/s per user,
+    chosen node counts, and auto over the best and the worst fixed setting (chain included).
 
 If the rank does not fit the GPU (a TP8 rank of K2.6 is ~78 GB of weights), ``--layers auto`` (the
 default) keeps, per layout, the most layers that fit the free memory at both peaks (making the
@@ -127,6 +131,8 @@ def small_m_choices() -> tuple[str, ...]:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from .node_auto import ROUNDS as AUTO_ROUNDS
+
     ap = argparse.ArgumentParser(
         prog="ddtree-rtc bench node", description=__doc__.split("\n\n")[0],
         epilog="The JSON's 'summary' is documented in ddtree_rtc/bench/node.py (summary_doc).")
@@ -163,6 +169,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true",
                     help="a subset for one short device call: batches 1,10, context 1k, budgets 8,32 + chain, "
                          "5 iterations (explicit flags still win)")
+    ap.add_argument("--auto-rounds", type=int, default=AUTO_ROUNDS,
+                    help="simulated rounds of the auto row per case (decode.budget auto on the case's measured "
+                         f"costs, bench/node_auto.py; default {AUTO_ROUNDS}; 0 skips it)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
     ap.add_argument("--json", metavar="FILE", help="write the rows and the summary as JSON here "
                                                    "(e.g. benchmarks/node_h100.json)")
@@ -204,6 +213,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--layers: expected auto or an integer, got {args.layers!r}")
         if not 1 <= args.layers <= FULL_LAYERS:
             ap.error(f"--layers {args.layers}: outside 1..{FULL_LAYERS}")
+    if args.auto_rounds < 0:
+        ap.error(f"--auto-rounds {args.auto_rounds}: must be >= 0")
     if args.iters < 1 or not 0 < args.accept_p <= 1 or args.hold_us < 0 or any(v < 0 for v in args.collective_us):
         ap.error("--iters >= 1, --accept-p in (0, 1], --hold-us >= 0 and --collective-us >= 0")
     return args
@@ -500,11 +511,65 @@ def ep_rank_rows(model, batch: int, ctx: int, node_counts: list[int], iters: int
 def free_blocks(be) -> None:
     """Give back what a case or a layout made: reference cycles collected first (a model, its runners,
     graphs and caches refer to each other, so dropping the last name frees nothing until the
-    collector runs), then CuPy's cached device blocks and pinned host blocks."""
+    collector runs), then CuPy's cached device blocks and pinned host blocks, then the device's own
+    caches (device_caches): the CUDA graph memory pool keeps what graph allocation nodes took after
+    their graphs are destroyed, the default stream-ordered pool what cudaMallocAsync freed, until
+    trimmed."""
     gc.collect()
     if be.is_cuda:
         be.xp.get_default_memory_pool().free_all_blocks()
         be.xp.get_default_pinned_memory_pool().free_all_blocks()
+        rt = be.xp.cuda.runtime
+        rt.deviceSynchronize()  # frees still queued on a stream are not yet in the pools
+        dev = be.xp.cuda.Device().id
+        driver = _driver()
+        err, cu_dev = driver.cuDeviceGet(dev)
+        _driver_ok(err, "cuDeviceGet")
+        _driver_ok(driver.cuDeviceGraphMemTrim(cu_dev)[0], "cuDeviceGraphMemTrim")
+        if rt.deviceGetAttribute(rt.cudaDevAttrMemoryPoolsSupported, dev):
+            rt.memPoolTrimTo(rt.deviceGetDefaultMemPool(dev), 0)
+
+
+def device_caches(be) -> dict:
+    """Bytes held now beyond the live arrays, by cache: CuPy's device pool (in use or cached:
+    ``cupy_pool_bytes``), the CUDA graph memory pool (``graph_pool_bytes``: graph allocation nodes,
+    kept after their graph until trimmed) and the device's default stream-ordered pool
+    (``async_pool_bytes``: cudaMallocAsync). All 0 on numpy."""
+    held = {"cupy_pool_bytes": pool_bytes(be), "graph_pool_bytes": 0, "async_pool_bytes": 0}
+    if not be.is_cuda:
+        return held
+    rt = be.xp.cuda.runtime
+    dev = be.xp.cuda.Device().id
+    driver = _driver()
+    err, cu_dev = driver.cuDeviceGet(dev)
+    _driver_ok(err, "cuDeviceGet")
+    err, graph = driver.cuDeviceGetGraphMemAttribute(
+        cu_dev, driver.CUgraphMem_attribute.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)
+    _driver_ok(err, "cuDeviceGetGraphMemAttribute")
+    held["graph_pool_bytes"] = int(graph)
+    if rt.deviceGetAttribute(rt.cudaDevAttrMemoryPoolsSupported, dev):
+        held["async_pool_bytes"] = int(rt.memPoolGetAttribute(rt.deviceGetDefaultMemPool(dev),
+                                                              rt.cudaMemPoolAttrReservedMemCurrent))
+    return held
+
+
+def memory_phase(be, phase: str) -> dict:
+    """One row of a layout's memory story (the JSON's memory.phases): what the device caches held
+    at the end of ``phase`` (device_caches, before they are given back), then the device's free
+    bytes once they are (free_bytes)."""
+    held = device_caches(be)
+    return {"phase": phase, "free_bytes": free_bytes(be), "held_before_release": held}
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _driver_ok(err, what: str) -> None:
+    if err != _driver().CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)}")
 
 
 def free_bytes(be) -> int:
@@ -599,7 +664,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
     from ..model.target import TargetModel
     from ..parallel.simulated import SimulatedRank
     from ..speculative.drafters import OracleDrafter
-    from . import decode
+    from . import decode, node_auto
     from . import round as round_bench
     from .drafter import bench_forward, random_drafter
     from .round import DEPTH
@@ -607,8 +672,10 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
     be = be or Backend("cuda")
     full = preset_config(preset)
     shard = Shard(args.rank, args.world, LAYOUTS[layout])
-    free = free_bytes(be)
+    phases = [memory_phase(be, "start")]
+    free = phases[0]["free_bytes"]
     n_layers, memory = plan_memory(full, shard, args, free)
+    memory["phases"] = phases
     cfg = full.with_layers(n_layers)
     scaled = n_layers < FULL_LAYERS
     log(f"[{layout}] rank {args.rank} of {args.world}, {n_layers} of {FULL_LAYERS} layers: weights "
@@ -632,17 +699,18 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
     make_s = time.perf_counter() - t0
     with unpooled(be):
         drafter = random_drafter(seed=args.seed, target=model) if args.drafter else None
-    memory["free_after_weights_bytes"] = free_bytes(be)
+    phases.append(memory_phase(be, "weights made"))
+    memory["free_after_weights_bytes"] = phases[-1]["free_bytes"]
     log(f"[{layout}] made {model.weight_nbytes() / 1e9:.1f} GB of weights in {make_s:.0f} s; GPU free "
         f"{memory['free_after_weights_bytes'] / 1e9:.1f} GB with the drafter")
     weight_bytes = decode.layer_weight_bytes(model)
     case_pool = [0]
 
-    def case_done():
+    def case_done(phase: str):
         """After each timed piece: the pool's high-water mark noted (the plan's run_bytes, measured),
-        then the piece's caches and graphs given back."""
+        then the piece's caches and graphs given back (a memory phase)."""
         case_pool[0] = max(case_pool[0], pool_bytes(be))
-        free_blocks(be)
+        phases.append(memory_phase(be, phase))
 
     oracle = OracleDrafter(be, cfg.vocab_size, DEPTH, lambda rid, prompt: [0] * (DEPTH + 1), accept_p=args.accept_p)
     ns = argparse.Namespace(context=0, accept_p=args.accept_p, iters=args.iters)
@@ -659,7 +727,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                 tag = f"{layout} sm-{small_m} b{b} ctx{ctx // 1024}k"
                 case_rows = []
                 ar = decode.bench_case(model, b, ctx, args.iters, gate, weight_bytes)
-                case_done()
+                case_done(f"{tag} AR step")
                 case_rows += [dataclasses.replace(r, case=f"{layout} sm-{small_m} AR {r.case}",
                                                   extra={**r.extra, "layout": layout, "small_m": small_m})
                               for r in ar]
@@ -667,7 +735,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                         "ar": ar_summary(ar, model, b, n_layers), "rounds": []}
                 if probe is not None:
                     probe_us = graph_step_us(view, b, ctx, args.iters)
-                    case_done()
+                    case_done(f"{tag} AR step probe")
                     slope = per_layer_slope(case["ar"]["step_us"], probe_us, n_layers, probe)
                     case["ar"].update(probe={"layers": probe, "step_us": probe_us}, per_moe_layer_graph_us=slope,
                                       step_us_61=case["ar"]["step_us"] + (FULL_LAYERS - n_layers) * slope)
@@ -676,7 +744,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     case_rows += comp
                     case["ar"]["components"] = {r.extra["component"]: {"us": r.us, "floor_us": r.extra["floor_us"]}
                                                 for r in comp}
-                    case_done()
+                    case_done(f"{tag} components")
                 shapes = [(bg, False) for bg in args.budgets] + ([(DEPTH, True)] if args.chain else [])
                 ep_by_nodes = {}
                 if layout == "ep":
@@ -685,7 +753,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     case_rows += ep
                     ep_by_nodes = {n: ep_summary([r for r in ep if r.extra["nodes"] == n], args.rank) for n in counts}
                     case["ar"]["ep_ranks"] = ep_by_nodes[1]
-                    case_done()
+                    case_done(f"{tag} EP ranks")
                 case["ar"]["collectives"] = count_collectives(model, b, 1, last_only=True)
                 if drafter is not None:
                     d = [drafter_shard_row(r, drafter, b, ctx, args.world)
@@ -695,11 +763,12 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     case["drafter_us"] = d[0].us
                     case["drafter_floor_us"] = d[0].extra["floor_us"]
                     case["drafter_collectives"] = count_drafter_collectives(drafter, b)
-                    case_done()
+                    case_done(f"{tag} drafter")
                 for budget, chain in shapes:
                     tau = oracle.expected_tau(budget, chain=chain)
                     rr = round_bench.bench_case(model, b, budget, ns, gate, weight_bytes, ProfileTau(tau), chain=chain)
-                    case_done()
+                    shape = "chain" if chain else f"budget {budget}"
+                    case_done(f"{tag} {shape}")
                     case_rows += [dataclasses.replace(r, case=f"{layout} sm-{small_m} {r.case}",
                                                       extra={**r.extra, "layout": layout, "small_m": small_m})
                                   for r in rr]
@@ -707,7 +776,7 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                     probe_round = None
                     if probe is not None:
                         probe_us = graph_round_us(view, b, budget, ctx, args.accept_p, chain, args.iters)
-                        case_done()
+                        case_done(f"{tag} {shape} probe")
                         probe_round = {"layers": probe, "round_us": probe_us,
                                        "per_moe_layer_graph_us": per_layer_slope(summ["graph_us"], probe_us,
                                                                                  n_layers, probe)}
@@ -724,18 +793,26 @@ def run_layout(layout: str, args, gate, log, be=None, preset: str = "k2.6") -> t
                         f"tau {tau:.2f}" + ("" if summ.get("queued_within_launch_queue", True) else
                                             "; its queued stage times overflowed the launch queue (host-bound)"))
                 cases.append(project_case(case, args, n_layers))
+                if args.auto_rounds and case["rounds"]:
+                    case["auto"] = node_auto.auto_row(case, args, cfg.vocab_size, model.batch_invariant
+                                                      and model.small_m_path, DEPTH, args.auto_rounds)
+                    log(f"  {tag}: {node_auto.summary_line(case['auto'])} ({case['auto']['sim_s']:.1f} s of CPU)")
                 rows += case_rows
                 log(f"  {tag}: AR step {case['ar']['step_us']:.0f} µs ({case['ar']['collectives']['calls']} "
                     f"collectives); {time.perf_counter() - t0:.0f} s into this layout")
     memory["case_pool_peak_bytes"] = case_pool[0]
     numerics = comm.note()
     del drafter, model, view, oracle, weight_bytes, comm
-    memory["free_after_release_bytes"] = free_bytes(be)
+    phases.append(memory_phase(be, "released"))
+    memory["free_after_release_bytes"] = phases[-1]["free_bytes"]
     kept = free - memory["free_after_release_bytes"]
+    held = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {v / 1e6:.0f} MB"
+                     for k, v in phases[-1]["held_before_release"].items())
     log(f"[{layout}] released: GPU free {memory['free_after_release_bytes'] / 1e9:.1f} GB (was {free / 1e9:.1f}); "
         f"the largest case held {case_pool[0] / 1e9:.1f} GB in CuPy's pool (planned "
         f"{memory['run_bytes'] / 1e9:.1f} GB + KV {memory['kv_bytes_largest_case'] / 1e9:.1f})"
-        + (f"; {kept / 1e9:.1f} GB NOT given back" if be.is_cuda and kept > RELEASE_SLACK_BYTES else ""))
+        + (f"; {kept / 1e9:.1f} GB NOT given back (held before the release: {held})"
+           if be.is_cuda and kept > RELEASE_SLACK_BYTES else ""))
     return rows, {"layout": layout, "expert_parallel": LAYOUTS[layout], "rank": args.rank, "world": args.world,
                   "preset": preset, "layers": n_layers, "scaled_to_full_depth": scaled, "memory": memory,
                   "cases": cases, "numerics": numerics, "collective_stand_in_hold_us": args.hold_us,
@@ -857,6 +934,10 @@ def print_summary(layouts: list[dict], log) -> None:
                 f"{best_r['round_us'] / best_r['tau_oracle']:.0f}")
             log(f"{lay['layout']} sm-{c['small_m']} b{c['batch']} ctx{c['ctx']} | {ar['step_us']:.0f} "
                 f"({ar['step_us_61']:.0f}) | {rtxt} | " + "; ".join(cells))
+            if c.get("auto"):
+                from .node_auto import summary_line
+
+                log(f"    {summary_line(c['auto'])}")
             chain = next((p for p in c["projection"][0]["rounds"] if p["chain"]), None) if c["projection"] else None
             if chain is not None:
                 pub = ", ".join(f"{k} {v['tok_s_per_user']:.0f}" for k, v in chain["published"].items())
@@ -873,7 +954,10 @@ def summary_doc(layouts: list[dict], args) -> dict:
                 drafter_bytes, ep_other_rank_bytes, margin_bytes, needed_bytes, full_depth_weights_bytes
                 (plan_memory's plan), free_after_weights_bytes (the weights and drafter made),
                 case_pool_peak_bytes (the most CuPy's pool held after one timed piece: run_bytes + KV,
-                measured), free_after_release_bytes (the layout given back)},
+                measured), free_after_release_bytes (the layout given back),
+                phases [{phase (start, weights made, "<case> <piece>" after each timed piece, released),
+                         free_bytes (once given back), held_before_release {cupy_pool_bytes,
+                         graph_pool_bytes, async_pool_bytes} (device_caches)}]},
         cases: one per (small_m, ctx, batch):
           layout, small_m, batch, ctx, layers,
           ar: step_us (CUDA graph, this rank, ``layers`` layers), step_us_61 (+ per_moe_layer_graph_us per
@@ -903,6 +987,17 @@ def summary_doc(layouts: list[dict], args) -> dict:
              collective_total_us, round_total_us, tau_oracle, per_token_us_oracle,
              tok_s_per_user_oracle, published (chain only) {benchmark: {tau, per_token_us,
              tok_s_per_user}}}]}
+          auto (absent with --auto-rounds 0 or no round): decode.budget auto SIMULATED on this case's
+            costs (bench/node_auto.py; not an engine run): rounds, requests, accept_p, max_budget,
+            max_rows, bucketed, choice, note, sim_s,
+            projection: one per collective_us: {collective_us, cost_model (CostModel.to_json),
+              auto {tau (per request-round), tau_sampled, tokens_per_round (the batch's), us_per_round,
+                    tok_s_per_user, tok_s_per_user_sampled, nodes_hist (per request-round), rows_hist
+                    (per round), drafted_rounds, skipped_drafts, tau_predicted, tau_measured},
+              settings [{setting, budget, chain, tau, tau_sampled, tau_oracle, us_per_round,
+                         round_total_us, tok_s_per_user, tok_s_per_user_sampled, tok_s_per_user_oracle}],
+              best, worst, auto_over_best, auto_over_worst, auto_over_chain, auto_over_best_sampled,
+              auto_uncapped (max_rows set only) {tau, us_per_round, tok_s_per_user, auto_over_best, nodes_hist}}
       published_acceptance, published_source, collective_us, collective_source, accept_p, full_layers."""
     return {"layouts": layouts, "published_acceptance": PUBLISHED_TAU, "published_source": PUBLISHED_SOURCE,
             "collective_us": list(args.collective_us), "collective_source": COLLECTIVE_SOURCE,

@@ -6,6 +6,17 @@ run while a stream is capturing ("calling cuBLAS API during stream capture is cu
 unsupported"), although cuBLAS itself captures GEMMs fine once the handle has a fixed workspace.
 So every call here sets the stream, host pointer mode and a persistent per-handle workspace
 (no allocation inside a capture), then issues the GEMM.
+
+The workspace is bound again after every ``cublasSetStream``: that call resets the handle to
+cuBLAS's default workspace pool (cuBLAS docs, cublasSetStream / cublasSetWorkspace). A GEMM on the
+default pool allocates its own workspace: inside a capture, as allocation nodes of the graph
+(cudaMallocAsync, CUDA 12.2 on; the device's graph memory pool keeps that memory after the graph
+is destroyed, until trimmed), before 12.2 a new workspace per captured graph. Every capture here
+runs on a new stream, so that memory would grow with every captured forward. One workspace serves
+every stream: the forwards that call cuBLAS never run on two streams at once (captures are made
+one at a time, replays and eager runs go on the caller's stream). It is a raw device allocation,
+outside CuPy's pools: the pool current at the first call may be a graph's private one, freed
+with its runner, and a pooled block would pin the rest of its allocation.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ GEMM_DEFAULT = -1
 
 _WORKSPACE_BYTES = 32 << 20
 _POINTER_MODE_HOST = 0
-_workspaces: dict[int, object] = {}  # handle -> cupy buffer (kept alive with the handle)
+_workspaces: dict[int, object] = {}  # handle -> raw device allocation (cupy.cuda.memory.Memory), kept with the handle
 
 _i, _p, _ll = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
 
@@ -75,10 +86,10 @@ def handle() -> int:
     h = cupy.cuda.device.get_cublas_handle()
     _ok(lib.cublasSetStream_v2(h, cupy.cuda.get_current_stream().ptr), "SetStream")
     _ok(lib.cublasSetPointerMode_v2(h, _POINTER_MODE_HOST), "SetPointerMode")
-    if h not in _workspaces:
-        ws = cupy.empty(_WORKSPACE_BYTES, dtype=cupy.uint8)
-        _ok(lib.cublasSetWorkspace_v2(h, ws.data.ptr, _WORKSPACE_BYTES), "SetWorkspace")
-        _workspaces[h] = ws
+    ws = _workspaces.get(h)
+    if ws is None:
+        ws = _workspaces[h] = cupy.cuda.memory.Memory(_WORKSPACE_BYTES)
+    _ok(lib.cublasSetWorkspace_v2(h, ws.ptr, _WORKSPACE_BYTES), "SetWorkspace")  # SetStream unbound it
     return h
 
 
