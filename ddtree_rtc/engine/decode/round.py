@@ -341,13 +341,13 @@ class SpeculativeRound:
             last, guess = self._last_cut, None
             if not measuring and last is not None and last[0] == rids:
                 guess = clock.time("plan", runner.plan_tree, rids, prefix, 1 + last[1], self.width, last[2])
-            values, raw, depth, off = clock.time("budget", ar.estimate, tree, rids)  # a host sync
+            values, raw, depth, off, weights = clock.time("budget", ar.estimate, tree, rids)  # a host sync
             draft_s = time.perf_counter() - t0
             if measuring:
                 output = self.sampler.output_for(reqs)
                 clock.time("budget", ar.measure, rids, prefix, tree, be.to_host(tree.num_nodes).astype(np.int64),
                            output)
-            choice = auto.choose(values, caps, ctx)
+            choice = auto.choose(values, caps, ctx, weights)
             ar.cut(tree, choice.counts)
             if guess is not None and (choice.rows != last[2] or not np.array_equal(choice.counts, last[1])):
                 guess = None
