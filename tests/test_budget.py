@@ -10,16 +10,20 @@ import pytest
 from ddtree_rtc.bench import budget_sim
 from ddtree_rtc.bench.budget_sim import DEPTH, MAX, VOCAB, Learner, OracleSim, SwitchSim, build
 from ddtree_rtc.engine.decode.budget import (
+    OFF_CLASSES,
+    OFF_RANKS,
     AutoBudget,
     BudgetError,
     Calibration,
     CostModel,
     ValueHistory,
     choose,
+    class_accepted,
     expected_tokens,
     experts_touched,
     node_values,
     row_buckets,
+    tree_paths,
 )
 
 
@@ -239,11 +243,45 @@ def test_the_policy_prices_its_candidates_once_per_batch_and_table(monkeypatch):
     assert len(priced) == 4
 
 
+def classes_by_tokens(tree, logits):
+    """Each node's path class (``tree_paths``) walked from the tokens and the drafter's ranks
+    (independently of ``tree_paths``, which reads the parents alone)."""
+    order = np.argsort(-logits, axis=2, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(logits.shape[2])[None, None, :], axis=2)
+    b, n = tree.tokens.shape
+    cls = np.zeros((b, n), np.int64)
+    for i in range(b):
+        for j in range(1, n):
+            u, k, top = j, 0, 0
+            while u > 0 and tree.parents[i, u] >= 0:
+                r = rank[i, tree.node_depth[i, u] - 1, tree.tokens[i, u]]
+                k, top, u = k + (r > 0), max(top, r), tree.parents[i, u]
+            cls[i, j] = 0 if k == 0 else (min(top, OFF_RANKS) if k == 1 else OFF_CLASSES - 1)
+    return cls
+
+
+def test_tree_paths_gives_depths_and_path_classes(rng):
+    logits = (3 * rng.standard_normal((6, DEPTH, VOCAB))).astype(np.float32)  # peaked: deep trees
+    tree = build(logits, budget=41)
+    depth, cls = tree_paths(tree.parents)
+    np.testing.assert_array_equal(depth, tree.node_depth)
+    np.testing.assert_array_equal(cls, classes_by_tokens(tree, logits))
+    assert set(np.unique(cls[:, 1:])) == set(range(OFF_CLASSES)) and (cls[:, 1] == 0).all()  # 1st pop: top-1
+    accepted = np.array([[0, 1, 2, -1], [0, 3, -1, -1]])  # a walk's nodes, root first
+    got = class_accepted(cls[:2], accepted, [3, 2])
+    want = np.zeros((2, OFF_CLASSES), np.int64)
+    for i, j in ((0, 1), (0, 2), (1, 3)):
+        want[i, cls[i, j]] += 1
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_rounds_estimate_reads_the_tree_once_and_launches_nothing(rng):
     """AutoRound.estimate between the build and the verify: three reads of the build's output (the
-    first waits for it) and numpy on the host, no array work on the device (each launch is host
-    time while the device waits for the choice); the values are ``node_values`` of those arrays
-    under the calibration's weights, the trees cut short and past their nodes (NaN scores) too."""
+    first waits for it; its depths and path classes come from the parents) and numpy on the host,
+    no array work on the device (each launch is host time while the device waits for the choice);
+    the values are ``node_values`` of those arrays under the calibration's weights (by depth and
+    path class), the trees cut short and past their nodes (NaN scores) too."""
     from ddtree_rtc.engine.decode.auto import AutoRound
 
     class HostOnly:  # a backend that counts its reads and has no array module to launch on
@@ -257,20 +295,27 @@ def test_the_rounds_estimate_reads_the_tree_once_and_launches_nothing(rng):
             raise AssertionError(f"estimate used the backend's {name!r}")
 
     b = 5
-    tree = build(rng.standard_normal((b, DEPTH, VOCAB)).astype(np.float32), budget=37)
+    logits = rng.standard_normal((b, DEPTH, VOCAB)).astype(np.float32)
+    tree = build(logits, budget=37)
     tree.num_nodes[...] = rng.integers(1, 39, b)
     for i, n in enumerate(tree.num_nodes):
         tree.scores[i, n:] = np.nan
     auto = AutoBudget(37, DEPTH, moe_cost())
     auto.calibration.pred[1:], auto.calibration.meas[1:] = 50.0, 50.0 * 0.7 ** np.arange(1, DEPTH + 1)
+    auto.calibration._off_used[1:] = [3.0, 2.0, 1.5, 0.5]
     rids = list(range(b))
     w = Calibration.weights(auto.calibration, rids)
-    assert not np.allclose(w[:, 1:], 1.0)  # calibrated: the values are not the raw P
-    vals, raw, depth = AutoRound(auto, HostOnly(), None).estimate(tree, rids)
+    assert w.shape == (b, DEPTH + 1, OFF_CLASSES) and not np.allclose(w[:, 1:], 1.0)  # the values are not the raw P
+    np.testing.assert_allclose(w[:, 1:, 1] / w[:, 1:, 0], 3.0)  # a path class's factor
+    auto.weights = lambda r: w  # without the off-path optimism (AutoBudget.weights)
+    vals, raw, depth, off = AutoRound(auto, HostOnly(), None).estimate(tree, rids)
     assert HostOnly.reads == 3
-    np.testing.assert_array_equal(vals, node_values(np, tree.scores, tree.node_depth, tree.num_nodes, w)[:, 1:])
+    want_off = classes_by_tokens(tree, logits)
+    np.testing.assert_array_equal(off, want_off)
+    np.testing.assert_array_equal(vals, node_values(np, tree.scores, tree.node_depth, tree.num_nodes, w,
+                                                    want_off)[:, 1:])
     np.testing.assert_array_equal(raw, node_values(np, tree.scores, tree.node_depth, tree.num_nodes,
-                                                   np.ones_like(w)))
+                                                   np.ones_like(w[:, :, 0])))
     np.testing.assert_array_equal(depth, tree.node_depth)
     assert np.isfinite(vals).all() and (vals[np.arange(1, 38)[None] >= tree.num_nodes[:, None]] == 0).all()
 
@@ -300,14 +345,15 @@ def test_calibrated_tau_tracks_measured_tau_over_2000_oracle_rounds(name, lagged
 FIXED = (*range(10), 12, 16, 32, 64, "chain")
 
 
-def compare(mk, rounds=300, **auto_kw):
+def compare(mk, rounds=300, cost=None, **auto_kw):
     """Auto's tokens per modelled second over the best fixed budget's (chain included), the best
     being the one with the most expected tokens per second: exactly (the expected tokens of the cuts
     made, under the oracle's law: no sampling noise) and as sampled (the same draws for every run,
     so the two sampled figures differ by the choices alone; the best of 15 sampled figures would be
-    the luckiest, not the best budget). Returns (exact ratio, sampled ratio, the best fixed)."""
-    tok, sec, *_, exact = run_oracle(mk(), rounds, **auto_kw)
-    runs = {k: run_oracle(mk(), rounds, budget=k) for k in FIXED}
+    the luckiest, not the best budget). Returns (exact ratio, sampled ratio, the best fixed);
+    ``cost``: the MoE fan-out shape unless given."""
+    tok, sec, *_, exact = run_oracle(mk(), rounds, cost=cost, **auto_kw)
+    runs = {k: run_oracle(mk(), rounds, budget=k, cost=cost) for k in FIXED}
     best = max(runs, key=lambda k: runs[k][5] / runs[k][1])
     r = runs[best]
     return (exact / sec) / (r[5] / r[1]), (tok / sec) / (r[0] / r[1]), best
@@ -357,6 +403,52 @@ def test_a_miscalibrated_drafter_is_found_out(name, lagged):
     assert exact > 0.96, (name, exact, sampled, best)
 
 
+CHEAP_NODES = dict(base_s=4e-3, row_s=2e-6, expert_s=60 * 1e-7, draft_s=1e-3, fixed_s=1e-3)  # bushy trees pay
+
+
+@pytest.mark.parametrize("lagged", [False, True])
+def test_an_understated_off_path_is_found_out(lagged):
+    """The oracle drafter at vocabulary 97 is right on its top-1 path and understates its next ranks
+    (rank 1: 0.039 where the walk takes it 0.115 of the time at p 0.77; about 2.9x, 2.3x, 1.7x at
+    ranks 1, 2, 3). Where nodes are cheap the best fixed budget is the bushy 64. Without the path
+    classes' factors auto stays on the chain (the depth factors see the chain's nodes only, and
+    those are right); with them it values the rank-1 nodes optimistically at first, learns each
+    class's factor from the nodes verified and reaches the best fixed budget."""
+    cost = CostModel.fanout(**CHEAP_NODES)
+    mk = lambda: [OracleSim(p=0.77, seed=10 + i) for i in range(2)]  # noqa: E731
+    exact, sampled, best = compare(mk, cost=cost, lagged=lagged)
+    without, _, _ = compare(mk, cost=cost, lagged=lagged, off_path=False)
+    *_, auto, _ = run_oracle(mk(), 300, cost=cost, lagged=lagged)
+    *_, chain, _ = run_oracle(mk(), 300, cost=cost, lagged=lagged, off_path=False)
+    f = auto.calibration.off_factors_used()
+    print(f"\nunderstated off-path{' lagged' if lagged else ''}: auto / best fixed ({best}) = {exact:.4f} exact, "
+          f"{sampled:.4f} sampled; without the off-path factors {without:.4f}; factors {np.round(f, 2).tolist()}")
+    assert best == 64 and set(chain.stats.counts_hist) == {DEPTH} and without < 0.9
+    assert exact > 0.999 and sampled > 0.99
+    assert 2.0 < f[1] < 4.0 and 1.5 < f[2] < 4.0  # rank-1 and rank-2 edges: the walk's 2.9x and 2.3x
+
+
+@pytest.mark.parametrize("cheap", [False, True])
+def test_a_calibrated_drafter_keeps_its_choice(cheap):
+    """The walk follows the drafter's own probabilities (on and off its top-1 path): the path
+    classes' factors stay at 1 and auto chooses as without them, after the first rounds' exploration
+    of the rank-1 nodes (its whole cost: there the choice goes bushy until 8 accepted nodes' worth
+    of evidence, then never again for the off-path classes alone)."""
+    cost = CostModel.fanout(**CHEAP_NODES) if cheap else moe_cost()
+    mk = lambda: [OracleSim(p=0.77, seed=10 + i, calibrated=True) for i in range(2)]  # noqa: E731
+    exact, _, best = compare(mk, cost=cost)
+    without, _, _ = compare(mk, cost=cost, off_path=False)
+    got, base = [], []
+    *_, auto, _ = run_oracle(mk(), 300, cost=cost, choices=got)
+    run_oracle(mk(), 300, cost=cost, choices=base, off_path=False)
+    print(f"\ncalibrated{' cheap nodes' if cheap else ''}: auto / best fixed ({best}) = {exact:.4f} exact; "
+          f"without the off-path factors {without:.4f}")
+    assert (auto.calibration.off_factors_used() == 1).all()
+    assert exact > without - 0.003
+    late = [i for i in range(50, len(got)) if (i + 1) % auto.explore_every]  # past the start, not exploring
+    assert all(np.array_equal(got[i][1], base[i][1]) for i in late)
+
+
 def test_without_the_gate_auto_wanders_below_the_best_fixed_budget(monkeypatch):
     """The same comparison with the calibration following every estimate (gate 0): the test above
     can fail, and this is how."""
@@ -385,14 +477,18 @@ def test_auto_beats_every_fixed_budget_with_the_random_drafter(lagged):
     tok = sec = 0.0
     rids = list(range(b))
     for t, acc in trees:
+        off = tree_paths(t.parents)[1]
         if auto.should_draft(rids):
             learner.before_choice()
             ch = auto.choose_lagged(rids, np.full(b, MAX), 0)
             if ch is None:
-                vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids))
+                vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids), off)
                 ch = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
             got = np.array([acc[i, :ch.counts[i] + 1].sum() for i in range(b)])
-            learner.after_round(rids, np.exp(np.nan_to_num(t.scores, nan=-np.inf)), t.node_depth, ch, got, True)
+            verified = np.arange(acc.shape[1])[None, :] <= ch.counts[:, None]
+            hit = acc & verified
+            learner.after_round(rids, np.exp(np.nan_to_num(t.scores, nan=-np.inf)), t.node_depth, ch, got, True,
+                                off, np.stack([(hit & (off == c)).sum(axis=1) for c in range(OFF_CLASSES)], axis=1))
         else:
             ch = auto.ar_choice(b, 0)
             auto.skipped(rids)

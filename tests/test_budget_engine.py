@@ -248,6 +248,24 @@ def test_the_lagged_choice_is_lossless_when_the_trees_differ_every_round(tiny, c
     assert got == want and sum("lag" in ev for ev in rounds) >= 1
 
 
+@pytest.mark.parametrize("lagged", [False, True])
+def test_the_walks_teach_the_path_classes(tiny, cont, lagged):
+    """The round hands the calibration its trees' path classes (from the parents it reads) and the
+    accepted nodes of each class (from the walk's node indices, read after the round's sync): with
+    free nodes every round verifies max_budget nodes, most off the drafter's top-1 path, and the
+    oracle (a Zipf tail under its top-1 token) takes its rank-1 token more often than it says, so
+    that class's accepted nodes outnumber its predicted ones. The ids stay autoregressive decoding's."""
+    ps = prompts(41, (5, 8, 6))
+    _, want = run(tiny, ps, 40)
+    eng = Engine(tiny, max_batch=3, page_size=16, max_context=128, mode="ddtree", budget="auto",
+                 drafter=oracle(tiny, cont, accept_p=0.6), max_budget=MAX, cost=CostModel.from_dict(FREE.to_json()))
+    eng.round.auto.lagged = lagged
+    got = [r.output for r in eng.run([Request(i, p, 40) for i, p in enumerate(ps)])]
+    cal = eng.round.auto.calibration
+    assert got == want
+    assert cal.off_pred[1] > 0.5 and cal.off_meas[1] > 1.5 * cal.off_pred[1], (cal.off_pred, cal.off_meas)
+
+
 def test_predicted_and_measured_tau_are_reported(tiny, cont):
     ps = prompts(12, (5, 7, 9))
     eng, _ = run(tiny, ps, 24, oracle(tiny, cont, accept_p=0.8))

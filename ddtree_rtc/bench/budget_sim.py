@@ -24,7 +24,7 @@ import copy
 
 import numpy as np
 
-from ..engine.decode.budget import AutoBudget, node_values
+from ..engine.decode.budget import OFF_CLASSES, AutoBudget, node_values, tree_paths
 from ..reference.topk import topk_logprobs
 from ..reference.tree_build import tree_build
 from ..speculative.drafters import OracleDrafter
@@ -43,13 +43,22 @@ def build(logits, budget: int = MAX, depth: int = DEPTH):
 class OracleSim:
     """One request's oracle rounds: its tree (the template's) and, per round, which nodes the walk
     reaches (a reached node's ancestors are reached; at most one node per depth). ``true_p``: the
-    walk follows another rank-0 probability than the drafter's (a miscalibrated drafter)."""
+    walk follows another rank-0 probability than the drafter's (a miscalibrated drafter).
+    ``calibrated``: the walk's true rank is drawn from the drafter's own probabilities (its softmax
+    over the ranks), so the drafter is right on and off its top-1 path; by default the oracle's law
+    (rank r >= 1 with (1 - p) 2^-r), which the drafter's Zipf tail understates at the first ranks
+    (at vocabulary 97 and p 0.77 it gives rank 1 0.039 where the law gives 0.115)."""
 
     def __init__(self, p=None, table=None, seed=0, true_p=None, vocab: int = VOCAB, depth: int = DEPTH,
-                 max_budget: int = MAX):
+                 max_budget: int = MAX, calibrated: bool = False):
         self.seed, self.depth_max = seed, depth
         self.od = OracleDrafter(None, vocab, depth, None, accept_p=p, table=table, seed=seed)
         self.tree = build(self.od._template[None], max_budget, depth)
+        self.law = None  # [depth, vocab]: P(true rank r) when calibrated
+        if calibrated:
+            x = np.sort(self.od._template.astype(np.float64), axis=1)[:, ::-1]
+            e = np.exp(x - x[:, :1])
+            self.law = e / e.sum(axis=1, keepdims=True)
         if true_p is not None:  # the same ranks (seed), another law
             self.od = OracleDrafter(None, vocab, depth, None, accept_p=true_p, seed=seed)
         rank = np.empty_like(self.od._order)
@@ -62,7 +71,10 @@ class OracleSim:
         self.rng = np.random.default_rng(seed + 1)
         self.ptrue = np.ones(n)  # the oracle law's probability that the walk reaches node j
         for j in range(1, n):
-            self.ptrue[j] = self.ptrue[self.parent[j]] * self.od.rank_probability(self.depth[j] - 1, self.rank[j])
+            d, r = self.depth[j] - 1, self.rank[j]
+            self.ptrue[j] = self.ptrue[self.parent[j]] * (self.od.rank_probability(d, r) if self.law is None
+                                                          else self.law[d, r])
+        self.classes = tree_paths(self.parent[None])[1][0]  # [n]: each node's path class (off the top-1 path)
         self.etrue = 1 + np.concatenate([[0.0], np.cumsum(self.ptrue[1:])])  # [n]: exact tau of a cut at n
 
     def fresh(self) -> OracleSim:
@@ -78,6 +90,9 @@ class OracleSim:
         u = self.rng.random((rounds, self.depth_max))
         tail = self.rng.geometric(0.5, (rounds, self.depth_max))
         true = np.where(u < probs[None], 0, tail)
+        if self.law is not None:  # the drafter's own law (the same uniforms, so runs stay comparable)
+            cdf = np.cumsum(self.law, axis=1)
+            true = np.stack([np.searchsorted(cdf[d], u[:, d], side="right") for d in range(self.depth_max)], axis=1)
         acc = np.zeros((rounds, len(self.depth)), bool)
         acc[:, 0] = True
         for j in range(1, len(self.depth)):
@@ -126,7 +141,7 @@ class Learner:
         while len(self.pend) > 1 or (self.pend and not self.auto.history.ready()):
             self.auto.learn(*self.pend.pop(0))
 
-    def after_round(self, *args) -> None:  # AutoBudget.observe's arguments
+    def after_round(self, *args) -> None:  # AutoBudget.observe's arguments (classes, off_accepted included)
         if not self.lagged:
             return self.auto.observe(*args)
         self.auto.hold(args[0], args[3], args[5])
@@ -138,16 +153,18 @@ class Learner:
 
 
 def round_tree(sims):
-    """The round's raw path probabilities and depths ``[B, N]`` of the sims' trees (as the engine
-    reads them: 0 and -1 past the built nodes)."""
+    """The round's raw path probabilities, depths and path classes ``[B, N]`` of the sims' trees
+    (as the engine reads them: 0, -1 and 0 past the built nodes)."""
     n_max = max(len(s.depth) for s in sims)
     raw = np.zeros((len(sims), n_max))
     depth = np.full((len(sims), n_max), -1, np.int64)
+    off = np.zeros((len(sims), n_max), np.int64)
     for i, s in enumerate(sims):
         n = len(s.depth)
         raw[i, 1:n] = np.exp(s.tree.scores[0, 1:n])
         depth[i, :n] = s.depth
-    return raw, depth
+        off[i, :n] = s.classes
+    return raw, depth, off
 
 
 def chain_nodes(sim) -> list[int]:
@@ -188,7 +205,7 @@ def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=Fa
     rids = list(range(b))
     for r in range(rounds):
         now = [s.at(r) for s in sims]
-        raw, depth = round_tree(now)
+        raw, depth, off = round_tree(now)
         if auto is None:
             k = depth_max if budget == "chain" else budget
             counts, drafted = np.full(b, k), True
@@ -199,8 +216,9 @@ def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=Fa
             own = None
             if choice is None or choices is not None:
                 # the weights of the round's own choice: the lagged choice's, so that only the tree differs
-                w = auto.weights(rids) if choice is None else choice.weights
-                vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth, np.array([len(s.depth) for s in now]), w)
+                w = auto.weights(rids) if choice is None else choice.valued
+                vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth, np.array([len(s.depth) for s in now]), w,
+                                   off)
                 own = auto.choose(vals[:, 1:], np.full(b, max_budget), 0)
             if choices is not None:
                 choices.append((None if choice is None else choice.counts, own.counts))
@@ -217,7 +235,13 @@ def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=Fa
             acc = [reached[i][r, : int(counts[i]) + 1].sum() for i in range(b)]
             exact += sum(s.etrue[min(int(n), len(s.etrue) - 1)] for s, n in zip(now, counts))
         if auto is not None:
-            learner.after_round(rids, raw, depth, choice, np.array(acc), drafted)
+            # the accepted nodes per path class (the engine: class_accepted of the walk's nodes)
+            cut = [min(int(counts[i]) + 1, reached[i].shape[1]) for i in range(b)]
+            off_acc = np.zeros((b, OFF_CLASSES), np.int64)
+            for i, c in enumerate(cut):
+                got = off[i, 1:c][reached[i][r, 1:c]]
+                off_acc[i] = np.bincount(got, minlength=OFF_CLASSES)
+            learner.after_round(rids, raw, depth, choice, np.array(acc), drafted, off, off_acc)
             if drafted:
                 made.append((choice, sum(acc)))
         tokens += sum(acc)

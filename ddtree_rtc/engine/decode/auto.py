@@ -4,8 +4,9 @@ model are in engine/decode/budget.py; docs/architecture.md, "Cost-aware budget")
 A round with the auto budget builds every tree at ``max_budget``. Choosing from the round's own tree
 (``decode.budget_choice: tree``, and a lagged engine's first and measuring rounds):
 
-    estimate -> the host reads the build's scores, depths and node counts (the round's first sync)
-                and values the nodes: path probability x calibration, beside the raw ones
+    estimate -> the host reads the build's scores, parents and node counts (the round's first sync)
+                and values the nodes: path probability x calibration (by depth and off-path
+                edges, both from the parents), beside the raw ones
     choose   -> per request the node count (AutoBudget.choose) and the bucket of verify rows that
                 holds them all
     cut      -> ``num_nodes = 1 + count``: the first ``count`` pops are the best tree of that size
@@ -34,7 +35,7 @@ import time
 import numpy as np
 
 from ...reference.tree_build import TreeArrays
-from .budget import AutoBudget, Choice, experts_touched, fit_expert_s, node_values
+from .budget import AutoBudget, Choice, experts_touched, fit_expert_s, node_values, node_weights, tree_paths
 
 MEASURE_REPS = 3
 OVERHEAD_DECAY = 0.9  # weight of the running mean of the measured draft / other seconds per round
@@ -61,31 +62,34 @@ class AutoRound:
         self._cuts: dict = {}  # batch -> [B] int32 device buffer of the lagged cut
         self._slopes: list = []  # every fan-out slope measured (the model's is their median)
 
-    def estimate(self, tree: TreeArrays, rids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Host ``(values [B, M], raw [B, N], depth [B, N])``: calibrated node values of nodes
-        1..M, raw path probabilities and depths of every slot. The host reads the build's scores,
-        depths and node counts (the round's first sync; the calibration's weights are made before
-        it, while the device still drafts and builds) and values them in numpy: at these sizes
-        (B <= 64 requests of <= 65 slots) that is microseconds, where the same pass on the device
-        is ~30 array launches of host time, all of it between the build and the verify (the
+    def estimate(self, tree: TreeArrays, rids) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Host ``(values [B, M], raw [B, N], depth [B, N], classes [B, N])``: calibrated node values
+        of nodes 1..M, raw path probabilities, depths and path classes of every slot. The host
+        reads the build's scores, parents and node counts (the round's first sync; the calibration's
+        weights are made before it, while the device still drafts and builds), takes depths and
+        path classes from the parents (``tree_paths``) and values the nodes in numpy: at these
+        sizes (B <= 64 requests of <= 65 slots) that is microseconds, where the same pass on the
+        device is ~30 array launches of host time, all of it between the build and the verify (the
         device idles there: the verify waits for the choice)."""
         be = self.backend
         w = self.auto.weights(rids)
         scores = be.to_host(tree.scores)  # waits for the build
-        depth = be.to_host(tree.node_depth).astype(np.int64)
+        depth, off = tree_paths(be.to_host(tree.parents))
         num_nodes = be.to_host(tree.num_nodes)
         raw = node_values(np, scores, depth, num_nodes, np.ones((len(rids), 1)))
-        vals = raw * np.take_along_axis(w, np.clip(depth, 0, w.shape[1] - 1), axis=1)
-        return vals[:, 1:], raw, depth
+        vals = raw * node_weights(np, w, depth, off)
+        return vals[:, 1:], raw, depth, off
 
     def read_tree(self, tree: TreeArrays) -> tuple[np.ndarray, np.ndarray]:
-        """Host ``(raw [B, N], depth [B, N])`` of the built tree after the round (the lagged choice:
-        the cut changed ``num_nodes`` only; the build leaves NaN scores and depth -1 past its nodes)."""
+        """Host ``(raw [B, N], parents [B, N])`` of the built tree after the round (the lagged
+        choice: the cut changed ``num_nodes`` only; the build leaves NaN scores and parent -1 past
+        its nodes). Its depths and path classes (``tree_paths``) are worked out when the round is
+        learned, during the next round's verify."""
         be = self.backend
         scores = be.to_host(tree.scores)
-        depth = be.to_host(tree.node_depth).astype(np.int64)
-        built = depth >= 1
-        return np.where(built, np.exp(np.where(built, scores, 0.0)), 0.0), depth
+        parents = be.to_host(tree.parents)
+        built = parents >= 0  # the root's -1 too: its value is 0
+        return np.where(built, np.exp(np.where(built, scores, 0.0)), 0.0), parents
 
     def draft_known(self, batch: int) -> bool:
         """Whether a lagged round may run at this batch size: a given table, or a measured one that

@@ -11,7 +11,9 @@ maximises the batch's expected tokens per second of round time:
 - **Calibration** (``Calibration``). The product of marginals is biased, so every node's P is scaled
   by a per-depth factor (measured reach of depth d over predicted reach, the predicted reach of a
   depth being the sum of P over its nodes, which are exclusive events; compounding with depth) and
-  a per-request factor (measured over predicted accepted nodes), both online and decayed; the
+  a per-request factor (measured over predicted accepted nodes), and by a factor per path class
+  (the rank of the node's one edge off the drafter's top-1 tokens, or several: a drafter is
+  miscalibrated differently off its top-1 path, ``tree_paths``), all online and decayed; the
   policy uses them once they are past noise, and probes optimistically where nothing is measured.
 - **The cost of a round** (``CostModel``): fixed and draft seconds per batch size and the verify
   as a function of the batch's verified rows in all, the distinct nodes among them (the MoE
@@ -63,25 +65,102 @@ def experts_touched(nodes, experts: int = EXPERTS, per_token: int = EXPERTS_PER_
 # -- expected acceptance from the tree (device or host) ------------------------------------------
 
 
-def node_values(xp, scores, node_depth, num_nodes, weights):
-    """``[B, N]`` float64: node j's path probability ``exp(scores[b, j])`` times ``weights[b,
-    depth_j]`` (the calibration), 0 for the root and for slots past ``num_nodes``. ``xp``: numpy or
-    cupy (the arrays' module); ``weights``: ``[B, depth + 1]``."""
+def node_weights(xp, weights, node_depth, classes=None):
+    """``[B, N]`` float64: each node's calibration weight. ``weights``: ``[B, depth + 1]`` (per
+    depth) or ``[B, depth + 1, OFF_CLASSES]`` (per depth and path class, ``AutoBudget.weights``:
+    index ``[b, depth_j, class_j]``, the class from ``classes`` ``[B, N]``, ``tree_paths``;
+    without it 0, the chain's)."""
+    w = xp.asarray(weights, dtype=xp.float64)
+    d = xp.clip(node_depth, 0, w.shape[1] - 1).astype(xp.int64)
+    if w.ndim == 2:
+        return xp.take_along_axis(w, d, axis=1)
+    k = xp.zeros_like(d) if classes is None else xp.clip(classes, 0, w.shape[2] - 1).astype(xp.int64)
+    return w[xp.arange(w.shape[0])[:, None], d, k]
+
+
+def node_values(xp, scores, node_depth, num_nodes, weights, classes=None):
+    """``[B, N]`` float64: node j's path probability ``exp(scores[b, j])`` times its weight
+    (``node_weights``: the calibration), 0 for the root and for slots past ``num_nodes``. ``xp``:
+    numpy or cupy (the arrays' module); ``weights``: ``[B, depth + 1]`` or ``[B, depth + 1,
+    OFF_CLASSES]`` with ``classes`` (``tree_paths``)."""
     n = scores.shape[1]
     j = xp.arange(n, dtype=xp.int32)[None, :]
     used = (j >= 1) & (j < num_nodes[:, None])
-    d = xp.clip(node_depth, 0, weights.shape[1] - 1).astype(xp.int64)
-    w = xp.take_along_axis(xp.asarray(weights, dtype=xp.float64), d, axis=1)
+    w = node_weights(xp, weights, node_depth, classes)
     return xp.where(used, xp.exp(xp.where(used, scores, 0.0)) * w, 0.0)
 
 
-def expected_tokens(xp, scores, node_depth, num_nodes, weights):
+def expected_tokens(xp, scores, node_depth, num_nodes, weights, classes=None):
     """``[B, N]``: column n is the expected tokens of the tree's first n nodes (bonus included),
     ``1 + sum_{1 <= i <= n} value_i``; column 0 (the root alone) is 1."""
-    return 1.0 + xp.cumsum(node_values(xp, scores, node_depth, num_nodes, weights), axis=1)
+    return 1.0 + xp.cumsum(node_values(xp, scores, node_depth, num_nodes, weights, classes), axis=1)
+
+
+OFF_RANKS = 3  # off-path classes by the rank of the one off-path edge: 1, 2, 3 or more
+OFF_CLASSES = OFF_RANKS + 2  # and the chain (0) and two or more off-path edges (the last)
+
+
+def tree_paths(parents) -> tuple[np.ndarray, np.ndarray]:
+    """Host ``(depth [B, N], path class [B, N])`` int64 of built trees from their ``parents``
+    ``[B, N]`` (pop order, root at 0 with parent -1; -1 past the built nodes): each node's depth
+    (root 0, unbuilt -1) and the class of its path off the drafter's top-1 tokens: 0 when every
+    edge is the top-1 token of its depth (the chain), r in 1..OFF_RANKS when one edge is not and
+    that token is the drafter's rank-r one (``OFF_RANKS`` for that rank and past it), and
+    ``OFF_CLASSES - 1`` when two edges or more are not. The drafter gives one distribution per
+    depth, so a child's rank is its rank among its siblings, and the best-first build pops a
+    parent's children in rank order (rank r + 1 is pushed when rank r is popped): an edge's rank is
+    the number of siblings popped before it. A sort of the slots by parent and log2(depth)
+    pointer-jumping passes up the ancestors (numpy; no device work)."""
+    p = np.asarray(parents).astype(np.int64)
+    b, n = p.shape
+    child = p >= 0
+    child[:, 0] = False
+    # siblings together, in pop order: a stable sort of the slots by (request, parent)
+    order = np.argsort((np.arange(b)[:, None] * (n + 1) + np.where(child, p + 1, 0)).ravel(), kind="stable")
+    key = np.where(child, p + 1, 0).ravel()[order] + (order // n) * (n + 1)
+    at = np.arange(b * n)
+    new = np.ones(b * n, bool)
+    new[1:] = key[1:] != key[:-1]
+    rank = np.empty(b * n, np.int64)  # each node's edge: its rank among its siblings
+    rank[order] = at - np.maximum.accumulate(np.where(new, at, 0))
+    rank = np.where(child, rank.reshape(b, n), 0)
+    # sums and maxima over each node's path by pointer jumping (log2(depth) flat gathers; the root
+    # and unbuilt slots point at themselves and add nothing)
+    own = np.arange(b * n)
+    jump = np.where(child, p + np.arange(b)[:, None] * n, own.reshape(b, n)).ravel()
+    depth = child.ravel().astype(np.int64)
+    k = (rank >= 1).ravel().astype(np.int64)  # off-path edges on the path
+    top = rank.ravel().copy()  # the largest edge rank on the path
+    while True:
+        nxt = jump[jump]
+        depth += np.where(jump != own, depth[jump], 0)
+        k += np.where(jump != own, k[jump], 0)
+        np.maximum(top, top[jump], out=top)
+        if np.array_equal(nxt, jump):
+            break
+        jump = nxt
+    depth = np.where(child, depth.reshape(b, n), -1)
+    depth[:, 0] = 0
+    k, top = k.reshape(b, n), top.reshape(b, n)
+    return depth, np.where(k == 0, 0, np.where(k == 1, np.minimum(top, OFF_RANKS), OFF_CLASSES - 1))
+
+
+def class_accepted(classes, accepted, accept_len) -> np.ndarray:
+    """``[B, OFF_CLASSES]``: the accepted nodes of each path class (``tree_paths``) per request,
+    from the walk's node indices ``accepted`` ``[B, >= max accept_len]`` (root first) and its
+    length (root included)."""
+    classes, accepted = np.asarray(classes), np.asarray(accepted).astype(np.int64)
+    a = np.asarray(accept_len, np.int64)
+    j = np.arange(accepted.shape[1])[None, :]
+    used = (j >= 1) & (j < a[:, None])
+    c = np.take_along_axis(classes, np.clip(accepted, 0, classes.shape[1] - 1), axis=1)
+    return np.stack([((c == x) & used).sum(axis=1) for x in range(OFF_CLASSES)], axis=1)
 
 
 # -- calibration ---------------------------------------------------------------------------------
+
+
+OFF_PRIOR = 0.25  # predicted nodes of a path class's prior (at 1); small: its evidence comes a few nodes at a time
 
 
 class Calibration:
@@ -97,10 +176,25 @@ class Calibration:
     accepted nodes expected there (``1 / sqrt(count + 1)`` on the log factor). So a drafter whose
     probabilities are right is taken at its word, and the node counts do not wander with the luck of
     the last rounds (each wander costs: the best count's neighbours give fewer tokens per second);
-    a bias that the evidence shows moves them within a few rounds (at 2x, about 20 accepted nodes)."""
+    a bias that the evidence shows moves them within a few rounds (at 2x, about 20 accepted nodes).
+
+    **Off the top-1 path.** A drafter is miscalibrated differently on its top-1 path and off it (the
+    oracle drafter at K2.6's vocabulary gives its rank-1 token 0.024 where the walk takes it 0.115 of
+    the time), and a depth's factor cannot tell the two apart (it scales every node of the depth).
+    So a node's weight also carries the factor of its path's class (``tree_paths``): 0 on the chain
+    (factor 1), else by the rank of its one off-path edge (1, 2, 3 or more) or two edges or more.
+    Each class's factor is learned as the others are, from the verified nodes of the class (their
+    predicted reach under the depth and request factors in use against the accepted nodes among
+    them), with a prior of 1 (the drafter's word) and the same gate (``off_factors_used``). By class
+    and not one factor per off-path edge (``f ** k``, k the off-path edges): the bias is by rank,
+    not by edge count. The oracle's understatement is 2.9x, 2.3x, 1.7x, 1.1x at ranks 1 to 4 (at
+    vocabulary 97), one factor learned mostly from the rank-1 nodes overvalues the rank-3 and
+    deeper ones, and in the simulator that made auto verify trees too bushy where nodes cost
+    something (0.96-0.97x the best fixed budget against 0.99-1.00x by class; docs/architecture.md
+    section 8); and a 64-node oracle tree has no node with two off-path edges at all."""
 
     def __init__(self, depth: int, decay: float = 0.998, prior: float = 4.0, request_decay: float = 0.995,
-                 request_prior: float = 512.0, gate: float = 4.0):
+                 request_prior: float = 512.0, gate: float = 4.0, off_path: bool = True):
         if not 0 < decay <= 1 or not 0 < request_decay <= 1:
             raise BudgetError(f"calibration decay must be in (0, 1], got {decay}, {request_decay}")
         if gate < 0:
@@ -113,6 +207,10 @@ class Calibration:
         self._req: dict = {}  # rid -> [predicted, measured] accepted nodes, depth-calibrated
         self._depth_used = np.concatenate([[0.0], np.ones(depth)])  # the factors in use (the drafter's P at first)
         self._req_used: dict = {}  # rid -> the request factor in use
+        self.off_pred = np.zeros(OFF_CLASSES)  # verified nodes per path class: predicted reach, and accepted
+        self.off_meas = np.zeros(OFF_CLASSES)
+        self._off_used = np.ones(OFF_CLASSES)  # the path classes' factors in use (the drafter's P at first)
+        self.off_path = bool(off_path)  # False: the off-path factor stays 1 (the per-depth model alone)
 
     def depth_factors(self) -> np.ndarray:
         """``[depth + 1]``: the factor of each depth (index 0, the root, unused). The bias of a
@@ -162,20 +260,52 @@ class Calibration:
             self._req_used[rid] = used = live
         return used
 
-    def weights(self, rids) -> np.ndarray:
-        """``[B, depth + 1]`` float64: depth factor times request factor, as in use."""
-        f = self.depth_factors_used()
-        return np.array([self.request_factor_used(r) for r in rids], np.float64).reshape(-1, 1) * f
+    def off_factors(self) -> np.ndarray:
+        """``[OFF_CLASSES]``: each path class's factor, (decayed accepted nodes + prior) / (decayed
+        predicted ones + prior), the prior at 1 (class 0, the chain: 1, the depth factors' part)."""
+        f = (self.off_meas + OFF_PRIOR) / (self.off_pred + OFF_PRIOR)
+        f[0] = 1.0
+        return f
 
-    def observe(self, rids, raw, node_depth, counts, accept_len) -> None:
+    def off_factors_used(self) -> np.ndarray:
+        """The path classes' factors in use: each moves to its estimate past the gate, the error
+        being that of the count of accepted nodes measured in the class (not of the count the factor
+        in use predicts, as for the depths: off-path nodes are verified rarely and in small numbers,
+        so an understated class must not wait for the evidence its understatement keeps away, and a
+        few verified nodes none of which was accepted do not mark a class down)."""
+        if self.off_path:
+            live, used = self.off_factors(), self._off_used
+            for c in range(1, OFF_CLASSES):
+                if self._z(live[c], used[c], self.off_meas[c]) > self.gate:
+                    used[c] = live[c]
+        return self._off_used
+
+    def off_evidence(self) -> np.ndarray:
+        """``[OFF_CLASSES]``: the accepted nodes each class's factor in use stands for (the width of
+        the exploration's bound)."""
+        return self._off_used * self.off_pred
+
+    def weights(self, rids) -> np.ndarray:
+        """``[B, depth + 1, OFF_CLASSES]`` float64: depth factor times request factor times the path
+        class's factor (the last axis, ``tree_paths``), as in use."""
+        f = self.depth_factors_used()
+        r = np.array([self.request_factor_used(r) for r in rids], np.float64).reshape(-1, 1, 1)
+        return r * f[None, :, None] * self.off_factors_used()[None, None, :]
+
+    def observe(self, rids, raw, node_depth, counts, accept_len, classes=None, off_accepted=None) -> None:
         """``raw``/``node_depth`` ``[B, N]`` host arrays of the built tree (pop order, root at 0),
         ``counts`` ``[B]`` the verified nodes (the cut), ``accept_len`` ``[B]`` the walk's length
-        (root included). The request factor is measured over predicted under the depth factors in use."""
-        f, d1 = self._depth_used, self.depth + 1
+        (root included); ``classes`` ``[B, N]`` each node's path class and ``off_accepted`` ``[B,
+        OFF_CLASSES]`` the accepted nodes of each (``tree_paths``, ``class_accepted``; without them
+        every node counts as on the top-1 path). Predicted reach per depth is under the classes'
+        factors in use; the request factor is measured over predicted under the depth factors in use."""
+        f, d1, fo = self._depth_used, self.depth + 1, self._off_used
         counts, accept_len = np.asarray(counts, np.int64), np.asarray(accept_len, np.int64)
         top = int(counts.max()) if len(counts) else 0
         pred = np.zeros(d1)
         meas = np.zeros(d1)
+        self.off_pred *= self.decay
+        self.off_meas *= self.decay
         if top > 0:
             # every request's predicted reach per depth in one bincount over (request, depth) (a loop
             # of one per request was most of this host time that grows with the batch); a request
@@ -184,8 +314,17 @@ class Calibration:
             depth = node_depth[:, 1:top + 1].astype(np.int64)
             used = (np.arange(top)[None, :] < counts[:, None]) & (depth < d1)
             idx = np.arange(b)[:, None] * d1 + depth
-            per_depth = np.bincount(idx[used], weights=raw[:, 1:top + 1][used], minlength=b * d1).reshape(b, d1)
+            r = raw[:, 1:top + 1]
             live = np.flatnonzero(counts > 0)
+            if classes is not None:
+                c = np.clip(np.asarray(classes)[:, 1:top + 1].astype(np.int64), 0, OFF_CLASSES - 1)
+                if off_accepted is not None:
+                    rf = np.array([self._req_used.get(x, 1.0) for x in rids], np.float64)[:, None]
+                    pc = r * rf * f[np.clip(depth, 0, d1 - 1)]  # predicted reach before the class factor
+                    self.off_pred += np.bincount(c[used], weights=pc[used], minlength=OFF_CLASSES)
+                    self.off_meas += np.asarray(off_accepted)[live].sum(axis=0)
+                r = r * fo[c]
+            per_depth = np.bincount(idx[used], weights=r[used], minlength=b * d1).reshape(b, d1)
             pred = per_depth[live].sum(axis=0)
             meas[1:] = (accept_len[live, None] > np.arange(1, d1)[None, :]).sum(axis=0)  # reached depth d
             rd = self.request_decay
@@ -212,9 +351,10 @@ PERSIST_PRIOR = 8.0  # request-rounds of evidence for no persistence (rho shrunk
 class ValueHistory:
     """What the coming round's node values will be, from the past rounds (the lagged choice).
 
-    Per request: decayed sums of its built nodes' raw path probabilities by pop index and depth,
-    and of the rounds each pop index was built in (their ratio is the mean value; kept per depth
-    so the calibration's weights of the round apply), and the last round's values. The prediction
+    Per request: decayed sums of its built nodes' raw path probabilities by pop index, depth and
+    path class (``tree_paths``), and of the rounds each pop index was built in (their ratio is the
+    mean value; kept per depth and class so the calibration's weights of the round apply), and the
+    last round's nodes (raw, depth, class). The prediction
     is ``mean + rho (last - mean)``: ``rho`` is the persistence of a request's tree mass (the sum of
     its built nodes' P) from one round to the next, the lag-1 autocorrelation of its deviations
     from the request's mean, pooled over requests, decayed, shrunk towards 0 and clipped to [0, 1].
@@ -228,7 +368,8 @@ class ValueHistory:
         if not 0 <= decay < 1:
             raise BudgetError(f"value history decay must be in [0, 1), got {decay}")
         self.m, self.d1, self.decay = int(max_budget), depth + 1, decay
-        self._req: dict = {}  # rid -> [sum [m, d1], rounds [m], last [m, d1], last built [m], mass mean, last mass]
+        self._req: dict = {}  # rid -> [sum [m, d1, d1], rounds [m], last (raw, depth, k) [m], last built [m],
+        #                                mass mean, last mass]
         self._pool = None  # [sum, rounds] over every request's rounds
         self._c0 = self._c1 = self._cn = 0.0  # decayed lag-0 / lag-1 moments of the mass deviations, their count
 
@@ -242,53 +383,84 @@ class ValueHistory:
             return 0.0
         return float(np.clip(self._c1 / self._c0, 0.0, 1.0)) * self._cn / (self._cn + PERSIST_PRIOR)
 
+    def _weights(self, weights) -> np.ndarray:
+        """``[B, d1, OFF_CLASSES]``: the round's weights by depth and path class (per depth only: the
+        same for every class)."""
+        w = np.asarray(weights, np.float64)
+        if w.ndim == 2:
+            w = np.repeat(w[:, : self.d1, None], OFF_CLASSES, axis=2)
+        return w[:, : self.d1]
+
     def values(self, rids, weights, ahead: int = 1) -> np.ndarray:
         """``[B, max_budget]``: each request's predicted calibrated value of pop indices
         1..max_budget (0 where none was built) ``ahead`` rounds past the last one learned (the
-        persistence over them: ``rho ** ahead``), ``weights`` ``[B, depth + 1]``."""
+        persistence over them: ``rho ** ahead``), ``weights`` ``[B, depth + 1]`` or ``[B, depth +
+        1, OFF_CLASSES]`` (``Calibration.weights``: by depth and path class)."""
         if self._pool is None:
             raise BudgetError("value history: no round observed yet")
         pool, rho = self._pool, self.rho ** max(int(ahead), 1)
         st = [self._req.get(r) for r in rids]
         s = np.stack([pool[0] if x is None else x[0] for x in st])
         n = np.stack([pool[1] if x is None else x[1] for x in st])
-        w = np.asarray(weights, np.float64)[:, : self.d1]
-        mean = np.where(n > 0, np.einsum("bmd,bd->bm", s, w) / np.maximum(n, 1e-300), 0.0)
+        w = self._weights(weights)
+        mean = np.where(n > 0, np.einsum("bmdk,bdk->bm", s, w) / np.maximum(n, 1e-300), 0.0)
         if rho <= 0:
             return mean
-        last = np.stack([pool[0] * 0 if x is None else x[2] for x in st])
+        zero = np.zeros(self.m, np.int64)
+        last = np.stack([np.zeros(self.m) if x is None else x[2][0] for x in st])
+        ld = np.stack([zero if x is None else x[2][1] for x in st])
+        lk = np.stack([zero if x is None else x[2][2] for x in st])
         built = np.stack([np.zeros(self.m, bool) if x is None else x[3] for x in st])
-        last = np.where(built, np.einsum("bmd,bd->bm", last, w), mean)
+        last = np.where(built, last * w[np.arange(len(st))[:, None], ld, lk], mean)
         return mean + rho * (last - mean)
 
-    def update(self, rids, raw, node_depth) -> None:
+    def update(self, rids, raw, node_depth, classes=None) -> None:
         """``raw`` / ``node_depth`` ``[B, N]`` host arrays of the round's built trees (pop order,
-        root at 0; ``raw`` 0 and depth -1 past the built nodes, as the build leaves them)."""
+        root at 0; ``raw`` 0 and depth -1 past the built nodes, as the build leaves them);
+        ``classes`` ``[B, N]`` their path classes (``tree_paths``; None: 0 for all)."""
         m = min(self.m, raw.shape[1] - 1)
+        b = len(rids)
         d = node_depth[:, 1:m + 1].astype(np.int64)
-        built = np.zeros((len(rids), self.m), bool)
+        kk = np.zeros_like(d) if classes is None else np.clip(np.asarray(classes)[:, 1:m + 1], 0, OFF_CLASSES - 1)
+        built = np.zeros((b, self.m), bool)
         built[:, :m] = (d >= 1) & (d < self.d1)
-        s = np.zeros((len(rids), self.m, self.d1))
-        bi, ii = np.nonzero(built[:, :m])
-        s[bi, ii, d[bi, ii]] = raw[:, 1:m + 1][bi, ii]
-        mass = s.sum(axis=(1, 2))
+        rv = np.zeros((b, self.m))
+        rv[:, :m] = np.where(built[:, :m], raw[:, 1:m + 1], 0.0)
+        dv = np.zeros((b, self.m), np.int64)
+        dv[:, :m] = np.where(built[:, :m], d, 0)
+        kv = np.zeros((b, self.m), np.int64)
+        kv[:, :m] = np.where(built[:, :m], kk, 0)
+        mass = rv.sum(axis=1)
         k, kp = self.decay, PERSIST_DECAY
         c0 = c1 = cn = 0.0
+        ii = np.arange(self.m)
         for i, r in enumerate(rids):
             x = self._req.get(r)
+            last = (rv[i], dv[i], kv[i])
             if x is None:
-                self._req[r] = [s[i], built[i].astype(np.float64), s[i], built[i], float(mass[i]), float(mass[i])]
-                continue
-            mu, prev = x[4], x[5]
-            c0 += (prev - mu) ** 2
-            c1 += (mass[i] - mu) * (prev - mu)
-            cn += 1
-            self._req[r] = [k * x[0] + s[i], k * x[1] + built[i], s[i], built[i], k * mu + (1 - k) * mass[i],
-                            float(mass[i])]
+                x = self._req[r] = [np.zeros((self.m, self.d1, OFF_CLASSES)), np.zeros(self.m), last, built[i],
+                                    float(mass[i]), float(mass[i])]
+            else:
+                mu, prev = x[4], x[5]
+                c0 += (prev - mu) ** 2
+                c1 += (mass[i] - mu) * (prev - mu)
+                cn += 1
+                x[0] *= k
+                x[1] *= k
+                x[2:] = [last, built[i], k * mu + (1 - k) * mass[i], float(mass[i])]
+            x[0][ii, dv[i], kv[i]] += rv[i]  # one slot per pop index (unbuilt ones add 0 at depth 0)
+            x[1] += built[i]
         if cn:
             self._c0, self._c1, self._cn = kp * self._c0 + c0, kp * self._c1 + c1, kp * self._cn + cn
-        ps, pn = s.sum(axis=0), built.sum(axis=0).astype(np.float64)
-        self._pool = [ps, pn] if self._pool is None else [k * self._pool[0] + ps, k * self._pool[1] + pn]
+        if self._pool is None:
+            self._pool = [np.zeros((self.m, self.d1, OFF_CLASSES)), np.zeros(self.m)]
+        else:
+            self._pool[0] *= k
+            self._pool[1] *= k
+        cells = (ii[None, :] * self.d1 + dv) * OFF_CLASSES + kv
+        self._pool[0] += np.bincount(cells.ravel(), weights=rv.ravel(),
+                                     minlength=self._pool[0].size).reshape(self._pool[0].shape)
+        self._pool[1] += built.sum(axis=0)
 
     def release(self, rid) -> None:
         self._req.pop(rid, None)
@@ -503,7 +675,8 @@ class Choice:
     expected: np.ndarray  # [B] predicted tokens (bonus included)
     seconds: float  # the modelled round (fixed + draft + verify)
     verify_s: float
-    weights: np.ndarray | None = None  # lagged: the [B, depth + 1] weights it valued by (expected is remade)
+    weights: np.ndarray | None = None  # the calibration's weights of its round (expected is remade under them)
+    valued: np.ndarray | None = None  # the weights it chose by (the calibration's and the optimism)
 
 
 @functools.lru_cache(maxsize=256)
@@ -632,12 +805,16 @@ class BudgetStats:
 
 
 PROBE_Z, PROBE_MAX = 2.0, 2.0  # a probe's optimism: z of the upper bound, and its largest factor
+OFF_EXPLORE = slice(1, 2)  # the path classes the start-up raises: one rank-1 edge
+OFF_EVIDENCE = 8.0  # accepted nodes' worth of their evidence that ends the start-up
+OFF_PROBE_MAX = 4.0  # the start-up's largest optimism (nothing measured off the top-1 path yet)
 LAG = 2  # lagged: rounds from the last tree learned to the round chosen (chosen during the verify before it)
 
 
 class AutoBudget:
     """``decode.budget: auto`` for one engine: calibration, cost model, verify row buckets and the
-    choice of whether to draft at all. A request whose last drafted round got no nodes is held: it
+    choice of whether to draft at all (``off_path``: the calibration's off-path factor, ``Calibration``;
+    False keeps the per-depth model alone, for comparisons). A request whose last drafted round got no nodes is held: it
     decodes autoregressively (no draft, unless others of the batch draft) and every
     ``probe_every``-th round probes, i.e. drafts and values its nodes optimistically (``weights``),
     so a drafter better than its probabilities is found out (verified nodes are the calibration's
@@ -651,7 +828,7 @@ class AutoBudget:
 
     def __init__(self, max_budget: int, depth: int, cost: CostModel | None, bucketed: bool = False,
                  probe_every: int = 8, explore_every: int = 32, max_rows: int | None = None,
-                 lagged: bool = True, history_decay: float = HISTORY_DECAY):
+                 lagged: bool = True, history_decay: float = HISTORY_DECAY, off_path: bool = True):
         from ...reference.tree_build import MAX_BUDGET
 
         if not 1 <= int(max_budget) <= MAX_BUDGET:
@@ -665,7 +842,7 @@ class AutoBudget:
         self.cost = cost if cost is not None else CostModel(draft=(), fixed=(), measured=True, source="warm-up")
         self.bucketed = bool(bucketed)
         self._buckets: dict = {}  # batch -> its buckets (fixed by the settings above)
-        self.calibration = Calibration(depth)
+        self.calibration = Calibration(depth, off_path=off_path)
         self.lagged = bool(lagged)
         self.history = ValueHistory(self.max_budget, depth, history_decay)
         self.probe_every, self.explore_every = probe_every, explore_every
@@ -673,6 +850,9 @@ class AutoBudget:
         self._drafted = 0
         self._ar_rounds: dict = {}  # rid -> rounds left before a held request probes
         self._held: set = set()  # requests whose last drafted round got no node
+        self.honest = None  # the last weights() without the optimism of probes and exploration
+        self.valued = None  # the last weights() (the choice's)
+        self._off_started = False  # the off-path evidence has once reached OFF_EVIDENCE
 
     def should_draft(self, rids) -> bool:
         """Whether the round drafts: some request is not held (or probes), and the rows hold more
@@ -689,23 +869,40 @@ class AutoBudget:
         return rid in self._held and self._ar_rounds.get(rid, 0) <= 0
 
     def weights(self, rids) -> np.ndarray:
-        """``[B, depth + 1]`` node-value weights for this round: the calibration's, raised by an
-        upper confidence bound ``exp(PROBE_Z / sqrt(n + 1))`` (at most ``PROBE_MAX``), n the accepted
-        nodes the calibration's evidence at that depth stands for (wide where nothing has been
-        measured lately, narrow where much has): on a held request's probe, so a drafter better than
-        its probabilities is found out; and every ``explore_every``-th drafted round for every
-        request, there only up to the drafter's own probability (factor 1), so depths the
-        calibration marked down long ago are verified and measured again."""
-        w = self.calibration.weights(rids)
+        """``[B, depth + 1, OFF_CLASSES]`` node-value weights for this round (by depth and path
+        class, ``Calibration.weights``): the calibration's, raised by an upper confidence bound
+        ``exp(PROBE_Z / sqrt(n + 1))`` (at most ``PROBE_MAX``), n the accepted nodes the
+        calibration's evidence at that depth stands for (wide where nothing has been measured
+        lately, narrow where much has): on a held request's probe, so a drafter better than its
+        probabilities is found out; and every ``explore_every``-th drafted round for every request,
+        there only up to the drafter's own probability (factor 1), so depths and path classes the
+        calibration marked down long ago are verified and measured again. Off the top-1 path:
+        while the tree is the chain nothing off it is measured, and a drafter that understates its
+        other ranks would never be found out (the exploring rounds alone give too little evidence
+        at batch 1 to pass the gate in a few hundred rounds). So until the rank-1 class
+        (``OFF_EXPLORE``) has once stood for ``OFF_EVIDENCE`` accepted nodes (``off_evidence``),
+        every round raises that class by the same bound on its evidence (at most
+        ``OFF_PROBE_MAX``): the branches off the chain at its rank-1 tokens, the off-path nodes
+        of most value, and a start-up cost only (a calibrated drafter in the simulator: 0.998x of its
+        choice without it over 300 rounds where nodes are cheap, 1.000x on the MoE fan-out
+        table). The weights without the optimism (``honest``) value the round's predicted tokens
+        (``learn``)."""
+        cal = self.calibration
+        w = cal.weights(rids)
+        self.honest = w
         self._drafted += 1
         explore = self._drafted % self.explore_every == 0
         probe = [i for i, r in enumerate(rids) if self.probing(r)]
-        if explore or probe:
-            cal = self.calibration
-            bound = np.minimum(np.exp(PROBE_Z / np.sqrt(cal.depth_factors_used() * cal.pred + 1.0)), PROBE_MAX)
-            if explore:
-                w = np.minimum(w * bound, np.maximum(w, 1.0))
-            w[probe] *= bound
+        bound = np.minimum(np.exp(PROBE_Z / np.sqrt(cal.depth_factors_used() * cal.pred + 1.0)), PROBE_MAX)
+        bound = bound[None, :, None]
+        w = np.minimum(w * bound, np.maximum(w, 1.0)) if explore else w.copy()
+        ev = cal.off_evidence()[OFF_EXPLORE]
+        self._off_started = self._off_started or bool((ev >= OFF_EVIDENCE).all())
+        if cal.off_path and not self._off_started:
+            w[:, :, OFF_EXPLORE] *= np.minimum(np.exp(PROBE_Z / np.sqrt(ev + 1.0)),
+                                               OFF_PROBE_MAX)
+        w[probe] *= bound
+        self.valued = w
         return w
 
     @property
@@ -736,7 +933,10 @@ class AutoBudget:
         return most if self.max_rows is None else max(batch, min(self.max_rows, most))
 
     def choose(self, values, caps, ctx: float) -> Choice:
-        return choose(values, caps, self.cost, self.buckets(len(values)), ctx, drafted=True)
+        c = choose(values, caps, self.cost, self.buckets(len(values)), ctx, drafted=True)
+        if self.honest is not None and len(self.honest) == len(values):
+            c.weights, c.valued = self.honest, self.valued
+        return c
 
     def choose_lagged(self, rids, caps, ctx: float) -> Choice | None:
         """A round's counts before its build (``lagged``): the requests' node values predicted by
@@ -747,17 +947,16 @@ class AutoBudget:
         if not self.lagged or not self.history.ready():
             return None
         w = self.weights(rids)
-        c = self.choose(self.history.values(rids, w, LAG), caps, ctx)
-        c.weights = w
-        return c
+        return self.choose(self.history.values(rids, w, LAG), caps, ctx)
 
     def ar_choice(self, batch: int, ctx: float) -> Choice:
         return choose(np.zeros((batch, 0)), np.zeros(batch, np.int64), self.cost, (batch,), ctx, drafted=False)
 
-    def observe(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool) -> None:
+    def observe(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool, classes=None,
+                off_accepted=None) -> None:
         """After the accept: ``hold`` then ``learn``."""
         self.hold(rids, choice, drafted)
-        self.learn(rids, raw, node_depth, choice, accept_len, drafted)
+        self.learn(rids, raw, node_depth, choice, accept_len, drafted, classes, off_accepted)
 
     def hold(self, rids, choice: Choice, drafted: bool) -> None:
         """Right after the accept (the next round's ``should_draft`` reads it): the AR hold of the
@@ -774,18 +973,20 @@ class AutoBudget:
             else:  # held, drafted beside others: counts down to its probe as a skipped round does
                 self._ar_rounds[r] -= 1
 
-    def learn(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool) -> None:
+    def learn(self, rids, raw, node_depth, choice: Choice, accept_len, drafted: bool, classes=None,
+              off_accepted=None) -> None:
         """What a round teaches: calibration, value history, the stats (a lagged engine round learns
         while the device runs the next round's verify). ``raw`` / ``node_depth``: the round's built
-        trees (``ValueHistory.update``). A lagged choice's predicted tokens are remade from the
-        round's own tree, under the weights it chose by (the same estimator as a choice from the
-        tree: its verified nodes' calibrated P)."""
+        trees (``ValueHistory.update``); ``classes`` their path classes and ``off_accepted`` the
+        accepted nodes of each (``tree_paths``, ``class_accepted``; None: all on the top-1 path).
+        The predicted tokens are remade from the round's own tree, under the calibration's weights
+        of the round (``honest``: a probe's and an exploring round's optimism left out; the same
+        estimator as a choice from the tree: its verified nodes' calibrated P)."""
         if drafted:
-            self.calibration.observe(rids, raw, node_depth, choice.counts, accept_len)
-            self.history.update(rids, raw, node_depth)
+            self.calibration.observe(rids, raw, node_depth, choice.counts, accept_len, classes, off_accepted)
+            self.history.update(rids, raw, node_depth, classes)
             if choice.weights is not None:
-                w = choice.weights
-                vals = raw * np.take_along_axis(w, np.clip(node_depth, 0, w.shape[1] - 1).astype(np.int64), axis=1)
+                vals = raw * node_weights(np, choice.weights, node_depth, classes)
                 cum = np.cumsum(vals[:, 1:], axis=1)
                 n = np.asarray(choice.counts, np.int64)
                 choice.expected = 1.0 + np.where(n > 0, cum[np.arange(len(n)), np.maximum(n - 1, 0)], 0.0)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..request import RequestError
+from .budget import class_accepted, tree_paths
 from .tree import TreeBuffers, TreeShape
 
 DEVICE_STAGES = ("top-k", "build", "verify", "choose", "accept", "commit")
@@ -162,9 +163,16 @@ class SpeculativeRound:
             self.auto.release(rid)
 
     def _learn_pending(self) -> None:
+        """Learn the last round (``_pending``; a lagged engine does it during this round's verify): a
+        tree read after its round (``parents`` given) gets its depths and path classes here, and
+        every round its accepted nodes per class, host work kept off the round trip."""
         if self._pending is not None:
-            self.auto.learn(*self._pending)
+            rids, raw, depth, choice, accept_len, drafted, classes, accepted, parents = self._pending
             self._pending = None
+            if parents is not None:
+                depth, classes = tree_paths(parents)
+            off_acc = None if classes is None else class_accepted(classes, accepted, accept_len)
+            self.auto.learn(rids, raw, depth, choice, accept_len, drafted, classes, off_acc)
 
     def _split_topk(self):
         """On several ranks, the top-k over vocabulary slices (ddtree_rtc.parallel.vocab.topk): a drafter
@@ -230,8 +238,11 @@ class SpeculativeRound:
         emitted = be.to_host(acc.emitted)
 
         def commit():
+            # the walk's nodes: the drafter's context (hidden layers) and the auto budget's off-path
+            # evidence (after the round's sync: a copy, no wait)
+            need = self.hidden_layers or self.auto is not None
+            self._accepted = accepted = be.to_host(acc.accepted) if need else None
             if self.hidden_layers:
-                accepted = be.to_host(acc.accepted)
                 rows = np.concatenate([step.q_start[b] + accepted[b, :n].astype(np.int64)
                                        for b, n in enumerate(accept_len)])
                 idx = be.asarray(rows)
@@ -295,7 +306,7 @@ class SpeculativeRound:
         page_table = be.asarray(pages.page_table(rids))
         drafted = auto.should_draft(rids)
         measuring = drafted and ar.needs_measure(b)
-        raw = depth = draft_s = lag = None
+        raw = depth = off = parents = draft_s = lag = None
         nxt, self._next = self._next, None
         if drafted and not measuring and auto.lagged and ar.draft_known(b):
             # the lagged choice (from the past rounds), made during the last round's verify when the
@@ -328,7 +339,7 @@ class SpeculativeRound:
             last, guess = self._last_cut, None
             if not measuring and last is not None and last[0] == rids:
                 guess = clock.time("plan", runner.plan_tree, rids, prefix, 1 + last[1], self.width, last[2])
-            values, raw, depth = clock.time("budget", ar.estimate, tree, rids)  # a host sync
+            values, raw, depth, off = clock.time("budget", ar.estimate, tree, rids)  # a host sync
             draft_s = time.perf_counter() - t0
             if measuring:
                 output = self.sampler.output_for(reqs)
@@ -360,11 +371,12 @@ class SpeculativeRound:
                 self._next = (rids, caps, clock.time("budget", auto.choose_lagged, rids, caps, ctx))
         accept_len = self._commit(reqs, prefix, step, out, acc, eos_id)
         if lag is not None:  # the round's built tree, for the next rounds' choices (after the round's sync)
-            raw, depth = clock.time("budget", ar.read_tree, tree)
+            raw, parents = clock.time("budget", ar.read_tree, tree)
         if auto.lagged:
             auto.hold(rids, choice, drafted)  # the next round's should_draft reads it
-            self._pending = (rids, raw, depth, choice, accept_len, drafted)
+            self._pending = (rids, raw, depth, choice, accept_len, drafted, off, self._accepted, parents)
         else:
-            auto.observe(rids, raw, depth, choice, accept_len, drafted)
+            off_acc = None if off is None else class_accepted(off, self._accepted, accept_len)
+            auto.observe(rids, raw, depth, choice, accept_len, drafted, off, off_acc)
         if not measuring:  # the measuring round's wall time holds the measurement
             ar.observe_times(b, draft_s, time.perf_counter() - t0, choice, lagged=lag is not None)
