@@ -28,7 +28,8 @@ BLOCK_BYTES = 1152
 _THREADS = 256
 _WARPS = 8
 _CTAS_PER_SM = 2  # __launch_bounds__(256, 2): the grids are one wave of CTAs looping over their items
-_GATE_UP_RED_BYTES = _WARPS * 8 * 32 * 4 * 4  # the warps' partial sums at the end of moe_small_gate_up
+_GU_TILES = 2  # moe_small_gate_up's fused 16-row tiles per item (kGuTiles)
+_GATE_UP_RED_BYTES = _WARPS * _GU_TILES * 4 * 32 * 4 * 4  # the warps' partial sums of a column pass
 MAX_DENSE_TOKENS = 64
 _STATIC_SMEM = 18576  # moe_small_down's static shared memory (the routing; `kernels build` lists it)
 
@@ -43,7 +44,8 @@ def ring_bytes() -> int:
 
 
 def gate_up_smem() -> int:
-    return max(ring_bytes(), _GATE_UP_RED_BYTES)
+    """Its rings (stages of kGuTiles weight blocks), at least the partial sums' bytes."""
+    return max(_GU_TILES * ring_bytes(), _GATE_UP_RED_BYTES)
 
 
 def down_smem(num_pairs: int) -> int:
@@ -112,7 +114,7 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
     wave = _CTAS_PER_SM * sm_count(x.device.id)
     up = mod.fn("moe_small_gate_up")
     allow_dynamic_smem(up, gate_up_smem())
-    launch(up, (min(wave, min(e, p) * (2 * inter // 16)),), (_THREADS,), (
+    launch(up, (min(wave, min(e, p) * (2 * inter // 16 // _GU_TILES)),), (_THREADS,), (
         experts.w13, np.int64(experts.w13[0].nbytes), x, topk_ids, np.int32(id_offset), np.int32(m),
         np.int32(top_k), np.int32(e),
         np.int32(h), np.int32(inter), plan.h), shared_mem=gate_up_smem(), pdl=plan.pdl)
