@@ -405,19 +405,27 @@ __device__ __forceinline__ void load_rows_kv(unsigned dst, const bf16* __restric
       o_part, lse_part, scale_log2
 
 extern "C" __global__ void __launch_bounds__(CfgM64::THREADS, 1) mla_attention_m64_kernel(MLA_ATTENTION_PARAMS) {
+  pdl_wait();  // launched under PDL: q and the cache rows come from the kernels before
+  pdl_trigger();
   attention_body<CfgM64>(MLA_ATTENTION_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(CfgM16::THREADS, 1) mla_attention_m16_kernel(MLA_ATTENTION_PARAMS) {
+  pdl_wait();
+  pdl_trigger();
   attention_body<CfgM16>(MLA_ATTENTION_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(CfgSmall::THREADS, 1)
     mla_attention_small_kernel(MLA_ATTENTION_PARAMS) {
+  pdl_wait();
+  pdl_trigger();
   attention_body<CfgSmall>(MLA_ATTENTION_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(CfgD16::THREADS, 1) mla_attention_d16_kernel(MLA_ATTENTION_PARAMS) {
+  pdl_wait();
+  pdl_trigger();
   split_body<CfgD16>(MLA_ATTENTION_ARGS, blockIdx.x);
 }
 
@@ -603,6 +611,8 @@ __device__ __forceinline__ void w64_body(MLA_ATTENTION_PARAMS) {
 // Built for other arches as a trap (never launched there).
 extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_kernel(MLA_ATTENTION_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_wait();
+  pdl_trigger();
   w64_body(MLA_ATTENTION_ARGS);
 #else
   __trap();
@@ -611,9 +621,13 @@ extern "C" __global__ void __launch_bounds__(w64::THREADS, 1) mla_attention_w64_
 
 
 // Split-K merge: one CTA of 128 threads per (merge item, row) pair, the pairs strided over a fixed grid
-// (a few CTAs per SM: one wave, whatever the plan); include/mla_split.cuh, merge_rows.
+// (a few CTAs per SM: one wave, whatever the plan); include/mla_split.cuh, merge_rows. The attention
+// kernels and the merge are launched under PDL where the GPU has it (kernels/mla_attention.py): each
+// waits before it reads anything and triggers after, so its launch overlaps the kernel before it.
 extern "C" __global__ void __launch_bounds__(DV / 4, 1) mla_attention_merge_kernel(
     const int* __restrict__ merge, const int* __restrict__ merge_count, const float* __restrict__ o_part,
     const float* __restrict__ lse_part, int part_rows, bf16* __restrict__ out, float* __restrict__ lse) {
+  pdl_wait();  // the partials come from the attention kernel; a CTA with no pair still waits (kernels/_launch.py)
+  pdl_trigger();
   merge_rows(merge, merge_count, o_part, lse_part, part_rows, out, lse, blockIdx.x, gridDim.x);
 }

@@ -20,7 +20,7 @@ from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
 from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from . import _cublas
 from ._args import BF16, allow_dynamic_smem, check, out_array
-from ._launch import sm_count
+from ._launch import launch, pdl_supported, sm_count
 from .mla_small import mla_head_gemm_small
 from .registry import module
 
@@ -465,11 +465,12 @@ def mla_attention(plan: MLAPlan, q, cache, softmax_scale: float, out=None, lse=N
     args = (q, cache, plan.page_table, np.int32(plan.page_table.shape[1]), np.int32(b.page_size), np.int32(h),
             plan.work, plan.cta_work, plan.req_info, mask, np.int32(b.mask_words), out, lse, plan.o_part,
             plan.lse_part, np.float32(softmax_scale * np.log2(np.e)))
-    fn((plan.grid,), (plan.threads,), args, shared_mem=plan.smem)
+    # under PDL where the GPU has it: both kernels wait before they read (cuda_src/mla_attention.cu)
+    pdl = pdl_supported()
+    launch(fn, (plan.grid,), (plan.threads,), args, shared_mem=plan.smem, pdl=pdl)
     if plan.merge_grid:
-        mod.fn("mla_attention_merge_kernel")(
-            (plan.merge_grid,), (DV // 4,),
-            (plan.merge, plan.merge_count, plan.o_part, plan.lse_part, np.int32(plan.bm), out, lse))
+        launch(mod.fn("mla_attention_merge_kernel"), (plan.merge_grid,), (DV // 4,),
+               (plan.merge, plan.merge_count, plan.o_part, plan.lse_part, np.int32(plan.bm), out, lse), pdl=pdl)
     return out, lse
 
 
