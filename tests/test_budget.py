@@ -307,8 +307,8 @@ def test_the_rounds_estimate_reads_the_tree_once_and_launches_nothing(rng):
     w = Calibration.weights(auto.calibration, rids)
     assert w.shape == (b, DEPTH + 1, OFF_CLASSES) and not np.allclose(w[:, 1:], 1.0)  # the values are not the raw P
     np.testing.assert_allclose(w[:, 1:, 1] / w[:, 1:, 0], 3.0)  # a path class's factor
-    auto.weights = lambda r: w  # without the off-path optimism (AutoBudget.weights)
-    vals, raw, depth, off = AutoRound(auto, HostOnly(), None).estimate(tree, rids)
+    auto.round_weights = lambda r: (w, w)  # without the off-path optimism (AutoBudget.round_weights)
+    vals, raw, depth, off, _ = AutoRound(auto, HostOnly(), None).estimate(tree, rids)
     assert HostOnly.reads == 3
     want_off = classes_by_tokens(tree, logits)
     np.testing.assert_array_equal(off, want_off)
@@ -482,8 +482,9 @@ def test_auto_beats_every_fixed_budget_with_the_random_drafter(lagged):
             learner.before_choice()
             ch = auto.choose_lagged(rids, np.full(b, MAX), 0)
             if ch is None:
-                vals = node_values(np, t.scores, t.node_depth, t.num_nodes, auto.weights(rids), off)
-                ch = auto.choose(vals[:, 1:], np.full(b, MAX), 0)
+                w = auto.round_weights(rids)
+                vals = node_values(np, t.scores, t.node_depth, t.num_nodes, w[0], off)
+                ch = auto.choose(vals[:, 1:], np.full(b, MAX), 0, w)
             got = np.array([acc[i, :ch.counts[i] + 1].sum() for i in range(b)])
             verified = np.arange(acc.shape[1])[None, :] <= ch.counts[:, None]
             hit = acc & verified

@@ -216,10 +216,10 @@ def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=Fa
             own = None
             if choice is None or choices is not None:
                 # the weights of the round's own choice: the lagged choice's, so that only the tree differs
-                w = auto.weights(rids) if choice is None else choice.valued
-                vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth, np.array([len(s.depth) for s in now]), w,
-                                   off)
-                own = auto.choose(vals[:, 1:], np.full(b, max_budget), 0)
+                w = auto.round_weights(rids) if choice is None else (choice.valued, choice.weights)
+                vals = node_values(np, np.log(np.maximum(raw, 1e-300)), depth, np.array([len(s.depth) for s in now]),
+                                   w[0], off)
+                own = auto.choose(vals[:, 1:], np.full(b, max_budget), 0, w)
             if choices is not None:
                 choices.append((None if choice is None else choice.counts, own.counts))
             choice = choice or own

@@ -522,9 +522,7 @@ def free_blocks(be) -> None:
         rt = be.xp.cuda.runtime
         rt.deviceSynchronize()  # frees still queued on a stream are not yet in the pools
         dev = be.xp.cuda.Device().id
-        driver = _driver()
-        err, cu_dev = driver.cuDeviceGet(dev)
-        _driver_ok(err, "cuDeviceGet")
+        driver, cu_dev = _cu_device(dev)
         _driver_ok(driver.cuDeviceGraphMemTrim(cu_dev)[0], "cuDeviceGraphMemTrim")
         if rt.deviceGetAttribute(rt.cudaDevAttrMemoryPoolsSupported, dev):
             rt.memPoolTrimTo(rt.deviceGetDefaultMemPool(dev), 0)
@@ -540,9 +538,7 @@ def device_caches(be) -> dict:
         return held
     rt = be.xp.cuda.runtime
     dev = be.xp.cuda.Device().id
-    driver = _driver()
-    err, cu_dev = driver.cuDeviceGet(dev)
-    _driver_ok(err, "cuDeviceGet")
+    driver, cu_dev = _cu_device(dev)
     err, graph = driver.cuDeviceGetGraphMemAttribute(
         cu_dev, driver.CUgraphMem_attribute.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)
     _driver_ok(err, "cuDeviceGetGraphMemAttribute")
@@ -565,6 +561,14 @@ def _driver():
     from cuda.bindings import driver
 
     return driver
+
+
+def _cu_device(dev: int):
+    """(the driver module, CUdevice of CUDA device ``dev``)."""
+    driver = _driver()
+    err, cu_dev = driver.cuDeviceGet(dev)
+    _driver_ok(err, "cuDeviceGet")
+    return driver, cu_dev
 
 
 def _driver_ok(err, what: str) -> None:

@@ -62,9 +62,11 @@ class AutoRound:
         self._cuts: dict = {}  # batch -> [B] int32 device buffer of the lagged cut
         self._slopes: list = []  # every fan-out slope measured (the model's is their median)
 
-    def estimate(self, tree: TreeArrays, rids) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Host ``(values [B, M], raw [B, N], depth [B, N], classes [B, N])``: calibrated node values
-        of nodes 1..M, raw path probabilities, depths and path classes of every slot. The host
+    def estimate(self, tree: TreeArrays, rids) -> tuple:
+        """Host ``(values [B, M], raw [B, N], depth [B, N], classes [B, N], weights)``: calibrated
+        node values of nodes 1..M, raw path probabilities, depths and path classes of every slot,
+        and the ``(valued, honest)`` weights of the round (``AutoBudget.round_weights``, for its
+        ``choose``). The host
         reads the build's scores, parents and node counts (the round's first sync; the calibration's
         weights are made before it, while the device still drafts and builds), takes depths and
         path classes from the parents (``tree_paths``) and values the nodes in numpy: at these
@@ -72,13 +74,13 @@ class AutoRound:
         device is ~30 array launches of host time, all of it between the build and the verify (the
         device idles there: the verify waits for the choice)."""
         be = self.backend
-        w = self.auto.weights(rids)
+        w = self.auto.round_weights(rids)
         scores = be.to_host(tree.scores)  # waits for the build
         depth, off = tree_paths(be.to_host(tree.parents))
         num_nodes = be.to_host(tree.num_nodes)
         raw = node_values(np, scores, depth, num_nodes, np.ones((len(rids), 1)))
-        vals = raw * node_weights(np, w, depth, off)
-        return vals[:, 1:], raw, depth, off
+        vals = raw * node_weights(np, w[0], depth, off)
+        return vals[:, 1:], raw, depth, off, w
 
     def read_tree(self, tree: TreeArrays) -> tuple[np.ndarray, np.ndarray]:
         """Host ``(raw [B, N], parents [B, N])`` of the built tree after the round (the lagged

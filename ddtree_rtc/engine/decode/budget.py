@@ -67,7 +67,7 @@ def experts_touched(nodes, experts: int = EXPERTS, per_token: int = EXPERTS_PER_
 
 def node_weights(xp, weights, node_depth, classes=None):
     """``[B, N]`` float64: each node's calibration weight. ``weights``: ``[B, depth + 1]`` (per
-    depth) or ``[B, depth + 1, OFF_CLASSES]`` (per depth and path class, ``AutoBudget.weights``:
+    depth) or ``[B, depth + 1, OFF_CLASSES]`` (per depth and path class, ``AutoBudget.round_weights``:
     index ``[b, depth_j, class_j]``, the class from ``classes`` ``[B, N]``, ``tree_paths``;
     without it 0, the chain's)."""
     w = xp.asarray(weights, dtype=xp.float64)
@@ -850,8 +850,6 @@ class AutoBudget:
         self._drafted = 0
         self._ar_rounds: dict = {}  # rid -> rounds left before a held request probes
         self._held: set = set()  # requests whose last drafted round got no node
-        self.honest = None  # the last weights() without the optimism of probes and exploration
-        self.valued = None  # the last weights() (the choice's)
         self._off_started = False  # the off-path evidence has once reached OFF_EVIDENCE
 
     def should_draft(self, rids) -> bool:
@@ -868,9 +866,10 @@ class AutoBudget:
         """Whether a held request probes this round."""
         return rid in self._held and self._ar_rounds.get(rid, 0) <= 0
 
-    def weights(self, rids) -> np.ndarray:
-        """``[B, depth + 1, OFF_CLASSES]`` node-value weights for this round (by depth and path
-        class, ``Calibration.weights``): the calibration's, raised by an upper confidence bound
+    def round_weights(self, rids) -> tuple[np.ndarray, np.ndarray]:
+        """``(valued, honest)``, each ``[B, depth + 1, OFF_CLASSES]``: the node-value weights for this
+        round (by depth and path class, ``Calibration.weights``): the calibration's, raised by an
+        upper confidence bound
         ``exp(PROBE_Z / sqrt(n + 1))`` (at most ``PROBE_MAX``), n the accepted nodes the
         calibration's evidence at that depth stands for (wide where nothing has been measured
         lately, narrow where much has): on a held request's probe, so a drafter better than its
@@ -886,10 +885,9 @@ class AutoBudget:
         of most value, and a start-up cost only (a calibrated drafter in the simulator: 0.998x of its
         choice without it over 300 rounds where nodes are cheap, 1.000x on the MoE fan-out
         table). The weights without the optimism (``honest``) value the round's predicted tokens
-        (``learn``)."""
+        (``learn``); ``choose`` takes the pair."""
         cal = self.calibration
-        w = cal.weights(rids)
-        self.honest = w
+        w = honest = cal.weights(rids)
         self._drafted += 1
         explore = self._drafted % self.explore_every == 0
         probe = [i for i, r in enumerate(rids) if self.probing(r)]
@@ -902,8 +900,7 @@ class AutoBudget:
             w[:, :, OFF_EXPLORE] *= np.minimum(np.exp(PROBE_Z / np.sqrt(ev + 1.0)),
                                                OFF_PROBE_MAX)
         w[probe] *= bound
-        self.valued = w
-        return w
+        return w, honest
 
     @property
     def width(self) -> int:
@@ -932,10 +929,13 @@ class AutoBudget:
         most = batch * self.width
         return most if self.max_rows is None else max(batch, min(self.max_rows, most))
 
-    def choose(self, values, caps, ctx: float) -> Choice:
+    def choose(self, values, caps, ctx: float, weights=None) -> Choice:
+        """The batch's counts for ``values`` (``choose``); ``weights``: the ``(valued, honest)`` pair
+        of ``round_weights`` they were valued by, kept on the choice (``learn`` remakes its predicted
+        tokens under ``honest``)."""
         c = choose(values, caps, self.cost, self.buckets(len(values)), ctx, drafted=True)
-        if self.honest is not None and len(self.honest) == len(values):
-            c.weights, c.valued = self.honest, self.valued
+        if weights is not None:
+            c.valued, c.weights = weights
         return c
 
     def choose_lagged(self, rids, caps, ctx: float) -> Choice | None:
@@ -946,8 +946,8 @@ class AutoBudget:
         chooses from its own tree)."""
         if not self.lagged or not self.history.ready():
             return None
-        w = self.weights(rids)
-        return self.choose(self.history.values(rids, w, LAG), caps, ctx)
+        w = self.round_weights(rids)
+        return self.choose(self.history.values(rids, w[0], LAG), caps, ctx, w)
 
     def ar_choice(self, batch: int, ctx: float) -> Choice:
         return choose(np.zeros((batch, 0)), np.zeros(batch, np.int64), self.cost, (batch,), ctx, drafted=False)

@@ -226,12 +226,14 @@ class SpeculativeRound:
         """The request of each verify row (its node's token at position + 1 is chosen by it)."""
         return [reqs[i] for i in step.row_req]
 
-    def _commit(self, reqs, prefix, step, out, acc, eos_id) -> np.ndarray:
+    def _commit(self, reqs, prefix, step, out, acc, eos_id) -> tuple[np.ndarray, np.ndarray | None]:
         """The round's host sync (accept lengths and emitted tokens), then the host commit, timed as
         "commit": the accepted rows' hidden states to the drafter's context, the tokens to each request,
         each request's pages trimmed to its committed prefix (the bonus token gets its row next round).
         ``prefix``: each request's KV length before the round; verify row ``step.q_start[b] + j`` is
-        node ``j`` of tree ``b``. Returns the accept lengths [B] int64."""
+        node ``j`` of tree ``b``. Returns the accept lengths [B] int64 and the walk's node indices
+        ``[B, >= max accept length]`` (root first; copied when the drafter's context or the auto budget
+        reads them, else None)."""
         be, pages = self.model.backend, self.pages
         rids = [r.rid for r in reqs]
         accept_len = be.to_host(acc.accept_len).astype(np.int64)  # the round's host sync
@@ -241,7 +243,7 @@ class SpeculativeRound:
             # the walk's nodes: the drafter's context (hidden layers) and the auto budget's off-path
             # evidence (after the round's sync: a copy, no wait)
             need = self.hidden_layers or self.auto is not None
-            self._accepted = accepted = be.to_host(acc.accepted) if need else None
+            accepted = be.to_host(acc.accepted) if need else None
             if self.hidden_layers:
                 rows = np.concatenate([step.q_start[b] + accepted[b, :n].astype(np.int64)
                                        for b, n in enumerate(accept_len)])
@@ -251,9 +253,9 @@ class SpeculativeRound:
                 self.stats.add(int(n), r.rid)
                 r.extend(toks[:n].tolist(), eos_id)
                 pages.trim(r.rid, int(p) + int(n))
+            return accepted
 
-        self.clock.time("commit", commit)
-        return accept_len
+        return accept_len, self.clock.time("commit", commit)
 
     def device_half(self, bufs: TreeBuffers, step, page_table, draft_logits, roots, row_reqs, clock):
         """Top-k -> build -> verify -> choose -> accept -> KV commit for the verify ``step``
@@ -339,13 +341,13 @@ class SpeculativeRound:
             last, guess = self._last_cut, None
             if not measuring and last is not None and last[0] == rids:
                 guess = clock.time("plan", runner.plan_tree, rids, prefix, 1 + last[1], self.width, last[2])
-            values, raw, depth, off = clock.time("budget", ar.estimate, tree, rids)  # a host sync
+            values, raw, depth, off, weights = clock.time("budget", ar.estimate, tree, rids)  # a host sync
             draft_s = time.perf_counter() - t0
             if measuring:
                 output = self.sampler.output_for(reqs)
                 clock.time("budget", ar.measure, rids, prefix, tree, be.to_host(tree.num_nodes).astype(np.int64),
                            output)
-            choice = auto.choose(values, caps, ctx)
+            choice = auto.choose(values, caps, ctx, weights)
             ar.cut(tree, choice.counts)
             if guess is not None and (choice.rows != last[2] or not np.array_equal(choice.counts, last[1])):
                 guess = None
@@ -369,14 +371,14 @@ class SpeculativeRound:
             clock.time("budget", self._learn_pending)
             if drafted and auto.history.ready():
                 self._next = (rids, caps, clock.time("budget", auto.choose_lagged, rids, caps, ctx))
-        accept_len = self._commit(reqs, prefix, step, out, acc, eos_id)
+        accept_len, accepted = self._commit(reqs, prefix, step, out, acc, eos_id)
         if lag is not None:  # the round's built tree, for the next rounds' choices (after the round's sync)
             raw, parents = clock.time("budget", ar.read_tree, tree)
         if auto.lagged:
             auto.hold(rids, choice, drafted)  # the next round's should_draft reads it
-            self._pending = (rids, raw, depth, choice, accept_len, drafted, off, self._accepted, parents)
+            self._pending = (rids, raw, depth, choice, accept_len, drafted, off, accepted, parents)
         else:
-            off_acc = None if off is None else class_accepted(off, self._accepted, accept_len)
+            off_acc = None if off is None else class_accepted(off, accepted, accept_len)
             auto.observe(rids, raw, depth, choice, accept_len, drafted, off, off_acc)
         if not measuring:  # the measuring round's wall time holds the measurement
             ar.observe_times(b, draft_s, time.perf_counter() - t0, choice, lagged=lag is not None)
