@@ -5,7 +5,9 @@ from ml_dtypes import bfloat16
 from ddtree_rtc.reference.rmsnorm import rmsnorm as ref_rmsnorm
 from ddtree_rtc.testing import assert_close, nan_bf16_bits, random_bf16, to_device_bf16
 
-SHAPES = [(1, 7168), (3, 512), (5, 1536), (17, 128), (2, 3, 100), (33, 7), (4, 2051), (2, 2048)]
+# rows in registers (16-byte vectors, a block <= 8192 / a warp <= 1024 elements) and past them (8200, odd)
+SHAPES = [(1, 7168), (3, 512), (5, 1536), (17, 128), (2, 3, 100), (33, 7), (4, 2051), (2, 2048), (2, 8200),
+          (1, 1032)]
 
 
 def f64_rmsnorm(x, w, eps):
