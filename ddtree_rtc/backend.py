@@ -41,7 +41,6 @@ OPS: dict[str, str] = {
     "moe_small_dense": "moe_small",
     "mla_query_small": "mla_small",
     "mla_qkv_a_small": "mla_small",
-    "mla_kv_rows_small": "mla_small",
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     "kv_cache_write": "kv_cache",
     "kv_cache_commit": "kv_cache",

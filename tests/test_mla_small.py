@@ -327,16 +327,17 @@ def test_attention_across_2048_keys_vs_reference(rng, split, heads, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,nope", [(8, 128), (64, 128), (4, 32)])
+@pytest.mark.parametrize("heads,nope", [(8, 128), (64, 128), (4, 32), (1, 32)])
 @pytest.mark.parametrize("t", [1, 3, 17, 33, 64])
 def test_query_and_cache_rows_vs_twins_and_invariant(heads, nope, t):
-    """mla_query_small (W_UK + RoPE(q_pe)) and mla_kv_rows_small (norm + RoPE + cache write) against
-    their numpy twins (the general path's references): q_att NaN-prefilled, the cache poisoned with
-    NaN where no slot points (it must stay so), a slot of -1 skipped; and each token's results the
-    same bits as in a batch of 64."""
+    """mla_query_small (W_UK + RoPE(q_pe)), alone and with the cache rows (norm + RoPE + cache write)
+    in the same launch, against the numpy twins (the general path's references): q_att NaN-prefilled,
+    the cache poisoned with NaN where no slot points (it must stay so), a slot of -1 skipped; q_att the
+    same bits with and without the rows; and each token's results the same bits as in a batch of 64.
+    One head leaves the rows column fewer CTAs than blocks of 8 tokens at T = 64 (they loop)."""
     import cupy
 
-    from ddtree_rtc.kernels.mla_small import mla_kv_rows_small, mla_query_small
+    from ddtree_rtc.kernels.mla_small import mla_query_small
     from ddtree_rtc.reference.mla_small import mla_kv_rows_small as ref_rows
     from ddtree_rtc.reference.mla_small import mla_query_small as ref_query
     from ddtree_rtc.reference.rope import rope_inv_freq
@@ -351,28 +352,32 @@ def test_query_and_cache_rows_vs_twins_and_invariant(heads, nope, t):
     inv_freq = np.asarray(rope_inv_freq(64, 50000.0, None), dtype=np.float32)
     kd = to_device_bf16(kv_b)
 
-    def query(idx):
+    def query(idx, slots=None):
         out = cupy.full((len(idx), heads, 576), 0x7FC0, cupy.uint16)
-        return mla_query_small(to_device_bf16(q[idx]), kd[:, :nope], cupy.asarray(pos[idx]), cupy.asarray(inv_freq),
-                               1.0, out=out).get()
-
-    def rows(idx, slots):
         cache = cupy.full((8, 16, 576), 0x7FC0, cupy.uint16)
-        mla_kv_rows_small(to_device_bf16(kv[idx]), to_device_bf16(norm_w), 1e-6, cupy.asarray(pos[idx]),
-                          cupy.asarray(inv_freq), 1.0, cache, cupy.asarray(slots))
-        return cache.get()
+        rows = None if slots is None else (to_device_bf16(kv[idx]), to_device_bf16(norm_w), 1e-6, cache,
+                                           cupy.asarray(slots))
+        got = mla_query_small(to_device_bf16(q[idx]), kd[:, :nope], cupy.asarray(pos[idx]), cupy.asarray(inv_freq),
+                              1.0, out=out, rows=rows)
+        return got.get(), cache.get()
 
     idx = rng.permutation(64)[:t]
-    got_q = query(idx)
-    want_q = ref_query(q[idx], kv_b[:, :nope], pos[idx], inv_freq, 1.0)
-    assert_close(got_q, want_q, "bf16_accum", "q_att")
     slots = rng.permutation(128)[:t].astype(np.int32)
     slots[0] = -1  # a padding token: skipped
-    got_c = rows(idx, slots)
+    got_q, got_c = query(idx, slots)
+    want_q = ref_query(q[idx], kv_b[:, :nope], pos[idx], inv_freq, 1.0)
+    assert_close(got_q, want_q, "bf16_accum", "q_att")
     want_c = ref_rows(kv[idx], norm_w, 1e-6, pos[idx], inv_freq, 1.0, np.full((8, 16, 576), np.nan, bfloat16), slots)
     assert_close(got_c, want_c, "bf16", "cache")
-    full_q = query(np.arange(64))
+    alone, untouched = query(idx)
+    assert np.array_equal(alone, got_q), "the rows column changes no query bit"
+    assert np.all(untouched == 0x7FC0), "without rows the cache is not written"
+    all_slots = np.arange(64, dtype=np.int32) + 32
+    full_q, full_c = query(np.arange(64), all_slots)
     assert np.array_equal(got_q, full_q[idx])
+    flat_full, flat_got = full_c.reshape(-1, 576), got_c.reshape(-1, 576)
+    for j, s in enumerate(slots[1:], 1):  # token idx[j]'s row, as in the batch of 64
+        assert np.array_equal(flat_got[s], flat_full[all_slots[idx[j]]])
 
 
 @pytest.mark.gpu

@@ -33,11 +33,15 @@ def test_numpy_paths_agree_stage_by_stage(tool, capsys):
 
 
 def test_a_broken_small_op_is_the_first_stage_named(tool, capsys):
-    from ddtree_rtc.reference.mla_small import mla_query_small
+    from ddtree_rtc.reference.mla_small import mla_kv_rows_small, mla_query_small
 
     model = _model(tool)
 
-    def shifted(q, w_uk, positions, inv_freq, rope_scale=1.0, out=None):
+    def shifted(q, w_uk, positions, inv_freq, rope_scale=1.0, out=None, rows=None):
+        """The query's RoPE a position off; the cache rows of the same launch right."""
+        if rows is not None:
+            kv, norm_w, eps, cache, slots = rows
+            mla_kv_rows_small(kv, norm_w, eps, positions, inv_freq, rope_scale, cache, slots)
         return mla_query_small(q, w_uk, positions + np.int32(1), inv_freq, rope_scale, out)
 
     model.backend._ops["mla_query_small"] = shifted

@@ -239,8 +239,8 @@ def attention(model, table, i, x_s, x_g, cur_s, cur_g, caches, snapshot):
             qa, kv = be.mla_qkv_a_small(x, w.q_a, w.kv_a)
             q = be.linear(be.rmsnorm(qa_g if forced else qa, w.q_a_norm, eps), w.q_b, impl="invariant")
             q = q.reshape(t, d.num_heads, d.qk_head)
-            q_att = be.mla_query_small(q_g if forced else q, w.w_uk(d), pos, inv, rs)
-            be.mla_kv_rows_small(kv_g if forced else kv, w.kv_a_norm, eps, pos, inv, rs, cache_layer, slots)
+            q_att = be.mla_query_small(q_g if forced else q, w.w_uk(d), pos, inv, rs,
+                                       rows=(kv_g if forced else kv, w.kv_a_norm, eps, cache_layer, slots))
         else:  # dims the fused query / row kernels do not take: the general ops with the small path's linears
             qa = None if w.q_a is None else be.linear(x, w.q_a, impl=impl_s)
             kv = be.linear(x, w.kv_a, impl=impl_s)

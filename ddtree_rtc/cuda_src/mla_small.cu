@@ -1,6 +1,6 @@
 // The small-M path's MLA pieces (M <= 64 tokens), each row-invariant: q_a and kv_a in one skinny
-// launch (mla_qkv_a_small_m*_s*), the absorbed query with its RoPE (mla_query_small), the cache rows with
-// their norm and RoPE (mla_kv_rows_small), and the per-head GEMMs (mla_head_gemm_small: W_UK
+// launch (mla_qkv_a_small_m*_s*), the absorbed query with its RoPE and, in the same launch, the cache
+// rows with their norm and RoPE (mla_query_small), and the per-head GEMMs (mla_head_gemm_small: W_UK
 // absorption q_nope [T, H, 128] x W_UK[h] [128, 512], W_UV expansion o_lat [T, H, 512] x W_UV[h]^T).
 //
 // The head GEMMs (include/mla_small.cuh: head_gemm_kc for W_UV's k-contiguous rows, head_gemm_nc for
@@ -75,20 +75,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) mla_head_gemm_small(
   dispatch<HeadGemm>(group, vec, x, x_t, x_h, w, w_h, w_k, w_n, out, o_t, o_h, T, K, N, kc != 0, red);
 }
 
-// Grid (512 / 32 + 1, H, ceil(T / group)), 256 threads; the same waits as mla_head_gemm_small.
+// Grid (512 / 32 + 1 + rows, H, ceil(T / group)), 256 threads; the same waits as mla_head_gemm_small.
+// rows: the last column of CTAs writes the new tokens' cache rows instead (kv [T, 576] = x W_kva^T,
+// row stride kv_t -> cache row slots[t] = [RMSNorm(c) * norm_w | RoPE(k_pe)], include/mla_small.cuh's
+// kv_rows_small: 8 tokens a CTA, the column's H x ceil(T / group) CTAs taking the blocks of 8 in
+// turn), so the query and the rows are one launch; they are independent (kv is an output of two
+// launches back, q of the previous one: the PDL wait covers both).
 extern "C" __global__ void __launch_bounds__(kThreads, 2) mla_query_small(
     const bf16* __restrict__ q, long long q_t, long long q_h, int nope, const bf16* __restrict__ w, long long w_h,
     long long w_k, bf16* __restrict__ q_att, const int* __restrict__ positions, const float* __restrict__ inv_freq,
-    float rope_scale, int T, int H, int group, int vec) {
+    float rope_scale, int T, int H, int group, int vec, const bf16* __restrict__ kv, long long kv_t,
+    const bf16* __restrict__ norm_w, float eps, bf16* __restrict__ cache, long long capacity,
+    const int* __restrict__ slots, int rows) {
   __shared__ float red[kRedTokens * 8 * kTile];
+  if (rows && blockIdx.x == gridDim.x - 1) {
+    pdl_wait();  // kv comes from an earlier kernel; the cache rows written here are read after
+    pdl_trigger();
+    const int per = gridDim.y * gridDim.z, blocks = (T + 7) / 8;
+    for (int blk = blockIdx.z * gridDim.y + blockIdx.y; blk < blocks; blk += per)
+      kv_rows_small(kv, kv_t, norm_w, eps, positions, inv_freq, rope_scale, cache, capacity, slots, T, blk);
+    return;
+  }
   dispatch<Query>(group, vec, q, q_t, q_h, nope, w, w_h, w_k, q_att, positions, inv_freq, rope_scale, T, H, red);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mla_kv_rows_small(
-    const bf16* __restrict__ kv, long long kv_t, const bf16* __restrict__ norm_w, float eps,
-    const int* __restrict__ positions, const float* __restrict__ inv_freq, float rope_scale,
-    bf16* __restrict__ cache, long long capacity, const int* __restrict__ slots, int T) {
-  pdl_wait();  // kv comes from the previous kernel; the cache rows written here are read after
-  pdl_trigger();
-  kv_rows_small(kv, kv_t, norm_w, eps, positions, inv_freq, rope_scale, cache, capacity, slots, T, blockIdx.x);
 }

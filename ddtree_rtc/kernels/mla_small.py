@@ -95,10 +95,13 @@ def mla_head_gemm_small(x, w, trans_w: bool, out):
 LAT, ROPE = 512, 64  # the latent row [c 512 | k_pe 64] the MLA attention kernels take
 
 
-def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=None):
+def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=None, rows=None):
     """The absorbed query in one launch: q [T, H, nope + 64] bf16 (T <= 64; a view with a contiguous
     last dim), w_uk [H, nope, 512] (a view of kv_b), positions int32 [T], inv_freq fp32 [32] ->
-    q_att [T, H, 576] = [q_nope · W_UK[h] | RoPE(q_pe)] bf16 (into ``out`` when given)."""
+    q_att [T, H, 576] = [q_nope · W_UK[h] | RoPE(q_pe)] bf16 (into ``out`` when given). ``rows``:
+    ``(kv, norm_w, eps, cache, slots)``: in the same launch, the new tokens' cache rows (``_rows_args``):
+    cache (one layer) row slots[t] = [RMSNorm(kv[t, :512]) * norm_w | RoPE(kv[t, 512:])], slots
+    outside the cache skipped."""
     import cupy
 
     t, h, d = q.shape
@@ -113,38 +116,36 @@ def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=N
         raise ValueError(f"q / w_uk: the last dim must be contiguous (strides {q.strides}, {w_uk.strides})")
     out = cupy.empty((t, h, LAT + ROPE), dtype=cupy.uint16) if out is None else out
     check("out", out, BF16, shape=(t, h, LAT + ROPE))
+    extra = _rows_args(t, rows)
     if t == 0:
         return out
     p = head_gemm_plan(t, h, nope, LAT, False, q.data.ptr, qs, w_uk.data.ptr, ws)  # the W_UK part's
-    launch(module("mla_small").fn("mla_query_small"), (LAT // 32 + 1, h, p.grid[2]), (256,),
+    launch(module("mla_small").fn("mla_query_small"), (LAT // 32 + 1 + (rows is not None), h, p.grid[2]), (256,),
            (q, np.int64(qs[0]), np.int64(qs[1]), np.int32(nope), w_uk, np.int64(ws[0]), np.int64(ws[1]), out,
             positions, inv_freq, np.float32(rope_scale), np.int32(t), np.int32(h), np.int32(p.group),
-            np.int32(p.vec)), pdl=_pdl(q.device.id))
+            np.int32(p.vec), *extra), pdl=_pdl(q.device.id))
     return out
 
 
-def mla_kv_rows_small(kv, norm_w, eps: float, positions, inv_freq, rope_scale: float, cache, slots):
-    """The new tokens' cache rows in one launch: kv [T, 576] bf16 (x W_kva^T; rows contiguous, row
-    stride a multiple of 8) -> cache (one layer) row slots[t] = [RMSNorm(c) * norm_w | RoPE(k_pe)];
-    slots outside the cache are skipped. Returns ``cache``."""
-    t = kv.shape[0]
+def _rows_args(t: int, rows) -> tuple:
+    """mla_query_small's kernel arguments for the cache rows of ``rows`` = (kv [T, 576] bf16 = x
+    W_kva^T, rows contiguous with a row stride a multiple of 8; norm_w [512]; eps; cache (one layer,
+    rows of 576); slots int32 [T]), checked; nulls and rows = 0 without them."""
+    if rows is None:
+        return (np.uint64(0), np.int64(0), np.uint64(0), np.float32(0), np.uint64(0), np.int64(0), np.uint64(0),
+                np.int32(0))
+    kv, norm_w, eps, cache, slots = rows
     check("kv", kv, BF16, shape=(t, LAT + ROPE), contiguous=False)
     ks = _strides("kv", kv)
     if ks[1] != 1 or ks[0] % 8 or kv.data.ptr % 16:
         raise ValueError(f"kv: rows must be contiguous and 16-byte aligned (strides {kv.strides})")
     check("norm_w", norm_w, BF16, shape=(LAT,))
-    check("positions", positions, np.int32, shape=(t,))
-    check("inv_freq", inv_freq, np.float32, shape=(ROPE // 2,))
     check("cache", cache, BF16)
     if cache.shape[-1] != LAT + ROPE:
         raise ValueError(f"cache: rows of {cache.shape[-1]}, expected {LAT + ROPE}")
     check("slots", slots, np.int32, shape=(t,))
-    if t == 0:
-        return cache
-    launch(module("mla_small").fn("mla_kv_rows_small"), (-(-t // 8),), (256,),
-           (kv, np.int64(ks[0]), norm_w, np.float32(eps), positions, inv_freq, np.float32(rope_scale), cache,
-            np.int64(cache.size // (LAT + ROPE)), slots, np.int32(t)), pdl=_pdl(kv.device.id))
-    return cache
+    return (kv, np.int64(ks[0]), norm_w, np.float32(eps), cache, np.int64(cache.size // (LAT + ROPE)), slots,
+            np.int32(1))
 
 
 def mla_qkv_a_small(x, w_qa, w_kva, out_q=None, out_kv=None):

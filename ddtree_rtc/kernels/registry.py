@@ -63,13 +63,13 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "absorbed MLA attention over the paged latent cache (decode / tree verify / causal "
                "prefill, mma.sync, split-K; a wgmma variant on sm_90a) and its split merge",
                arch_specific=True),
-    KernelSpec("mla_small", ("mla_head_gemm_small", "mla_query_small", "mla_kv_rows_small",
+    KernelSpec("mla_small", ("mla_head_gemm_small", "mla_query_small",
                              *(f"mla_qkv_a_small_m{mt}_s{s}" for mt in (8, 16, 32, 64) for s in (1, 2, 4, 8))),
                "the small-M path's row-invariant MLA pieces for T <= 64 tokens: the head GEMMs (W_UK "
                "absorption, W_UV expansion; a CTA per head and 32 columns, K split over its threads in a "
                "fixed order), q_a and kv_a in one "
-               "skinny launch, the absorbed query with its RoPE in one launch, and the cache rows (norm, "
-               "RoPE, write) in one launch"),
+               "skinny launch, the absorbed query with its RoPE and the cache rows (norm, RoPE, write) in "
+               "one launch"),
     # -- the DFlash drafter's attention --
     KernelSpec("gqa_attention", ("gqa_attention_d64_kernel", "gqa_attention_d128_kernel",
                                  "gqa_attention_merge_kernel"),

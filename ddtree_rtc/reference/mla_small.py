@@ -16,13 +16,17 @@ from .rope import rope
 LAT, ROPE = 512, 64
 
 
-def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=None):
-    """q [T, H, nope + 64] -> q_att [T, H, 576] = [q_nope · W_UK[h] | RoPE(q_pe)] bf16."""
+def mla_query_small(q, w_uk, positions, inv_freq, rope_scale: float = 1.0, out=None, rows=None):
+    """q [T, H, nope + 64] -> q_att [T, H, 576] = [q_nope · W_UK[h] | RoPE(q_pe)] bf16; ``rows`` =
+    (kv, norm_w, eps, cache, slots): also the new tokens' cache rows (``mla_kv_rows_small``)."""
     t, h, d = q.shape
     nope = d - ROPE
     q_att = np.empty((t, h, LAT + ROPE), dtype=bfloat16) if out is None else out
     mla_head_gemm(q[:, :, :nope], w_uk, False, out=q_att[:, :, :LAT])
     q_att[:, :, LAT:] = q[:, :, nope:]
+    if rows is not None:
+        kv, norm_w, eps, cache, slots = rows
+        mla_kv_rows_small(kv, norm_w, eps, positions, inv_freq, rope_scale, cache, slots)
     return rope(q_att, positions, inv_freq, LAT, ROPE, "interleaved", rope_scale)
 
 

@@ -253,11 +253,11 @@ __device__ __forceinline__ void query_small(const bf16* __restrict__ q, long lon
                        h, t0, red);
 }
 
-// The cache rows of T new tokens in one launch: kv [T, 576] = x W_kva^T (row stride kv_t) -> cache
+// The cache rows of T new tokens: kv [T, 576] = x W_kva^T (row stride kv_t) -> cache
 // row slots[t] = [RMSNorm(c) * norm_w (512) | RoPE(k_pe) (64)]; slots outside [0, capacity) skipped.
 // One warp per token: the norm's sum of squares as rmsnorm_kernel takes it (lane: 16-byte chunks
 // lane, lane + 32, ..., then the warp's butterfly), lane = k_pe pair.
-// Token t = 8 blk + warp of a 256-thread block.
+// Token t = 8 blk + warp of a 256-thread block (mla_query_small's rows column).
 __device__ __forceinline__ void kv_rows_small(const bf16* __restrict__ kv, long long kv_t,
                                               const bf16* __restrict__ norm_w, float eps,
                                               const int* __restrict__ positions, const float* __restrict__ inv_freq,

@@ -215,6 +215,13 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
   __syncthreads();  // red and cols are reused by the next item
 }
 
+// The h row of (token m, expert e): the pair of m's first slot with id e (m routes to e).
+__device__ __forceinline__ int first_pair(const Routing& r, int m, int top_k, int e) {
+  int p = m * top_k;
+  while (r.ids[p] != e) ++p;
+  return p;
+}
+
 // The down GEMM of a 16-row tile of H for every touched expert (warp w: ranks w, w + 8, ...), each
 // (token, expert) value into dsm [P][16] at every pair of that token with that id. The first
 // kStages - 1 ring stages were issued by the caller when `issued` (before the PDL wait).
@@ -239,6 +246,7 @@ __device__ __forceinline__ void down_tile(const unsigned char* __restrict__ w2, 
   }
   float acc[kMaxNt][4];
   int cnt = 0, ntl = 0, e = -1;
+  const bf16* h0 = h;  // column tile 0's h row of the current expert (its lane's column g)
   for (int step = 0; step < steps; ++step) {
     const int kb = step % kb_total;
     if (kb == 0) {
@@ -254,7 +262,11 @@ __device__ __forceinline__ void down_tile(const unsigned char* __restrict__ w2, 
       for (int nt = 0; nt < kMaxNt; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+      h0 = h + (long long)(g < cnt ? first_pair(r, cols[warp][g], top_k, e) : 0) * I;
     }
+    // column tile 0's h values go out before the ring wait (they do not depend on the ring)
+    uint4 xb0[4];
+    load_act(xb0, h0, g < cnt, kb * kStepK, t);
     cp_async_wait_ring();
     __syncwarp();
     const int next = step + kStages - 1;
@@ -262,16 +274,12 @@ __device__ __forceinline__ void down_tile(const unsigned char* __restrict__ w2, 
     cp_async_commit();
     uint4 buf[3];
     load_block(buf, ring + warp * kWarpRingBytes + (step % kStages) * kBlockBytes, lane, g);
+    mma_block(acc[0], buf, xb0);
 #pragma unroll
-    for (int nt = 0; nt < kMaxNt; ++nt) {
+    for (int nt = 1; nt < kMaxNt; ++nt) {
       if (nt < ntl) {
         const int c = nt * 8 + g;
-        int p = 0;
-        if (c < cnt) {  // h row of (token, e): its first slot with id e
-          const int m = cols[warp][c];
-          p = m * top_k;
-          while (r.ids[p] != e) ++p;
-        }
+        const int p = c < cnt ? first_pair(r, cols[warp][c], top_k, e) : 0;
         uint4 xb[4];
         load_act(xb, h + (long long)p * I, c < cnt, kb * kStepK, t);
         mma_block(acc[nt], buf, xb);
