@@ -37,7 +37,6 @@ template <int MH, int S, typename OutT>
 __device__ __forceinline__ void linear_skinny(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                               OutT* __restrict__ y, int m, int n, int k, int warps_n, int early) {
   constexpr int MT = skinny::bucket_tiles<MH>(), NT = skinny::bucket_ntiles<MH>();  // include/skinny_mma.cuh
-  constexpr int kU = skinny::bucket_unroll<MH>();
   __shared__ float4 red[kWarps][NT * MT][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -65,13 +64,10 @@ __device__ __forceinline__ void linear_skinny(const bf16* __restrict__ x, const 
     pdl_trigger();
   }
   bool xa_ok[MT], xb_ok[MT];
-  const uint4* xa_row[MT];
-  const uint4* xb_row[MT];
-  skinny::x_rows<MT>(x, m, pieces, g, MH >= 2, xa_ok, xb_ok, xa_row, xb_row);
-  float acc[NT * MT][4];
-  skinny::k_sum<MT, NT, kU>(acc, wrow, row_ok, xa_ok, xb_ok, xa_row, xb_row, c_begin, c_end, pieces, t);
   float4 s[NT * MT];
-  if (!skinny::reduce<NT * MT, S>(red, acc, s, warp, lane, wn, wk, warps_n, warps_k, rank)) return;
+  if (!skinny::row_sums<MH, S>(red, x, m, pieces, wrow, row_ok, c_begin, c_end, s, xa_ok, xb_ok, warp, lane, wn, wk,
+                               warps_n, warps_k, rank))
+    return;
   // s[j MT + mt]: y[token 16mt + g][col 2t, 2t+1], y[token 16mt + g + 8][col 2t, 2t+1] of the warp's
   // weight tile j.
 #pragma unroll

@@ -205,5 +205,25 @@ __device__ __forceinline__ bool reduce(float4 (&red)[kWarps][MT][32], const floa
   return wk == 0;
 }
 
+// A warp's part of an entry of bucket MH after its weight rows and K range are known: the x rows of
+// its token tiles (x_rows; xa_ok / xb_ok say which it holds), the sums of its NT weight tiles over
+// chunks [c_begin, c_end) (k_sum), then the fixed-order reduction (reduce). True on the threads left
+// holding the sums s[j MT + mt]; every thread of the CTA must call it (barriers). linear.cu and
+// skinny_pair.cuh differ only in where the weight rows are and where the sums go.
+template <int MH, int S, int MT = bucket_tiles<MH>(), int NT = bucket_ntiles<MH>()>
+__device__ __forceinline__ bool row_sums(float4 (&red)[kWarps][NT * MT][32], const bf16* __restrict__ x, int m,
+                                         int pieces, const uint4* const (&wrow)[NT], const bool (&w_ok)[NT],
+                                         int c_begin, int c_end, float4 (&s)[NT * MT], bool (&xa_ok)[MT],
+                                         bool (&xb_ok)[MT], int warp, int lane, int wn, int wk, int warps_n,
+                                         int warps_k, int rank) {
+  const int g = lane >> 2, t = lane & 3;
+  const uint4* xa_row[MT];
+  const uint4* xb_row[MT];
+  x_rows<MT>(x, m, pieces, g, MH >= 2, xa_ok, xb_ok, xa_row, xb_row);
+  float acc[NT * MT][4];
+  k_sum<MT, NT, bucket_unroll<MH>()>(acc, wrow, w_ok, xa_ok, xb_ok, xa_row, xb_row, c_begin, c_end, pieces, t);
+  return reduce<NT * MT, S>(red, acc, s, warp, lane, wn, wk, warps_n, warps_k, rank);
+}
+
 }  // namespace skinny
 }  // namespace ddt

@@ -81,7 +81,6 @@ __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __re
                                     const bf16* __restrict__ w2, void* __restrict__ out1, bf16* __restrict__ out2,
                                     int m, int n1, int n2, int k, int warps_n) {
   constexpr int kMT = skinny::bucket_tiles<MH>(), kNT = skinny::bucket_ntiles<MH>();
-  constexpr int kU = skinny::bucket_unroll<MH>();
   __shared__ float4 red[kWarps][kNT * kMT][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -109,13 +108,10 @@ __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __re
   pdl_wait();
   pdl_trigger();
   bool xa_ok[kMT], xb_ok[kMT];
-  const uint4* xa_row[kMT];
-  const uint4* xb_row[kMT];
-  skinny::x_rows<kMT>(x, m, pieces, g, MH >= 2, xa_ok, xb_ok, xa_row, xb_row);
-  float acc[kNT * kMT][4];
-  skinny::k_sum<kMT, kNT, kU>(acc, wrow, rb_ok, xa_ok, xb_ok, xa_row, xb_row, c_begin, c_end, pieces, t);
   float4 s[kNT * kMT];
-  if (!skinny::reduce<kNT * kMT, S>(red, acc, s, warp, lane, wn, wk, warps_n, warps_k, rank)) return;
+  if (!skinny::row_sums<MH, S>(red, x, m, pieces, wrow, rb_ok, c_begin, c_end, s, xa_ok, xb_ok, warp, lane, wn, wk,
+                               warps_n, warps_k, rank))
+    return;
   // s[j kMT + mt]: D[token 16 mt + g][B rows 2t, 2t + 1], D[token 16 mt + g + 8][B rows 2t, 2t + 1] of
   // row block j (rb_ok is warp-uniform: the shuffle in store_tile needs the whole warp)
 #pragma unroll
