@@ -50,11 +50,22 @@ def test_limits_name_the_value():
         check_small_shape(64, 384, 17, 128, 128)
     with pytest.raises(ValueError, match="intermediate size 100"):
         check_small_shape(1, 8, 2, 128, 100)
+    with pytest.raises(ValueError, match="top_k = 33"):
+        check_small_shape(1, 64, 33, 128, 128)
+
+
+def test_down_chunks_balance_the_wave():
+    """moe_small_down_x's chunk count: one expert's whole H at a full wave of experts, finer chunks
+    when few experts are touched, never more chunks than row groups."""
+    assert down_chunks(528, 264, 56, 2) == 1
+    assert down_chunks(192, 264, 56, 2) == 4  # 768 items: 3 per CTA, 14 groups each
+    assert down_chunks(8, 264, 56, 2) == 28
+    assert down_chunks(1, 264, 56, 16) == 56
 
 
 # ---- the kernels' work split, transliterated (which CTA / warp computes what, in what order) ----
 
-def emulate_small(x, ids, w, rex, shared=None, warps=8):
+def emulate_small(x, ids, w, rex, shared=None, warps=8, down_x=False, ctas=264):
     """moe_small_gate_up + moe_small_down as cuda_src/moe_small.cu splits them, with the mma
     operands from the lane emulation of test_moe_repack (scale after the mma, as the kernels)."""
     from test_moe_repack import emulate_weights
@@ -91,6 +102,21 @@ def emulate_small(x, ids, w, rex, shared=None, warps=8):
                         if flat[tok * top_k + s] == e:
                             h[tok * top_k + s, 8 * tile + g] = val
     hb = h.astype(bfloat16).astype(np.float64)
+    if down_x:
+        y = emulate_down_x(hb, flat, w, rex, tokens, touched, m, top_k, warps, ctas)
+    else:
+        y = emulate_down(hb, flat, w, rex, tokens, touched, m, top_k, warps)
+    if shared is not None:
+        y += shared.astype(np.float64)
+    return y
+
+
+def emulate_down(hb, flat, w, rex, tokens, touched, m, top_k, warps):
+    """moe_small_down (up to 16 tokens): 16-row tiles of H, warp w taking touched ranks w, w + 8, ...,
+    the CTA's combine in slot order."""
+    from test_moe_repack import emulate_weights
+
+    e_all, hid, inter = rex.num_experts, rex.hidden, rex.intermediate
     y = np.zeros((m, hid))
     w2 = {e: emulate_weights(np.asarray(rex.w2[e]), hid, inter, scale_after=True).astype(np.float64) for e in touched}
     for tile in range(hid // 16):  # grid.x
@@ -109,17 +135,59 @@ def emulate_small(x, ids, w, rex, shared=None, warps=8):
                 if 0 <= flat[tok * top_k + s] < e_all:
                     a = a + w[tok, s] * d[tok * top_k + s]
             y[tok, 16 * tile:16 * tile + 16] = a
-    if shared is not None:
-        y += shared.astype(np.float64)
     return y
 
 
-@pytest.mark.parametrize("m,e,top_k,bad", [(1, 5, 3, False), (4, 3, 2, False), (9, 7, 4, True)])
-def test_emulated_kernels_match_reference(rng, m, e, top_k, bad):
-    """The work split (touched-expert ranks, warp K split, first-slot h rows, round-robin experts,
-    per-pair down values, slot-order combine) gives the reference's numbers; with ``bad`` some ids are
-    outside [0, E) (another expert shard's) and contribute nothing."""
-    hid, inter = 256, 128
+def down_chunks(touched, ctas, groups, kb_total):
+    """moe_small_down_x's chunks per touched expert (include/moe_small.cuh, down_chunks): only the
+    schedule depends on it."""
+    cost = [(-(-touched * c // ctas)) * (6 + -(-groups // c) * kb_total) for c in range(1, groups + 1)]
+    return 1 + cost.index(min(cost))
+
+
+def emulate_down_x(hb, flat, w, rex, tokens, touched, m, top_k, warps, ctas):
+    """moe_small_down_x + moe_small_combine (from 17 tokens): items (touched rank, chunk of 128-row
+    groups); per item the expert's columns (first pair of each token, every slot with the expert),
+    warp w taking tiles t0 + w, t0 + w + 8, ... of the chunk, each (pair, row) value written to d; then
+    the combine in slot order."""
+    from test_moe_repack import emulate_weights
+
+    e_all, hid, inter = rex.num_experts, rex.hidden, rex.intermediate
+    w2 = {e: emulate_weights(np.asarray(rex.w2[e]), hid, inter, scale_after=True).astype(np.float64) for e in touched}
+    groups = hid // 128
+    d = np.full((m * top_k, hid), np.nan)
+    chunks = down_chunks(len(touched), ctas, groups, inter // 128) if touched else 1
+    for item in range(len(touched) * chunks):
+        e, chunk = touched[item // chunks], item % chunks
+        g0, g1 = chunk * groups // chunks, (chunk + 1) * groups // chunks
+        cols = sorted(tokens[e])
+        pcol = [next(tok * top_k + s for s in range(top_k) if flat[tok * top_k + s] == e) for tok in cols]
+        for wp in range(warps):
+            for tile in range(8 * g0 + wp, 8 * g1, warps):
+                for tok, first in zip(cols, pcol):
+                    val = w2[e][16 * tile:16 * tile + 16] @ hb[first]
+                    for s in range(top_k):
+                        if flat[tok * top_k + s] == e:
+                            d[tok * top_k + s, 16 * tile:16 * tile + 16] = val
+    y = np.zeros((m, hid))
+    for tok in range(m):
+        for s in range(top_k):
+            if 0 <= flat[tok * top_k + s] < e_all:
+                y[tok] = y[tok] + w[tok, s] * d[tok * top_k + s]
+    assert np.isfinite(y).all(), "a pair's down values were never written"
+    return y
+
+
+@pytest.mark.parametrize("m,e,top_k,bad,down_x,ctas", [
+    (1, 5, 3, False, False, 264), (4, 3, 2, False, False, 264), (9, 7, 4, True, False, 264),
+    (1, 5, 3, False, True, 264), (4, 3, 2, False, True, 2), (9, 7, 4, True, True, 5), (3, 4, 2, False, True, 1),
+])
+def test_emulated_kernels_match_reference(rng, m, e, top_k, bad, down_x, ctas):
+    """The work split (touched-expert ranks, warp K split, first-slot h rows; the down as
+    moe_small_down (round-robin experts per 16-row tile, per-pair down values, slot-order combine) or
+    as moe_small_down_x + moe_small_combine over ``ctas`` CTAs) gives the reference's numbers; with
+    ``bad`` some ids are outside [0, E) (another expert shard's) and contribute nothing."""
+    hid, inter = 512, 256
     ex = random_compressed_experts(rng, e, hid, inter)
     x = random_bf16(rng, (m, hid))
     ids, w = random_routing(rng, m, e, top_k)
@@ -127,7 +195,7 @@ def test_emulated_kernels_match_reference(rng, m, e, top_k, bad):
         ids[::2, 0] = -3
         ids[1::3, -1] = e + 1
     shared = random_bf16(rng, (m, hid), 0.5)
-    got = emulate_small(x, ids, w, repack_experts(ex), shared)
+    got = emulate_small(x, ids, w, repack_experts(ex), shared, down_x=down_x, ctas=ctas)
     assert_close(got, ref_moe(x, ids, w, ex, shared=shared, check_ids=False), "bf16_accum")
 
 
@@ -236,6 +304,8 @@ def run_gpu(rng, name, m, with_shared=True, f32=False, pdl=None, kernel_offset=F
     outs = []
     for _ in range(2):
         plan.h.fill(0x7FC0)
+        if plan.d is not None:
+            plan.d.fill(np.nan)  # down values the combine may read only where they were written
         out = cupy.full((m, h), np.nan, cupy.float32) if f32 else nan_bf16_bits((m, h))
         y = gpu_moe(to_device_bf16(x), cupy.asarray(ids + offset), cupy.asarray(w), exg,
                     shared=None if shared is None else to_device_bf16(shared), out=out, plan=plan, check_ids=False,
@@ -353,17 +423,17 @@ def test_rows_are_bitwise_invariant_to_the_batch(name):
 
 
 @pytest.mark.gpu
-def test_pdl_and_graph_replay_match_plain_launches():
+@pytest.mark.parametrize("m", [7, 17])  # both downs
+def test_pdl_and_graph_replay_match_plain_launches(m):
     import cupy
 
     from ddtree_rtc.kernels.moe_small import moe_small_experts as gpu_moe
     from ddtree_rtc.kernels.moe_small import moe_small_plan as gpu_plan
     from ddtree_rtc.testing import to_device_bf16
 
-    rng = _seeded("pdl")
+    rng = _seeded(f"pdl {m}")
     _, exg = experts_for("tp8")
     e, h, i, top_k, _, _ = DIMS["tp8"]
-    m = 17
     x, (ids, w) = random_bf16(rng, (m, h)), routing_for(rng, "tp8", m)
     xd, idd, wd = to_device_bf16(x), cupy.asarray(ids), cupy.asarray(w)
     plain = gpu_moe(xd, idd, wd, exg, plan=gpu_plan(m, e, top_k, h, i, pdl=False), check_ids=False).get()
@@ -375,10 +445,38 @@ def test_pdl_and_graph_replay_match_plain_launches():
         stream.begin_capture()
         gpu_moe(xd, idd, wd, exg, out=out, plan=plan, check_ids=False)
         graph = stream.end_capture()
-        out.fill(0x7FC0)
-        graph.launch(stream)
-    stream.synchronize()
-    assert np.array_equal(out.get(), plain)
+        for _ in range(2):
+            out.fill(0x7FC0)
+            graph.launch(stream)
+            stream.synchronize()
+            assert np.array_equal(out.get(), plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,f32", [(5, False), (5, True), (17, False), (17, True)])
+def test_no_pair_on_the_shard(m, f32):
+    """An expert shard that no pair routes to: the output is the shared expert (zero without it), on
+    both downs."""
+    import cupy
+
+    from ddtree_rtc.kernels.moe_small import moe_small_experts as gpu_moe
+    from ddtree_rtc.kernels.moe_small import moe_small_plan as gpu_plan
+    from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
+
+    rng = _seeded(f"empty shard {m} {f32}")
+    _, exg = experts_for("ep8")
+    e, h, i, top_k, _, _ = DIMS["ep8"]
+    x, (ids, w) = random_bf16(rng, (m, h)), routing_for(rng, "ep8", m)
+    ids = (ids % e) + e  # every id another shard's
+    shared = random_bf16(rng, (m, h), 0.5)
+    plan = gpu_plan(m, e, top_k, h, i)
+    for sh in (shared, None):
+        out = cupy.full((m, h), np.nan, cupy.float32) if f32 else nan_bf16_bits((m, h))
+        gpu_moe(to_device_bf16(x), cupy.asarray(ids), cupy.asarray(w), exg, out=out, plan=plan, check_ids=False,
+                shared=None if sh is None else to_device_bf16(sh))
+        got = out.get() if f32 else out.get().view(bfloat16).astype(np.float32)
+        want = np.zeros((m, h), np.float32) if sh is None else sh.astype(np.float32)
+        assert np.array_equal(got, want)
 
 
 def test_gate_up_tiles_per_item():

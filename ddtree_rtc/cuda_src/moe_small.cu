@@ -1,6 +1,6 @@
-// Row-invariant INT4 MoE experts for small batches (M <= 64 tokens): the routed gate_up and the
-// down GEMM with the weighted combine, two launches chained under PDL, no align step, no split-K
-// reduce kernel, no atomics in any sum.
+// Row-invariant INT4 MoE experts for small batches (M <= 64 tokens): the routed gate_up, then the
+// down GEMM with the weighted combine, chained under PDL (two launches up to 16 tokens, three from 17:
+// see Work), no align step, no split-K reduce kernel, no atomics in any sum.
 //
 // Row invariance (docs/architecture.md, "The small-M path"): every number a token's output depends
 // on is computed by a procedure fixed by the shapes (H, I, top_k), never by M, by the other tokens or
@@ -15,11 +15,16 @@
 //
 // Each CTA rebuilds the routing it needs from the ids in shared memory (a token bitmask per expert,
 // the touched experts in ascending order): M * top_k <= 1024 pairs, cheap, and no align launch.
-// Work: moe_small_gate_up, items (touched-expert rank, 2 fused w13 16-row tiles); moe_small_down, 16-row
-// tiles of H, a CTA's warps taking the touched experts round-robin by rank. Both grids are one wave
-// of CTAs looping over their items, so each CTA builds the routing once; which CTA computes an item
-// never changes its numbers.
-// moe_small_down reads the ids before its PDL wait (they come from two launches back) and puts its
+// Work: moe_small_gate_up, items (touched-expert rank, 1 or 2 fused w13 16-row tiles). The down, up
+// to 16 tokens: moe_small_down, 16-row tiles of H, a CTA's warps taking the touched experts
+// round-robin by rank, the combine in the same CTA. From 17 tokens: moe_small_down_x, items
+// (touched-expert rank, chunk of H rows; the chunk count from the touched count and the grid), the
+// expert's h rows staged in shared memory once per item, then moe_small_combine (a thread per output).
+// On an H100 (benchmarks/README.md) the second form is 11-60 µs faster from 17 tokens on, and 16 µs
+// slower at one. The grids are one wave of CTAs looping over their items, so each CTA builds the
+// routing once; which CTA computes an item never changes its numbers, and both downs compute a
+// value in the same order.
+// The downs read the ids before their PDL wait (they come from two launches back) and put their
 // first weight stages in flight while moe_small_gate_up drains.
 #include "common.cuh"
 #include "moe_small.cuh"
@@ -98,6 +103,90 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down(
     __syncthreads();
     combine_tile(r, dsm, topk_w, M, top_k, E, H, tile, shared, y, out_f32);
     __syncthreads();  // dsm and the rings are reused by the next tile
+  }
+}
+
+// The down values d [P, H] fp32 = h[p] W_down[e]^T for every pair p whose id e is in [0, E) (other
+// rows of d are not written). Items (touched-expert rank, chunk of whole kGroupRows-row groups of H),
+// item i to CTA i % gridDim.x: per item the expert's h rows go to shared memory once, and its warps
+// stream the chunk's weight tiles (whole K per warp). Dynamic shared memory: 8 warp rings +
+// kStageBytes of staged h.
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down_x(
+    const unsigned char* __restrict__ w2, long long w2_expert_bytes, const bf16* __restrict__ h,
+    const int* __restrict__ topk_ids, int id_offset, int M, int top_k, int E, int H, int I, float* __restrict__ d) {
+  extern __shared__ __align__(16) unsigned char ring[];
+  __shared__ Routing r;
+  __shared__ int pcol[kMaxTokens];
+  __shared__ unsigned slots[kMaxTokens];
+  unsigned char* stage = ring + kWarps * kWarpRingBytes;
+  // the ids were written two launches back or earlier (PDL rule, kernels/_launch.py): read them, and
+  // put the first item's first weight stages in flight, before the wait
+  build_routing(topk_ids, M * top_k, top_k, E, id_offset, r);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int kb_total = I / kStepK, groups = H / kGroupRows, T = r.num_touched;
+  const int stride = 2 * I + 64;  // bytes per staged h row: 64 past a multiple of 128, so a quarter-warp's
+                                  // 16-byte reads of two rows fall in different banks
+  const int fit = kStageBytes / stride;
+  const unsigned wring = smem_addr(ring) + warp * kWarpRingBytes;
+  const int chunks = T > 0 ? down_chunks(T, gridDim.x, groups, kb_total) : 1, items = T * chunks;
+  if ((int)blockIdx.x < items) {
+    const int item = blockIdx.x, chunk = item % chunks;
+    down_prologue(w2, w2_expert_bytes, r.touched[item / chunks], chunk_group(chunk, chunks, groups) * 8,
+                  chunk_group(chunk + 1, chunks, groups) * 8, kb_total, wring, warp, lane);
+  }
+  pdl_wait();  // h comes from the previous kernel
+  pdl_trigger();
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int ex = r.touched[item / chunks], chunk = item % chunks;
+    const int g0 = chunk_group(chunk, chunks, groups), g1 = chunk_group(chunk + 1, chunks, groups);
+    const int cnt = __popcll(r.tokens[ex]), staged = min(cnt, fit);
+    item_columns(r, ex, top_k, pcol, slots);
+    __syncthreads();
+    const int pieces = I / 8;  // 16-byte pieces per h row
+    for (int i = tid; i < staged * pieces; i += kThreads) {
+      const int c = i / pieces, k8 = i % pieces;
+      cp_async16(smem_addr(stage + c * stride + 16 * k8), h + (long long)pcol[c] * I + 8 * k8);
+    }
+    cp_async_commit();
+    if (item != (int)blockIdx.x) down_prologue(w2, w2_expert_bytes, ex, g0 * 8, g1 * 8, kb_total, wring, warp, lane);
+    asm volatile("cp.async.wait_group 0;" ::: "memory");  // the h rows (and the ring's first stages)
+    __syncthreads();
+    down_item(w2, w2_expert_bytes, h, I, H, ex, cnt, g0 * 8, g1 * 8, pcol, slots, stage, staged, stride, ring, d);
+    __syncthreads();  // pcol, slots, the stage and the rings are reused by the next item
+  }
+}
+
+// y [M, H] = sum_slot w[m, slot] * d[pair][n] (+ shared[m]), slots in order (pairs whose id is
+// outside [0, E) skipped); bf16, or fp32 unrounded when out_f32 (a tensor-parallel partial). A
+// thread per output, grid-stride; a token's up to 8 slots' loads in flight at once.
+extern "C" __global__ void __launch_bounds__(kThreads) moe_small_combine(
+    const int* __restrict__ topk_ids, int id_offset, const float* __restrict__ topk_w, const float* __restrict__ d,
+    int M, int top_k, int E, int H, const bf16* __restrict__ shared, void* __restrict__ y, int out_f32) {
+  pdl_wait();  // d comes from the previous kernel
+  pdl_trigger();
+  for (long long i = (long long)blockIdx.x * kThreads + threadIdx.x; i < (long long)M * H;
+       i += (long long)gridDim.x * kThreads) {
+    const int m = (int)(i / H), n = (int)(i % H);
+    float a = 0.f;
+    for (int s0 = 0; s0 < top_k; s0 += 8) {
+      float dv[8], wv[8];
+      bool ok[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int p = m * top_k + s0 + j, ex = s0 + j < top_k ? topk_ids[p] - id_offset : -1;
+        ok[j] = ex >= 0 && ex < E;
+        dv[j] = ok[j] ? d[(long long)p * H + n] : 0.f;
+        wv[j] = ok[j] ? topk_w[p] : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (ok[j]) a = __fadd_rn(a, __fmul_rn(wv[j], dv[j]));
+    }
+    if (shared) a = __fadd_rn(a, to_f32(shared[(long long)m * H + n]));
+    if (out_f32)
+      static_cast<float*>(y)[(long long)m * H + n] = a;
+    else
+      static_cast<bf16*>(y)[(long long)m * H + n] = to_bf16(a);
   }
 }
 

@@ -13,6 +13,7 @@ MAX_TOKENS = 64
 MAX_EXPERTS = 1024
 MAX_PAIRS = 1024
 TILE_K = 128
+MAX_TOP_K = 32  # moe_small_down_x keeps a token's slots with one expert in a 32-bit mask
 
 
 def check_small_shape(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int) -> None:
@@ -23,6 +24,8 @@ def check_small_shape(num_tokens: int, num_experts: int, top_k: int, hidden: int
         raise ValueError(f"moe_small: {num_experts} experts outside 1..{MAX_EXPERTS}")
     if top_k < 1 or num_tokens * top_k > MAX_PAIRS:
         raise ValueError(f"moe_small: M * top_k = {num_tokens} * {top_k} pairs outside 1..{MAX_PAIRS}")
+    if top_k > MAX_TOP_K:
+        raise ValueError(f"moe_small: top_k = {top_k} above {MAX_TOP_K}")
     for name, v in (("hidden", hidden), ("intermediate", intermediate)):
         if v <= 0 or v % TILE_K:
             raise ValueError(f"moe_small: {name} size {v} must be a positive multiple of {TILE_K}")

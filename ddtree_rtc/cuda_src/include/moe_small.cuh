@@ -352,5 +352,149 @@ __device__ __forceinline__ void combine_tile(const Routing& r, const float* dsm,
   }
 }
 
+// moe_small_down_x's work: items (touched-expert rank, chunk of H), a chunk being whole groups of
+// kGroupRows output rows. The expert's h rows (its tokens' first pairs) are staged in shared memory
+// once per item, so a step waits only on its weight block; the down values go to d [P, H] fp32, which
+// moe_small_combine sums. (moe_small_down, the tile-major form, runs up to 16 tokens.)
+constexpr int kGroupRows = 128;
+constexpr int kStageBytes = 36864;  // h rows of one item: 64 columns at I = 256, 8 at I = 2048
+
+// The item's columns: pcol[c] = the first pair of column c's token with this expert, slots[c] = bit s
+// for every slot s of that token with it (a token may name an expert twice). Threads 0..63.
+__device__ __forceinline__ void item_columns(const Routing& r, int e, int top_k, int* pcol, unsigned* slots) {
+  const int tid = threadIdx.x;
+  const unsigned long long mask = r.tokens[e];
+  if (tid < kMaxTokens && ((mask >> tid) & 1ull)) {
+    const int c = __popcll(mask & ((1ull << tid) - 1ull));
+    unsigned bits = 0u;
+    for (int s = top_k - 1; s >= 0; --s)
+      if (r.ids[tid * top_k + s] == e) bits |= 1u << s;
+    pcol[c] = tid * top_k + __ffs(bits) - 1;
+    slots[c] = bits;
+  }
+}
+
+// Chunks per touched expert: the count minimising waves x (overhead + chunk work), in steps of a
+// warp (the overhead: about the h staging's and the ring's ramp). Only the schedule depends on it.
+__device__ __forceinline__ int down_chunks(int touched, int ctas, int groups, int kb_total) {
+  int best = 1;
+  long long best_cost = -1;
+  for (int c = 1; c <= groups; ++c) {
+    const long long waves = ((long long)touched * c + ctas - 1) / ctas;
+    const long long cost = waves * (6 + (long long)((groups + c - 1) / c) * kb_total);
+    if (best_cost < 0 || cost < best_cost) {
+      best_cost = cost;
+      best = c;
+    }
+  }
+  return best;
+}
+
+// The first rows group and the end group of chunk `chunk` of `chunks` (groups split evenly).
+__device__ __forceinline__ int chunk_group(int chunk, int chunks, int groups) { return chunk * groups / chunks; }
+
+// The address of weight block `kb` of 16-row tile `tile` of expert `ex`'s w2.
+__device__ __forceinline__ const unsigned char* down_block(const unsigned char* __restrict__ w2,
+                                                           long long w2_expert_bytes, int ex, int tile, int kb,
+                                                           int kb_total) {
+  return w2 + (long long)ex * w2_expert_bytes + ((long long)tile * kb_total + kb) * kBlockBytes;
+}
+
+// A warp's first kStages - 1 weight blocks of an item (tiles t0 + warp, t0 + warp + 8, ... < t1).
+__device__ __forceinline__ void down_prologue(const unsigned char* __restrict__ w2, long long w2_expert_bytes, int ex,
+                                              int t0, int t1, int kb_total, unsigned wring, int warp, int lane) {
+  int tile = t0 + warp, kb = 0;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (tile < t1) issue_block(wring + s * kBlockBytes, down_block(w2, w2_expert_bytes, ex, tile, kb, kb_total), lane);
+    cp_async_commit();
+    if (++kb == kb_total) {
+      kb = 0;
+      tile += kWarps;
+    }
+  }
+}
+
+// The down GEMM of expert ex over 16-row tiles [t0, t1) of H (warp w: tiles t0 + w, t0 + w + 8, ...), each
+// (token, expert) value into d at every pair of that token with that id. The item's columns (pcol,
+// slots) and its staged h rows (stage, `staged` columns of row stride `stride` bytes) are in shared
+// memory; the first kStages - 1 ring stages are in flight on entry.
+__device__ __forceinline__ void down_item(const unsigned char* __restrict__ w2, long long w2_expert_bytes,
+                                          const bf16* __restrict__ h, int I, int H, int ex, int cnt, int t0, int t1,
+                                          const int* pcol, const unsigned* slots, const unsigned char* stage,
+                                          int staged, int stride, unsigned char* ring, float* __restrict__ d) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int kb_total = I / kStepK;
+  const int mine = t1 - t0 > warp ? (t1 - t0 - 1 - warp) / kWarps + 1 : 0;
+  const int steps = mine * kb_total, ntl = (cnt + 7) >> 3;
+  const unsigned wring = smem_addr(ring) + warp * kWarpRingBytes;
+  // the next block to issue (the warp's block kStages - 1): a tile's blocks are contiguous, the warp's
+  // next tile 8 tiles on
+  int nkb = (kStages - 1) % kb_total;
+  const unsigned char* nsrc = down_block(w2, w2_expert_bytes, ex, t0 + warp + ((kStages - 1) / kb_total) * kWarps,
+                                         nkb, kb_total);
+  const long long jump = (long long)((kWarps - 1) * kb_total + 1) * kBlockBytes;
+  int tile = t0 + warp, kb = 0;
+  float acc[kMaxNt][4];
+#pragma unroll
+  for (int nt = 0; nt < kMaxNt; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait_ring();
+    __syncwarp();
+    if (step + kStages - 1 < steps) issue_block(wring + ((step + kStages - 1) % kStages) * kBlockBytes, nsrc, lane);
+    cp_async_commit();
+    if (++nkb == kb_total) {
+      nkb = 0;
+      nsrc += jump;
+    } else {
+      nsrc += kBlockBytes;
+    }
+    uint4 buf[3];
+    load_block(buf, ring + warp * kWarpRingBytes + (step % kStages) * kBlockBytes, lane, g);
+#pragma unroll
+    for (int nt = 0; nt < kMaxNt; ++nt) {
+      if (nt < ntl) {
+        const int c = nt * 8 + g;
+        uint4 xb[4];
+        if (c < staged) {
+          const unsigned char* row = stage + c * stride + (kb * kStepK + 8 * t) * 2;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) xb[q] = lds128(row + 64 * q);
+        } else {
+          load_act(xb, h + (long long)(c < cnt ? pcol[c] : 0) * I, c < cnt, kb * kStepK, t);
+        }
+        mma_block(acc[nt], buf, xb);
+      }
+    }
+    if (++kb == kb_total) {
+#pragma unroll
+      for (int nt = 0; nt < kMaxNt; ++nt) {
+        if (nt >= ntl) continue;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int c = nt * 8 + 2 * t + j;
+          if (c >= cnt) continue;
+          unsigned bits = slots[c];
+          const int base = pcol[c] - (__ffs(bits) - 1);  // the token's first pair: pcol is its first slot with ex
+          while (bits) {
+            const int s = __ffs(bits) - 1;
+            bits &= bits - 1;
+            float* dp = d + (long long)(base + s) * H + tile * 16;
+            dp[g] = acc[nt][j];
+            dp[g + 8] = acc[nt][2 + j];
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+      }
+      kb = 0;
+      tile += kWarps;
+    }
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
 }  // namespace moe_small
 }  // namespace ddt
