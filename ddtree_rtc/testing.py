@@ -235,8 +235,8 @@ def random_prompts(seed: int, lengths) -> list[list[int]]:
 
 # Kernel launches of a backend op on the CUDA backend where it is more than one (at most:
 # mla_attention launches its merge only when the plan cuts a tile; moe_small_experts is 2 up to 16 rows,
-# the count here, and 3 from 17); every other op of the small-M path is one launch. The general path also launches copies outside the op table (contiguous views,
-# slice assignments), which are not counted.
+# the count here, and 3 from 17); every other op of the small-M path is one launch. The general path
+# also launches copies outside the op table (contiguous views, slice assignments), which are not counted.
 OP_LAUNCHES = {"mla_attention": 2, "moe_small_experts": 2}
 
 

@@ -1,10 +1,11 @@
 """Row-invariant INT4 MoE experts for M <= 64 tokens: the small-M path's expert step
 (cuda_src/moe_small.cu). Same signature and numbers as ``moe_gemm.moe_experts`` (the numpy twin is
-that reference), in two launches chained under PDL — gate_up, then down + combine — with no align
-step, no split-K reduce and no atomic sums, and a token's output the same bits whatever M and
-whatever the other tokens are.
+that reference), chained under PDL — gate_up, then down + combine (up to 16 tokens), or down, then
+combine (from 17) — with no align step, no split-K reduce and no atomic sums, and a token's output the
+same bits whatever M and whatever the other tokens are (both downs compute a value the same way).
 
-``moe_small_plan`` (host, once per shape) allocates the one buffer (h) and checks the limits;
+``moe_small_plan`` (host, once per shape) allocates the buffers (h; from 17 tokens the down values d)
+and checks the limits;
 ``moe_small_experts`` with a plan and an ``out`` only launches, so it can be captured in a CUDA graph.
 ``moe_small_dense`` is the layer's dense part (router logits and the shared expert's SiLU(gate) * up)
 in one row-invariant launch.
@@ -32,6 +33,9 @@ GATE_UP_T2_TOKENS = 17  # from this M on moe_small_gate_up_t2: 2 fused tiles per
 _GATE_UP_RED_BYTES = _WARPS * 2 * 4 * 32 * 4 * 4  # the warps' partial sums of a column pass (2 tiles)
 MAX_DENSE_TOKENS = 64
 _STATIC_SMEM = 18576  # moe_small_down's static shared memory (the routing; `kernels build` lists it)
+_STATIC_SMEM_X = 17040  # moe_small_down_x's
+_STAGE_BYTES = 36864  # moe_small_down_x's staged h rows of one item (kStageBytes)
+DOWN_X_TOKENS = 17  # from this M on moe_small_down_x + moe_small_combine (faster from 17 rows on an H100)
 
 
 def stages() -> int:
@@ -54,8 +58,13 @@ def gate_up_smem(tiles: int = 2) -> int:
 
 
 def down_smem(num_pairs: int) -> int:
-    """The rings plus the fp32 down values of every pair for the CTA's 16 rows."""
+    """moe_small_down's: the rings plus the fp32 down values of every pair for the CTA's 16 rows."""
     return ring_bytes() + num_pairs * 16 * 4
+
+
+def down_x_smem() -> int:
+    """moe_small_down_x's: the rings plus one item's staged h rows."""
+    return ring_bytes() + _STAGE_BYTES
 
 
 @dataclass
@@ -68,6 +77,7 @@ class MoESmallPlan:
     hidden: int
     intermediate: int
     h: object  # bf16 [P, I]
+    d: object = None  # fp32 [P, H]: the down values of every pair (from DOWN_X_TOKENS tokens)
     pdl: bool = False
 
     @property
@@ -75,11 +85,12 @@ class MoESmallPlan:
         return self.num_tokens * self.top_k
 
 
-def _check_smem(num_pairs: int, smem_per_block: int) -> None:
-    need = down_smem(num_pairs) + _STATIC_SMEM
+def _check_smem(num_tokens: int, num_pairs: int, smem_per_block: int) -> None:
+    x = num_tokens >= DOWN_X_TOKENS
+    need = down_x_smem() + _STATIC_SMEM_X if x else down_smem(num_pairs) + _STATIC_SMEM
     if need > smem_per_block:
-        raise ValueError(f"moe_small: {num_pairs} pairs need {need} B of shared memory per block, "
-                         f"this GPU allows {smem_per_block}")
+        raise ValueError(f"moe_small: {num_pairs} pairs need {need} B of shared memory per block in "
+                         f"{'moe_small_down_x' if x else 'moe_small_down'}, this GPU allows {smem_per_block}")
 
 
 def moe_small_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
@@ -89,9 +100,11 @@ def moe_small_plan(num_tokens: int, num_experts: int, top_k: int, hidden: int, i
     import cupy
 
     check_small_shape(num_tokens, num_experts, top_k, hidden, intermediate)
-    _check_smem(num_tokens * top_k, cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    p = num_tokens * top_k
+    _check_smem(num_tokens, p, cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     return MoESmallPlan(num_tokens, num_experts, top_k, hidden, intermediate,
-                        cupy.empty((num_tokens * top_k, intermediate), dtype=cupy.uint16),
+                        cupy.empty((p, intermediate), dtype=cupy.uint16),
+                        cupy.empty((p, hidden), dtype=cupy.float32) if num_tokens >= DOWN_X_TOKENS else None,
                         (True if pdl is None else pdl) and pdl_supported())
 
 
@@ -124,13 +137,24 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
         experts.w13, np.int64(experts.w13[0].nbytes), x, topk_ids, np.int32(id_offset), np.int32(m),
         np.int32(top_k), np.int32(e),
         np.int32(h), np.int32(inter), plan.h), shared_mem=gate_up_smem(tiles), pdl=plan.pdl)
+    sh = shared if shared is not None else np.uint64(0)
+    if m >= DOWN_X_TOKENS:
+        down = mod.fn("moe_small_down_x")
+        allow_dynamic_smem(down, down_x_smem())
+        launch(down, (wave,), (_THREADS,), (
+            experts.w2, np.int64(experts.w2[0].nbytes), plan.h, topk_ids, np.int32(id_offset), np.int32(m),
+            np.int32(top_k), np.int32(e), np.int32(h), np.int32(inter), plan.d), shared_mem=down_x_smem(),
+            pdl=plan.pdl)
+        launch(mod.fn("moe_small_combine"), (min(4 * wave, -(-m * h // _THREADS)),), (_THREADS,), (
+            topk_ids, np.int32(id_offset), topk_weights, plan.d, np.int32(m), np.int32(top_k), np.int32(e),
+            np.int32(h), sh, y, np.int32(f32_out)), pdl=plan.pdl)
+        return y
     down = mod.fn("moe_small_down")
     allow_dynamic_smem(down, down_smem(p))
     launch(down, (min(wave, h // 16),), (_THREADS,), (
         experts.w2, np.int64(experts.w2[0].nbytes), plan.h, topk_ids, np.int32(id_offset), topk_weights,
         np.int32(m), np.int32(top_k),
-        np.int32(e), np.int32(h), np.int32(inter), shared if shared is not None else np.uint64(0), y,
-        np.int32(f32_out)), shared_mem=down_smem(p), pdl=plan.pdl)
+        np.int32(e), np.int32(h), np.int32(inter), sh, y, np.int32(f32_out)), shared_mem=down_smem(p), pdl=plan.pdl)
     return y
 
 
