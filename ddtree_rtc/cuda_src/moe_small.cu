@@ -16,8 +16,8 @@
 // Each CTA rebuilds the routing it needs from the ids in shared memory (a token bitmask per expert,
 // the touched experts in ascending order): M * top_k <= 1024 pairs, cheap, and no align launch.
 // Work: moe_small_gate_up, items (touched-expert rank, 1 or 2 fused w13 16-row tiles; the host picks
-// the entry from M). The down, up to 16 tokens: moe_small_down, 16-row tiles of H, a CTA's warps taking the touched experts
-// round-robin by rank, the combine in the same CTA. From 17 tokens: moe_small_down_x, items
+// the entry from M). The down, up to 16 tokens: moe_small_down, 16-row tiles of H, a CTA's warps
+// taking the touched experts round-robin by rank, the combine in the same CTA. From 17 tokens: moe_small_down_x, items
 // (touched-expert rank, chunk of H rows; the chunk count from the touched count and the grid), the
 // expert's h rows staged in shared memory once per item, then moe_small_combine (a thread per output).
 // On an H100 (benchmarks/README.md) the second form is 11-60 µs faster from 17 tokens on, and 16 µs
