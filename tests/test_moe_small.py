@@ -379,3 +379,12 @@ def test_pdl_and_graph_replay_match_plain_launches():
         graph.launch(stream)
     stream.synchronize()
     assert np.array_equal(out.get(), plain)
+
+
+def test_gate_up_tiles_per_item():
+    """One fused tile per moe_small_gate_up item up to 16 tokens, two from 17 (the values do not depend
+    on it: test_rows_are_bitwise_invariant_to_the_batch runs M = 1 and 7 against 64 on the GPU)."""
+    from ddtree_rtc.kernels.moe_small import gate_up_smem, gate_up_tiles
+
+    assert [gate_up_tiles(m) for m in (1, 16, 17, 64)] == [1, 1, 2, 2]
+    assert gate_up_smem(2) >= 2 * gate_up_smem(1) - 1 and gate_up_smem(1) >= 8 * 2 * 4 * 32 * 16

@@ -15,7 +15,7 @@
 //
 // Each CTA rebuilds the routing it needs from the ids in shared memory (a token bitmask per expert,
 // the touched experts in ascending order): M * top_k <= 1024 pairs, cheap, and no align launch.
-// Work: moe_small_gate_up, items (touched-expert rank, fused w13 16-row tile); moe_small_down, 16-row
+// Work: moe_small_gate_up, items (touched-expert rank, 2 fused w13 16-row tiles); moe_small_down, 16-row
 // tiles of H, a CTA's warps taking the touched experts round-robin by rank. Both grids are one wave
 // of CTAs looping over their items, so each CTA builds the routing once; which CTA computes an item
 // never changes its numbers.
@@ -30,23 +30,36 @@ using namespace ddt::moe_small;
 
 
 // h [P, I] bf16: h[p] = bf16(silu(x[m] W_gate[e]^T) * (x[m] W_up[e]^T)) for every pair p = (m, slot)
-// whose id e is in [0, E); other rows of h are not written. Items (touched-expert rank, fused 16-row
-// tile of 2I / 16), item i to CTA i % gridDim.x (any grid: the values do not depend on it). Dynamic
-// shared memory: 8 warp rings (at least 32 KB: the warps' partial sums go through it at the end).
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_gate_up(
-    const unsigned char* __restrict__ w13, long long w13_expert_bytes, const bf16* __restrict__ x,
-    const int* __restrict__ topk_ids, int id_offset, int M, int top_k, int E, int H, int I,
-    bf16* __restrict__ h) {
+// whose id e is in [0, E); other rows of h are not written. Items (touched-expert rank, kGuTiles fused
+// 16-row tiles of 2I / 16, one x load feeding them all), item i to CTA i % gridDim.x (any grid: the
+// values do not depend on it, nor on kGuTiles). Dynamic shared memory: 8 warp rings of kGuTiles-block
+// stages (at least 32 KB: the warps' partial sums go through it at the end of each column pass).
+template <int kGuTiles>
+__device__ __forceinline__ void gate_up_kernel(const unsigned char* __restrict__ w13, long long w13_expert_bytes,
+                                               const bf16* __restrict__ x, const int* __restrict__ topk_ids,
+                                               int id_offset, int M, int top_k, int E, int H, int I,
+                                               bf16* __restrict__ h) {
   extern __shared__ __align__(16) unsigned char ring[];
   __shared__ Routing r;
   __shared__ int cols[kMaxTokens];
   pdl_wait();  // the ids come from a recent kernel (the routing)
   pdl_trigger();
   build_routing(topk_ids, M * top_k, top_k, E, id_offset, r);
-  const int tiles = 2 * I / 16, items = r.num_touched * tiles;
+  const int tiles = 2 * I / 16 / kGuTiles, items = r.num_touched * tiles;
   for (int item = blockIdx.x; item < items; item += gridDim.x)
-    gate_up_item(w13, w13_expert_bytes, x, top_k, H, I, r.touched[item / tiles], item % tiles, r, cols, ring, h);
+    gate_up_item<kGuTiles>(w13, w13_expert_bytes, x, top_k, H, I, r.touched[item / tiles], (item % tiles) * kGuTiles,
+                           r, cols, ring, h);
 }
+
+#define GATE_UP_ENTRY(NAME, TILES)                                                                              \
+  extern "C" __global__ void __launch_bounds__(kThreads, 2)                                                    \
+      NAME(const unsigned char* __restrict__ w13, long long w13_expert_bytes, const bf16* __restrict__ x,      \
+           const int* __restrict__ topk_ids, int id_offset, int M, int top_k, int E, int H, int I,             \
+           bf16* __restrict__ h) {                                                                             \
+    gate_up_kernel<TILES>(w13, w13_expert_bytes, x, topk_ids, id_offset, M, top_k, E, H, I, h);                \
+  }
+GATE_UP_ENTRY(moe_small_gate_up, 1)
+GATE_UP_ENTRY(moe_small_gate_up_t2, 2)
 
 // y [M, H] = sum_slot w[m, slot] * (h[m, slot] W_down[e]^T) (+ shared[m]), slots in order; bf16,
 // or fp32 unrounded when out_f32 (a tensor-parallel partial). 16-row tiles of H, tile i to CTA

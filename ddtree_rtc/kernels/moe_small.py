@@ -28,7 +28,8 @@ BLOCK_BYTES = 1152
 _THREADS = 256
 _WARPS = 8
 _CTAS_PER_SM = 2  # __launch_bounds__(256, 2): the grids are one wave of CTAs looping over their items
-_GATE_UP_RED_BYTES = _WARPS * 8 * 32 * 4 * 4  # the warps' partial sums at the end of moe_small_gate_up
+GATE_UP_T2_TOKENS = 17  # from this M on moe_small_gate_up_t2: 2 fused tiles per item (one x load for both)
+_GATE_UP_RED_BYTES = _WARPS * 2 * 4 * 32 * 4 * 4  # the warps' partial sums of a column pass (2 tiles)
 MAX_DENSE_TOKENS = 64
 _STATIC_SMEM = 18576  # moe_small_down's static shared memory (the routing; `kernels build` lists it)
 
@@ -42,8 +43,14 @@ def ring_bytes() -> int:
     return _WARPS * stages() * BLOCK_BYTES
 
 
-def gate_up_smem() -> int:
-    return max(ring_bytes(), _GATE_UP_RED_BYTES)
+def gate_up_tiles(num_tokens: int) -> int:
+    """Fused 16-row tiles per moe_small_gate_up item at M tokens (the values do not depend on it)."""
+    return 2 if num_tokens >= GATE_UP_T2_TOKENS else 1
+
+
+def gate_up_smem(tiles: int = 2) -> int:
+    """Its rings (stages of ``tiles`` weight blocks), at least the partial sums' bytes."""
+    return max(tiles * ring_bytes(), _GATE_UP_RED_BYTES)
 
 
 def down_smem(num_pairs: int) -> int:
@@ -110,12 +117,13 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
     mod = module("moe_small")
     p = m * top_k
     wave = _CTAS_PER_SM * sm_count(x.device.id)
-    up = mod.fn("moe_small_gate_up")
-    allow_dynamic_smem(up, gate_up_smem())
-    launch(up, (min(wave, min(e, p) * (2 * inter // 16)),), (_THREADS,), (
+    tiles = gate_up_tiles(m)
+    up = mod.fn("moe_small_gate_up" if tiles == 1 else f"moe_small_gate_up_t{tiles}")
+    allow_dynamic_smem(up, gate_up_smem(tiles))
+    launch(up, (min(wave, min(e, p) * (2 * inter // 16 // tiles)),), (_THREADS,), (
         experts.w13, np.int64(experts.w13[0].nbytes), x, topk_ids, np.int32(id_offset), np.int32(m),
         np.int32(top_k), np.int32(e),
-        np.int32(h), np.int32(inter), plan.h), shared_mem=gate_up_smem(), pdl=plan.pdl)
+        np.int32(h), np.int32(inter), plan.h), shared_mem=gate_up_smem(tiles), pdl=plan.pdl)
     down = mod.fn("moe_small_down")
     allow_dynamic_smem(down, down_smem(p))
     launch(down, (min(wave, h // 16),), (_THREADS,), (

@@ -46,7 +46,7 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "with SiLU*up, down, split-K reduce, weighted top-k combine",
                params={"MOE_STAGES_NT1": 3, "MOE_STAGES_NT4": 3, "MOE_MIN_CTAS_NT4": 4,
                        "MOE_NT4_WEIGHTS_NORMAL": 1}),
-    KernelSpec("moe_small", ("moe_small_gate_up", "moe_small_down",
+    KernelSpec("moe_small", ("moe_small_gate_up", "moe_small_gate_up_t2", "moe_small_down",
                              *(f"moe_small_dense_m{mt}_s{s}" for mt in (8, 16, 32, 64) for s in (1, 2, 4, 8))),
                "row-invariant INT4 MoE experts for M <= 64 tokens (the small-M path): routed gate_up with "
                "SiLU*up (K over the CTA's warps, summed in warp order), then down + weighted combine + shared "
