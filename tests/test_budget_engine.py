@@ -430,10 +430,28 @@ def test_bench_budget_compares_settings_on_the_tiny_pipeline(tmp_path):
     assert s["auto_over_auto_tree"] > 0
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert rows[-1]["budget"]["nodes_hist"] and rows[-2]["budget"]["nodes_hist"]
+    assert {r["setting"]: r["min_rows"] for r in rows}["4"] == 5 and all("invariant" in r for r in rows)
     # the host's time per step by stage: every setting verifies or decodes, auto alone values its trees
     assert all(r["wall_us_per_step"] > 0 and r["graph_captures"] == 0 for r in rows)  # numpy: no graphs
     assert rows[-1]["stage_us_per_step"]["budget"] > 0 and rows[-1]["stage_us_per_step"]["verify"] > 0
     assert "budget" not in rows[2]["stage_us_per_step"] and rows[2]["stage_us_per_step"]["verify"] > 0
+
+
+def test_bench_budget_summary_names_the_best_setting_on_the_row_invariant_path():
+    """A fixed budget whose verify leaves the row-invariant path (over 64 rows) may be the fastest;
+    the summary then also gives auto over the best setting that keeps to it (AR's ids by construction)."""
+    from ddtree_rtc.bench.budget import summarize
+
+    def row(setting, tps, rows, invariant=True):
+        return {"concurrency": 1, "setting": setting, "tok_s_per_user": tps, "min_rows": rows, "invariant": invariant}
+
+    rows = [row("autoregressive", 350.0, 1), row("chain", 720.0, 8), row("8", 740.0, 9), row("32", 580.0, 33),
+            row("64", 900.0, 65, invariant=False), row("auto", 750.0, 1)]
+    s = summarize(rows)["1"]
+    assert (s["best_fixed"], s["worst_fixed"]) == ("64", "32")
+    assert s["best_invariant_fixed"] == "8" and s["auto_over_best_invariant"] == pytest.approx(750 / 740)
+    assert s["auto_over_best"] == pytest.approx(750 / 900)
+    assert "best_invariant_fixed" not in summarize([{**r, "invariant": False} for r in rows])["1"]
 
 
 @pytest.mark.gpu

@@ -93,6 +93,7 @@ def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
 
 def main(argv=None) -> dict:
     from ..engine.decode.budget import CostModel
+    from ..model.target import SMALL_M_MAX_TOKENS
     from ..pipeline.runner import build_engine, load_prompts, model_config, model_dir, ranks_for
     from ..pipeline.schema import load_pipeline, parse_set_options
 
@@ -118,7 +119,9 @@ def main(argv=None) -> dict:
             run_once(eng, prompts, min(args.warmup_tokens, new), pipe)
             eng.scheduler.finished.clear()
             r = run_once(eng, prompts, new, pipe)
-            r.update(concurrency=c, setting=s, graphs_at_start=eng.warm_up)
+            # whether the setting's verify keeps to the row-invariant path (ids AR's by construction on a GPU)
+            r.update(concurrency=c, setting=s, graphs_at_start=eng.warm_up, min_rows=eng.decoder.min_rows,
+                     invariant=bool(eng.invariant and eng.decoder.min_rows <= SMALL_M_MAX_TOKENS))
             rows.append(r)
             print(f"c{c} {s}: {r['tok_s_per_user'] or 0:.1f} tok/s per user, {r['tok_s']:.1f} tok/s"
                   + (f", tau {r['tau']:.2f}" if r.get("tau") else ""), flush=True)
@@ -138,11 +141,15 @@ def main(argv=None) -> dict:
 
 
 def summarize(rows) -> dict:
-    """Per concurrency: auto's tok/s per user over the best and the worst fixed budget or chain."""
+    """Per concurrency: auto's tok/s per user over the best and the worst fixed budget or chain, and
+    over the best of those whose verify stays on the row-invariant path (``invariant``: ids equal to
+    AR's by construction on a GPU; a budget over 63 leaves it, as the engine warns)."""
     out = {}
     for c in sorted({r["concurrency"] for r in rows}):
         fixed = {r["setting"]: r["tok_s_per_user"] for r in rows
                  if r["concurrency"] == c and r["setting"] not in (*AUTO, "autoregressive") and r["tok_s_per_user"]}
+        inv = {r["setting"]: r["tok_s_per_user"] for r in rows
+               if r["concurrency"] == c and r["setting"] in fixed and r.get("invariant")}
         auto = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "auto"), None)
         tree = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "auto-tree"), None)
         ar = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "autoregressive"),
@@ -154,6 +161,9 @@ def summarize(rows) -> dict:
                        "worst": fixed[worst], "auto_over_best": auto / fixed[best],
                        "auto_over_worst": auto / fixed[worst], "auto_over_ar": auto / ar if ar else None,
                        "auto_over_auto_tree": auto / tree if tree else None}
+        if inv:
+            bi = max(inv, key=inv.get)
+            out[str(c)].update(best_invariant_fixed=bi, best_invariant=inv[bi], auto_over_best_invariant=auto / inv[bi])
     return out
 
 
@@ -191,4 +201,7 @@ def print_table(rows, summary) -> None:
         print(f"c{c}: auto {s['auto']:.1f} tok/s per user = {s['auto_over_best']:.3f}x best fixed ({s['best_fixed']}, "
               f"{s['best']:.1f}), {s['auto_over_worst']:.3f}x worst ({s['worst_fixed']}, {s['worst']:.1f})"
               + (f", {s['auto_over_ar']:.3f}x AR" if s["auto_over_ar"] else "")
-              + (f", {s['auto_over_auto_tree']:.3f}x auto-tree" if s.get("auto_over_auto_tree") else ""))
+              + (f", {s['auto_over_auto_tree']:.3f}x auto-tree" if s.get("auto_over_auto_tree") else "")
+              + (f"; {s['auto_over_best_invariant']:.3f}x the best on the row-invariant path "
+                 f"({s['best_invariant_fixed']}, {s['best_invariant']:.1f})"
+                 if s.get("best_invariant_fixed") and s["best_invariant_fixed"] != s["best_fixed"] else ""))
