@@ -163,7 +163,7 @@ TP_MOE = MOE - 1 + 3
 def test_tp_rank_launches_per_decoder_layer(tiny_dir, rng):
     """Rank 0 of 2 of the tiny preset (attention heads split, experts split by count: the tiny experts'
     intermediate split in two is below the small-M kernels' 128; a SimulatedRank, whose collectives
-    leave this rank's partials as they are): a MoE decoder layer on the small-M path is 20 launches."""
+    leave this rank's partials as they are): a MoE decoder layer on the small-M path is 19 launches."""
     from ddtree_rtc.model.shard import Shard
     from ddtree_rtc.parallel.simulated import SimulatedRank
 
