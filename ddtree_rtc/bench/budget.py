@@ -93,7 +93,6 @@ def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
 
 def main(argv=None) -> dict:
     from ..engine.decode.budget import CostModel
-    from ..model.target import SMALL_M_MAX_TOKENS
     from ..pipeline.runner import build_engine, load_prompts, model_config, model_dir, ranks_for
     from ..pipeline.schema import load_pipeline, parse_set_options
 
@@ -119,9 +118,8 @@ def main(argv=None) -> dict:
             run_once(eng, prompts, min(args.warmup_tokens, new), pipe)
             eng.scheduler.finished.clear()
             r = run_once(eng, prompts, new, pipe)
-            # whether the setting's verify keeps to the row-invariant path (ids AR's by construction on a GPU)
             r.update(concurrency=c, setting=s, graphs_at_start=eng.warm_up, min_rows=eng.decoder.min_rows,
-                     invariant=bool(eng.invariant and eng.decoder.min_rows <= SMALL_M_MAX_TOKENS))
+                     invariant=eng.verify_invariant)
             rows.append(r)
             print(f"c{c} {s}: {r['tok_s_per_user'] or 0:.1f} tok/s per user, {r['tok_s']:.1f} tok/s"
                   + (f", tau {r['tau']:.2f}" if r.get("tau") else ""), flush=True)

@@ -15,10 +15,10 @@
 //
 // Each CTA rebuilds the routing it needs from the ids in shared memory (a token bitmask per expert,
 // the touched experts in ascending order): M * top_k <= 1024 pairs, cheap, and no align launch.
-// Work: moe_small_gate_up, items (touched-expert rank, 2 fused w13 16-row tiles); moe_small_down, 16-row
-// tiles of H, a CTA's warps taking the touched experts round-robin by rank. Both grids are one wave
-// of CTAs looping over their items, so each CTA builds the routing once; which CTA computes an item
-// never changes its numbers.
+// Work: moe_small_gate_up, items (touched-expert rank, 1 or 2 fused w13 16-row tiles: the host picks
+// the entry from M, kernels/moe_small.py); moe_small_down, 16-row tiles of H, a CTA's warps taking the
+// touched experts round-robin by rank. Both grids are one wave of CTAs looping over their items, so
+// each CTA builds the routing once; which CTA computes an item never changes its numbers.
 // moe_small_down reads the ids before its PDL wait (they come from two launches back) and puts its
 // first weight stages in flight while moe_small_gate_up drains.
 #include "common.cuh"

@@ -101,7 +101,7 @@ class Engine:
             self.round = SpeculativeRound(model, self.cache, self.pages, self.runner, drafter, mode, budget,
                                           self.sampler, self.clock, auto=auto)
         self.decoder = self.round or AutoregressiveDecode(self.runner, self.sampler, self.clock)
-        if self.invariant and self.decoder.min_rows > SMALL_M_MAX_TOKENS:
+        if self.invariant and not self.verify_invariant:
             warnings.warn(f"decode.budget {self.decoder.min_rows - 1}: one request's verify ({self.decoder.min_rows} "
                           f"rows) is over the {SMALL_M_MAX_TOKENS} rows of the row-invariant path, so on a GPU its ids "
                           f"may part from autoregressive decoding at near-ties, and each request verifies in a round "
@@ -249,6 +249,13 @@ class Engine:
         """Whether forwards are composed independently of the load (the module doc): the model's
         ``batch_invariant`` with its ``small_m_path`` (row invariance holds only on that path)."""
         return self.model.batch_invariant and self.model.small_m_path
+
+    @property
+    def verify_invariant(self) -> bool:
+        """Whether a request's decode or verify forward stays on the row-invariant path (``invariant``
+        and its ``decoder.min_rows`` within ``SMALL_M_MAX_TOKENS``): its ids then equal autoregressive
+        decoding's by construction on a GPU."""
+        return self.invariant and self.decoder.min_rows <= SMALL_M_MAX_TOKENS
 
     def _prefill_chunks(self, reqs: list[Request]):
         """Whole prompts in order: one per forward when ``invariant`` (a prompt's rows, logits and KV

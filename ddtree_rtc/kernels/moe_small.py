@@ -29,7 +29,9 @@ _THREADS = 256
 _WARPS = 8
 _CTAS_PER_SM = 2  # __launch_bounds__(256, 2): the grids are one wave of CTAs looping over their items
 GATE_UP_T2_TOKENS = 17  # from this M on moe_small_gate_up_t2: 2 fused tiles per item (one x load for both)
-_GATE_UP_RED_BYTES = _WARPS * 2 * 4 * 32 * 4 * 4  # the warps' partial sums of a column pass (2 tiles)
+_GU_PASS_NT = 4  # moe_small_gate_up's column tiles per pass (kGuPassNt)
+# the warps' partial sums of a column pass at the most tiles an item holds: [warp][tile][nt][lane] float4
+_GATE_UP_RED_BYTES = _WARPS * 2 * _GU_PASS_NT * 32 * 16
 MAX_DENSE_TOKENS = 64
 _STATIC_SMEM = 18576  # moe_small_down's static shared memory (the routing; `kernels build` lists it)
 
@@ -48,7 +50,7 @@ def gate_up_tiles(num_tokens: int) -> int:
     return 2 if num_tokens >= GATE_UP_T2_TOKENS else 1
 
 
-def gate_up_smem(tiles: int = 2) -> int:
+def gate_up_smem(tiles: int) -> int:
     """Its rings (stages of ``tiles`` weight blocks), at least the partial sums' bytes."""
     return max(tiles * ring_bytes(), _GATE_UP_RED_BYTES)
 
