@@ -162,8 +162,9 @@ __device__ __forceinline__ void write_row(const float (&acc)[ONT][4], int h, flo
 // 576 (independent chains: BN/8 n-tiles x 2 accumulator sets), the partials meet in smem, and every
 // warp sums them in the same order, so all warps hold bit-identical S, run the same online softmax
 // and keep P in registers as the A operand of P·V (no P/alpha/max exchange). Warp w then owns O
-// columns w*OCOLS..+OCOLS. Two block barriers per stage; the cp.async ring is STAGES deep, and the
-// page-table lookups of a stage (one lane per row) are issued one stage before its copy.
+// columns w*OCOLS..+OCOLS. Two block barriers per stage; the cp.async ring is STAGES deep (STAGES - 1
+// copies in flight while a stage is computed; at 2, plain double buffering), and the page-table
+// lookups of a stage (one lane per row) are issued one stage before its copy.
 template <int BN_, int NW_, int STAGES_>
 struct SplitCfg {
   static constexpr int BM = 16, BN = BN_, NW = NW_, THREADS = 32 * NW_, STAGES = STAGES_;
@@ -180,8 +181,16 @@ struct SplitCfg {
   static __device__ __forceinline__ void sync() { asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory"); }
 };
 
-using CfgD16 = SplitCfg<32, 4, 4>;  // decode with <= 16 heads (TP8 rank: 8)
-static_assert(CfgD16::SMEM <= 227 * 1024, "over the sm_90/sm_100 opt-in limit");
+// Decode with <= 16 heads (TP8 rank: 8). Two stages (one copy in flight while a stage is computed)
+// keep the CTA at 98 KB, so two CTAs share an SM on sm_90/sm_100 (228 KB per SM, 1 KB reserved per
+// CTA): two stages in flight per SM (a 4-deep ring in one CTA: three), and one CTA's item ramp (work
+// and page-table lookups, Q, first stage), partial write and barriers overlap the other's reads.
+// D16_CTAS_PER_SM is mirrored by Variant.ctas_per_sm in kernels/mla_attention.py, whose plan sizes
+// the grid by the driver's occupancy (one CTA per SM where two do not fit: sm_120).
+using CfgD16 = SplitCfg<32, 4, 2>;
+constexpr int D16_CTAS_PER_SM = 2;
+static_assert(D16_CTAS_PER_SM * (CfgD16::SMEM + 1024) <= 228 * 1024, "two d16 CTAs per sm_90/sm_100 SM");
+static_assert(CfgD16::SMEM <= 99 * 1024, "over the sm_120 opt-in limit");
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
