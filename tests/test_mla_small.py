@@ -42,7 +42,8 @@ def test_shape_split_work_ignores_the_grid(rng, variant):
     """split="shape" on any grid (1 CTA, 7, one or two per SM of 132, more CTAs than items): the same
     work rows (the pieces, their partial slots and merge items) and the same merges, so which CTA
     computes an item never changes a bit; the grid only deals the items to the CTAs, in order, every
-    item once, as evenly as their count allows."""
+    item once, as evenly as their count allows, the remainder to the first CTAs (with d16's two CTAs
+    per SM, CTA c and c + SMs share an SM: fewer items than CTAs should not pair up)."""
     ctx = np.r_[rng.integers(0, 9000, 20), 4096, 1]
     n = np.r_[rng.integers(1, 4, 20), 1, 33]
     batch = ref.validate_batch(ctx, n, np.zeros((22, 1 + int((ctx + n).max())), np.int32), 8, 1, 1)
@@ -54,6 +55,12 @@ def test_shape_split_work_ignores_the_grid(rng, variant):
         assert cta_work.shape == (ctas + 1,) and cta_work[0] == 0 and cta_work[-1] == len(work)
         sizes = np.diff(cta_work)
         assert (sizes >= 0).all() and sizes.max() - sizes.min() <= 1, f"{ctas} CTAs: uneven deal"
+        assert (np.diff(sizes) <= 0).all(), f"{ctas} CTAs: the remainder is not on the first CTAs"
+    # b1, 8 heads, 4096 keys: 32 pieces on CTAs 0..31 (the first wave, one per SM), none in second slots
+    alone = ref.validate_batch([4095], [1], np.zeros((1, 4096), np.int32), 8, 1, 1)
+    w, cta_work, _, _ = split_work_by_shape(alone, v.bm, v.bn, 264, v.min_split)
+    if variant == "d16":
+        assert len(w) == 32 and np.array_equal(np.flatnonzero(np.diff(cta_work)), np.arange(32))
 
 
 def _pieces(batch, bm, bn, ctas, min_split, req, tok):

@@ -178,8 +178,9 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
     """The row-invariant schedule, in split_work's format. A query tile holds one token's heads (up
     to BM of them); its positions [0, ctx + j + 1) are cut into pieces of a size fixed by that length
     alone (a multiple of BN, at least ``min_split`` rows, at most ``shape_pieces`` pieces), and the
-    pieces are dealt to the CTAs in order. So every row is computed from the same pieces in the same
-    order, merged the same way, whatever the batch around it and whatever the grid.
+    pieces are dealt to the CTAs in order (evenly, the remainder to the first CTAs). So every row is
+    computed from the same pieces in the same order, merged the same way, whatever the batch around
+    it and whatever the grid.
 
     A tree verify (``batch.mask_words`` > 0) reads each row along its tree path instead (work word 7,
     ``path_code``; path_item in cuda_src/include/mla_split.cuh): token j at depth d reduces the keys
@@ -220,7 +221,10 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
     work[:, 6] = np.where(cut[tile], (np.cumsum(cut) - 1)[tile], -1)
     if tree:
         work[:, 7] = path_code(bn, per_min, pieces_max)
-    cta_work = (np.arange(num_ctas + 1, dtype=np.int64) * len(tile) // num_ctas).astype(np.int32)
+    # an even deal, the remainder to the first CTAs: with fewer items than CTAs they run on CTAs
+    # 0, 1, ..., one per SM, not beside each other in the SMs' second slots (resident_ctas > 1)
+    each, extra = divmod(len(tile), num_ctas)
+    cta_work = np.r_[0, np.cumsum(each + (np.arange(num_ctas) < extra))].astype(np.int32)
     t = np.flatnonzero(cut)
     merge = np.stack([p_first[t], pieces[t], batch.q_start[req[t]] * h + m0[t], m_count[t]], axis=1)
     return work, cta_work, merge.astype(np.int32).reshape(-1, _MERGE_INTS), int(pieces[cut].sum())
