@@ -12,11 +12,11 @@
 // [kv_begin, kv_end), in tiles of BN rows. CTA c runs items cta_work[c] .. cta_work[c+1]-1 in turn:
 // the plan gives every CTA an equal run of BN-row units over all query tiles, so every resident CTA
 // (one per SM; two for the decode tile, D16_CTAS_PER_SM) stays busy at any batch size (long tiles
-// are cut across CTAs: split-K). An item that covers only part of its tile's positions writes an fp32 partial normalised by its own sum plus its
-// log2-sum-exp; mla_attention_merge_kernel combines them. The schedule lives in device memory, so a
-// captured graph replays any later plan written into the same buffers. Under the row-invariant
-// schedule (split="shape") a tree verify row's keys are its autoregressive twin's, read along its
-// tree path (path_item in include/mla_split.cuh).
+// are cut across CTAs: split-K). An item that covers only part of its tile's positions writes an
+// fp32 partial normalised by its own sum plus its log2-sum-exp; mla_attention_merge_kernel combines
+// them. The schedule lives in device memory, so a captured graph replays any later plan written into
+// the same buffers. Under the row-invariant schedule (split="shape") a tree verify row's keys are its
+// autoregressive twin's, read along its tree path (path_item in include/mla_split.cuh).
 //
 // Tensor cores: mma.sync m16n8k16, bf16 in, fp32 accumulate. Fragments (g = lane/4, tq = lane%4):
 //   A 16x16 (row-major)  a0 = (g, 2tq..2tq+1)  a1 = (g+8, 2tq..)  a2 = (g, 8+2tq..)  a3 = (g+8, 8+2tq..)
