@@ -408,6 +408,25 @@ def test_qkv_a_vs_twin_and_invariant(q_lora, h, t):
 
 
 @pytest.mark.gpu
+def test_qkv_a_plan_fits_in_one_wave_on_this_gpu():
+    """K2.6's q_a + kv_a (2112 rows, H 7168): the plan mla_qkv_a_small launches puts all its clusters
+    on the GPU at once in the 8-row bucket (the driver's cuOccupancyMaxActiveClusters), and it is
+    the plan of every bucket; the other buckets' capacities are printed for the record."""
+    import cupy
+
+    from ddtree_rtc.kernels.linear import active_clusters, bucket_grid, pair_plan
+
+    dev = cupy.cuda.Device().id
+    plan = pair_plan(1536 + 576, 7168, dev, "mla_small", "mla_qkv_a_small")
+    for mt in (8, 16, 32, 64):
+        grid = bucket_grid(1536 + 576, plan.warps_n, plan.split, mt)
+        at_once = active_clusters(dev, "mla_small", f"mla_qkv_a_small_m{mt}_s{plan.split}", plan.split)
+        print(f"m{mt}: plan ({plan.warps_n}, {plan.split}), {grid // plan.split} clusters, {at_once} fit at once")
+    assert -(-(1536 + 576) // (8 * plan.warps_n)) <= active_clusters(
+        dev, "mla_small", f"mla_qkv_a_small_m8_s{plan.split}", plan.split)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads", [8, 64])
 @pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9), (3000, 64), (1, 17)])
 def test_tree_rows_equal_their_twins_on_the_gpu(heads, ctx, n):
