@@ -247,7 +247,10 @@ def bitonic_sort_desc(v):
 
 
 def top_of_two(a, b):
-    a = np.maximum(a, b[..., ::-1])
+    """a (N, descending) and b (S <= N, descending) -> their top N, descending."""
+    a = a.copy()
+    s = b.shape[-1]
+    a[..., -s:] = np.maximum(a[..., -s:], b[..., ::-1])
     bitonic_merge_desc(a)
     return a
 
@@ -263,13 +266,16 @@ def merge_route(logits, bias, top_k, n_group, topk_group, norm, scale):
     key = np.zeros((m, 32, epl), np.uint64)
     key[:, idx < e] = order_keys(b)[:, idx[idx < e]]
     pick = (key << np.uint64(32)) | (~idx.astype(np.uint32)).astype(np.uint64)  # absent experts: key 0
-    top = None
-    for c in range(-(-epl // MERGE_K)):
-        t = np.zeros((m, 32, MERGE_K), np.uint64)
+    top = np.zeros((m, 32, MERGE_K), np.uint64)
+    for c in range(-(-epl // MERGE_K)):  # chunks of 8; a short last one sorted at the next power of two
         j = np.arange(c * MERGE_K, min(epl, (c + 1) * MERGE_K))
+        t = np.zeros((m, 32, 1 << (j.size - 1).bit_length()), np.uint64)
         t[..., :j.size] = pick[..., j]
         bitonic_sort_desc(t)
-        top = t if top is None else top_of_two(top, t)
+        if c == 0:
+            top[..., :t.shape[-1]] = t
+        else:
+            top = top_of_two(top, t)
     o = 16
     while o:
         top = top_of_two(top, top[:, np.arange(32) ^ o])
@@ -317,7 +323,8 @@ def test_bitonic_networks_sort():
     bitonic_sort_desc(t)
     assert np.array_equal(t, -np.sort(-v.astype(np.int64), axis=-1))
     a, b = t[:256], t[256:]
-    assert np.array_equal(top_of_two(a.copy(), b), -np.sort(-np.concatenate([a, b], 1).astype(np.int64))[:, :8])
+    assert np.array_equal(top_of_two(a, b), -np.sort(-np.concatenate([a, b], 1).astype(np.int64))[:, :8])
+    assert np.array_equal(top_of_two(a, b[:, :4]), -np.sort(-np.concatenate([a, b[:, :4]], 1).astype(np.int64))[:, :8])
 
 
 @pytest.mark.gpu

@@ -63,9 +63,13 @@ __device__ __forceinline__ unsigned long long pick(unsigned key, int e) {
 }
 __device__ __forceinline__ int pick_index(unsigned long long p) { return (int)~(unsigned)p; }
 
-// a <- max(a, b), b <- min(a, b)
+// a <- max(a, b), b <- min(a, b), from one 64-bit compare (written as max and min, the compiler
+// compares twice)
 __device__ __forceinline__ void order2(unsigned long long& a, unsigned long long& b) {
-  const unsigned long long hi = a > b ? a : b, lo = a > b ? b : a;
+  unsigned long long hi, lo;
+  asm("{\n\t.reg .pred p;\n\tsetp.gt.u64 p, %2, %3;\n\tselp.b64 %0, %2, %3, p;\n\tselp.b64 %1, %3, %2, p;\n\t}"
+      : "=l"(hi), "=l"(lo)
+      : "l"(a), "l"(b));
   a = hi;
   b = lo;
 }
@@ -95,13 +99,38 @@ __device__ __forceinline__ void bitonic_sort_desc(unsigned long long (&v)[N]) {
         }
 }
 
-// a <- the N largest of a and b (both descending), descending: a[i] = max(a[i], b[N-1-i]) is the
-// top N as a bitonic sequence, then one merge.
-template <int N>
-__device__ __forceinline__ void top_of_two(unsigned long long (&a)[N], const unsigned long long (&b)[N]) {
+// a <- the N largest of a (N, descending) and b (S <= N, descending; as if padded with zeros):
+// a[i] = max(a[i], b[N-1-i]) is the top N as a bitonic sequence, then one merge.
+template <int N, int S>
+__device__ __forceinline__ void top_of_two(unsigned long long (&a)[N], const unsigned long long (&b)[S]) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) a[i] = a[i] > b[N - 1 - i] ? a[i] : b[N - 1 - i];
+  for (int i = N - S; i < N; ++i) a[i] = a[i] > b[N - 1 - i] ? a[i] : b[N - 1 - i];
   bitonic_merge_desc<N>(a);
+}
+
+constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
+
+// Chunk c of a lane's picks (kMergeK of them, fewer in the last chunk), sorted descending, merged
+// into top (the first chunk sets it); a short last chunk sorts only the next power of two of it.
+template <int EPL, int C>
+__device__ __forceinline__ void lane_chunk(const unsigned (&key)[EPL], int lane,
+                                           unsigned long long (&top)[kMergeK]) {
+  constexpr int kLeft = EPL - C * kMergeK;
+  constexpr int S = pow2_at_least(kLeft < kMergeK ? kLeft : kMergeK);
+  unsigned long long t[S];
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const int j = C * kMergeK + i;
+    t[i] = j < EPL ? pick(key[j], lane + 32 * j) : 0ull;
+  }
+  bitonic_sort_desc<S>(t);
+  if constexpr (C == 0) {
+#pragma unroll
+    for (int i = 0; i < kMergeK; ++i) top[i] = i < S ? t[i < S ? i : 0] : 0ull;
+  } else {
+    top_of_two<kMergeK, S>(top, t);
+  }
+  if constexpr ((C + 1) * kMergeK < EPL) lane_chunk<EPL, C + 1>(key, lane, top);
 }
 
 // The warp's kMergeK largest picks, descending, in every lane: each lane sorts its experts in
@@ -110,30 +139,13 @@ __device__ __forceinline__ void top_of_two(unsigned long long (&a)[N], const uns
 // a warp-wide max and a serial rescan of the winner's registers.
 template <int EPL>
 __device__ __forceinline__ void warp_top(const unsigned (&key)[EPL], unsigned long long (&top)[kMergeK]) {
-  const int lane = threadIdx.x & 31;
-  constexpr int kChunks = (EPL + kMergeK - 1) / kMergeK;
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    unsigned long long t[kMergeK];
-#pragma unroll
-    for (int i = 0; i < kMergeK; ++i) {
-      const int j = c * kMergeK + i;
-      t[i] = j < EPL ? pick(key[j], lane + 32 * j) : 0ull;
-    }
-    bitonic_sort_desc<kMergeK>(t);
-    if (c == 0) {
-#pragma unroll
-      for (int i = 0; i < kMergeK; ++i) top[i] = t[i];
-    } else {
-      top_of_two<kMergeK>(top, t);
-    }
-  }
+  lane_chunk<EPL, 0>(key, threadIdx.x & 31, top);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     unsigned long long p[kMergeK];
 #pragma unroll
     for (int i = 0; i < kMergeK; ++i) p[i] = __shfl_xor_sync(kFull, top[i], o);
-    top_of_two<kMergeK>(top, p);
+    top_of_two<kMergeK, kMergeK>(top, p);
   }
 }
 
