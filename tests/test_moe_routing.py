@@ -316,6 +316,13 @@ def test_merge_path_emulation_matches_reference_bitwise(rng, e, top_k, n_group, 
                 assert np.array_equal(w.view(np.uint32), w_ref.view(np.uint32))
 
 
+def test_route_kernel_wrapper_rejects_an_unknown_selection():
+    from ddtree_rtc.kernels.moe_routing import moe_route as k_route
+
+    with pytest.raises(ValueError, match="selection must be 'merge' or 'scan'"):
+        k_route(np.zeros((1, 8), np.float32), None, 2, selection="radix")
+
+
 def test_bitonic_networks_sort():
     rng = np.random.default_rng(0)
     v = rng.permutation(1 << 16).astype(np.uint64)[:4096].reshape(512, 8)
