@@ -18,7 +18,7 @@ K26_SCALE = 192 ** -0.5
 
 
 @pytest.mark.parametrize("variant", ["d16", "small"])
-@pytest.mark.parametrize("num_sms", [1, 132])
+@pytest.mark.parametrize("num_sms", [1, 264])  # 264: two d16 CTAs per SM of an H100
 @pytest.mark.parametrize("case", [([3000], [1], 8, 64, False), ([2047, 2049, 4097], [1, 1, 2], 8, 64, False),
                                   ([700, 10, 2500], [1, 1, 1], 64, 16, False),
                                   ([900, 40], [20, 33], 8, 16, True), ([300], [40], 2, 8, False)])
@@ -35,6 +35,32 @@ def test_shape_split_emulated(rng, monkeypatch, variant, num_sms, case):
     o_ref, lse_ref = ref.attend_f32(batch, bt.q, bt.cache, K26_SCALE)
     assert_close(o, o_ref, "fp32", "o_lat")
     assert_close(lse, lse_ref, "fp32", "lse")
+
+
+@pytest.mark.parametrize("variant", ["d16", "small"])
+def test_shape_split_work_ignores_the_grid(rng, variant):
+    """split="shape" on any grid (1 CTA, 7, one or two per SM of 132, more CTAs than items): the same
+    work rows (the pieces, their partial slots and merge items) and the same merges, so which CTA
+    computes an item never changes a bit; the grid only deals the items to the CTAs, in order, every
+    item once, as evenly as their count allows, the remainder to the first CTAs (with d16's two CTAs
+    per SM, CTA c and c + SMs share an SM: fewer items than CTAs should not pair up)."""
+    ctx = np.r_[rng.integers(0, 9000, 20), 4096, 1]
+    n = np.r_[rng.integers(1, 4, 20), 1, 33]
+    batch = ref.validate_batch(ctx, n, np.zeros((22, 1 + int((ctx + n).max())), np.int32), 8, 1, 1)
+    v = _VARIANTS[variant]
+    work, _, merge, parts = split_work_by_shape(batch, v.bm, v.bn, 132, v.min_split)
+    for ctas in (1, 7, 132, 264, 100000):
+        w, cta_work, m, p = split_work_by_shape(batch, v.bm, v.bn, ctas, v.min_split)
+        assert np.array_equal(w, work) and np.array_equal(m, merge) and p == parts, f"{ctas} CTAs"
+        assert cta_work.shape == (ctas + 1,) and cta_work[0] == 0 and cta_work[-1] == len(work)
+        sizes = np.diff(cta_work)
+        assert (sizes >= 0).all() and sizes.max() - sizes.min() <= 1, f"{ctas} CTAs: uneven deal"
+        assert (np.diff(sizes) <= 0).all(), f"{ctas} CTAs: the remainder is not on the first CTAs"
+    # b1, 8 heads, 4096 keys: 32 pieces on CTAs 0..31 (the first wave, one per SM), none in second slots
+    alone = ref.validate_batch([4095], [1], np.zeros((1, 4096), np.int32), 8, 1, 1)
+    w, cta_work, _, _ = split_work_by_shape(alone, v.bm, v.bn, 264, v.min_split)
+    if variant == "d16":
+        assert len(w) == 32 and np.array_equal(np.flatnonzero(np.diff(cta_work)), np.arange(32))
 
 
 def _pieces(batch, bm, bn, ctas, min_split, req, tok):
@@ -302,6 +328,50 @@ def test_shape_split_attention_is_bitwise_invariant(heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", [8, 64])
+def test_shape_split_attention_is_bitwise_invariant_over_the_grid(heads):
+    """mla_attention with split="shape" (decode and a 3-token forward): the same bits on the default
+    grid (d16: resident_ctas, two CTAs per SM where they fit) as on grids of 1, 7 and 66 SMs'
+    worth; and the default grid is resident_ctas CTAs per SM, two for d16 on sm_90 / sm_100."""
+    import cupy
+    import test_mla_attention as tma
+
+    from ddtree_rtc.kernels._launch import sm_count
+    from ddtree_rtc.kernels.mla_attention import mla_attention, mla_attention_plan, resident_ctas
+    from ddtree_rtc.testing import nan_bf16_bits
+
+    rng = _seeded(f"shape split grid {heads}")
+    ctx = rng.integers(1, 5000, 33)
+    n = np.r_[np.ones(30, np.int64), 3, 3, 3]
+    bt = tma.Batch(rng, ctx, n, heads, 64)
+    cache = cupy.asarray(bt.cache.view(np.uint16))
+    q = cupy.asarray(bt.q.view(np.uint16))
+
+    def run(num_sms):
+        plan = mla_attention_plan(bt.ctx, bt.n, bt.page_table, heads, 64, bt.num_pages, num_sms=num_sms,
+                                  split="shape")
+        out = nan_bf16_bits((len(q), heads, ref.DV))
+        lse = cupy.full((len(q), heads), np.nan, dtype=cupy.float32)
+        mla_attention(plan, q, cache, K26_SCALE, out=out, lse=lse)
+        return plan, out.get(), lse.get()
+
+    plan, full_o, full_l = run(None)
+    per_sm = resident_ctas(plan.variant)
+    assert plan.grid == per_sm * sm_count()
+    smem_per_sm = cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
+    if plan.variant == "d16" and smem_per_sm >= 2 * (plan.smem + 1024):
+        assert per_sm == 2, f"d16: {per_sm} CTAs per SM with {smem_per_sm} B of shared memory per SM"
+    assert np.isfinite(full_l).all()
+    o_ref, lse_ref = ref.mla_attention(bt.ref_plan(), bt.q, bt.cache, K26_SCALE)
+    assert_close(full_o, o_ref, "bf16", "o_lat")
+    assert_close(full_l, lse_ref, "fp32", "lse")
+    for num_sms in (1, 7, 66):
+        p, o, lse = run(num_sms)
+        assert p.grid == per_sm * num_sms
+        assert np.array_equal(o, full_o) and np.array_equal(lse, full_l), f"num_sms={num_sms}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("split", ["shape", "ctas"])
 @pytest.mark.parametrize("heads,n", [(8, 1), (8, 3), (64, 1)])
 def test_attention_across_2048_keys_vs_reference(rng, split, heads, n):
@@ -405,6 +475,25 @@ def test_qkv_a_vs_twin_and_invariant(q_lora, h, t):
 
     check_rows_invariant(run, lambda rows: ref_qkv(rows, wq, wkv), x, rng, t,
                          [("bf16_accum", "q_a"), ("bf16_accum", "kv_a")])
+
+
+@pytest.mark.gpu
+def test_qkv_a_plan_fits_in_one_wave_on_this_gpu():
+    """K2.6's q_a + kv_a (2112 rows, H 7168): the plan mla_qkv_a_small launches puts all its clusters
+    on the GPU at once in the 8-row bucket (the driver's cuOccupancyMaxActiveClusters), and it is
+    the plan of every bucket; the other buckets' capacities are printed for the record."""
+    import cupy
+
+    from ddtree_rtc.kernels.linear import active_clusters, bucket_grid, pair_plan
+
+    dev = cupy.cuda.Device().id
+    plan = pair_plan(1536 + 576, 7168, dev, "mla_small", "mla_qkv_a_small")
+    for mt in (8, 16, 32, 64):
+        grid = bucket_grid(1536 + 576, plan.warps_n, plan.split, mt)
+        at_once = active_clusters(dev, "mla_small", f"mla_qkv_a_small_m{mt}_s{plan.split}", plan.split)
+        print(f"m{mt}: plan ({plan.warps_n}, {plan.split}), {grid // plan.split} clusters, {at_once} fit at once")
+    assert -(-(1536 + 576) // (8 * plan.warps_n)) <= active_clusters(
+        dev, "mla_small", f"mla_qkv_a_small_m8_s{plan.split}", plan.split)
 
 
 @pytest.mark.gpu

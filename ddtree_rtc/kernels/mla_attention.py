@@ -41,14 +41,17 @@ class Variant:
     split_k: bool = False
     min_split: int = MIN_SPLIT  # fewest cache rows per CTA
     wgmma: bool = False  # sm_90a only (namespace w64 of the .cu): two warpgroups, operands via descriptors
+    ctas_per_sm: int = 1  # resident CTAs per SM it is built for (its __launch_bounds__); the grid is
+    # this many per SM where the driver's occupancy allows it (resident_ctas)
 
 
 _VARIANTS = {
     "m64": Variant(64, 64, 8, om=2),
     "m16": Variant(16, 64, 8),
     "small": Variant(32, 16, 4),
-    # decode: short stages, a 4-deep ring, lookups one stage ahead, cheap enough to split finer
-    "d16": Variant(16, 32, 4, stages=4, split_k=True, min_split=64),
+    # decode: short stages, lookups one stage ahead, cheap enough to split finer; a 2-deep ring (98 KB)
+    # so two CTAs share an SM, each one's item ramp and partial write overlapping the other's reads
+    "d16": Variant(16, 32, 4, stages=2, split_k=True, min_split=64, ctas_per_sm=2),
     # sm_90a: m64's tiles on wgmma (S by m64n32k16 per warpgroup, O by m64n128k16), P through smem
     "w64": Variant(64, 64, 8, wgmma=True),
 }
@@ -141,8 +144,8 @@ SPLITS = ("ctas", "shape")
 
 
 def shape_split_variant(smem_limit: int) -> str:
-    """The one tile variant of split="shape" on this GPU (never chosen by the batch): d16, or where
-    its shared memory does not fit (sm_120: 99 KB), small."""
+    """The one tile variant of split="shape" on this GPU (never chosen by the batch): d16 (98 KB: it
+    fits sm_120's 99 KB too), or where its shared memory does not fit, small."""
     for v in ("d16", "small"):
         if _smem_bytes(v) <= smem_limit:
             return v
@@ -175,8 +178,9 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
     """The row-invariant schedule, in split_work's format. A query tile holds one token's heads (up
     to BM of them); its positions [0, ctx + j + 1) are cut into pieces of a size fixed by that length
     alone (a multiple of BN, at least ``min_split`` rows, at most ``shape_pieces`` pieces), and the
-    pieces are dealt to the CTAs in order. So every row is computed from the same pieces in the same
-    order, merged the same way, whatever the batch around it and whatever the grid.
+    pieces are dealt to the CTAs in order (evenly, the remainder to the first CTAs). So every row is
+    computed from the same pieces in the same order, merged the same way, whatever the batch around
+    it and whatever the grid.
 
     A tree verify (``batch.mask_words`` > 0) reads each row along its tree path instead (work word 7,
     ``path_code``; path_item in cuda_src/include/mla_split.cuh): token j at depth d reduces the keys
@@ -217,7 +221,10 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
     work[:, 6] = np.where(cut[tile], (np.cumsum(cut) - 1)[tile], -1)
     if tree:
         work[:, 7] = path_code(bn, per_min, pieces_max)
-    cta_work = (np.arange(num_ctas + 1, dtype=np.int64) * len(tile) // num_ctas).astype(np.int32)
+    # an even deal, the remainder to the first CTAs: with fewer items than CTAs they run on CTAs
+    # 0, 1, ..., one per SM, not beside each other in the SMs' second slots (resident_ctas > 1)
+    each, extra = divmod(len(tile), num_ctas)
+    cta_work = np.r_[0, np.cumsum(each + (np.arange(num_ctas) < extra))].astype(np.int32)
     t = np.flatnonzero(cut)
     merge = np.stack([p_first[t], pieces[t], batch.q_start[req[t]] * h + m0[t], m_count[t]], axis=1)
     return work, cta_work, merge.astype(np.int32).reshape(-1, _MERGE_INTS), int(pieces[cut].sum())
@@ -249,7 +256,7 @@ class MLAPlan:
     bm: int
     threads: int
     smem: int
-    grid: int  # CTAs of the attention kernel (one per SM)
+    grid: int  # CTAs of the attention kernel (resident_ctas per SM)
     merge_grid: int  # CTAs of the merge kernel; 0: the plan cuts no tile, no merge launch
     num_work: int
     num_merge: int
@@ -295,6 +302,29 @@ def _props_of(device_id: int, arch_override: str | None) -> tuple[int, int, bool
     return sm_count(device_id), smem, wgmma_build(arch_override)
 
 
+def resident_ctas(variant: str) -> int:
+    """CTAs of ``variant`` that one SM of this GPU holds at once, up to its Variant.ctas_per_sm (the
+    driver's occupancy: registers, shared memory and its per-CTA reserve); the grid is this many per
+    SM. Needs the kernel's dynamic shared-memory limit raised (build_plan does)."""
+    import cupy
+
+    from ..rtc.arch import ARCH_ENV
+
+    return _resident_of(cupy.cuda.Device().id, os.environ.get(ARCH_ENV), variant)
+
+
+@functools.cache
+def _resident_of(device_id: int, arch_override: str | None, variant: str) -> int:
+    from cupy_backends.cuda.api import driver
+
+    v = _VARIANTS[variant]
+    if v.ctas_per_sm == 1:
+        return 1
+    fn = module("mla_attention").fn(_kernel_name(variant))
+    fit = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, 32 * v.warps, _smem_bytes(variant))
+    return max(1, min(v.ctas_per_sm, int(fit)))
+
+
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
                        tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None,
                        replay: bool = False, split: str | None = None):
@@ -302,12 +332,13 @@ def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size:
     ``page_table``, ``ctx_lens``, ``num_new``: host or device integer arrays (copied). ``tree_mask``:
     None (causal), a host uint64 array (checked, copied) or a device one (used in place; its contents
     are checked only with ``check_mask``, which costs a device->host copy). ``num_sms``: how many
-    CTAs to aim the split-K at (default: the GPU's SM count). ``into``: an earlier plan whose device
-    buffers, grid and tile variant are reused (for CUDA-graph replay). ``replay``: this plan is a
-    template that later plans are written ``into`` (it always launches the merge kernel, which reads
-    how many tiles were cut from device memory). ``split``: "ctas" (default: the positions of all
-    tiles spread evenly over the CTAs) or "shape" (split_work_by_shape: each row's pieces fixed by its
-    own context, so its bits do not depend on the batch)."""
+    SMs to aim the split-K at (default: the GPU's SM count; the grid is that times resident_ctas).
+    ``into``: an earlier plan whose device buffers, grid and tile variant are reused (for CUDA-graph
+    replay). ``replay``: this plan is a template that later plans are written ``into`` (it always
+    launches the merge kernel, which reads how many tiles were cut from device memory). ``split``:
+    "ctas" (default: the positions of all tiles spread evenly over the CTAs) or "shape"
+    (split_work_by_shape: each row's pieces fixed by its own context, so its bits do not depend on
+    the batch, nor on the grid)."""
     import cupy
 
     dev_mask = tree_mask if isinstance(tree_mask, cupy.ndarray) else None
@@ -355,7 +386,8 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
                          "tree mask): use d16 or small")
     bm, bn, nw = v.bm, v.bn, v.warps
     allow_dynamic_smem(module("mla_attention").fn(_kernel_name(variant)), _smem_bytes(variant))
-    grid = into.grid if into is not None else (num_sms or sms)
+    sm_n = num_sms or sms
+    grid = into.grid if into is not None else resident_ctas(variant) * sm_n
     if split == "shape":
         work, cta_work, merge, partials = split_work_by_shape(batch, bm, bn, grid, v.min_split)
         tiles = batch.total_tokens * _cdiv(batch.num_heads, bm)
@@ -389,7 +421,7 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
     work_buf[:len(work)] = work
     return MLAPlan(
         batch=batch, variant=variant, bm=bm, threads=32 * nw, smem=_smem_bytes(variant), grid=grid,
-        merge_grid=MERGE_CTAS_PER_SM * grid if (len(merge) or replay) else 0, num_work=len(work),
+        merge_grid=MERGE_CTAS_PER_SM * sm_n if (len(merge) or replay) else 0, num_work=len(work),
         num_merge=len(merge), work=cupy.asarray(work_buf), cta_work=cupy.asarray(cta_work), merge=cupy.asarray(merges),
         merge_count=cupy.asarray(np.array([len(merge)], np.int32)), req_info=cupy.asarray(req_info),
         page_table=cupy.asarray(batch.page_table), mask=dev_mask, owns_mask=owns_mask,

@@ -159,11 +159,13 @@ __device__ __forceinline__ void write_row(const float (&acc)[ONT][4], int h, flo
 
 // ---- Decode variant: at most 16 query rows per item, K of S split across the warps.
 // Per stage of BN cache rows: warp w computes the partial S [16 x BN] over its KPW k16 steps of the
-// 576 (independent chains: BN/8 n-tiles x 2 accumulator sets), the partials meet in smem, and every
-// warp sums them in the same order, so all warps hold bit-identical S, run the same online softmax
-// and keep P in registers as the A operand of P·V (no P/alpha/max exchange). Warp w then owns O
-// columns w*OCOLS..+OCOLS. Two block barriers per stage; the cp.async ring is STAGES deep, and the
-// page-table lookups of a stage (one lane per row) are issued one stage before its copy.
+// 576 (independent chains: BN/8 n-tiles x 2 accumulator sets; its Q fragments read from smem once
+// per item and held in registers), the partials meet in smem, and every warp sums them in the same
+// order, so all warps hold bit-identical S, run the same online softmax and keep P in registers as
+// the A operand of P·V (no P/alpha/max exchange). Warp w then owns O columns w*OCOLS..+OCOLS. Two
+// block barriers per stage; the cp.async ring is STAGES deep (STAGES - 1 copies in flight while a
+// stage is computed; at 2, plain double buffering), and the page-table lookups of a stage (one lane
+// per row) are issued one stage before its copy.
 template <int BN_, int NW_, int STAGES_>
 struct SplitCfg {
   static constexpr int BM = 16, BN = BN_, NW = NW_, THREADS = 32 * NW_, STAGES = STAGES_;
@@ -180,8 +182,16 @@ struct SplitCfg {
   static __device__ __forceinline__ void sync() { asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory"); }
 };
 
-using CfgD16 = SplitCfg<32, 4, 4>;  // decode with <= 16 heads (TP8 rank: 8)
-static_assert(CfgD16::SMEM <= 227 * 1024, "over the sm_90/sm_100 opt-in limit");
+// Decode with <= 16 heads (TP8 rank: 8). Two stages (one copy in flight while a stage is computed)
+// keep the CTA at 98 KB, so two CTAs share an SM on sm_90/sm_100 (228 KB per SM, 1 KB reserved per
+// CTA): two stages in flight per SM (a 4-deep ring in one CTA: three), and one CTA's item ramp (work
+// and page-table lookups, Q, first stage), partial write and barriers overlap the other's reads.
+// D16_CTAS_PER_SM is mirrored by Variant.ctas_per_sm in kernels/mla_attention.py, whose plan sizes
+// the grid by the driver's occupancy (one CTA per SM where two do not fit: sm_120).
+using CfgD16 = SplitCfg<32, 4, 2>;
+constexpr int D16_CTAS_PER_SM = 2;
+static_assert(D16_CTAS_PER_SM * (CfgD16::SMEM + 1024) <= 228 * 1024, "two d16 CTAs per sm_90/sm_100 SM");
+static_assert(CfgD16::SMEM <= 99 * 1024, "over the sm_120 opt-in limit");
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
@@ -267,10 +277,16 @@ __device__ __forceinline__ void split_body(
       cp_async_commit();
     }
     int next_slot = stage_slot<C>(it, page_size, it.kv_begin + (C::STAGES - 1) * C::BN);
+    unsigned qa[C::KPW][4];  // this warp's Q fragments (its KPW k16 steps), read once per item
 
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait<C::STAGES - 2>();  // groups 0..t are complete: stage t (and Q) landed
       C::sync();                 // ... for everyone; everyone is done with stage t-1 and red_s
+      if (t == 0) {
+#pragma unroll
+        for (int j = 0; j < C::KPW; ++j)
+          ldsm_x4(q_base + swz<ROW_CHUNKS>(lane & 15, (k0 + j) * 2 + (lane >> 4)) * 16, qa[j]);
+      }
       copy_stage<C>(kv_base + ((t + C::STAGES - 1) % C::STAGES) * KV_STAGE, cache, next_slot,
                     t + C::STAGES - 1 < n_tiles);
       cp_async_commit();
@@ -289,16 +305,14 @@ __device__ __forceinline__ void split_body(
 #pragma unroll
       for (int j = 0; j < C::KPW; ++j) {
         const int kk = k0 + j;
-        unsigned a[4];
-        ldsm_x4(q_base + swz<ROW_CHUNKS>(lane & 15, kk * 2 + (lane >> 4)) * 16, a);
 #pragma unroll
         for (int nt = 0; nt < C::NT; nt += 2) {
           // matrices: (n 0-7, k 0-7) (n 0-7, k 8-15) (n 8-15, k 0-7) (n 8-15, k 8-15)
           const int mi = lane >> 3;
           unsigned b[4];
           ldsm_x4(kv_t + swz<ROW_CHUNKS>((nt + (mi >> 1)) * 8 + (lane & 7), kk * 2 + (mi & 1)) * 16, b);
-          mma_bf16(s[j & 1][nt], a, b[0], b[1]);
-          mma_bf16(s[j & 1][nt + 1], a, b[2], b[3]);
+          mma_bf16(s[j & 1][nt], qa[j], b[0], b[1]);
+          mma_bf16(s[j & 1][nt + 1], qa[j], b[2], b[3]);
         }
       }
 #pragma unroll
