@@ -28,7 +28,8 @@ K26_SCALE = 192 ** -0.5
 @pytest.mark.parametrize("num_sms", [1, 132])
 @pytest.mark.parametrize("case", [([3000], [1], 8, 64, False), ([2047, 2049, 4097], [1, 1, 2], 8, 64, False),
                                   ([700, 10, 2500], [1, 1, 1], 64, 16, False),
-                                  ([900, 40], [20, 33], 8, 16, True), ([300], [40], 2, 8, False)])
+                                  ([900, 40], [20, 33], 8, 16, True), ([300], [40], 2, 8, False),
+                                  ([900, 1500, 3], [20, 33, 5], 8, 16, True)])
 def test_shape_split_emulated(rng, monkeypatch, variant, num_sms, case):
     """The CUDA dataflow (test_mla_attention.emulate_kernel) on split_work_by_shape's schedule gives
     the reference's attention: every row written once, partials merged."""
@@ -484,12 +485,14 @@ def test_qkv_a_vs_twin_and_invariant(q_lora, h, t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [8, 64])
-@pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9), (3000, 64), (1, 17)])
+@pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9), (3000, 64), (1, 17), (4096, 33), (4097, 64)])
 def test_tree_rows_equal_their_twins_on_the_gpu(heads, ctx, n):
     """mla_attention with split="shape" on a random tree verify (the mask on the device, unchecked,
     as the engine passes it; outputs NaN-prefilled, the cache's spare slots NaN): against the
     reference, and every node's o_lat and lse the same bits as its autoregressive twin's (a decode
-    batch whose contexts hold each node's ancestors by depth)."""
+    batch whose contexts hold each node's ancestors by depth). At 8 heads most cases share tiles
+    between tokens below ctx (_tree_groups): a token's rows at rows 8..15 of a d16 tile there, at
+    rows 0..7 of its twin's."""
     import cupy
 
     from ddtree_rtc.kernels.mla_attention import mla_attention, mla_attention_plan
