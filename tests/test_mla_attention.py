@@ -12,6 +12,7 @@ from ddtree_rtc.kernels.mla_attention import (
     _pick_variant,
     _smem_bytes,
     item_keys,
+    partial_row,
     split_work,
 )
 from ddtree_rtc.reference import mla_attention as ref
@@ -187,7 +188,8 @@ def emulate_kernel(batch, q, cache, scale, bm, bn, num_sms, min_split=MIN_SPLIT)
         if part < 0:
             out[g0:g0 + mc], lse[g0:g0 + mc] = o, ls
         else:
-            o_part[part, :mc], lse_part[part, :mc] = o, ls
+            r0 = partial_row(item)  # a tree token's rows in a shared group's partial slots
+            o_part[part, r0:r0 + mc], lse_part[part, r0:r0 + mc] = o, ls
     for (p0, ns, g0, _), r0, r1 in [(m, 0, int(m[3])) for m in merge]:
         ls = lse_part[p0:p0 + ns, r0:r1]
         top = ls.max(0)

@@ -166,12 +166,20 @@ def shape_piece_rows(kv_len, bn: int, per_min: int, pieces_max: int):
     return np.maximum(per_min, _cdiv(units, pieces_max)) * bn
 
 
-def path_code(bn: int, per_min: int, pieces_max: int) -> int:
+def path_code(bn: int, per_min: int, pieces_max: int, prow: int = 0) -> int:
     """Work word 7 of a tree row under split="shape" (path_item in cuda_src/include/mla_split.cuh):
-    the kernel reads the row's keys along its tree path and cuts them with these constants."""
-    if not (0 < bn < 256 and 0 < per_min < 256 and 0 < pieces_max < 256):
-        raise ValueError(f"path_code: BN {bn}, per_min {per_min}, pieces {pieces_max} must each be in 1..255")
-    return 1 | bn << 1 | per_min << 9 | pieces_max << 17
+    the kernel reads the row's keys along its tree path and cuts them with these constants; ``prow``:
+    the first row of the item's partial slot it writes (its token's rows in a shared tile's merge)."""
+    if not (0 < bn < 256 and 0 < per_min < 256 and 0 < pieces_max < 256 and 0 <= prow < 64):
+        raise ValueError(f"path_code: BN {bn}, per_min {per_min}, pieces {pieces_max} must each be in 1..255, "
+                         f"partial row {prow} in 0..63")
+    return 1 | bn << 1 | per_min << 9 | pieces_max << 17 | prow << 25
+
+
+def partial_row(item) -> int:
+    """The first row of its partial slot that work item ``item`` writes (path_item's it.prow)."""
+    code = int(item[7])
+    return (code >> 25) & 0x3F if code else 0
 
 
 def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_split: int = MIN_SPLIT):
@@ -187,7 +195,14 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
     of its autoregressive twin, [0, ctx) then its ancestors by depth then itself, ctx + d + 1 of them,
     cut as that length is. The depth is known only on the device (the mask need not visit the host),
     so word 3 is the piece index and the tile gets the most pieces any depth 0..j needs (its extra
-    pieces come out empty: weight 0 in the merge); the kernel sets each piece's range."""
+    pieces come out empty: weight 0 in the merge); the kernel sets each piece's range.
+
+    Where a tile has room for several tokens' heads (BM // heads >= 2: d16 at 8 heads), the tokens
+    of a tree are grouped that many at a time (``_tree_groups``): a group whose every possible length
+    ctx + d + 1 (d <= its last token's index) has one piece size ``per`` reads each whole piece below
+    ctx, [k per, (k+1) per) for k < ctx // per, ONCE for all its tokens (an ordinary item: those keys
+    and that cut are every member's and every member's twin's), then each token's remaining pieces
+    along its path; one merge per group, piece order as each twin's."""
     h = batch.num_heads
     tpt = _cdiv(h, bm)
     tokens = batch.total_tokens
@@ -206,21 +221,28 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
         lens = batch.ctx_lens[req][:, None] + d[None, :] + 1
         pieces = np.where(d[None, :] <= j[:, None], _cdiv(lens, shape_piece_rows(lens, bn, per_min, pieces_max)),
                           0).max(axis=1)
+    # Merge units (a tile, or a tree group sharing pieces), `pieces` partials each; items: unit `tile`,
+    # partial `k` of it, rows it_m0 .. + it_mc, words 3, 4, 7.
     tile = np.repeat(np.arange(len(req)), pieces)
     k = np.arange(len(tile)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    it_m0, it_mc = m0[tile], m_count[tile]
+    w7 = np.zeros(len(tile), np.int64)
     if tree:
-        kv_begin, kv_end = k, np.zeros_like(k)
+        kv_b, kv_e = k, np.zeros_like(k)
+        w7[:] = path_code(bn, per_min, pieces_max)
+        if tpt == 1 and bm // h >= 2 and len(req):
+            req, m0, m_count, pieces, tile, k, it_m0, it_mc, kv_b, kv_e, w7 = _tree_groups(
+                batch, bm // h, bn, per_min, pieces_max, req, j, m0, pieces)
     else:
-        kv_begin = k * per[tile]
-        kv_end = np.minimum((k + 1) * per[tile], kv_len[tile])
+        kv_b = k * per[tile]
+        kv_e = np.minimum((k + 1) * per[tile], kv_len[tile])
     cut = pieces > 1
     p_first = np.cumsum(np.where(cut, pieces, 0)) - np.where(cut, pieces, 0)
     work = np.zeros((len(tile), _WORK_INTS), dtype=np.int32)
-    work[:, 0], work[:, 1], work[:, 2] = req[tile], m0[tile], m_count[tile]
-    work[:, 3], work[:, 4], work[:, 5] = kv_begin, kv_end, np.where(cut[tile], p_first[tile] + k, -1)
+    work[:, 0], work[:, 1], work[:, 2] = req[tile], it_m0, it_mc
+    work[:, 3], work[:, 4], work[:, 5] = kv_b, kv_e, np.where(cut[tile], p_first[tile] + k, -1)
     work[:, 6] = np.where(cut[tile], (np.cumsum(cut) - 1)[tile], -1)
-    if tree:
-        work[:, 7] = path_code(bn, per_min, pieces_max)
+    work[:, 7] = w7
     # an even deal, the remainder to the first CTAs: with fewer items than CTAs they run on CTAs
     # 0, 1, ..., one per SM, not beside each other in the SMs' second slots (resident_ctas > 1)
     each, extra = divmod(len(tile), num_ctas)
@@ -228,6 +250,40 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
     t = np.flatnonzero(cut)
     merge = np.stack([p_first[t], pieces[t], batch.q_start[req[t]] * h + m0[t], m_count[t]], axis=1)
     return work, cta_work, merge.astype(np.int32).reshape(-1, _MERGE_INTS), int(pieces[cut].sum())
+
+
+def _tree_groups(batch: MLABatch, g: int, bn: int, per_min: int, pieces_max: int, req, j, m0, pieces):
+    """split_work_by_shape's tree tiles (one token's h <= BM / g heads each: req, j, m0, pieces)
+    regrouped: tokens g at a time (j // g) of a request share the pieces that lie wholly below ctx
+    where every length ctx + d + 1 a member may have (d <= the group's last j) has the same piece
+    size ``per`` and ctx >= per; the others stay one tile each. Returns the units (req, m0, rows,
+    partials) and their items (unit, partial, m0, rows, words 3, 4, 7): a group's shared pieces
+    first (rows of all members, keys [k per, (k+1) per), word 7 = 0), then per member its path
+    pieces S + e (word 3; its rows written at row t * h of the group's partial slots: path_code's
+    prow)."""
+    h = batch.num_heads
+    ctx = batch.ctx_lens[req]
+    j0 = j // g * g
+    last = np.minimum(j0 + g, batch.num_new[req]) - 1
+    per = shape_piece_rows(ctx + 1, bn, per_min, pieces_max)
+    share = (per == shape_piece_rows(ctx + last + 1, bn, per_min, pieces_max)) & (ctx >= per)
+    lead = ~share | (j == j0)  # one unit per group that shares, one per token otherwise
+    u_req, u_m0, u_per, u_ctx = req[lead], m0[lead], per[lead], ctx[lead]
+    members = np.where(share, last - j0 + 1, 1)[lead]
+    shared = np.where(share[lead], u_ctx // u_per, 0)
+    extra = np.where(share[lead], _cdiv(u_ctx + last[lead] + 1, u_per) - shared, pieces[lead])
+    counts = shared + members * extra
+    unit = np.repeat(np.arange(len(u_req)), counts)
+    r = np.arange(len(unit)) - np.repeat(np.cumsum(counts) - counts, counts)
+    sh = r < shared[unit]
+    t, e = np.divmod(np.where(sh, 0, r - shared[unit]), extra[unit])
+    k = np.where(sh, r, shared[unit] + e)
+    it_m0 = u_m0[unit] + t * h
+    it_mc = np.where(sh, members[unit] * h, h)
+    kv_b = np.where(sh, r * u_per[unit], k)
+    kv_e = np.where(sh, (r + 1) * u_per[unit], 0)
+    w7 = np.where(sh, 0, path_code(bn, per_min, pieces_max) | (t * h) << 25)
+    return (u_req, u_m0, members * h, shared + extra, unit, k, it_m0, it_mc, kv_b, kv_e, w7)
 
 
 def item_keys(batch: MLABatch, item) -> tuple[int, int, np.ndarray]:

@@ -40,6 +40,7 @@ __device__ __forceinline__ int swz(int r, int c) {
 // One work item of the plan, with its request's fields.
 struct Item {
   int req, m0, m_count, kv_begin, kv_end, part, group, ctx, q_start;  // group: merge item of a partial
+  int prow;          // a partial's rows start at row part * BM + prow of o_part (path_item; else 0)
   const int* pt;     // the request's page-table row
   long long row_g0;  // first flattened query row
   // A tree row read along its path (work word 7, below): its token's mask row, else null.
@@ -48,14 +49,16 @@ struct Item {
 
 // Work word 7 of a tree verify row under the row-invariant schedule (split="shape",
 // kernels/mla_attention.py path_code): 1 | BN << 1 | fewest BN-units per piece << 9 | most pieces
-// << 17; 0 otherwise. Such an item holds one token (depth d: d ancestors, root included, before it)
-// and reduces exactly what its autoregressive twin (the same token decoded at cache position ctx + d)
-// reduces: key i < ctx is cache position i, key ctx + i the token's ancestor at depth i (its i-th
-// visible tree node, parents preceding children), key ctx + d the token itself; the keys' length
-// ctx + d + 1 sets the pieces as for the twin, and word 3 is the piece index (the host plans the most
-// pieces any depth the row may have needs; the ones past this row's length are empty). So the tiles,
-// their keys' order, the softmax's rescale points and the merge are the twin's, whatever nodes the
-// tree puts beside the path.
+// << 17 | partial row << 25; 0 otherwise. Such an item holds one token (depth d: d ancestors, root
+// included, before it) and reduces exactly what its autoregressive twin (the same token decoded at
+// cache position ctx + d) reduces: key i < ctx is cache position i, key ctx + i the token's ancestor
+// at depth i (its i-th visible tree node, parents preceding children), key ctx + d the token itself;
+// the keys' length ctx + d + 1 sets the pieces as for the twin, and word 3 is the piece index (the
+// host plans the most pieces any depth the row may have needs; the ones past this row's length are
+// empty). So the tiles, their keys' order, the softmax's rescale points and the merge are the
+// twin's, whatever nodes the tree puts beside the path. Where a few tokens of a tree share their
+// pieces below ctx (ordinary items over all their rows: kernels/mla_attention.py _tree_groups), a
+// token's rows of the group's partial slots start at the partial row (prow), not 0.
 __device__ __forceinline__ void path_item(Item& it, int code, const unsigned long long* __restrict__ mask,
                                           int mask_words, int num_heads) {
   const unsigned long long* row = mask + (long long)(it.q_start + it.m0 / num_heads) * mask_words;
@@ -69,6 +72,7 @@ __device__ __forceinline__ void path_item(Item& it, int code, const unsigned lon
   it.kv_begin = min(k * per, len);
   it.kv_end = min((k + 1) * per, len);
   it.path = row;
+  it.prow = (code >> 25) & 0x3F;
 }
 
 __device__ __forceinline__ Item load_item(const int* __restrict__ work, int w, const int* __restrict__ req_info,
@@ -83,6 +87,7 @@ __device__ __forceinline__ Item load_item(const int* __restrict__ work, int w, c
   it.pt = page_table + (long long)it.req * pt_stride;
   it.row_g0 = (long long)it.q_start * num_heads + it.m0;
   it.path = nullptr;
+  it.prow = 0;
   if (item[7] != 0 && mask) path_item(it, item[7], mask, mask_words, num_heads);
   return it;
 }
@@ -133,7 +138,7 @@ __device__ __forceinline__ bool visible(int pos, const Item& it, bool row_ok, in
 // of a thread's mma accumulator tile acc[ONT][4] (C fragment row g + 8h: the item's row r, columns
 // o_col0 + 8 nt + 2 tq and +1) times inv (1 / row sum, 0 for an empty row). A final item (part < 0)
 // writes bf16 out row row_g0 + r and lse = lse2 ln 2 (lse2: the row's log2-sum-exp); a split-K
-// partial writes fp32 o_part row part * BM + r and lse_part = lse2. The lse comes from lane tq == 0
+// partial writes fp32 o_part row part * BM + prow + r and lse_part = lse2. The lse comes from lane tq == 0
 // of the warp holding column 0 (lse_col); the tq test stays in here, as the callers had it, since
 // hoisting the whole condition into the caller changes the sm_100 schedule.
 template <int BM, int ONT>
@@ -148,11 +153,11 @@ __device__ __forceinline__ void write_row(const float (&acc)[ONT][4], int h, flo
       *reinterpret_cast<unsigned*>(dst + nt * 8) = pack_bf16(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
     if (lse_col && tq == 0) lse[it.row_g0 + r] = lse2 * LN2;
   } else {
-    float* dst = o_part + ((long long)it.part * BM + r) * DV + o_col0 + tq * 2;
+    float* dst = o_part + ((long long)it.part * BM + it.prow + r) * DV + o_col0 + tq * 2;
 #pragma unroll
     for (int nt = 0; nt < ONT; ++nt)
       *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
-    if (lse_col && tq == 0) lse_part[(long long)it.part * BM + r] = lse2;
+    if (lse_col && tq == 0) lse_part[(long long)it.part * BM + it.prow + r] = lse2;
   }
 }
 
