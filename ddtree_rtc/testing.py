@@ -14,6 +14,7 @@ from ml_dtypes import bfloat16
 
 from .backend import Backend
 from .engine.kv_cache import PageAllocator, PagedKVCache
+from .kernels.moe_small import experts_launches
 from .model.moe import MoELayerWeights
 from .model.target import ForwardBatch, TargetModel
 from .reference.moe_routing import descending, group_scores, limit_to_groups, selection_scores
@@ -233,31 +234,34 @@ def random_prompts(seed: int, lengths) -> list[list[int]]:
     return [rng.integers(3, 1000, n).tolist() for n in lengths]
 
 
-# Kernel launches of a backend op on the CUDA backend where it is more than one (at most:
-# mla_attention launches its merge only when the plan cuts a tile; moe_small_experts is 2 up to 16 rows,
-# the count here, and 3 from 17); every other op of the small-M path is one launch. The general path
-# also launches copies outside the op table (contiguous views, slice assignments), which are not counted.
-OP_LAUNCHES = {"mla_attention": 2, "moe_small_experts": 2}
+# Kernel launches of a backend op on the CUDA backend where it is more than one, as a count (at most:
+# mla_attention launches its merge only when the plan cuts a tile) or from the op's arguments
+# (moe_small_experts: by its token count, kernels/moe_small.experts_launches); every other op of the
+# small-M path is one launch. The general path also launches copies outside the op table (contiguous
+# views, slice assignments), which are not counted.
+OP_LAUNCHES = {"mla_attention": 2, "moe_small_experts": lambda x, *a, **kw: experts_launches(x.shape[0])}
 
 
 class OpRecorder(Backend):
-    """The numpy backend, recording the name of every op called, in order (the launch count's input)."""
+    """The numpy backend, recording every op called, in order, with its CUDA launches (OP_LAUNCHES;
+    the launch count's input)."""
 
     def __init__(self):
         super().__init__("numpy")
-        self.ops: list[str] = []
+        self.ops: list[tuple[str, int]] = []
 
     def op(self, name):
         fn = super().op(name)
+        launches = OP_LAUNCHES.get(name, 1)
 
         def rec(*a, **kw):
-            self.ops.append(name)
+            self.ops.append((name, launches(*a, **kw) if callable(launches) else launches))
             return fn(*a, **kw)
 
         return rec
 
     def to_bf16(self, x, plus_rounded=None):
-        self.ops.append("to_bf16")  # one elementwise launch on the GPU (a method, not an op of the table)
+        self.ops.append(("to_bf16", 1))  # one elementwise launch on the GPU (a method, not an op of the table)
         return super().to_bf16(x, plus_rounded)
 
 
@@ -265,7 +269,7 @@ def stage_launches(model: TargetModel, batch: ForwardBatch, cache) -> list[tuple
     """(stage, layer, CUDA kernel launches) of each stage of one forward of ``model`` (built on an
     OpRecorder): 'embed' (with the first norm), then per layer 'attention' and 'mlp' (at one rank each
     sublayer with the residual norm after it; on a tensor-parallel rank, e.g. a SimulatedRank's, see
-    TargetModel.run), counted from the ops each stage ran (OP_LAUNCHES of each) and, on a
+    TargetModel.run), counted from the ops each stage ran (their recorded launches) and, on a
     tensor-parallel rank, its collectives (one launch each, from the communicator's counts). The CUDA
     path takes the same ops as numpy."""
     rec = model.backend
@@ -278,7 +282,7 @@ def stage_launches(model: TargetModel, batch: ForwardBatch, cache) -> list[tuple
         ops = rec.ops[seen[0]:]
         calls = model.comm.stats.total()[0]
         seen[0] = len(rec.ops)
-        out.append((stage, layer, sum(OP_LAUNCHES.get(o, 1) for o in ops) + calls - seen[1]))
+        out.append((stage, layer, sum(n for _, n in ops) + calls - seen[1]))
         seen[1] = calls
 
     model.run(model.prepare(batch, cache), cache, output="none", mark=mark)

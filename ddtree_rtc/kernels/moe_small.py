@@ -64,6 +64,12 @@ def down_smem(num_pairs: int) -> int:
     return ring_bytes() + num_pairs * 16 * 4
 
 
+def experts_launches(num_tokens: int) -> int:
+    """Kernel launches of ``moe_small_experts`` at M tokens: gate_up, then down + combine, or from
+    DOWN_X_TOKENS gate_up, down and combine."""
+    return 3 if num_tokens >= DOWN_X_TOKENS else 2
+
+
 def down_x_smem() -> int:
     """moe_small_down_x's: the rings plus one item's staged h rows."""
     return ring_bytes() + _STAGE_BYTES
