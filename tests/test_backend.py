@@ -11,7 +11,7 @@ from ml_dtypes import bfloat16
 from ddtree_rtc.backend import OPS, Backend, Op
 
 # Kernel-only launch options with no meaning in numpy; only kernel code passes them (moe_gemm's own align).
-KERNEL_ONLY = {"moe_align": {"pdl"}}
+KERNEL_ONLY = {"moe_align": {"pdl"}, "moe_route": {"selection"}}  # tuning / test knobs of the kernel alone
 
 
 def _params(fn, skip=()):
