@@ -164,7 +164,13 @@ __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 // while it works on this one (x held in registers one step ahead spilled at the 128-register cap), so
 // a step's x loads hit L1 instead of waiting on an L2 round trip, and copies its weights with the L2
 // hints of cp_async16_hint. Neither changes a number.
-constexpr int kGuPassNt = 4;
+// Column tiles per pass: 4 with one tile per item; 2 with two (whose full ring's issue in the step
+// spilled at the 128-register cap with 4: an expert with more than 16 tokens streams its item once per
+// pass).
+template <int kGuTiles>
+constexpr int gu_pass_nt() {
+  return kGuTiles > 1 ? 2 : 4;
+}
 
 // The gate_up of tiles [tile, tile + kGuTiles) of touched expert e into h; every thread of the CTA.
 // The rings are free on entry and on return.
@@ -174,7 +180,8 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
                                              const Routing& r, int* cols, unsigned char* ring,
                                              bf16* __restrict__ h) {
   constexpr int kGuStageBytes = kGuTiles * kBlockBytes, kGuWarpRingBytes = kStages * kGuStageBytes;
-  constexpr bool kAhead = kGuTiles > 1;  // x one step ahead, L2-hinted weight copies
+  constexpr bool kAhead = kGuTiles > 1;  // x into L1 a step ahead, L2-hinted copies, the full ring
+  constexpr int kGuPassNt = gu_pass_nt<kGuTiles>();
   const unsigned long long mask = r.tokens[e];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   if (tid < kMaxTokens) fill_cols(mask, tid, cols);
@@ -185,10 +192,10 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
   const unsigned char* wsrc = w13 + (long long)e * w13_expert_bytes + tile * tile_bytes;
   const unsigned wring = smem_addr(ring) + warp * kGuWarpRingBytes;
   const int steps = warp < kb_total ? (kb_total - 1 - warp) / kWarps + 1 : 0;  // blocks warp, warp + 8, ...
-  unsigned long long pol = 0ull;
-  if constexpr (kAhead) pol = evict_first_policy();
   auto issue = [&](int s) {
     const unsigned char* src = wsrc + (long long)(warp + s * kWarps) * kBlockBytes;
+    unsigned long long pol = 0ull;  // made per issue, not held across the step (registers)
+    if constexpr (kAhead) pol = evict_first_policy();
 #pragma unroll
     for (int u = 0; u < kGuTiles; ++u) {
       if constexpr (kAhead)
@@ -197,10 +204,13 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
         issue_block(wring + (s % kStages) * kGuStageBytes + u * kBlockBytes, src + u * tile_bytes, lane);
     }
   };
+  // stages in flight while a step computes: kAhead refills a stage's slot as soon as its blocks are
+  // in registers (the warp barrier orders those loads before the copy), so all kStages are
+  constexpr int kLead = kAhead ? kStages : kStages - 1;
   for (int nt0 = 0; nt0 < ntl; nt0 += kGuPassNt) {
     const int ntp = min(kGuPassNt, ntl - nt0);
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
+    for (int s = 0; s < kLead; ++s) {
       if (s < steps) issue(s);
       cp_async_commit();
     }
@@ -218,15 +228,25 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[u][nt][i] = 0.f;
     for (int step = 0; step < steps; ++step) {
-      cp_async_wait_ring();
+      if constexpr (kAhead)
+        asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // stage `step` has landed
+      else
+        cp_async_wait_ring();
       __syncwarp();
-      if (step + kStages - 1 < steps) issue(step + kStages - 1);
-      cp_async_commit();
+      if constexpr (!kAhead) {
+        if (step + kStages - 1 < steps) issue(step + kStages - 1);
+        cp_async_commit();
+      }
       uint4 buf[kGuTiles][3];
 #pragma unroll
       for (int u = 0; u < kGuTiles; ++u)
         load_block(buf[u], ring + warp * kGuWarpRingBytes + (step % kStages) * kGuStageBytes + u * kBlockBytes, lane,
                    g);
+      if constexpr (kAhead) {
+        __syncwarp();  // every lane's reads of this stage are performed: its slot takes stage step + kStages
+        if (step + kStages < steps) issue(step + kStages);
+        cp_async_commit();
+      }
       const int k0 = (warp + step * kWarps) * kStepK;
       if (pre && step + 1 < steps) prefetch_l1(xpre + k0 + kWarps * kStepK);
 #pragma unroll
@@ -553,7 +573,8 @@ __device__ __forceinline__ void down_store(float (&acc)[kDownPassNt][4], int pas
 // expert) value into d at every pair of that token with that id. The segment's columns (pcol, slots)
 // and its staged h rows (stage, `staged` columns of row stride `stride` bytes) are in shared memory;
 // the first kStages / 2 steps are in flight on entry (down_prologue). A step's
-// slots are refilled (step + kStages / 2) once its mma have read them.
+// slots are refilled (step + kStages / 2) as soon as its blocks are in registers, so kStages blocks
+// are in flight while it computes.
 __device__ __forceinline__ void down_item(const unsigned char* __restrict__ wx, const bf16* __restrict__ h, int I,
                                           int H, const DownSeg& sg, const int* pcol, const unsigned* slots,
                                           const unsigned char* stage, int staged, int stride, unsigned char* ring,
@@ -577,6 +598,13 @@ __device__ __forceinline__ void down_item(const unsigned char* __restrict__ wx, 
     uint4 ba[3], bb[3];
     load_block(ba, slot, lane, g);
     load_block(bb, slot + kBlockBytes, lane, g);
+    __syncwarp();  // every lane's reads of this step's slots are performed: they take step + kStages / 2
+    {
+      DownCursor ic = cc;  // the step kStages / 2 on
+#pragma unroll
+      for (int s = 0; s < kStages / 2; ++s) ic.next(kb_total, sg.passes);
+      down_issue(wx, sg, kb_total, ic, step + kStages / 2, wring, lane);
+    }
 #pragma unroll
     for (int nt = 0; nt < kDownPassNt; ++nt) {
       const int ntg = cc.pass * kDownPassNt + nt;
@@ -593,11 +621,6 @@ __device__ __forceinline__ void down_item(const unsigned char* __restrict__ wx, 
         mma_pair(acc[0][nt], acc[1][nt], ba, bb, xb);
       }
     }
-    __syncwarp();  // every lane's reads of this step's slots are done
-    DownCursor ic = cc;  // the step kStages / 2 on
-#pragma unroll
-    for (int s = 0; s < kStages / 2; ++s) ic.next(kb_total, sg.passes);
-    down_issue(wx, sg, kb_total, ic, step + kStages / 2, wring, lane);
     if (cc.kb == kb_total - 1) {
       down_store(acc[0], cc.pass, ntl, sg.cnt, cc.tile, pcol, slots, H, d);
       if (cc.tile + kWarps < sg.t1)
