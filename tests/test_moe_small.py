@@ -434,9 +434,9 @@ def test_rows_are_bitwise_invariant_to_the_batch(name):
 @pytest.mark.parametrize("name,pool", [("tp8", 12), ("tp8", 40), ("ep8", 10)])
 def test_rows_are_bitwise_invariant_with_hot_experts(name, pool):
     """The same with every token's experts drawn from ``pool`` experts, so at 17..64 tokens an expert
-    holds up to ~40 (tp8, 12) or ~13 (tp8, 40) tokens: moe_small_down_x's column passes (one column
-    tile each) and moe_small_gate_up_t2's (four) repeat; a row's bits must not move. Also against the
-    reference at every M."""
+    holds up to ~40 (tp8, 12) or ~13 (tp8, 40) tokens: moe_small_down_x's and moe_small_gate_up_t2's
+    column passes repeat, and at I = 2048 (ep8) down_x reads the columns past its staged h rows from
+    global memory; a row's bits must not move. Also against the reference at M = 64."""
     import cupy
 
     from ddtree_rtc.kernels.moe_small import moe_small_experts as gpu_moe
