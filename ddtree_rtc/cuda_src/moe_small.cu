@@ -145,9 +145,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, MOE_SMALL_DOWN_X_CTAS) mo
     const int rank = (int)(u / groups), g0 = (int)(u % groups);
     return down_seg(r, rank, g0, (int)min((long long)groups, g0 + (hi - u)), kb_total);
   };
+  DownCopies q{w2, 0, 0, 0, 0};
   if (lo < hi) {
     const DownSeg sg = segment(lo);
-    down_prologue(w2 + (long long)sg.ex * w2_expert_bytes, sg, kb_total, wring, lane);
+    down_prologue(w2 + (long long)sg.ex * w2_expert_bytes, sg, kb_total, q, wring, lane);
   }
   pdl_wait();  // h comes from the previous kernel
   pdl_trigger();
@@ -163,10 +164,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, MOE_SMALL_DOWN_X_CTAS) mo
       cp_async16(smem_addr(stage + c * stride + 16 * k8), h + (long long)pcol[c] * I + 8 * k8);
     }
     cp_async_commit();
-    if (u > lo) down_prologue(wx, sg, kb_total, wring, lane);
+    if (u > lo) down_prologue(wx, sg, kb_total, q, wring, lane);
     asm volatile("cp.async.wait_group 0;" ::: "memory");  // the h rows (and the ring's first stages)
     __syncthreads();
-    down_item(wx, h, I, H, sg, pcol, slots, stage, staged, stride, ring, d);
+    down_item(h, I, H, sg, pcol, slots, stage, staged, stride, ring, d, q);
     __syncthreads();  // pcol, slots, the stage and the rings are reused by the next segment
     u += (sg.t1 - sg.t0) / (kGroupRows / 16);
   }

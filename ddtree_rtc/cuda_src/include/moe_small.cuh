@@ -460,33 +460,50 @@ struct DownCursor {
   }
 };
 
-// The two weight blocks of the warp's step n (at cursor c) into ring slots 2n, 2n + 1 (mod kStages),
-// one commit group each (empty past the segment's steps). A pair without a second tile (an odd count
-// at a segment's end) copies its first tile's block twice (an L2 hit), so every step is the same code;
-// the second copy's values are never stored.
-__device__ __forceinline__ void down_issue(const unsigned char* __restrict__ wx, const DownSeg& sg, int kb_total,
-                                           const DownCursor& c, int n, unsigned wring, int lane) {
-  const bool live = n < sg.steps;
+// A warp's copy cursor over a segment's steps: the next step n to copy, at (kb, pass, pair's first
+// tile), its first tile's block at src (kept as a running address: recomputing it from the cursor cost
+// about a hundred instructions a step at the register cap).
+struct DownCopies {
+  const unsigned char* src;
+  int kb, pass, tile, n;
+};
+
+// Step q.n's two weight blocks into ring slots 2n, 2n + 1 (mod kStages), one commit group each (empty
+// past the segment's steps), then q to the next step. A pair without a second tile (an odd count at a
+// segment's end) copies its first tile's block twice (an L2 hit), so every step is the same code; the
+// second copy's values are never stored.
+__device__ __forceinline__ void down_copy(const DownSeg& sg, int kb_total, DownCopies& q, unsigned wring, int lane) {
+  const bool live = q.n < sg.steps;
   const unsigned long long pol = evict_first_policy();  // made here, not held across the step (registers)
-  const unsigned dst = wring + ((2 * n) % kStages) * kBlockBytes;
-  const unsigned char* src = wx + ((long long)c.tile * kb_total + c.kb) * kBlockBytes;
-  if (live) issue_block(dst, src, lane, pol);
+  const unsigned dst = wring + ((2 * q.n) % kStages) * kBlockBytes;
+  if (live) issue_block(dst, q.src, lane, pol);
   cp_async_commit();
   if (live)
-    issue_block(dst + kBlockBytes, src + (c.tile + kWarps < sg.t1 ? (long long)kWarps * kb_total * kBlockBytes : 0ll),
+    issue_block(dst + kBlockBytes, q.tile + kWarps < sg.t1 ? q.src + (long long)kWarps * kb_total * kBlockBytes : q.src,
                 lane, pol);
   cp_async_commit();
+  ++q.n;
+  if (live) {  // the next k block; at a pass's end back to the pair's first block, or on to the next pair
+    q.src += kBlockBytes;
+    if (++q.kb == kb_total) {
+      q.kb = 0;
+      q.src -= (long long)kb_total * kBlockBytes;
+      if (++q.pass == sg.passes) {
+        q.pass = 0;
+        q.tile += 2 * kWarps;
+        q.src += (long long)2 * kWarps * kb_total * kBlockBytes;
+      }
+    }
+  }
 }
 
-// A warp's first kStages / 2 steps of a segment.
+// A warp's first kStages / 2 steps of a segment (expert weights wx), q set from its start.
 __device__ __forceinline__ void down_prologue(const unsigned char* __restrict__ wx, const DownSeg& sg, int kb_total,
-                                              unsigned wring, int lane) {
-  DownCursor c{0, 0, sg.t0 + (int)(threadIdx.x >> 5)};
+                                              DownCopies& q, unsigned wring, int lane) {
+  const int tile = sg.t0 + (int)(threadIdx.x >> 5);
+  q = DownCopies{wx + (long long)tile * kb_total * kBlockBytes, 0, 0, tile, 0};
 #pragma unroll
-  for (int s = 0; s < kStages / 2; ++s) {
-    down_issue(wx, sg, kb_total, c, s, wring, lane);
-    c.next(kb_total, sg.passes);
-  }
+  for (int s = 0; s < kStages / 2; ++s) down_copy(sg, kb_total, q, wring, lane);
 }
 
 // k32 chunk c of one block after its correction: t = corr + sum_k (128 + u) x over the chunk's two
@@ -552,12 +569,12 @@ __device__ __forceinline__ void down_store(float (&acc)[kDownPassNt][4], int pas
 // The down GEMM of segment sg (warp w: tile pairs from t0 + w, whole K = I per tile), each (token,
 // expert) value into d at every pair of that token with that id. The segment's columns (pcol, slots)
 // and its staged h rows (stage, `staged` columns of row stride `stride` bytes) are in shared memory;
-// the first kStages / 2 steps are in flight on entry (down_prologue). A step's
+// the first kStages / 2 steps are in flight on entry (down_prologue, copy cursor q). A step's
 // slots are refilled (step + kStages / 2) once its mma have read them.
-__device__ __forceinline__ void down_item(const unsigned char* __restrict__ wx, const bf16* __restrict__ h, int I,
-                                          int H, const DownSeg& sg, const int* pcol, const unsigned* slots,
-                                          const unsigned char* stage, int staged, int stride, unsigned char* ring,
-                                          float* __restrict__ d) {
+__device__ __forceinline__ void down_item(const bf16* __restrict__ h, int I, int H, const DownSeg& sg,
+                                          const int* pcol, const unsigned* slots, const unsigned char* stage,
+                                          int staged, int stride, unsigned char* ring, float* __restrict__ d,
+                                          DownCopies& q) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int kb_total = I / kStepK, ntl = (sg.cnt + 7) >> 3;
   const unsigned wring = smem_addr(ring) + warp * kWarpRingBytes;
@@ -594,10 +611,7 @@ __device__ __forceinline__ void down_item(const unsigned char* __restrict__ wx, 
       }
     }
     __syncwarp();  // every lane's reads of this step's slots are done
-    DownCursor ic = cc;  // the step kStages / 2 on
-#pragma unroll
-    for (int s = 0; s < kStages / 2; ++s) ic.next(kb_total, sg.passes);
-    down_issue(wx, sg, kb_total, ic, step + kStages / 2, wring, lane);
+    down_copy(sg, kb_total, q, wring, lane);  // step + kStages / 2
     if (cc.kb == kb_total - 1) {
       down_store(acc[0], cc.pass, ntl, sg.cnt, cc.tile, pcol, slots, H, d);
       if (cc.tile + kWarps < sg.t1)
