@@ -231,3 +231,85 @@ def test_token_buckets_and_the_invariant_plan_ignore_m():
             assert (grid // pair.split - 1) * per_cta < n <= grid // pair.split * per_cta
         for mt in (8, 16, 32, 64):
             assert f"{prefix}_m{mt}_s{pair.split}" in SPECS[family].entries
+
+
+# clusters of 1, 2, 4, 8 CTAs of linear.cu's / skinny_pair.cuh's 8-row entries that fit at once on an
+# H100 (132 SMs, 2 CTAs per SM; 62 and 30 from cuOccupancyMaxActiveClusters, benchmarks/README.md)
+_H100_CLUSTERS = {1: 264, 2: 132, 4: 62, 8: 30}
+
+
+def test_one_wave_plan_moves_only_a_plan_with_a_tail_wave():
+    """A plan whose clusters fit at once stays; q_a + kv_a's (8, 8) (33 clusters of 8 against 30)
+    moves to its nearest fitting plan (8, 4); a grid that no plan fits in one wave (the lm_head's 320
+    clusters at warps_n 8) keeps its plan; a GPU with room for everything changes nothing."""
+    from ddtree_rtc.kernels.linear import one_wave_plan, skinny_plan
+
+    shapes = {"qkv_a": (1536 + 576, 7168), "moe_dense": (384 + 512, 7168), "q_b": (1536, 1536),
+              "o_proj": (7168, 1024), "dense_w13": (4608, 7168), "dense_w2": (7168, 2304), "lm_head": (20480, 7168)}
+    for name, (n, k) in shapes.items():
+        today = skinny_plan(8, n, k, 132)
+        roomy = one_wave_plan(n, k, 132, lambda s: 10**6)
+        assert (roomy.warps_n, roomy.split) == (today.warps_n, today.split), name
+        got = one_wave_plan(n, k, 132, _H100_CLUSTERS.get)
+        clusters = -(-n // (8 * got.warps_n))
+        if name == "qkv_a":
+            assert (today.warps_n, today.split, -(-n // (8 * today.warps_n))) == (8, 8, 33)
+            assert (got.warps_n, got.split) == (8, 4) and got.grid == 33 * 4
+        elif name == "lm_head":
+            assert (got.warps_n, got.split) == (today.warps_n, today.split) and clusters > _H100_CLUSTERS[got.split]
+        else:
+            assert (got.warps_n, got.split) == (today.warps_n, today.split), name
+        if name != "lm_head":
+            assert clusters <= _H100_CLUSTERS[got.split], name
+    # nothing fits: today's plan, not the cost model's pick under some other rule
+    tight = one_wave_plan(2112, 7168, 132, lambda s: 1)
+    assert (tight.warps_n, tight.split) == (8, 8)
+
+
+def test_pair_plan_asks_only_the_8_row_entries_so_every_bucket_launches_one_plan(monkeypatch):
+    """The capacity comes from the pair's 8-row entries (compiled ones) whatever M is, once per
+    (device, entry); every token bucket then launches the same (warps_n, split), so a row's sums
+    (fixed by warps_n, split and K) agree across M = 1..64."""
+    from ddtree_rtc.kernels import linear as lin
+    from ddtree_rtc.kernels.registry import SPECS
+
+    asked = []
+
+    def stub(device_id, family, entry, split):
+        asked.append((device_id, family, entry, split))
+        return _H100_CLUSTERS[split]
+
+    monkeypatch.setattr(lin, "active_clusters", stub)
+    monkeypatch.setattr(lin, "sm_count", lambda device_id=None: 132)
+    lin.pair_plan.cache_clear()
+    try:
+        plan = lin.pair_plan(1536 + 576, 7168, 0, "mla_small", "mla_qkv_a_small")
+        assert (plan.warps_n, plan.split) == (8, 4)
+        assert asked and all(e == f"mla_qkv_a_small_m8_s{s}" and d == 0 and f == "mla_small"
+                             for d, f, e, s in asked)
+        assert {e for _, _, e, _ in asked} <= set(SPECS["mla_small"].entries)
+        n_asked = len(asked)
+        assert lin.pair_plan(1536 + 576, 7168, 0, "mla_small", "mla_qkv_a_small") is plan
+        assert len(asked) == n_asked  # cached per (shape, device, entry)
+        for m in range(1, 65):
+            rows = lin.token_bucket(m, "mla_qkv_a_small")
+            assert f"mla_qkv_a_small_m{rows}_s{plan.split}" in SPECS["mla_small"].entries
+            grid = lin.bucket_grid(1536 + 576, plan.warps_n, plan.split, rows)
+            per_cta, clusters = 8 * plan.warps_n * lin.BUCKET_NTILES[rows], grid // plan.split
+            assert grid % plan.split == 0 and (clusters - 1) * per_cta < 1536 + 576 <= clusters * per_cta
+    finally:
+        lin.pair_plan.cache_clear()
+
+
+@pytest.mark.parametrize("n,k,at_once,match", [
+    (0, 7168, 30, "N = 0 and K = 7168 must be >= 1"),
+    (2112, 0, 30, "N = 2112 and K = 0 must be >= 1"),
+    (2112, 7168, 0, "0 clusters of 8 CTAs fit at once; expected an int >= 1"),
+    (2112, 7168, 2.5, "2.5 clusters of 8 CTAs fit at once; expected an int >= 1"),
+    (2112, 7168, None, "None clusters of 8 CTAs fit at once; expected an int >= 1"),
+])
+def test_one_wave_plan_rejects_bad_input(n, k, at_once, match):
+    from ddtree_rtc.kernels.linear import one_wave_plan
+
+    with pytest.raises(ValueError, match=match):
+        one_wave_plan(n, k, 132, lambda s: at_once)

@@ -12,6 +12,7 @@ from ddtree_rtc.kernels.mla_attention import (
     _pick_variant,
     _smem_bytes,
     item_keys,
+    partial_row,
     split_work,
 )
 from ddtree_rtc.reference import mla_attention as ref
@@ -187,7 +188,8 @@ def emulate_kernel(batch, q, cache, scale, bm, bn, num_sms, min_split=MIN_SPLIT)
         if part < 0:
             out[g0:g0 + mc], lse[g0:g0 + mc] = o, ls
         else:
-            o_part[part, :mc], lse_part[part, :mc] = o, ls
+            r0 = partial_row(item)  # a tree token's rows in a shared group's partial slots
+            o_part[part, r0:r0 + mc], lse_part[part, r0:r0 + mc] = o, ls
     for (p0, ns, g0, _), r0, r1 in [(m, 0, int(m[3])) for m in merge]:
         ls = lse_part[p0:p0 + ns, r0:r1]
         top = ls.max(0)
@@ -270,7 +272,7 @@ def test_default_variant():
     assert _pick_variant(8, True, big, batch=32) == "d16" and _pick_variant(64, True, big, batch=4) == "d16"
     assert _pick_variant(64, True, big, batch=8) == "m64"  # 32 tiles of 16 rows: m64 was faster
     assert _pick_variant(128, False, big) == "m64" and _pick_variant(12, False, big) == "m16"
-    assert _pick_variant(8, True, sm120) == "small" and _pick_variant(64, False, sm120) == "small"
+    assert _pick_variant(8, True, sm120) == "d16" and _pick_variant(64, False, sm120) == "small"
     assert all(_smem_bytes(v) <= big for v in _VARIANTS) and _smem_bytes("small") <= sm120
     # sm_90a: the wgmma tile replaces m64, nothing else changes
     assert _pick_variant(64, True, big, batch=8, wgmma=True) == "w64"
@@ -280,6 +282,25 @@ def test_default_variant():
     assert _pick_variant(64, True, big, wgmma=True, max_ctx=16384) == "w64"  # ... and long contexts
     assert _pick_variant(64, True, big, max_ctx=16384) == "d16"
     assert _pick_variant(8, True, big, wgmma=True, max_ctx=65536) == "d16"
+
+
+def test_d16_mirrors_its_cuda_config():
+    """Variant d16 is cuda_src/include/mla_split.cuh's CfgD16 (BN, warps, ring depth) and its
+    D16_CTAS_PER_SM (the kernel's __launch_bounds__ minimum); _smem_bytes is SplitCfg::SMEM; two such
+    CTAs (1 KB reserved each) share a 228 KB sm_90 / sm_100 SM, and one fits sm_120's 99 KB opt-in."""
+    import re
+    from pathlib import Path
+
+    import ddtree_rtc
+
+    src = (Path(ddtree_rtc.__file__).parent / "cuda_src" / "include" / "mla_split.cuh").read_text()
+    bn, nw, stages = map(int, re.search(r"using CfgD16 = SplitCfg<(\d+), (\d+), (\d+)>;", src).groups())
+    per_sm = int(re.search(r"constexpr int D16_CTAS_PER_SM = (\d+);", src).group(1))
+    v = _VARIANTS["d16"]
+    assert (v.bm, v.bn, v.warps, v.stages, v.split_k, v.ctas_per_sm) == (16, bn, nw, stages, True, per_sm)
+    assert _smem_bytes("d16") == (16 * ref.ROW + stages * bn * ref.ROW) * 2 + nw * (bn // 8) * 32 * 16 == 100352
+    assert v.ctas_per_sm * (_smem_bytes("d16") + 1024) <= 228 * 1024 and _smem_bytes("d16") <= 99 * 1024
+    assert all(u.ctas_per_sm == 1 for name, u in _VARIANTS.items() if name != "d16")
 
 
 def test_plan_rejects_bad_input(rng):

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 from ml_dtypes import bfloat16
 
-from ddtree_rtc.kernels.mla_attention import _VARIANTS, item_keys, shape_pieces, split_work_by_shape
+from ddtree_rtc.kernels.mla_attention import (
+    _VARIANTS,
+    item_keys,
+    partial_row,
+    shape_piece_rows,
+    shape_pieces,
+    split_work_by_shape,
+)
 from ddtree_rtc.reference import mla_attention as ref
 from ddtree_rtc.testing import assert_close, random_bf16
 
@@ -18,10 +25,11 @@ K26_SCALE = 192 ** -0.5
 
 
 @pytest.mark.parametrize("variant", ["d16", "small"])
-@pytest.mark.parametrize("num_sms", [1, 132])
+@pytest.mark.parametrize("num_sms", [1, 264])  # 264: two d16 CTAs per SM of an H100
 @pytest.mark.parametrize("case", [([3000], [1], 8, 64, False), ([2047, 2049, 4097], [1, 1, 2], 8, 64, False),
                                   ([700, 10, 2500], [1, 1, 1], 64, 16, False),
-                                  ([900, 40], [20, 33], 8, 16, True), ([300], [40], 2, 8, False)])
+                                  ([900, 40], [20, 33], 8, 16, True), ([300], [40], 2, 8, False),
+                                  ([900, 1500, 3], [20, 33, 5], 8, 16, True)])
 def test_shape_split_emulated(rng, monkeypatch, variant, num_sms, case):
     """The CUDA dataflow (test_mla_attention.emulate_kernel) on split_work_by_shape's schedule gives
     the reference's attention: every row written once, partials merged."""
@@ -35,6 +43,32 @@ def test_shape_split_emulated(rng, monkeypatch, variant, num_sms, case):
     o_ref, lse_ref = ref.attend_f32(batch, bt.q, bt.cache, K26_SCALE)
     assert_close(o, o_ref, "fp32", "o_lat")
     assert_close(lse, lse_ref, "fp32", "lse")
+
+
+@pytest.mark.parametrize("variant", ["d16", "small"])
+def test_shape_split_work_ignores_the_grid(rng, variant):
+    """split="shape" on any grid (1 CTA, 7, one or two per SM of 132, more CTAs than items): the same
+    work rows (the pieces, their partial slots and merge items) and the same merges, so which CTA
+    computes an item never changes a bit; the grid only deals the items to the CTAs, in order, every
+    item once, as evenly as their count allows, the remainder to the first CTAs (with d16's two CTAs
+    per SM, CTA c and c + SMs share an SM: fewer items than CTAs should not pair up)."""
+    ctx = np.r_[rng.integers(0, 9000, 20), 4096, 1]
+    n = np.r_[rng.integers(1, 4, 20), 1, 33]
+    batch = ref.validate_batch(ctx, n, np.zeros((22, 1 + int((ctx + n).max())), np.int32), 8, 1, 1)
+    v = _VARIANTS[variant]
+    work, _, merge, parts = split_work_by_shape(batch, v.bm, v.bn, 132, v.min_split)
+    for ctas in (1, 7, 132, 264, 100000):
+        w, cta_work, m, p = split_work_by_shape(batch, v.bm, v.bn, ctas, v.min_split)
+        assert np.array_equal(w, work) and np.array_equal(m, merge) and p == parts, f"{ctas} CTAs"
+        assert cta_work.shape == (ctas + 1,) and cta_work[0] == 0 and cta_work[-1] == len(work)
+        sizes = np.diff(cta_work)
+        assert (sizes >= 0).all() and sizes.max() - sizes.min() <= 1, f"{ctas} CTAs: uneven deal"
+        assert (np.diff(sizes) <= 0).all(), f"{ctas} CTAs: the remainder is not on the first CTAs"
+    # b1, 8 heads, 4096 keys: 32 pieces on CTAs 0..31 (the first wave, one per SM), none in second slots
+    alone = ref.validate_batch([4095], [1], np.zeros((1, 4096), np.int32), 8, 1, 1)
+    w, cta_work, _, _ = split_work_by_shape(alone, v.bm, v.bn, 264, v.min_split)
+    if variant == "d16":
+        assert len(w) == 32 and np.array_equal(np.flatnonzero(np.diff(cta_work)), np.arange(32))
 
 
 def _pieces(batch, bm, bn, ctas, min_split, req, tok):
@@ -66,11 +100,12 @@ def test_shape_split_gives_a_token_the_same_pieces_in_any_batch(rng, heads, vari
             assert _pieces(multi, v.bm, v.bn, 1000, v.min_split, 1, 5) == want
 
 
-def _tree_and_twins(rng, ctx, n, heads):
+def _tree_and_twins(rng, ctx, n, heads, data=True):
     """One request at context ``ctx`` verifying a random n-node tree (parents before children, long
     paths likely), on a cache of single-row pages; and the autoregressive twins of its nodes as one
     decode batch: twin i at context ctx + depth(i), whose positions ctx .. hold node i's ancestors'
-    rows, root first, then its own. Returns (tree batch, twin batch, q, cache [slots, 576] f32, paths)."""
+    rows, root first, then its own. Returns (tree batch, twin batch, q, cache [slots, 576] f32, paths);
+    q and cache None unless ``data``."""
     parents = np.full(n, -1)
     for i in range(1, n):
         parents[i] = i - 1 if rng.random() < 0.5 else int(rng.integers(0, i))
@@ -90,47 +125,114 @@ def _tree_and_twins(rng, ctx, n, heads):
         table[i, :ctx + len(path)] = np.r_[np.arange(ctx), ctx + np.array(path)]
     twins = ref.validate_batch(ctx + np.array([len(p) - 1 for p in paths]), np.ones(n, np.int64), table, heads, 1,
                                slots)
+    if not data:
+        return tree, twins, None, None, paths
     cache = random_bf16(rng, (slots, ref.ROW)).astype(np.float32)
     q = random_bf16(rng, (n, heads, ref.ROW), 0.3).astype(np.float32)
     return tree, twins, q, cache, paths
 
 
 def _identity(batch, item, paths=None):
-    """An item's keys as what they are: ('ctx', position) or ('node', tree node)."""
+    """An item's keys as what they are: committed position p as p, tree node i as -1 - i."""
     ctx = int(batch.ctx_lens[item[0]])
     _, _, keys = item_keys(batch, item)
     if paths is None:  # the tree: cache position ctx + j is node j
-        return [("ctx", int(k)) if k < ctx else ("node", int(k - ctx)) for k in keys]
-    base = ctx - (len(paths[item[0]]) - 1)  # a twin: position base + k is the node at depth k of its path
-    return [("ctx", int(k)) if k < base else ("node", paths[item[0]][k - base]) for k in keys]
+        return np.where(keys < ctx, keys, ctx - 1 - keys)
+    path = np.asarray(paths[item[0]])
+    base = ctx - (len(path) - 1)  # a twin: position base + k is the node at depth k of its path
+    return np.where(keys < base, keys, -1 - path[np.maximum(keys - base, 0)])
+
+
+def _row_pieces(batch, work, merge, row):
+    """The work items that compute flattened query row ``row``, in the order the merge takes their
+    partials (one item if the row is not cut), checking on the way that the row's partials sit in
+    its merge item's slots p0 .. p0 + splits - 1 at the row the merge reads (partial_row)."""
+    h = batch.num_heads
+    g0 = batch.q_start[work[:, 0]] * h + work[:, 1]
+    mine = work[(g0 <= row) & (row < g0 + work[:, 2])]
+    assert len(mine), f"row {row}: no work item computes it"
+    if (mine[:, 5] < 0).any():
+        assert len(mine) == 1 and mine[0, 6] < 0, f"row {row}: a final item and others"
+        return mine
+    mine = mine[np.argsort(mine[:, 5])]
+    p0, splits, m_g0, rows = merge[mine[0, 6]]
+    assert (mine[:, 6] == mine[0, 6]).all() and (mine[:, 5] == p0 + np.arange(splits)).all(), \
+        f"row {row}: its partials are not its merge item's {splits} slots in order"
+    assert m_g0 <= row < m_g0 + rows
+    item_g0 = batch.q_start[mine[:, 0]] * h + mine[:, 1]
+    slot_row = np.array([partial_row(it) for it in mine]) + row - item_g0
+    assert (slot_row == row - m_g0).all(), f"row {row}: written at partial rows {slot_row}, merged from {row - m_g0}"
+    return mine
+
+
+def _check_tree_rows_reduce_their_twins(rng, heads, variant, ctx, n):
+    v = _VARIANTS[variant]
+    tree, twins, _, _, paths = _tree_and_twins(rng, ctx, n, heads, data=False)
+    tw, _, tm, _ = split_work_by_shape(tree, v.bm, v.bn, 132, v.min_split)
+    aw, _, am, _ = split_work_by_shape(twins, v.bm, v.bn, 7, v.min_split)
+    for i in range(n):
+        for r in sorted({*range(0, heads, v.bm), heads - 1}):
+            mine = _row_pieces(tree, tw, tm, i * heads + r)
+            twin = _row_pieces(twins, aw, am, i * heads + r)
+            got = [_identity(tree, it) for it in mine]
+            want = [_identity(twins, it, paths) for it in twin]
+            assert len(got) >= len(want) and all(np.array_equal(a, b) for a, b in zip(got, want)), \
+                f"node {i} (depth {len(paths[i]) - 1}) row {r}: other pieces or keys"
+            assert not any(len(a) for a in got[len(want):]), f"node {i}: pieces past its twin's are not empty"
+    return tree, tw
 
 
 @pytest.mark.parametrize("heads,variant", [(8, "d16"), (64, "d16"), (8, "small")])
 @pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9), (4090, 33), (1, 17), (700, 64)])
 def test_tree_rows_reduce_what_their_autoregressive_twins_reduce(rng, heads, variant, ctx, n):
-    """split="shape" on a tree verify: each query tile of node i reduces, piece by piece (as the
-    kernel reads the plan: item_keys, the host mirror of path_item / key_position), exactly the keys
-    of its autoregressive twin in the twin's order and cut at the twin's piece boundaries (contexts
-    chosen so the piece size changes between a tree's shallow and deep nodes); its extra pieces are
-    empty and come last, so the merge adds only zeros after the twin's partials."""
+    """split="shape" on a tree verify: each row of node i reduces, piece by piece in its merge's
+    order (as the kernel reads the plan: item_keys, the host mirror of path_item / key_position;
+    partial_row), exactly the keys of its autoregressive twin in the twin's order and cut at the
+    twin's piece boundaries (contexts chosen so the piece size changes between a tree's shallow and
+    deep nodes, where tokens do not share); its extra pieces are empty and come last, so the merge
+    adds only zeros after the twin's partials."""
+    _check_tree_rows_reduce_their_twins(rng, heads, variant, ctx, n)
+
+
+def _committed_reads(batch, work):
+    """Cache rows below ctx the plan's items load (one load per item, whatever its rows)."""
+    return sum(int((item_keys(batch, it)[2] < batch.ctx_lens[it[0]]).sum()) for it in work)
+
+
+@pytest.mark.parametrize("n", [9, 17, 33, 64])
+@pytest.mark.parametrize("ctx", [1, 63, 64, 1000, 4096, 4097, 40000])
+@pytest.mark.parametrize("variant", ["d16", "small"])
+def test_tree_tokens_share_committed_pieces_and_still_equal_their_twins(rng, variant, ctx, n):
+    """At 8 heads (a TP8 rank) a d16 tile holds 2 tokens, a small one 4: tokens of a tree share
+    the pieces wholly below ctx, and every row still reduces its twin's keys in its twin's pieces
+    and merge order. The committed context is then read about n / g times instead of n (g tokens
+    per tile): at most once per group plus, per token, the one piece that straddles ctx."""
     v = _VARIANTS[variant]
-    tree, twins, _, _, paths = _tree_and_twins(rng, ctx, n, heads)
-    tw, _, tm, _ = split_work_by_shape(tree, v.bm, v.bn, 132, v.min_split)
-    aw, _, am, _ = split_work_by_shape(twins, v.bm, v.bn, 7, v.min_split)
-    for i in range(n):
-        for m0 in range(0, heads, v.bm):
-            mine = tw[tw[:, 1] == i * heads + m0]
-            twin = aw[(aw[:, 0] == i) & (aw[:, 1] == m0)]
-            got = [_identity(tree, it) for it in mine]
-            want = [_identity(twins, it, paths) for it in twin]
-            assert got[:len(want)] == want, f"node {i} (depth {len(paths[i]) - 1}) rows {m0}: other pieces or keys"
-            assert not any(got[len(want):]), f"node {i}: pieces past its twin's are not empty"
-            if len(mine) > 1:  # cut: merged over the pieces in order
-                assert (mine[:, 5] == tm[mine[0, 6], 0] + np.arange(len(mine))).all()
+    g = v.bm // 8
+    tree, tw = _check_tree_rows_reduce_their_twins(rng, 8, variant, ctx, n)
+    reads = _committed_reads(tree, tw)
+    per = int(shape_piece_rows(np.int64(ctx + 1), v.bn, -(-v.min_split // v.bn), shape_pieces(8, v.bm)))
+    assert reads <= -(-n // g) * ctx + n * per, f"{reads} committed rows read by {n} tokens at ctx {ctx}"
+    if per == shape_piece_rows(np.int64(ctx + n), v.bn, -(-v.min_split // v.bn), shape_pieces(8, v.bm)):
+        # one piece size for every depth: every group shares, each token reads only its straddling piece
+        assert reads == -(-n // g) * (ctx // per * per) + n * (ctx % per)
 
 
-@pytest.mark.parametrize("heads,variant", [(8, "d16"), (64, "d16")])
-@pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9)])
+def test_tree_sharing_reads_the_context_about_g_times_less():
+    """A 33-token tree at ctx 4096, 8 heads, d16: the committed rows read drop from 33 x 4096 (one
+    tile per token) to 17 shared passes plus 33 straddling remainders."""
+    v = _VARIANTS["d16"]
+    rng = np.random.default_rng(4096)
+    tree, _, _, _, _ = _tree_and_twins(rng, 4096, 33, 8, data=False)
+    work = split_work_by_shape(tree, v.bm, v.bn, 132, v.min_split)[0]
+    reads = _committed_reads(tree, work)
+    assert reads == 17 * 4000 + 33 * 96  # pieces of 160 rows: 25 below ctx (4000 rows), 96 rows straddle
+    assert 33 * 4096 / reads > 1.8
+
+
+@pytest.mark.parametrize("heads,variant,ctx,n", [
+    *[(h, "d16", c, n) for h in (8, 64) for c, n in ((2040, 33), (1020, 9))],
+    (8, "d16", 4096, 33), (8, "d16", 4097, 17), (8, "small", 4096, 33), (8, "small", 1020, 9)])  # 8: shared
 def test_tree_rows_emulated_bitwise_equal_their_twins(rng, monkeypatch, heads, variant, ctx, n):
     """The kernel's dataflow in fp32 numpy (test_mla_attention.emulate_kernel: per piece a softmax
     over the keys in the kernel's order, then the merge): a tree row's o_lat and lse the same bits as
@@ -302,6 +404,50 @@ def test_shape_split_attention_is_bitwise_invariant(heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", [8, 64])
+def test_shape_split_attention_is_bitwise_invariant_over_the_grid(heads):
+    """mla_attention with split="shape" (decode and a 3-token forward): the same bits on the default
+    grid (d16: resident_ctas, two CTAs per SM where they fit) as on grids of 1, 7 and 66 SMs'
+    worth; and the default grid is resident_ctas CTAs per SM, two for d16 on sm_90 / sm_100."""
+    import cupy
+    import test_mla_attention as tma
+
+    from ddtree_rtc.kernels._launch import sm_count
+    from ddtree_rtc.kernels.mla_attention import mla_attention, mla_attention_plan, resident_ctas
+    from ddtree_rtc.testing import nan_bf16_bits
+
+    rng = _seeded(f"shape split grid {heads}")
+    ctx = rng.integers(1, 5000, 33)
+    n = np.r_[np.ones(30, np.int64), 3, 3, 3]
+    bt = tma.Batch(rng, ctx, n, heads, 64)
+    cache = cupy.asarray(bt.cache.view(np.uint16))
+    q = cupy.asarray(bt.q.view(np.uint16))
+
+    def run(num_sms):
+        plan = mla_attention_plan(bt.ctx, bt.n, bt.page_table, heads, 64, bt.num_pages, num_sms=num_sms,
+                                  split="shape")
+        out = nan_bf16_bits((len(q), heads, ref.DV))
+        lse = cupy.full((len(q), heads), np.nan, dtype=cupy.float32)
+        mla_attention(plan, q, cache, K26_SCALE, out=out, lse=lse)
+        return plan, out.get(), lse.get()
+
+    plan, full_o, full_l = run(None)
+    per_sm = resident_ctas(plan.variant)
+    assert plan.grid == per_sm * sm_count()
+    smem_per_sm = cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
+    if plan.variant == "d16" and smem_per_sm >= 2 * (plan.smem + 1024):
+        assert per_sm == 2, f"d16: {per_sm} CTAs per SM with {smem_per_sm} B of shared memory per SM"
+    assert np.isfinite(full_l).all()
+    o_ref, lse_ref = ref.mla_attention(bt.ref_plan(), bt.q, bt.cache, K26_SCALE)
+    assert_close(full_o, o_ref, "bf16", "o_lat")
+    assert_close(full_l, lse_ref, "fp32", "lse")
+    for num_sms in (1, 7, 66):
+        p, o, lse = run(num_sms)
+        assert p.grid == per_sm * num_sms
+        assert np.array_equal(o, full_o) and np.array_equal(lse, full_l), f"num_sms={num_sms}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("split", ["shape", "ctas"])
 @pytest.mark.parametrize("heads,n", [(8, 1), (8, 3), (64, 1)])
 def test_attention_across_2048_keys_vs_reference(rng, split, heads, n):
@@ -408,13 +554,34 @@ def test_qkv_a_vs_twin_and_invariant(q_lora, h, t):
 
 
 @pytest.mark.gpu
+def test_qkv_a_plan_fits_in_one_wave_on_this_gpu():
+    """K2.6's q_a + kv_a (2112 rows, H 7168): the plan mla_qkv_a_small launches puts all its clusters
+    on the GPU at once in the 8-row bucket (the driver's cuOccupancyMaxActiveClusters), and it is
+    the plan of every bucket; the other buckets' capacities are printed for the record."""
+    import cupy
+
+    from ddtree_rtc.kernels.linear import active_clusters, bucket_grid, pair_plan
+
+    dev = cupy.cuda.Device().id
+    plan = pair_plan(1536 + 576, 7168, dev, "mla_small", "mla_qkv_a_small")
+    for mt in (8, 16, 32, 64):
+        grid = bucket_grid(1536 + 576, plan.warps_n, plan.split, mt)
+        at_once = active_clusters(dev, "mla_small", f"mla_qkv_a_small_m{mt}_s{plan.split}", plan.split)
+        print(f"m{mt}: plan ({plan.warps_n}, {plan.split}), {grid // plan.split} clusters, {at_once} fit at once")
+    assert -(-(1536 + 576) // (8 * plan.warps_n)) <= active_clusters(
+        dev, "mla_small", f"mla_qkv_a_small_m8_s{plan.split}", plan.split)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads", [8, 64])
-@pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9), (3000, 64), (1, 17)])
+@pytest.mark.parametrize("ctx,n", [(2040, 33), (1020, 9), (3000, 64), (1, 17), (4096, 33), (4097, 64)])
 def test_tree_rows_equal_their_twins_on_the_gpu(heads, ctx, n):
     """mla_attention with split="shape" on a random tree verify (the mask on the device, unchecked,
     as the engine passes it; outputs NaN-prefilled, the cache's spare slots NaN): against the
     reference, and every node's o_lat and lse the same bits as its autoregressive twin's (a decode
-    batch whose contexts hold each node's ancestors by depth)."""
+    batch whose contexts hold each node's ancestors by depth). At 8 heads most cases share tiles
+    between tokens below ctx (_tree_groups): a token's rows at rows 8..15 of a d16 tile there, at
+    rows 0..7 of its twin's."""
     import cupy
 
     from ddtree_rtc.kernels.mla_attention import mla_attention, mla_attention_plan

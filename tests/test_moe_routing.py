@@ -1,10 +1,18 @@
 """MoE routing: noaux_tc reference vs an independent float64 formula (n_group > 1 too), the tie and
-NaN rules, the align step; on the GPU the kernels vs the reference (ids exact, weights close)."""
+NaN rules, the align step, a numpy emulation of the routing kernel's merge path (bitwise); on the GPU the
+kernels vs the reference (ids exact, weights close) and the merge path vs the scan (bitwise)."""
 
 import numpy as np
 import pytest
 
-from ddtree_rtc.reference.moe_routing import align_capacities, moe_align, moe_route, router_logits
+from ddtree_rtc.reference.moe_routing import (
+    align_capacities,
+    limit_to_groups,
+    moe_align,
+    moe_route,
+    router_logits,
+    selection_scores,
+)
 from ddtree_rtc.testing import assert_close, random_bf16, to_host
 
 # (E, top_k, n_group, topk_group): K2.6, DeepSeek-V3, an EP8 shard, small odd ones, and every
@@ -193,9 +201,142 @@ def test_align_out_of_range_ids(rng):
 
 # ---- GPU ----
 
+# The merge path of moe_route_e* (include/moe_route.cuh: warp_top), step by step in numpy over all
+# tokens at once: the same order keys, the same per-lane bitonic networks and butterfly rounds.
+MERGE_K = 8
+
+
+def order_keys(b):
+    """Selection scores fp32 [..] -> the kernel's order_key: uint32 with the same order, -0 = +0,
+    NaN = -inf."""
+    b = np.where(np.isnan(b), np.float32(-np.inf), b).astype(np.float32)
+    b = np.where(b == 0, np.float32(0), b).astype(np.float32)
+    u = b.view(np.uint32)
+    return np.where(u & np.uint32(0x80000000), ~u, u | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def order2(v, i, j):
+    """v[..., i] <- max, v[..., j] <- min."""
+    hi, lo = np.maximum(v[..., i], v[..., j]), np.minimum(v[..., i], v[..., j])
+    v[..., i], v[..., j] = hi, lo
+
+
+def bitonic_merge_desc(v):
+    n = v.shape[-1]
+    d = n // 2
+    while d:
+        for i in range(n):
+            if not i & d:
+                order2(v, i, i + d)
+        d //= 2
+
+
+def bitonic_sort_desc(v):
+    n, k = v.shape[-1], 2
+    while k <= n:
+        d = k // 2
+        while d:
+            for i in range(n):
+                if not i & d:
+                    if (not i & k) or k == n:
+                        order2(v, i, i + d)  # this k-run descending
+                    else:
+                        order2(v, i + d, i)
+            d //= 2
+        k *= 2
+
+
+def top_of_two(a, b):
+    """a (N, descending) and b (S <= N, descending) -> their top N, descending."""
+    a = a.copy()
+    s = b.shape[-1]
+    a[..., -s:] = np.maximum(a[..., -s:], b[..., ::-1])
+    bitonic_merge_desc(a)
+    return a
+
+
+def merge_route(logits, bias, top_k, n_group, topk_group, norm, scale):
+    """The merge path's (ids, weights); the group limit is the reference's (the kernel's is unchanged)."""
+    m, e = logits.shape
+    s, b = selection_scores(logits, bias)
+    if n_group > 1:
+        b = limit_to_groups(b, n_group, topk_group)
+    epl = next(c for c in (64, 128, 256, 384, 512, 1024) if c >= e) // 32
+    idx = np.arange(32)[:, None] + 32 * np.arange(epl)[None, :]  # [lane, j] -> expert
+    key = np.zeros((m, 32, epl), np.uint64)
+    key[:, idx < e] = order_keys(b)[:, idx[idx < e]]
+    pick = (key << np.uint64(32)) | (~idx.astype(np.uint32)).astype(np.uint64)  # absent experts: key 0
+    top = np.zeros((m, 32, MERGE_K), np.uint64)
+    for c in range(-(-epl // MERGE_K)):  # chunks of 8; a short last one sorted at the next power of two
+        j = np.arange(c * MERGE_K, min(epl, (c + 1) * MERGE_K))
+        t = np.zeros((m, 32, 1 << (j.size - 1).bit_length()), np.uint64)
+        t[..., :j.size] = pick[..., j]
+        bitonic_sort_desc(t)
+        if c == 0:
+            top[..., :t.shape[-1]] = t
+        else:
+            top = top_of_two(top, t)
+    o = 16
+    while o:
+        top = top_of_two(top, top[:, np.arange(32) ^ o])
+        o //= 2
+    assert (top == top[:, :1]).all()  # every lane holds the same list
+    ids = (~(top[:, 0, :top_k] & np.uint64(0xFFFFFFFF)).astype(np.uint32)).astype(np.int32)
+    w = np.take_along_axis(s, ids, axis=-1)
+    total = w[:, 0].copy()
+    for i in range(1, top_k):
+        total = total + w[:, i]
+    if norm:
+        w = w / (total[:, None] + np.float32(1e-20))
+    return ids, (w * np.float32(scale)).astype(np.float32)
+
+
+def tied_logits(rng, m, e):
+    """A coarse grid (many equal scores), NaN logits, a token of all NaN, +-inf."""
+    logits = (rng.integers(-2, 3, (m, e)) / 2).astype(np.float32)
+    logits[1, ::3] = np.nan
+    logits[2] = np.nan
+    logits[3, :5] = np.inf
+    logits[3, 5:9] = -np.inf
+    return logits
+
+
+@pytest.mark.parametrize("e,top_k,n_group,topk_group", [r for r in ROUTES if r[1] <= MERGE_K]
+                         + [(384, 1, 1, 1), (384, 8, 8, 2), (384, 8, 12, 4), (5, 3, 1, 1), (8, 8, 2, 2)])
+def test_merge_path_emulation_matches_reference_bitwise(rng, e, top_k, n_group, topk_group):
+    m = 17
+    biases = [None, rng.uniform(-0.3, 0.3, e).astype(np.float32),
+              np.where(rng.random(e) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)]
+    for logits in (random_logits(rng, m, e), tied_logits(rng, m, e)):
+        for bias in biases:
+            for norm in (True, False):
+                ids_ref, w_ref = moe_route(logits, bias, top_k, n_group, topk_group, norm, 2.827)
+                ids, w = merge_route(logits, bias, top_k, n_group, topk_group, norm, 2.827)
+                assert np.array_equal(ids, ids_ref)
+                assert np.array_equal(w.view(np.uint32), w_ref.view(np.uint32))
+
+
+def test_route_kernel_wrapper_rejects_an_unknown_selection():
+    from ddtree_rtc.kernels.moe_routing import moe_route as k_route
+
+    with pytest.raises(ValueError, match="selection must be 'merge' or 'scan'"):
+        k_route(np.zeros((1, 8), np.float32), None, 2, selection="radix")
+
+
+def test_bitonic_networks_sort():
+    rng = np.random.default_rng(0)
+    v = rng.permutation(1 << 16).astype(np.uint64)[:4096].reshape(512, 8)
+    t = v.copy()
+    bitonic_sort_desc(t)
+    assert np.array_equal(t, -np.sort(-v.astype(np.int64), axis=-1))
+    a, b = t[:256], t[256:]
+    assert np.array_equal(top_of_two(a, b), -np.sort(-np.concatenate([a, b], 1).astype(np.int64))[:, :8])
+    assert np.array_equal(top_of_two(a, b[:, :4]), -np.sort(-np.concatenate([a, b[:, :4]], 1).astype(np.int64))[:, :8])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,top_k,n_group,topk_group", ROUTES)
-@pytest.mark.parametrize("m", [1, 3, 8, 33, 256, 1000])
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 17, 33, 64, 256, 1000])
 def test_route_kernel_vs_reference(rng, e, top_k, n_group, topk_group, m):
     import cupy
 
@@ -237,6 +378,37 @@ def test_route_kernel_ties(rng, e, top_k, n_group, topk_group):
                          topk_group, True, 2.827)
         assert np.array_equal(ids.get(), ids_ref)
         assert_close(w, w_ref, "fp32", "weights")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,top_k,n_group,topk_group", [r for r in ROUTES if r[1] <= MERGE_K]
+                         + [(384, 1, 1, 1), (384, 8, 8, 2), (384, 8, 12, 4), (5, 3, 1, 1), (8, 8, 2, 2)])
+@pytest.mark.parametrize("m", [1, 7, 17, 33, 64])
+def test_route_kernel_merge_equals_scan_bitwise(rng, e, top_k, n_group, topk_group, m):
+    """The merge path gives the scan's bits (ids, weights) on random, tied, NaN and inf logits, with
+    and without a bias (-0.0 / +0.0 ones too), every output pre-filled with NaN / -7."""
+    import cupy
+
+    from ddtree_rtc.kernels.moe_routing import moe_route as k_route
+
+    biases = [None, rng.uniform(-0.3, 0.3, e).astype(np.float32),
+              np.where(rng.random(e) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)]
+    for logits in (random_logits(rng, m, e), tied_logits(rng, max(m, 4), e)[:m]):
+        for bias in biases:
+            for norm in (True, False):
+                args = (cupy.asarray(logits), None if bias is None else cupy.asarray(bias), top_k, n_group,
+                        topk_group, norm, 2.827)
+                got = {}
+                for sel in ("merge", "scan"):
+                    ids = cupy.full((m, top_k), -7, cupy.int32)
+                    w = cupy.full((m, top_k), np.nan, cupy.float32)
+                    k_route(*args, out_ids=ids, out_weights=w, selection=sel)
+                    got[sel] = (ids.get(), w.get())
+                assert np.array_equal(got["merge"][0], got["scan"][0])
+                assert np.array_equal(got["merge"][1].view(np.uint32), got["scan"][1].view(np.uint32))
+                ids_ref, w_ref = moe_route(logits, bias, top_k, n_group, topk_group, norm, 2.827)
+                assert np.array_equal(got["merge"][0], ids_ref)
+                assert_close(got["merge"][1], w_ref, "fp32", "weights")
 
 
 @pytest.mark.gpu

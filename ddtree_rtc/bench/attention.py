@@ -11,6 +11,10 @@ at 8 heads (a TP8 rank) and 64 heads, batch 1 / 8 / 32, context 4k / 16k, plus o
 are checked against it (``check`` in extra), so a broken kernel shows as a mismatch, not as a fast
 time. Time = attention + merge launch; % = cache bytes against the read ceiling.
 
+``--small-m``: one TP8 rank's 8-head decode at context 4k, batch 1 / 17 / 33 / 64, under the small-M
+path's row-invariant schedule (``split="shape"``) and the general one (``split="ctas"``) side by side,
+with the plan's tile, grid and item counts (the row-invariant split at 33 x 4k: ~1000 items).
+
 ``--head-gemms``: the small-M path's MLA head GEMMs and absorbed query (cuda_src/mla_small.cu) at one
 TP8 rank's 8 heads, T = 1, 8, 33, 64, against the general path's cuBLAS launches (``head_gemm_rows``)."""
 
@@ -129,14 +133,14 @@ def _iters(fn) -> int:
     return int(np.clip(500.0 / max(ms, 1e-3), 5, 50))
 
 
-def run_case(case: Case, peer: bool = True) -> Row:
+def run_case(case: Case, peer: bool = True, split: str | None = None) -> Row:
     import cupy
 
     from ..kernels.mla_attention import mla_attention, mla_attention_plan
 
     ctx = np.full(case.batch, case.ctx)
     plan = mla_attention_plan(ctx, np.full(case.batch, case.nodes), case.page_table, case.heads, PAGE,
-                              case.num_pages, case.mask)
+                              case.num_pages, case.mask, split=split)
     cache = random_bf16_device((case.num_pages, PAGE, ROW), seed=1)
     t = case.batch * case.nodes
     q = random_bf16_device((t, case.heads, ROW), scale=0.3, seed=2)
@@ -153,7 +157,26 @@ def run_case(case: Case, peer: bool = True) -> Row:
                ceiling="read" if case.nodes == 1 else "matmul",
                peer="cupy matmul+softmax" if peer_fn is not None else None, peer_us=peer_us,
                extra={"min_us": timing.min_us, "p90_us": timing.p90_us, "variant": plan.variant,
-                      "work_items": plan.num_work, "merged_tiles": plan.num_merge})
+                      "work_items": plan.num_work, "merged_tiles": plan.num_merge, "split": plan.split,
+                      "grid": plan.grid})
+
+
+SMALL_M_BATCHES = (1, 17, 33, 64)
+
+
+def small_m_rows() -> list[Row]:
+    """8-head decode at 4k under split="shape" and split="ctas" (no peer): the small-M path's attention
+    against the general path's on the same shapes."""
+    rows = []
+    for b in SMALL_M_BATCHES:
+        case = Case(8, 4096, b, 1)
+        for split in ("shape", "ctas"):
+            row = run_case(case, peer=False, split=split)
+            row.case = f"{case.name} split={split}"
+            rows.append(row)
+            print(f"  {row.case}: {row.us:.1f} µs ({row.extra['variant']}, grid {row.extra['grid']}, "
+                  f"{row.extra['work_items']} items)", flush=True)
+    return rows
 
 
 VARIANT_CASES = [(h, ctx, b, 1) for h in (8, 64) for b in (1, 8, 32) for ctx in (4096, 16384)] + [(64, 4096, 8, 16)]
@@ -288,7 +311,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--head-gemms", action="store_true",
                     help="the small-M path's MLA head GEMMs and absorbed query (8 heads, T = 1, 8, 33, 64) "
                          "against the general path's cuBLAS launches")
+    ap.add_argument("--small-m", action="store_true",
+                    help="8-head decode at 4k, batch 1 / 17 / 33 / 64, split='shape' (small-M path) and 'ctas'")
     args = ap.parse_args(argv)
+    if args.small_m:
+        return report("MLA attention, small-M path (split=shape) vs general (split=ctas)", small_m_rows(),
+                      args.json, notes={"page_size": PAGE, "bytes": "cache rows read once per request",
+                                        "us": "attention + merge launch, L2 flushed"})
     if args.head_gemms:
         return report("MLA head GEMMs, small-M path (impl=invariant) vs general (cuBLAS)", head_gemm_rows(),
                       args.json, notes={"us": "one launch, L2 flushed (weights from HBM)",

@@ -10,13 +10,13 @@
 // Work items come from the host plan: an item is BM consecutive query rows of one request (the
 // request's rows are contiguous in q [T*H, 576], token-major) against the cache positions
 // [kv_begin, kv_end), in tiles of BN rows. CTA c runs items cta_work[c] .. cta_work[c+1]-1 in turn:
-// the plan gives every CTA an equal run of BN-row units over all query tiles, so one CTA per SM
-// stays busy at any batch size (long tiles are cut across CTAs: split-K). An item that covers only
-// part of its tile's positions writes an fp32 partial normalised by its own sum plus its
-// log2-sum-exp; mla_attention_merge_kernel combines them. The schedule lives in device memory, so a
-// captured graph replays any later plan written into the same buffers. Under the row-invariant
-// schedule (split="shape") a tree verify row's keys are its autoregressive twin's, read along its
-// tree path (path_item in include/mla_split.cuh).
+// the plan gives every CTA an equal run of BN-row units over all query tiles, so every resident CTA
+// (one per SM; two for the decode tile, D16_CTAS_PER_SM) stays busy at any batch size (long tiles
+// are cut across CTAs: split-K). An item that covers only part of its tile's positions writes an
+// fp32 partial normalised by its own sum plus its log2-sum-exp; mla_attention_merge_kernel combines
+// them. The schedule lives in device memory, so a captured graph replays any later plan written into
+// the same buffers. Under the row-invariant schedule (split="shape") a tree verify row's keys are its
+// autoregressive twin's, read along its tree path (path_item in include/mla_split.cuh).
 //
 // Tensor cores: mma.sync m16n8k16, bf16 in, fp32 accumulate. Fragments (g = lane/4, tq = lane%4):
 //   A 16x16 (row-major)  a0 = (g, 2tq..2tq+1)  a1 = (g+8, 2tq..)  a2 = (g, 8+2tq..)  a3 = (g+8, 8+2tq..)
@@ -423,7 +423,8 @@ extern "C" __global__ void __launch_bounds__(CfgSmall::THREADS, 1)
   attention_body<CfgSmall>(MLA_ATTENTION_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(CfgD16::THREADS, 1) mla_attention_d16_kernel(MLA_ATTENTION_PARAMS) {
+extern "C" __global__ void __launch_bounds__(CfgD16::THREADS, D16_CTAS_PER_SM)
+    mla_attention_d16_kernel(MLA_ATTENTION_PARAMS) {
   pdl_wait();
   pdl_trigger();
   split_body<CfgD16>(MLA_ATTENTION_ARGS, blockIdx.x);

@@ -1,6 +1,7 @@
 // MoE routing on the GPU, graph-capturable (no host sync, sizes bounded on the host).
 //   moe_route_e{64..1024}: DeepSeek-V3 noaux_tc top-k per token, one warp per token with the
-//     token's scores in registers (entry = the smallest expert capacity >= E).
+//     token's scores in registers (entry = the smallest expert capacity >= E); top_k <= 8 by a
+//     per-lane sort and a butterfly merge of sorted lists (include/moe_route.cuh).
 //   moe_align_kernel: (token, slot) pairs grouped by expert into two block lists: experts with few
 //     pairs in `block`-pair runs, experts with many in `large_block`-pair runs.
 // Exact rules (ties, NaN, sum order) are those of ddtree_rtc/reference/moe_routing.py.
@@ -17,19 +18,21 @@ constexpr int kAlignWarps = kAlignThreads / 32;
 }  // namespace
 
 // logits fp32 [M, E]; bias fp32 [E] or null; out_ids int32 / out_w fp32 [M, top_k]. E <= 32 * EPL,
-// n_group <= 32 (checked on the host). Dynamic shared memory: kRouteWarps * E floats when
-// n_group > 1, else none.
+// n_group <= 32 (checked on the host). merge: picks by the merge path when top_k <= kMergeK (else the
+// scan; the same bits). Dynamic shared memory, per warp: E floats when n_group > 1 (group scores),
+// then E floats when merge (the unbiased scores the weights are read from).
 #define MOE_ROUTE_ENTRY(NAME, EPL)                                                                      \
   extern "C" __global__ void __launch_bounds__(kRouteWarps * 32, 1) NAME(                               \
       const float* __restrict__ logits, const float* __restrict__ bias, int M, int E, int top_k,        \
-      int n_group, int topk_group, int norm, float scaling, int* __restrict__ out_ids,                  \
+      int n_group, int topk_group, int norm, float scaling, int merge, int* __restrict__ out_ids,        \
       float* __restrict__ out_w) {                                                                      \
     extern __shared__ float route_smem[];                                                               \
     ddt::pdl_wait(); /* the logits come from the previous kernel */                                     \
     ddt::pdl_trigger();                                                                                 \
     const int warp = threadIdx.x >> 5;                                                                  \
+    float* sel = route_smem + warp * E * ((n_group > 1) + (merge != 0));                                \
     route_token<EPL>(logits, bias, blockIdx.x * kRouteWarps + warp, M, E, top_k, n_group, topk_group,   \
-                     norm, scaling, out_ids, out_w, route_smem + warp * E);                             \
+                     norm, scaling, merge, out_ids, out_w, sel, sel + (n_group > 1 ? E : 0));           \
   }
 MOE_ROUTE_ENTRY(moe_route_e64, 2)
 MOE_ROUTE_ENTRY(moe_route_e128, 4)

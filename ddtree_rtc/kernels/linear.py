@@ -115,6 +115,75 @@ def invariant_plan(m: int, n: int, k: int, sms: int, f32: bool = False) -> Skinn
                       bucket_grid(n, base.warps_n, base.split, mt), base.warps_n, base.split, base.est_us)
 
 
+def one_wave_plan(n: int, k: int, sms: int, clusters_at_once) -> SkinnyPlan:
+    """`skinny_plan` at M = 8 (the invariant plan) if its ceil(n / (8 warps_n)) clusters fit on the
+    GPU at once, else the (warps_n, split) nearest to it (fewest halvings or doublings of either; then
+    the cost model) whose clusters do; it if none does (no split removes a tail the grid has anyway).
+    ``clusters_at_once(split)``: how many clusters of ``split`` CTAs of the kernel's 8-row entry fit
+    at once (`active_clusters`; a stub on the CPU). Nothing here depends on M, so every token bucket
+    launches the same (warps_n, split) and a row's sums (fixed by warps_n, split and K) agree."""
+    if n < 1 or k < 1:
+        raise ValueError(f"one_wave_plan: N = {n} and K = {k} must be >= 1")
+    base = skinny_plan(_INVARIANT_PLAN_M, n, k, sms)
+
+    def fits(wn: int, s: int) -> bool:
+        at_once = clusters_at_once(s)
+        if not isinstance(at_once, (int, np.integer)) or at_once < 1:
+            raise ValueError(f"one_wave_plan: {at_once!r} clusters of {s} CTAs fit at once; expected an int >= 1")
+        return -(-n // (8 * wn)) <= at_once
+
+    if fits(base.warps_n, base.split):
+        return base
+    steps = {v: i for i, v in enumerate(_SPLITS)}  # log2 of warps_n and split alike
+    fitting = [(abs(steps[wn] - steps[base.warps_n]) + abs(steps[s] - steps[base.split]),
+                _estimate_us(_INVARIANT_PLAN_M, n, k, wn, s, sms), -wn, s)
+               for wn in _WARPS_N for s in _SPLITS if fits(wn, s)]
+    if not fitting:
+        return base
+    _, est, neg_wn, s = min(fitting)
+    return SkinnyPlan(f"linear_m{_INVARIANT_PLAN_M}_s{s}", -(-n // (8 * -neg_wn)) * s, -neg_wn, s, est)
+
+
+@functools.cache
+def active_clusters(device_id: int, family: str, entry: str, split: int) -> int:
+    """cuOccupancyMaxActiveClusters of one entry of ``family`` (256 threads, static shared memory
+    only; its cluster size ``split`` is compiled in) on a device; for split 1 the CTAs that fit at
+    once (occupancy x SMs). Cached per (device, entry)."""
+    import cupy
+    from cuda.bindings import driver
+
+    with cupy.cuda.Device(device_id):
+        fn = driver.CUfunction(module(family).fn(entry).ptr)
+        if split == 1:
+            err, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, _THREADS, 0)
+            active = per_sm * sm_count(device_id)
+        else:
+            cfg = driver.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = split, 1, 1
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = _THREADS, 1, 1
+            cfg.sharedMemBytes = 0
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = split, 1, 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            err, active = driver.cuOccupancyMaxActiveClusters(fn, cfg)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{family}:{entry}: occupancy query at cluster size {split} failed: {err.name}")
+    if active < 1:
+        raise RuntimeError(f"{family}:{entry}: no cluster of {split} CTAs fits on device {device_id}")
+    return int(active)
+
+
+@functools.cache
+def pair_plan(n: int, k: int, device_id: int, family: str, prefix: str) -> SkinnyPlan:
+    """(warps_n, split) of a skinny pair kernel (include/skinny_pair.cuh: entries PREFIX_m{8..64}_s{S}
+    of ``family``) over its n = n1 + n2 weight rows: `one_wave_plan` with the driver's cluster
+    capacity of its 8-row entries (the plan's reference bucket, whatever M is), cached per device."""
+    return one_wave_plan(n, k, sm_count(device_id),
+                         lambda s: active_clusters(device_id, family, f"{prefix}_m{_INVARIANT_PLAN_M}_s{s}", s))
+
+
 def skinny_fits(x, weight, max_m: int = SKINNY_MAX_M) -> bool:
     """Whether the skinny kernel can run at all: M <= max_m, K % 8 == 0, 16-byte aligned x and weight."""
     m, k = x.shape

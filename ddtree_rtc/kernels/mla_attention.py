@@ -41,14 +41,17 @@ class Variant:
     split_k: bool = False
     min_split: int = MIN_SPLIT  # fewest cache rows per CTA
     wgmma: bool = False  # sm_90a only (namespace w64 of the .cu): two warpgroups, operands via descriptors
+    ctas_per_sm: int = 1  # resident CTAs per SM it is built for (its __launch_bounds__); the grid is
+    # this many per SM where the driver's occupancy allows it (resident_ctas)
 
 
 _VARIANTS = {
     "m64": Variant(64, 64, 8, om=2),
     "m16": Variant(16, 64, 8),
     "small": Variant(32, 16, 4),
-    # decode: short stages, a 4-deep ring, lookups one stage ahead, cheap enough to split finer
-    "d16": Variant(16, 32, 4, stages=4, split_k=True, min_split=64),
+    # decode: short stages, lookups one stage ahead, cheap enough to split finer; a 2-deep ring (98 KB)
+    # so two CTAs share an SM, each one's item ramp and partial write overlapping the other's reads
+    "d16": Variant(16, 32, 4, stages=2, split_k=True, min_split=64, ctas_per_sm=2),
     # sm_90a: m64's tiles on wgmma (S by m64n32k16 per warpgroup, O by m64n128k16), P through smem
     "w64": Variant(64, 64, 8, wgmma=True),
 }
@@ -141,8 +144,8 @@ SPLITS = ("ctas", "shape")
 
 
 def shape_split_variant(smem_limit: int) -> str:
-    """The one tile variant of split="shape" on this GPU (never chosen by the batch): d16, or where
-    its shared memory does not fit (sm_120: 99 KB), small."""
+    """The one tile variant of split="shape" on this GPU (never chosen by the batch): d16 (98 KB: it
+    fits sm_120's 99 KB too), or where its shared memory does not fit, small."""
     for v in ("d16", "small"):
         if _smem_bytes(v) <= smem_limit:
             return v
@@ -163,27 +166,43 @@ def shape_piece_rows(kv_len, bn: int, per_min: int, pieces_max: int):
     return np.maximum(per_min, _cdiv(units, pieces_max)) * bn
 
 
-def path_code(bn: int, per_min: int, pieces_max: int) -> int:
+def path_code(bn: int, per_min: int, pieces_max: int, prow: int = 0) -> int:
     """Work word 7 of a tree row under split="shape" (path_item in cuda_src/include/mla_split.cuh):
-    the kernel reads the row's keys along its tree path and cuts them with these constants."""
-    if not (0 < bn < 256 and 0 < per_min < 256 and 0 < pieces_max < 256):
-        raise ValueError(f"path_code: BN {bn}, per_min {per_min}, pieces {pieces_max} must each be in 1..255")
-    return 1 | bn << 1 | per_min << 9 | pieces_max << 17
+    the kernel reads the row's keys along its tree path and cuts them with these constants; ``prow``:
+    the first row of the item's partial slot it writes (its token's rows in a shared tile's merge)."""
+    if not (0 < bn < 256 and 0 < per_min < 256 and 0 < pieces_max < 256 and 0 <= prow < 64):
+        raise ValueError(f"path_code: BN {bn}, per_min {per_min}, pieces {pieces_max} must each be in 1..255, "
+                         f"partial row {prow} in 0..63")
+    return 1 | bn << 1 | per_min << 9 | pieces_max << 17 | prow << 25
+
+
+def partial_row(item) -> int:
+    """The first row of its partial slot that work item ``item`` writes (path_item's it.prow)."""
+    code = int(item[7])
+    return (code >> 25) & 0x3F if code else 0
 
 
 def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_split: int = MIN_SPLIT):
     """The row-invariant schedule, in split_work's format. A query tile holds one token's heads (up
     to BM of them); its positions [0, ctx + j + 1) are cut into pieces of a size fixed by that length
     alone (a multiple of BN, at least ``min_split`` rows, at most ``shape_pieces`` pieces), and the
-    pieces are dealt to the CTAs in order. So every row is computed from the same pieces in the same
-    order, merged the same way, whatever the batch around it and whatever the grid.
+    pieces are dealt to the CTAs in order (evenly, the remainder to the first CTAs). So every row is
+    computed from the same pieces in the same order, merged the same way, whatever the batch around
+    it and whatever the grid.
 
     A tree verify (``batch.mask_words`` > 0) reads each row along its tree path instead (work word 7,
     ``path_code``; path_item in cuda_src/include/mla_split.cuh): token j at depth d reduces the keys
     of its autoregressive twin, [0, ctx) then its ancestors by depth then itself, ctx + d + 1 of them,
     cut as that length is. The depth is known only on the device (the mask need not visit the host),
     so word 3 is the piece index and the tile gets the most pieces any depth 0..j needs (its extra
-    pieces come out empty: weight 0 in the merge); the kernel sets each piece's range."""
+    pieces come out empty: weight 0 in the merge); the kernel sets each piece's range.
+
+    Where a tile has room for several tokens' heads (BM // heads >= 2: d16 at 8 heads), the tokens
+    of a tree are grouped that many at a time (``_tree_groups``): a group whose every possible length
+    ctx + d + 1 (d <= its last token's index) has one piece size ``per`` reads each whole piece below
+    ctx, [k per, (k+1) per) for k < ctx // per, ONCE for all its tokens (an ordinary item: those keys
+    and that cut are every member's and every member's twin's), then each token's remaining pieces
+    along its path; one merge per group, piece order as each twin's."""
     h = batch.num_heads
     tpt = _cdiv(h, bm)
     tokens = batch.total_tokens
@@ -202,25 +221,69 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
         lens = batch.ctx_lens[req][:, None] + d[None, :] + 1
         pieces = np.where(d[None, :] <= j[:, None], _cdiv(lens, shape_piece_rows(lens, bn, per_min, pieces_max)),
                           0).max(axis=1)
+    # Merge units (a tile, or a tree group sharing pieces), `pieces` partials each; items: unit `tile`,
+    # partial `k` of it, rows it_m0 .. + it_mc, words 3, 4, 7.
     tile = np.repeat(np.arange(len(req)), pieces)
     k = np.arange(len(tile)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    it_m0, it_mc = m0[tile], m_count[tile]
+    w7 = np.zeros(len(tile), np.int64)
     if tree:
-        kv_begin, kv_end = k, np.zeros_like(k)
+        kv_b, kv_e = k, np.zeros_like(k)
+        w7[:] = path_code(bn, per_min, pieces_max)
+        if tpt == 1 and bm // h >= 2 and len(req):
+            req, m0, m_count, pieces, tile, k, it_m0, it_mc, kv_b, kv_e, w7 = _tree_groups(
+                batch, bm // h, bn, per_min, pieces_max, req, j, m0, pieces)
     else:
-        kv_begin = k * per[tile]
-        kv_end = np.minimum((k + 1) * per[tile], kv_len[tile])
+        kv_b = k * per[tile]
+        kv_e = np.minimum((k + 1) * per[tile], kv_len[tile])
     cut = pieces > 1
     p_first = np.cumsum(np.where(cut, pieces, 0)) - np.where(cut, pieces, 0)
     work = np.zeros((len(tile), _WORK_INTS), dtype=np.int32)
-    work[:, 0], work[:, 1], work[:, 2] = req[tile], m0[tile], m_count[tile]
-    work[:, 3], work[:, 4], work[:, 5] = kv_begin, kv_end, np.where(cut[tile], p_first[tile] + k, -1)
+    work[:, 0], work[:, 1], work[:, 2] = req[tile], it_m0, it_mc
+    work[:, 3], work[:, 4], work[:, 5] = kv_b, kv_e, np.where(cut[tile], p_first[tile] + k, -1)
     work[:, 6] = np.where(cut[tile], (np.cumsum(cut) - 1)[tile], -1)
-    if tree:
-        work[:, 7] = path_code(bn, per_min, pieces_max)
-    cta_work = (np.arange(num_ctas + 1, dtype=np.int64) * len(tile) // num_ctas).astype(np.int32)
+    work[:, 7] = w7
+    # an even deal, the remainder to the first CTAs: with fewer items than CTAs they run on CTAs
+    # 0, 1, ..., one per SM, not beside each other in the SMs' second slots (resident_ctas > 1)
+    each, extra = divmod(len(tile), num_ctas)
+    cta_work = np.r_[0, np.cumsum(each + (np.arange(num_ctas) < extra))].astype(np.int32)
     t = np.flatnonzero(cut)
     merge = np.stack([p_first[t], pieces[t], batch.q_start[req[t]] * h + m0[t], m_count[t]], axis=1)
     return work, cta_work, merge.astype(np.int32).reshape(-1, _MERGE_INTS), int(pieces[cut].sum())
+
+
+def _tree_groups(batch: MLABatch, g: int, bn: int, per_min: int, pieces_max: int, req, j, m0, pieces):
+    """split_work_by_shape's tree tiles (one token's h <= BM / g heads each: req, j, m0, pieces)
+    regrouped: tokens g at a time (j // g) of a request share the pieces that lie wholly below ctx
+    where every length ctx + d + 1 a member may have (d <= the group's last j) has the same piece
+    size ``per`` and ctx >= per; the others stay one tile each. Returns the units (req, m0, rows,
+    partials) and their items (unit, partial, m0, rows, words 3, 4, 7): a group's shared pieces
+    first (rows of all members, keys [k per, (k+1) per), word 7 = 0), then per member its path
+    pieces S + e (word 3; its rows written at row t * h of the group's partial slots: path_code's
+    prow)."""
+    h = batch.num_heads
+    ctx = batch.ctx_lens[req]
+    j0 = j // g * g
+    last = np.minimum(j0 + g, batch.num_new[req]) - 1
+    per = shape_piece_rows(ctx + 1, bn, per_min, pieces_max)
+    share = (per == shape_piece_rows(ctx + last + 1, bn, per_min, pieces_max)) & (ctx >= per)
+    lead = ~share | (j == j0)  # one unit per group that shares, one per token otherwise
+    u_req, u_m0, u_per, u_ctx = req[lead], m0[lead], per[lead], ctx[lead]
+    members = np.where(share, last - j0 + 1, 1)[lead]
+    shared = np.where(share[lead], u_ctx // u_per, 0)
+    extra = np.where(share[lead], _cdiv(u_ctx + last[lead] + 1, u_per) - shared, pieces[lead])
+    counts = shared + members * extra
+    unit = np.repeat(np.arange(len(u_req)), counts)
+    r = np.arange(len(unit)) - np.repeat(np.cumsum(counts) - counts, counts)
+    sh = r < shared[unit]
+    t, e = np.divmod(np.where(sh, 0, r - shared[unit]), extra[unit])
+    k = np.where(sh, r, shared[unit] + e)
+    it_m0 = u_m0[unit] + t * h
+    it_mc = np.where(sh, members[unit] * h, h)
+    kv_b = np.where(sh, r * u_per[unit], k)
+    kv_e = np.where(sh, (r + 1) * u_per[unit], 0)
+    w7 = np.where(sh, 0, path_code(bn, per_min, pieces_max) | (t * h) << 25)
+    return (u_req, u_m0, members * h, shared + extra, unit, k, it_m0, it_mc, kv_b, kv_e, w7)
 
 
 def item_keys(batch: MLABatch, item) -> tuple[int, int, np.ndarray]:
@@ -249,7 +312,7 @@ class MLAPlan:
     bm: int
     threads: int
     smem: int
-    grid: int  # CTAs of the attention kernel (one per SM)
+    grid: int  # CTAs of the attention kernel (resident_ctas per SM)
     merge_grid: int  # CTAs of the merge kernel; 0: the plan cuts no tile, no merge launch
     num_work: int
     num_merge: int
@@ -295,6 +358,29 @@ def _props_of(device_id: int, arch_override: str | None) -> tuple[int, int, bool
     return sm_count(device_id), smem, wgmma_build(arch_override)
 
 
+def resident_ctas(variant: str) -> int:
+    """CTAs of ``variant`` that one SM of this GPU holds at once, up to its Variant.ctas_per_sm (the
+    driver's occupancy: registers, shared memory and its per-CTA reserve); the grid is this many per
+    SM. Needs the kernel's dynamic shared-memory limit raised (build_plan does)."""
+    import cupy
+
+    from ..rtc.arch import ARCH_ENV
+
+    return _resident_of(cupy.cuda.Device().id, os.environ.get(ARCH_ENV), variant)
+
+
+@functools.cache
+def _resident_of(device_id: int, arch_override: str | None, variant: str) -> int:
+    from cupy_backends.cuda.api import driver
+
+    v = _VARIANTS[variant]
+    if v.ctas_per_sm == 1:
+        return 1
+    fn = module("mla_attention").fn(_kernel_name(variant))
+    fit = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, 32 * v.warps, _smem_bytes(variant))
+    return max(1, min(v.ctas_per_sm, int(fit)))
+
+
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,
                        tree_mask=None, check_mask: bool = True, num_sms: int | None = None, into=None,
                        replay: bool = False, split: str | None = None):
@@ -302,12 +388,13 @@ def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size:
     ``page_table``, ``ctx_lens``, ``num_new``: host or device integer arrays (copied). ``tree_mask``:
     None (causal), a host uint64 array (checked, copied) or a device one (used in place; its contents
     are checked only with ``check_mask``, which costs a device->host copy). ``num_sms``: how many
-    CTAs to aim the split-K at (default: the GPU's SM count). ``into``: an earlier plan whose device
-    buffers, grid and tile variant are reused (for CUDA-graph replay). ``replay``: this plan is a
-    template that later plans are written ``into`` (it always launches the merge kernel, which reads
-    how many tiles were cut from device memory). ``split``: "ctas" (default: the positions of all
-    tiles spread evenly over the CTAs) or "shape" (split_work_by_shape: each row's pieces fixed by its
-    own context, so its bits do not depend on the batch)."""
+    SMs to aim the split-K at (default: the GPU's SM count; the grid is that times resident_ctas).
+    ``into``: an earlier plan whose device buffers, grid and tile variant are reused (for CUDA-graph
+    replay). ``replay``: this plan is a template that later plans are written ``into`` (it always
+    launches the merge kernel, which reads how many tiles were cut from device memory). ``split``:
+    "ctas" (default: the positions of all tiles spread evenly over the CTAs) or "shape"
+    (split_work_by_shape: each row's pieces fixed by its own context, so its bits do not depend on
+    the batch, nor on the grid)."""
     import cupy
 
     dev_mask = tree_mask if isinstance(tree_mask, cupy.ndarray) else None
@@ -355,7 +442,8 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
                          "tree mask): use d16 or small")
     bm, bn, nw = v.bm, v.bn, v.warps
     allow_dynamic_smem(module("mla_attention").fn(_kernel_name(variant)), _smem_bytes(variant))
-    grid = into.grid if into is not None else (num_sms or sms)
+    sm_n = num_sms or sms
+    grid = into.grid if into is not None else resident_ctas(variant) * sm_n
     if split == "shape":
         work, cta_work, merge, partials = split_work_by_shape(batch, bm, bn, grid, v.min_split)
         tiles = batch.total_tokens * _cdiv(batch.num_heads, bm)
@@ -389,7 +477,7 @@ def build_plan(batch: MLABatch, dev_mask=None, num_sms: int | None = None, varia
     work_buf[:len(work)] = work
     return MLAPlan(
         batch=batch, variant=variant, bm=bm, threads=32 * nw, smem=_smem_bytes(variant), grid=grid,
-        merge_grid=MERGE_CTAS_PER_SM * grid if (len(merge) or replay) else 0, num_work=len(work),
+        merge_grid=MERGE_CTAS_PER_SM * sm_n if (len(merge) or replay) else 0, num_work=len(work),
         num_merge=len(merge), work=cupy.asarray(work_buf), cta_work=cupy.asarray(cta_work), merge=cupy.asarray(merges),
         merge_count=cupy.asarray(np.array([len(merge)], np.int32)), req_info=cupy.asarray(req_info),
         page_table=cupy.asarray(batch.page_table), mask=dev_mask, owns_mask=owns_mask,

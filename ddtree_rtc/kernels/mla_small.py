@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._args import BF16, check, out_array
-from ._launch import launch, pdl_supported, sm_count
-from .linear import bucket_grid, skinny_plan, token_bucket
+from ._launch import launch, pdl_supported
+from .linear import bucket_grid, pair_plan, token_bucket
 from .registry import module
 
 MAX_TOKENS = 64
@@ -151,7 +151,7 @@ def _rows_args(t: int, rows) -> tuple:
 def mla_qkv_a_small(x, w_qa, w_kva, out_q=None, out_kv=None):
     """q_a and kv_a over the same x in one skinny launch (mla_qkv_a_small_m*_s*: cuda_src/include/
     skinny_pair.cuh, MODE 1): x [M, H] bf16 (M <= 64), w_qa [q_lora, H], w_kva [576, H] bf16 ->
-    (x w_qa^T, x w_kva^T) bf16; K split planned from the shapes alone: rows independent of M."""
+    (x w_qa^T, x w_kva^T) bf16; K split planned from the shapes and the GPU alone: rows independent of M."""
     check("x", x, BF16, ndim=2)
     m, h = x.shape
     check("w_qa", w_qa, BF16, ndim=2)
@@ -166,9 +166,10 @@ def mla_qkv_a_small(x, w_qa, w_kva, out_q=None, out_kv=None):
             raise ValueError(f"{name}: base address {a.data.ptr:#x} is not 16-byte aligned")
     oq = out_array("out_q", out_q, (m, n1), BF16)
     okv = out_array("out_kv", out_kv, (m, LAT + ROPE), BF16)
-    # (warps_n, split) from the shapes alone, as the invariant linears' plan; M only picks the entry's
-    # token rows (include/skinny_pair.cuh: a row's sums are the same in every bucket)
-    plan = skinny_plan(8, n1 + LAT + ROPE, h, sm_count(x.device.id))
+    # (warps_n, split) from the shapes and the GPU alone (the invariant linears' plan, moved where its
+    # clusters would not fit in one wave); M only picks the entry's token rows (include/skinny_pair.cuh:
+    # a row's sums are the same in every bucket)
+    plan = pair_plan(n1 + LAT + ROPE, h, x.device.id, "mla_small", "mla_qkv_a_small")
     mt = token_bucket(m, "mla_qkv_a_small")
     grid = bucket_grid(n1 + LAT + ROPE, plan.warps_n, plan.split, mt)
     launch(module("mla_small").fn(f"mla_qkv_a_small_m{mt}_s{plan.split}"), (grid,), (256,), (

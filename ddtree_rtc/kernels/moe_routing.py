@@ -47,8 +47,12 @@ def router_logits(x, weight, out=None):
 
 
 def moe_route(logits, bias, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
-              routed_scaling_factor: float = 1.0, out_ids=None, out_weights=None):
-    """logits fp32 [M, E], bias fp32 [E] or None -> (ids int32 [M, top_k], weights fp32 [M, top_k])."""
+              routed_scaling_factor: float = 1.0, out_ids=None, out_weights=None, selection: str = "merge"):
+    """logits fp32 [M, E], bias fp32 [E] or None -> (ids int32 [M, top_k], weights fp32 [M, top_k]).
+    ``selection``: "merge" (top_k <= 8: a per-lane sort and a butterfly merge; larger top_k scans) or
+    "scan" (top_k rounds of a warp-wide max); the same bits either way (tests compare them)."""
+    if selection not in ("merge", "scan"):
+        raise ValueError(f"selection must be 'merge' or 'scan', got {selection!r}")
     check("logits", logits, np.float32, ndim=2)
     m, e = logits.shape
     check_route_args(e, top_k, n_group, topk_group)
@@ -61,11 +65,11 @@ def moe_route(logits, bias, top_k: int, n_group: int = 1, topk_group: int = 1, n
     grid = (-(-m // _ROUTE_WARPS),)
     args = (logits, bias if bias is not None else np.uint64(0), np.int32(m), np.int32(e), np.int32(top_k),
             np.int32(n_group), np.int32(topk_group), np.int32(bool(norm_topk_prob)),
-            np.float32(routed_scaling_factor), ids, w)
+            np.float32(routed_scaling_factor), np.int32(selection == "merge"), ids, w)
     cap = next(c for c in _ROUTE_ENTRIES if c >= e)
     # under PDL where the GPU has it: the kernel waits before it reads the logits (cuda_src/moe_routing.cu)
     launch(module("moe_routing").fn(f"moe_route_e{cap}"), grid, (32 * _ROUTE_WARPS,), args,
-           shared_mem=_ROUTE_WARPS * e * 4 if n_group > 1 else 0, pdl=pdl_supported())
+           shared_mem=_ROUTE_WARPS * e * 4 * ((n_group > 1) + (selection == "merge")), pdl=pdl_supported())
     return ids, w
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from ..reference.moe_small import check_small_shape
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported, sm_count
-from .linear import bucket_grid, skinny_plan, token_bucket
+from .linear import bucket_grid, pair_plan, token_bucket
 from .moe_gemm import check_expert_inputs
 from .moe_routing import check_ids_in_range
 from .registry import module, spec
@@ -171,7 +171,7 @@ def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
     MODE 0): x [M, H]
     bf16 (M <= 64), gate_weight bf16 [E, H] (E % 8 == 0), shared_w13 bf16 [2 Is, H] = [gate; up]
     (Is % 4 == 0) -> (router logits fp32 [M, E], bf16(silu(bf16(x gate^T)) * bf16(x up^T)) [M, Is]).
-    K split planned from the shapes alone: every row's values independent of M."""
+    K split planned from the shapes and the GPU alone: every row's values independent of M."""
     check("x", x, BF16, ndim=2)
     m, h = x.shape
     check("gate_weight", gate_weight, BF16, ndim=2)
@@ -190,9 +190,10 @@ def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
                              f"16-byte aligned")
     logits = out_array("out_logits", out_logits, (m, e), np.float32)
     hs = out_array("out_hs", out_hs, (m, i2 // 2), BF16)
-    # (warps_n, split) from the shapes alone, as the invariant linears' plan; M only picks the entry's
-    # token rows (include/skinny_pair.cuh: a row's sums are the same in every bucket)
-    plan = skinny_plan(8, e + i2, h, sm_count(x.device.id))
+    # (warps_n, split) from the shapes and the GPU alone (the invariant linears' plan, moved where its
+    # clusters would not fit in one wave); M only picks the entry's token rows (include/skinny_pair.cuh:
+    # a row's sums are the same in every bucket)
+    plan = pair_plan(e + i2, h, x.device.id, "moe_small", "moe_small_dense")
     mt = token_bucket(m, "moe_small_dense")
     grid = bucket_grid(e + i2, plan.warps_n, plan.split, mt)
     launch(module("moe_small").fn(f"moe_small_dense_m{mt}_s{plan.split}"), (grid,), (_THREADS,), (

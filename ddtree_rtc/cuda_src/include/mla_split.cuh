@@ -40,6 +40,7 @@ __device__ __forceinline__ int swz(int r, int c) {
 // One work item of the plan, with its request's fields.
 struct Item {
   int req, m0, m_count, kv_begin, kv_end, part, group, ctx, q_start;  // group: merge item of a partial
+  int prow;          // a partial's rows start at row part * BM + prow of o_part (path_item; else 0)
   const int* pt;     // the request's page-table row
   long long row_g0;  // first flattened query row
   // A tree row read along its path (work word 7, below): its token's mask row, else null.
@@ -48,14 +49,16 @@ struct Item {
 
 // Work word 7 of a tree verify row under the row-invariant schedule (split="shape",
 // kernels/mla_attention.py path_code): 1 | BN << 1 | fewest BN-units per piece << 9 | most pieces
-// << 17; 0 otherwise. Such an item holds one token (depth d: d ancestors, root included, before it)
-// and reduces exactly what its autoregressive twin (the same token decoded at cache position ctx + d)
-// reduces: key i < ctx is cache position i, key ctx + i the token's ancestor at depth i (its i-th
-// visible tree node, parents preceding children), key ctx + d the token itself; the keys' length
-// ctx + d + 1 sets the pieces as for the twin, and word 3 is the piece index (the host plans the most
-// pieces any depth the row may have needs; the ones past this row's length are empty). So the tiles,
-// their keys' order, the softmax's rescale points and the merge are the twin's, whatever nodes the
-// tree puts beside the path.
+// << 17 | partial row << 25; 0 otherwise. Such an item holds one token (depth d: d ancestors, root
+// included, before it) and reduces exactly what its autoregressive twin (the same token decoded at
+// cache position ctx + d) reduces: key i < ctx is cache position i, key ctx + i the token's ancestor
+// at depth i (its i-th visible tree node, parents preceding children), key ctx + d the token itself;
+// the keys' length ctx + d + 1 sets the pieces as for the twin, and word 3 is the piece index (the
+// host plans the most pieces any depth the row may have needs; the ones past this row's length are
+// empty). So the tiles, their keys' order, the softmax's rescale points and the merge are the
+// twin's, whatever nodes the tree puts beside the path. Where a few tokens of a tree share their
+// pieces below ctx (ordinary items over all their rows: kernels/mla_attention.py _tree_groups), a
+// token's rows of the group's partial slots start at the partial row (prow), not 0.
 __device__ __forceinline__ void path_item(Item& it, int code, const unsigned long long* __restrict__ mask,
                                           int mask_words, int num_heads) {
   const unsigned long long* row = mask + (long long)(it.q_start + it.m0 / num_heads) * mask_words;
@@ -69,6 +72,7 @@ __device__ __forceinline__ void path_item(Item& it, int code, const unsigned lon
   it.kv_begin = min(k * per, len);
   it.kv_end = min((k + 1) * per, len);
   it.path = row;
+  it.prow = (code >> 25) & 0x3F;
 }
 
 __device__ __forceinline__ Item load_item(const int* __restrict__ work, int w, const int* __restrict__ req_info,
@@ -83,6 +87,7 @@ __device__ __forceinline__ Item load_item(const int* __restrict__ work, int w, c
   it.pt = page_table + (long long)it.req * pt_stride;
   it.row_g0 = (long long)it.q_start * num_heads + it.m0;
   it.path = nullptr;
+  it.prow = 0;
   if (item[7] != 0 && mask) path_item(it, item[7], mask, mask_words, num_heads);
   return it;
 }
@@ -133,7 +138,7 @@ __device__ __forceinline__ bool visible(int pos, const Item& it, bool row_ok, in
 // of a thread's mma accumulator tile acc[ONT][4] (C fragment row g + 8h: the item's row r, columns
 // o_col0 + 8 nt + 2 tq and +1) times inv (1 / row sum, 0 for an empty row). A final item (part < 0)
 // writes bf16 out row row_g0 + r and lse = lse2 ln 2 (lse2: the row's log2-sum-exp); a split-K
-// partial writes fp32 o_part row part * BM + r and lse_part = lse2. The lse comes from lane tq == 0
+// partial writes fp32 o_part row part * BM + prow + r and lse_part = lse2. The lse comes from lane tq == 0
 // of the warp holding column 0 (lse_col); the tq test stays in here, as the callers had it, since
 // hoisting the whole condition into the caller changes the sm_100 schedule.
 template <int BM, int ONT>
@@ -148,22 +153,24 @@ __device__ __forceinline__ void write_row(const float (&acc)[ONT][4], int h, flo
       *reinterpret_cast<unsigned*>(dst + nt * 8) = pack_bf16(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
     if (lse_col && tq == 0) lse[it.row_g0 + r] = lse2 * LN2;
   } else {
-    float* dst = o_part + ((long long)it.part * BM + r) * DV + o_col0 + tq * 2;
+    float* dst = o_part + ((long long)it.part * BM + it.prow + r) * DV + o_col0 + tq * 2;
 #pragma unroll
     for (int nt = 0; nt < ONT; ++nt)
       *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
-    if (lse_col && tq == 0) lse_part[(long long)it.part * BM + r] = lse2;
+    if (lse_col && tq == 0) lse_part[(long long)it.part * BM + it.prow + r] = lse2;
   }
 }
 
 
 // ---- Decode variant: at most 16 query rows per item, K of S split across the warps.
 // Per stage of BN cache rows: warp w computes the partial S [16 x BN] over its KPW k16 steps of the
-// 576 (independent chains: BN/8 n-tiles x 2 accumulator sets), the partials meet in smem, and every
-// warp sums them in the same order, so all warps hold bit-identical S, run the same online softmax
-// and keep P in registers as the A operand of P·V (no P/alpha/max exchange). Warp w then owns O
-// columns w*OCOLS..+OCOLS. Two block barriers per stage; the cp.async ring is STAGES deep, and the
-// page-table lookups of a stage (one lane per row) are issued one stage before its copy.
+// 576 (independent chains: BN/8 n-tiles x 2 accumulator sets; its Q fragments read from smem once
+// per item and held in registers), the partials meet in smem, and every warp sums them in the same
+// order, so all warps hold bit-identical S, run the same online softmax and keep P in registers as
+// the A operand of P·V (no P/alpha/max exchange). Warp w then owns O columns w*OCOLS..+OCOLS. Two
+// block barriers per stage; the cp.async ring is STAGES deep (STAGES - 1 copies in flight while a
+// stage is computed; at 2, plain double buffering), and the page-table lookups of a stage (one lane
+// per row) are issued one stage before its copy.
 template <int BN_, int NW_, int STAGES_>
 struct SplitCfg {
   static constexpr int BM = 16, BN = BN_, NW = NW_, THREADS = 32 * NW_, STAGES = STAGES_;
@@ -180,8 +187,16 @@ struct SplitCfg {
   static __device__ __forceinline__ void sync() { asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory"); }
 };
 
-using CfgD16 = SplitCfg<32, 4, 4>;  // decode with <= 16 heads (TP8 rank: 8)
-static_assert(CfgD16::SMEM <= 227 * 1024, "over the sm_90/sm_100 opt-in limit");
+// Decode with <= 16 heads (TP8 rank: 8). Two stages (one copy in flight while a stage is computed)
+// keep the CTA at 98 KB, so two CTAs share an SM on sm_90/sm_100 (228 KB per SM, 1 KB reserved per
+// CTA): two stages in flight per SM (a 4-deep ring in one CTA: three), and one CTA's item ramp (work
+// and page-table lookups, Q, first stage), partial write and barriers overlap the other's reads.
+// D16_CTAS_PER_SM is mirrored by Variant.ctas_per_sm in kernels/mla_attention.py, whose plan sizes
+// the grid by the driver's occupancy (one CTA per SM where two do not fit: sm_120).
+using CfgD16 = SplitCfg<32, 4, 2>;
+constexpr int D16_CTAS_PER_SM = 2;
+static_assert(D16_CTAS_PER_SM * (CfgD16::SMEM + 1024) <= 228 * 1024, "two d16 CTAs per sm_90/sm_100 SM");
+static_assert(CfgD16::SMEM <= 99 * 1024, "over the sm_120 opt-in limit");
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
@@ -267,10 +282,16 @@ __device__ __forceinline__ void split_body(
       cp_async_commit();
     }
     int next_slot = stage_slot<C>(it, page_size, it.kv_begin + (C::STAGES - 1) * C::BN);
+    unsigned qa[C::KPW][4];  // this warp's Q fragments (its KPW k16 steps), read once per item
 
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait<C::STAGES - 2>();  // groups 0..t are complete: stage t (and Q) landed
       C::sync();                 // ... for everyone; everyone is done with stage t-1 and red_s
+      if (t == 0) {
+#pragma unroll
+        for (int j = 0; j < C::KPW; ++j)
+          ldsm_x4(q_base + swz<ROW_CHUNKS>(lane & 15, (k0 + j) * 2 + (lane >> 4)) * 16, qa[j]);
+      }
       copy_stage<C>(kv_base + ((t + C::STAGES - 1) % C::STAGES) * KV_STAGE, cache, next_slot,
                     t + C::STAGES - 1 < n_tiles);
       cp_async_commit();
@@ -289,16 +310,14 @@ __device__ __forceinline__ void split_body(
 #pragma unroll
       for (int j = 0; j < C::KPW; ++j) {
         const int kk = k0 + j;
-        unsigned a[4];
-        ldsm_x4(q_base + swz<ROW_CHUNKS>(lane & 15, kk * 2 + (lane >> 4)) * 16, a);
 #pragma unroll
         for (int nt = 0; nt < C::NT; nt += 2) {
           // matrices: (n 0-7, k 0-7) (n 0-7, k 8-15) (n 8-15, k 0-7) (n 8-15, k 8-15)
           const int mi = lane >> 3;
           unsigned b[4];
           ldsm_x4(kv_t + swz<ROW_CHUNKS>((nt + (mi >> 1)) * 8 + (lane & 7), kk * 2 + (mi & 1)) * 16, b);
-          mma_bf16(s[j & 1][nt], a, b[0], b[1]);
-          mma_bf16(s[j & 1][nt + 1], a, b[2], b[3]);
+          mma_bf16(s[j & 1][nt], qa[j], b[0], b[1]);
+          mma_bf16(s[j & 1][nt + 1], qa[j], b[2], b[3]);
         }
       }
 #pragma unroll
