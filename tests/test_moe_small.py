@@ -54,13 +54,15 @@ def test_limits_name_the_value():
         check_small_shape(1, 64, 33, 128, 128)
 
 
-def test_down_chunks_balance_the_wave():
-    """moe_small_down_x's chunk count: one expert's whole H at a full wave of experts, finer chunks
-    when few experts are touched, never more chunks than row groups."""
-    assert down_chunks(528, 264, 56, 2) == 1
-    assert down_chunks(192, 264, 56, 2) == 4  # 768 items: 3 per CTA, 14 groups each
-    assert down_chunks(8, 264, 56, 2) == 28
-    assert down_chunks(1, 264, 56, 16) == 56
+def test_down_ranges_cover_every_unit_once_evenly():
+    """moe_small_down_x's split: every (touched rank, row group) unit in exactly one CTA's range, in
+    order, the ranges' sizes within one unit of each other (all CTAs of the wave busy)."""
+    for touched, ctas, groups in ((186, 264, 56), (115, 264, 56), (281, 264, 56), (3, 264, 4), (1, 1, 56),
+                                  (0, 5, 56)):
+        ranges = down_ranges(touched, ctas, groups)
+        assert [u for lo, hi in ranges for u in range(lo, hi)] == list(range(touched * groups))
+        sizes = [hi - lo for lo, hi in ranges]
+        assert max(sizes) - min(sizes) <= 1
 
 
 # ---- the kernels' work split, transliterated (which CTA / warp computes what, in what order) ----
@@ -138,37 +140,42 @@ def emulate_down(hb, flat, w, rex, tokens, touched, m, top_k, warps):
     return y
 
 
-def down_chunks(touched, ctas, groups, kb_total):
-    """moe_small_down_x's chunks per touched expert (include/moe_small.cuh, down_chunks): only the
-    schedule depends on it."""
-    cost = [(-(-touched * c // ctas)) * (6 + -(-groups // c) * kb_total) for c in range(1, groups + 1)]
-    return 1 + cost.index(min(cost))
+def down_ranges(touched, ctas, groups):
+    """moe_small_down_x's split (include/moe_small.cuh, range_lo): the (touched rank, 128-row group)
+    units rank-major, CTA b taking [b U / C, (b + 1) U / C): only the schedule depends on it."""
+    units = touched * groups
+    return [(b * units // ctas, (b + 1) * units // ctas) for b in range(ctas)]
 
 
 def emulate_down_x(hb, flat, w, rex, tokens, touched, m, top_k, warps, ctas):
-    """moe_small_down_x + moe_small_combine (from 17 tokens): items (touched rank, chunk of 128-row
-    groups); per item the expert's columns (first pair of each token, every slot with the expert),
-    warp w taking tiles t0 + w, t0 + w + 8, ... of the chunk, each (pair, row) value written to d; then
-    the combine in slot order."""
+    """moe_small_down_x + moe_small_combine (from 17 tokens): per CTA its range of (touched rank,
+    128-row group) units, cut into segments (one expert's run of groups); per segment the expert's
+    columns (first pair of each token, every slot with the expert), warp w taking its tiles t0 + w,
+    t0 + w + 8, ... two at a time (a pair's second tile 8 on), each (pair, row) value written to d;
+    then the combine in slot order."""
     from test_moe_repack import emulate_weights
 
     e_all, hid, inter = rex.num_experts, rex.hidden, rex.intermediate
     w2 = {e: emulate_weights(np.asarray(rex.w2[e]), hid, inter, scale_after=True).astype(np.float64) for e in touched}
     groups = hid // 128
     d = np.full((m * top_k, hid), np.nan)
-    chunks = down_chunks(len(touched), ctas, groups, inter // 128) if touched else 1
-    for item in range(len(touched) * chunks):
-        e, chunk = touched[item // chunks], item % chunks
-        g0, g1 = chunk * groups // chunks, (chunk + 1) * groups // chunks
-        cols = sorted(tokens[e])
-        pcol = [next(tok * top_k + s for s in range(top_k) if flat[tok * top_k + s] == e) for tok in cols]
-        for wp in range(warps):
-            for tile in range(8 * g0 + wp, 8 * g1, warps):
-                for tok, first in zip(cols, pcol):
-                    val = w2[e][16 * tile:16 * tile + 16] @ hb[first]
-                    for s in range(top_k):
-                        if flat[tok * top_k + s] == e:
-                            d[tok * top_k + s, 16 * tile:16 * tile + 16] = val
+    for lo, hi in down_ranges(len(touched), ctas, groups):
+        u = lo
+        while u < hi:
+            e, g0 = touched[u // groups], u % groups
+            g1 = min(groups, g0 + hi - u)
+            cols = sorted(tokens[e])
+            pcol = [next(tok * top_k + s for s in range(top_k) if flat[tok * top_k + s] == e) for tok in cols]
+            for wp in range(warps):
+                mine = list(range(8 * g0 + wp, 8 * g1, warps))
+                for pair in range(0, len(mine), 2):
+                    for tile in mine[pair:pair + 2]:
+                        for tok, first in zip(cols, pcol):
+                            val = w2[e][16 * tile:16 * tile + 16] @ hb[first]
+                            for s in range(top_k):
+                                if flat[tok * top_k + s] == e:
+                                    d[tok * top_k + s, 16 * tile:16 * tile + 16] = val
+            u += g1 - g0
     y = np.zeros((m, hid))
     for tok in range(m):
         for s in range(top_k):
@@ -416,11 +423,44 @@ def test_rows_are_bitwise_invariant_to_the_batch(name):
 
     for f32 in (False, True):
         full = rows(np.arange(64), f32)
-        for m in (1, 7, 33):
+        for m in (1, 7, 17, 33):
             idx = rng.permutation(64)[:m]
             got = rows(idx, f32)
             bad = [int(r) for r, j in enumerate(idx) if not np.array_equal(got[r], full[j])]
             assert not bad, f"M={m} fp32={f32}: rows {bad[:5]} differ from the same tokens at M=64"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,pool", [("tp8", 12), ("tp8", 40), ("ep8", 10)])
+def test_rows_are_bitwise_invariant_with_hot_experts(name, pool):
+    """The same with every token's experts drawn from ``pool`` experts, so at 17..64 tokens an expert
+    holds up to ~40 (tp8, 12) or ~13 (tp8, 40) tokens: moe_small_down_x's and moe_small_gate_up_t2's
+    column passes repeat, and at I = 2048 (ep8) down_x reads the columns past its staged h rows from
+    global memory; a row's bits must not move. Also against the reference at M = 64."""
+    import cupy
+
+    from ddtree_rtc.kernels.moe_small import moe_small_experts as gpu_moe
+    from ddtree_rtc.testing import to_device_bf16
+
+    rng = _seeded(f"hot {name} {pool}")
+    ex, exg = experts_for(name)
+    e, h, i, top_k, poison, _ = DIMS[name]
+    x = random_bf16(rng, (64, h))
+    ids, w = random_routing(rng, 64, e, top_k, allowed=rng.permutation(e - poison)[:pool])
+    shared = random_bf16(rng, (64, h), 0.5)
+
+    def rows(idx):
+        out = cupy.empty((len(idx), h), cupy.uint16)
+        return gpu_moe(to_device_bf16(x[idx]), cupy.asarray(ids[idx]), cupy.asarray(w[idx]), exg,
+                       shared=to_device_bf16(shared[idx]), out=out, check_ids=False).get()
+
+    full = rows(np.arange(64))
+    assert_close(full.view(bfloat16), ref_moe(x, ids, w, ex, shared=shared, check_ids=False), "bf16_accum")
+    for m in (1, 7, 17, 33):
+        idx = rng.permutation(64)[:m]
+        got = rows(idx)
+        bad = [int(r) for r, j in enumerate(idx) if not np.array_equal(got[r], full[j])]
+        assert not bad, f"M={m}: rows {bad[:5]} differ from the same tokens at M=64"
 
 
 @pytest.mark.gpu

@@ -17,6 +17,10 @@ moe_experts with the token tile forced to nt 1, forced to nt 4, chosen per exper
 (the default plan), each as a CUDA graph; % of the read ceiling counts route + experts against the
 touched experts' bytes; every variant's output is compared with nt 1's (``rel_diff`` in extra) and
 with the reference computed on the GPU from the same 'mma' blobs (``mma_reference``: ``rel_diff_ref``).
+``--small-m`` (TP8 shard and K2.6 dims, M in --ms, default 1,17,33,64, bench routing): the experts step
+alone as a CUDA graph, the row-invariant small-M kernels (``moe_small_experts``) beside the general
+ones (``moe_experts`` with its default plan) on the same ids, bytes = the touched experts + x + y;
+``rel_diff`` in extra is the small-M output against the general one's.
 ``--sweep`` (K2.6 dims): every plan setting of token tiles (nt 1 / nt 4 forced, or per expert above
 each --nt4-above threshold) x split-K of each GEMM, moe_experts alone as a CUDA graph, then the
 default plan and each GEMM of the best setting on its own: the data behind moe_plan's heuristic.
@@ -385,6 +389,62 @@ def sweep_rows(ms, args) -> list[Row]:
     return rows
 
 
+SMALL_M_CONFIGS = ("TP8 shard", "K2.6")
+
+
+def small_m_rows(ms, iters: int, seed: int, configs=SMALL_M_CONFIGS) -> list[Row]:
+    """Per config and M: the small-M experts step and the general one on the same routing, each alone
+    as a CUDA graph (the ids routed once beforehand)."""
+    import cupy
+
+    from ..kernels.moe_gemm import moe_experts, moe_plan
+    from ..kernels.moe_routing import moe_route
+    from ..kernels.moe_small import moe_small_experts, moe_small_plan
+
+    rows = []
+    for name in configs:
+        e, hidden, inter = CONFIGS[name]
+        experts = int4_experts_device(e, hidden, inter, seed)
+        rng = cupy.random.default_rng(seed + 1)
+        bias = (rng.standard_normal(e, dtype=cupy.float32) * 0.1).astype(cupy.float32)
+        for m in ms:
+            x = random_bf16_device((m, hidden), seed=seed + m)
+            ids = cupy.empty((m, TOP_K), cupy.int32)
+            w = cupy.empty((m, TOP_K), cupy.float32)
+            moe_route(rng.standard_normal((m, e), dtype=cupy.float32), bias, TOP_K, 1, 1, True, SCALING,
+                      out_ids=ids, out_weights=w)
+            host_ids = ids.get()
+            touched = len(np.unique(host_ids))
+            nbytes = touched * experts.expert_nbytes() + 2 * x.nbytes
+            counts = np.bincount(host_ids.reshape(-1), minlength=e)
+            outs = {}
+            for path in ("general", "small-M"):
+                y = cupy.empty((m, hidden), cupy.uint16)
+                if path == "general":
+                    plan = moe_plan(m, e, TOP_K, hidden, inter)
+
+                    def step(x=x, ids=ids, w=w, y=y, plan=plan, ex=experts):
+                        moe_experts(x, ids, w, ex, out=y, plan=plan, check_ids=False)
+                else:
+                    plan = moe_small_plan(m, e, TOP_K, hidden, inter)
+
+                    def step(x=x, ids=ids, w=w, y=y, plan=plan, ex=experts):
+                        moe_small_experts(x, ids, w, ex, out=y, plan=plan, check_ids=False)
+                step()
+                outs[path] = y.get()
+                extra = {"config": name, "M": m, "path": path, "experts_touched": touched,
+                         "max_pairs_per_expert": int(counts.max()), "experts": e, "hidden": hidden,
+                         "intermediate": inter, "top_k": TOP_K}
+                if path == "small-M":
+                    extra["rel_diff"] = rel_diff(bf16_to_f32(outs[path]), bf16_to_f32(outs["general"]))
+                us = _timed(step, iters, extra, "experts")
+                rows.append(Row(f"{name} M={m} {path} experts ({touched} touched)", us, bytes=int(nbytes),
+                                ceiling="read", extra=extra))
+        experts = None  # this shape's weights are garbage now
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
 def main(argv=None) -> dict:
     import cupy
 
@@ -401,6 +461,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--variants", action="store_true",
                     help="route, align and the experts with nt 1 / nt 4 / per-expert tiles side by side (K2.6)")
     ap.add_argument("--sweep", action="store_true", help="every token-tile x split-K plan setting (K2.6)")
+    ap.add_argument("--small-m", action="store_true",
+                    help="the experts step, small-M kernels beside the general ones (TP8 shard, K2.6; M in "
+                         "--ms, default 1,17,33,64)")
     ap.add_argument("--ms", help="--variants / --sweep: token counts (default 1,16,256,1024 / 1,8,256,1024)")
     ap.add_argument("--iters", type=int, default=20, help="--variants / --sweep: timed runs per case")
     ap.add_argument("--nts", default="1,4", help="--sweep: forced token tiles to try ('' for none)")
@@ -416,6 +479,12 @@ def main(argv=None) -> dict:
                              "layer": "layer_bytes / layer_us (route + experts) is the layer's rate",
                              "layer_graph_us": "route + experts captured as one CUDA graph (PDL edges included), "
                                                "the way bench moe times the layer"})
+    if args.small_m:
+        rows = small_m_rows(_ints(args.ms or "1,17,33,64"), args.iters, args.seed,
+                            [c for c in (args.config or SMALL_M_CONFIGS) if c in SMALL_M_CONFIGS])
+        return report("INT4 MoE experts step: small-M (row-invariant) vs general kernels (CUDA graphs)", rows,
+                      args.json, notes={"bytes": "experts touched x (packed + scales) + x + y",
+                                        "rel_diff": "small-M output vs the general one's, max |d| / max |y|"})
     if args.sweep:
         args.routing = (args.routing or ["uniform"])[0]
         rows = sweep_rows(_ints(args.ms or "1,8,256,1024"), args)

@@ -17,9 +17,10 @@
 // the touched experts in ascending order): M * top_k <= 1024 pairs, cheap, and no align launch.
 // Work: moe_small_gate_up, items (touched-expert rank, 1 or 2 fused w13 16-row tiles; the host picks
 // the entry from M). The down, up to 16 tokens: moe_small_down, 16-row tiles of H, a CTA's warps
-// taking the touched experts round-robin by rank, the combine in the same CTA. From 17 tokens: moe_small_down_x, items
-// (touched-expert rank, chunk of H rows; the chunk count from the touched count and the grid), the
-// expert's h rows staged in shared memory once per item, then moe_small_combine (a thread per output).
+// taking the touched experts round-robin by rank, the combine in the same CTA. From 17 tokens:
+// moe_small_down_x, the (touched-expert rank, 128-row group of H) units in one contiguous range per CTA,
+// the expert's h rows staged in shared memory once per segment, a warp's tiles two at a time; then
+// moe_small_combine (a thread per output).
 // On an H100 (benchmarks/README.md) the second form is 11-60 µs faster from 17 tokens on, and 16 µs
 // slower at one. The grids are one wave of CTAs looping over their items, so each CTA builds the
 // routing once; which CTA computes an item never changes its numbers, and both downs compute a
@@ -107,11 +108,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down(
 }
 
 // The down values d [P, H] fp32 = h[p] W_down[e]^T for every pair p whose id e is in [0, E) (other
-// rows of d are not written). Items (touched-expert rank, chunk of whole kGroupRows-row groups of H),
-// item i to CTA i % gridDim.x: per item the expert's h rows go to shared memory once, and its warps
-// stream the chunk's weight tiles (whole K per warp). Dynamic shared memory: 8 warp rings +
+// rows of d are not written). The (touched rank, kGroupRows-row group of H) units, cut into one
+// contiguous range per CTA (any grid: which CTA computes a value never changes it); per segment of a
+// range (one expert's run of groups) the expert's h rows go to shared memory once, and its warps stream
+// the segment's weight tiles two at a time (whole K per tile; include/moe_small.cuh, down_item). The
+// weight copies carry the L2 hints of cp_async16_hint. Dynamic shared memory: 8 warp rings +
 // kStageBytes of staged h.
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down_x(
+// sm_120a has 128 KB of shared memory per SM, where one moe_small_down_x CTA (rings + staged h + routing,
+// about 91 KB) fits but not two: its register budget is one CTA's there (at two, 4 bytes spilled).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define MOE_SMALL_DOWN_X_CTAS 1
+#else
+#define MOE_SMALL_DOWN_X_CTAS 2
+#endif
+extern "C" __global__ void __launch_bounds__(kThreads, MOE_SMALL_DOWN_X_CTAS) moe_small_down_x(
     const unsigned char* __restrict__ w2, long long w2_expert_bytes, const bf16* __restrict__ h,
     const int* __restrict__ topk_ids, int id_offset, int M, int top_k, int E, int H, int I, float* __restrict__ d) {
   extern __shared__ __align__(16) unsigned char ring[];
@@ -120,27 +130,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down_x(
   __shared__ unsigned slots[kMaxTokens];
   unsigned char* stage = ring + kWarps * kWarpRingBytes;
   // the ids were written two launches back or earlier (PDL rule, kernels/_launch.py): read them, and
-  // put the first item's first weight stages in flight, before the wait
+  // put the first segment's first weight stages in flight, before the wait
   build_routing(topk_ids, M * top_k, top_k, E, id_offset, r);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int kb_total = I / kStepK, groups = H / kGroupRows, T = r.num_touched;
+  const int kb_total = I / kStepK, groups = H / kGroupRows;
   const int stride = 2 * I + 64;  // bytes per staged h row: 64 past a multiple of 128, so a quarter-warp's
                                   // 16-byte reads of two rows fall in different banks
   const int fit = kStageBytes / stride;
   const unsigned wring = smem_addr(ring) + warp * kWarpRingBytes;
-  const int chunks = T > 0 ? down_chunks(T, gridDim.x, groups, kb_total) : 1, items = T * chunks;
-  if ((int)blockIdx.x < items) {
-    const int item = blockIdx.x, chunk = item % chunks;
-    down_prologue(w2, w2_expert_bytes, r.touched[item / chunks], chunk_group(chunk, chunks, groups) * 8,
-                  chunk_group(chunk + 1, chunks, groups) * 8, kb_total, wring, warp, lane);
+  const long long units = (long long)r.num_touched * groups;
+  const long long lo = range_lo(blockIdx.x, gridDim.x, units), hi = range_lo(blockIdx.x + 1, gridDim.x, units);
+  // the segment starting at unit u: its rank and groups [g0, g1)
+  auto segment = [&](long long u) {
+    const int rank = (int)(u / groups), g0 = (int)(u % groups);
+    return down_seg(r, rank, g0, (int)min((long long)groups, g0 + (hi - u)), kb_total);
+  };
+  DownCopies q{w2, 0, 0, 0, 0};
+  if (lo < hi) {
+    const DownSeg sg = segment(lo);
+    down_prologue(w2 + (long long)sg.ex * w2_expert_bytes, sg, kb_total, q, wring, lane);
   }
   pdl_wait();  // h comes from the previous kernel
   pdl_trigger();
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int ex = r.touched[item / chunks], chunk = item % chunks;
-    const int g0 = chunk_group(chunk, chunks, groups), g1 = chunk_group(chunk + 1, chunks, groups);
-    const int cnt = __popcll(r.tokens[ex]), staged = min(cnt, fit);
-    item_columns(r, ex, top_k, pcol, slots);
+  for (long long u = lo; u < hi;) {
+    const DownSeg sg = segment(u);
+    const unsigned char* wx = w2 + (long long)sg.ex * w2_expert_bytes;
+    const int staged = min(sg.cnt, fit);
+    item_columns(r, sg.ex, top_k, pcol, slots);
     __syncthreads();
     const int pieces = I / 8;  // 16-byte pieces per h row
     for (int i = tid; i < staged * pieces; i += kThreads) {
@@ -148,11 +164,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_small_down_x(
       cp_async16(smem_addr(stage + c * stride + 16 * k8), h + (long long)pcol[c] * I + 8 * k8);
     }
     cp_async_commit();
-    if (item != (int)blockIdx.x) down_prologue(w2, w2_expert_bytes, ex, g0 * 8, g1 * 8, kb_total, wring, warp, lane);
+    if (u > lo) down_prologue(wx, sg, kb_total, q, wring, lane);
     asm volatile("cp.async.wait_group 0;" ::: "memory");  // the h rows (and the ring's first stages)
     __syncthreads();
-    down_item(w2, w2_expert_bytes, h, I, H, ex, cnt, g0 * 8, g1 * 8, pcol, slots, stage, staged, stride, ring, d);
-    __syncthreads();  // pcol, slots, the stage and the rings are reused by the next item
+    down_item(h, I, H, sg, pcol, slots, stage, staged, stride, ring, d, q);
+    __syncthreads();  // pcol, slots, the stage and the rings are reused by the next segment
+    u += (sg.t1 - sg.t0) / (kGroupRows / 16);
   }
 }
 

@@ -30,13 +30,13 @@ _THREADS = 256
 _WARPS = 8
 _CTAS_PER_SM = 2  # __launch_bounds__(256, 2): the grids are one wave of CTAs looping over their items
 GATE_UP_T2_TOKENS = 17  # from this M on moe_small_gate_up_t2: 2 fused tiles per item (one x load for both)
-_GU_PASS_NT = 4  # moe_small_gate_up's column tiles per pass (kGuPassNt)
+_GU_PASS_NT = 4  # moe_small_gate_up's column tiles per pass at most (gu_pass_nt: 2 for two tiles per item)
 # the warps' partial sums of a column pass at the most tiles an item holds: [warp][tile][nt][lane] float4
 _GATE_UP_RED_BYTES = _WARPS * 2 * _GU_PASS_NT * 32 * 16
 MAX_DENSE_TOKENS = 64
 _STATIC_SMEM = 18576  # moe_small_down's static shared memory (the routing; `kernels build` lists it)
 _STATIC_SMEM_X = 17040  # moe_small_down_x's
-_STAGE_BYTES = 36864  # moe_small_down_x's staged h rows of one item (kStageBytes)
+_STAGE_BYTES = 36864  # moe_small_down_x's staged h rows of one segment (kStageBytes)
 DOWN_X_TOKENS = 17  # from this M on moe_small_down_x + moe_small_combine (faster from 17 rows on an H100)
 
 
@@ -71,7 +71,7 @@ def experts_launches(num_tokens: int) -> int:
 
 
 def down_x_smem() -> int:
-    """moe_small_down_x's: the rings plus one item's staged h rows."""
+    """moe_small_down_x's: the rings plus one segment's staged h rows."""
     return ring_bytes() + _STAGE_BYTES
 
 

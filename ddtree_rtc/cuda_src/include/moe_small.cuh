@@ -43,6 +43,18 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
+// A weight copy with an L2 policy (evict_first: the weights are read once, so they do not push the re-read
+// x / h rows out of L2) and the 256-byte L2 prefetch hint, as moe_gemm.cu's weight copies; the kernels
+// from 17 tokens use it (moe_small_gate_up_t2, moe_small_down_x), the ones up to 16 the plain copy.
+__device__ __forceinline__ void cp_async16_hint(unsigned dst, const void* src, unsigned long long pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(pol)
+               : "memory");
+}
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_ring() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
@@ -119,6 +131,11 @@ __device__ __forceinline__ void issue_block(unsigned dst, const unsigned char* s
   cp_async16(dst + 512 + 16 * lane, src + 512 + 16 * lane);
   if (lane < 8) cp_async16(dst + 1024 + 16 * lane, src + 1024 + 16 * lane);
 }
+__device__ __forceinline__ void issue_block(unsigned dst, const unsigned char* src, int lane, unsigned long long pol) {
+  cp_async16_hint(dst + 16 * lane, src + 16 * lane, pol);
+  cp_async16_hint(dst + 512 + 16 * lane, src + 512 + 16 * lane, pol);
+  if (lane < 8) cp_async16_hint(dst + 1024 + 16 * lane, src + 1024 + 16 * lane, pol);
+}
 
 __device__ __forceinline__ void load_block(uint4 (&buf)[3], const unsigned char* ws, int lane, int g) {
   buf[0] = lds128(ws + 16 * lane);
@@ -134,6 +151,8 @@ __device__ __forceinline__ void load_act(uint4 (&xb)[4], const bf16* __restrict_
     xb[c] = valid ? __ldg(reinterpret_cast<const uint4*>(row + k0 + 32 * c + 8 * t)) : make_uint4(0u, 0u, 0u, 0u);
 }
 
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
 // gate_up items: kGuTiles fused 16-row tiles of one expert, whose weight blocks share each x load;
@@ -141,7 +160,17 @@ __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 // first), so the accumulators stay at kGuTiles x kGuPassNt x 4 registers.
 // One tile per item up to 16 tokens (a 1-token step has few items per CTA, and two tiles per item
 // left some SMs idle: H100, MoE 53.1 vs 49.7 µs at M = 1), two above.
-constexpr int kGuPassNt = 4;
+// The two-tile form (from 17 tokens) also brings column tile 0's x of the warp's next k block into L1
+// while it works on this one (x held in registers one step ahead spilled at the 128-register cap), so
+// a step's x loads hit L1 instead of waiting on an L2 round trip, and copies its weights with the L2
+// hints of cp_async16_hint. Neither changes a number.
+// Column tiles per pass: 4 with one tile per item; 2 with two (whose full ring's issue in the step
+// spilled at the 128-register cap with 4: an expert with more than 16 tokens streams its item once per
+// pass).
+template <int kGuTiles>
+constexpr int gu_pass_nt() {
+  return kGuTiles > 1 ? 2 : 4;
+}
 
 // The gate_up of tiles [tile, tile + kGuTiles) of touched expert e into h; every thread of the CTA.
 // The rings are free on entry and on return.
@@ -151,6 +180,8 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
                                              const Routing& r, int* cols, unsigned char* ring,
                                              bf16* __restrict__ h) {
   constexpr int kGuStageBytes = kGuTiles * kBlockBytes, kGuWarpRingBytes = kStages * kGuStageBytes;
+  constexpr bool kAhead = kGuTiles > 1;  // x into L1 a step ahead, L2-hinted copies, the full ring
+  constexpr int kGuPassNt = gu_pass_nt<kGuTiles>();
   const unsigned long long mask = r.tokens[e];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   if (tid < kMaxTokens) fill_cols(mask, tid, cols);
@@ -163,17 +194,32 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
   const int steps = warp < kb_total ? (kb_total - 1 - warp) / kWarps + 1 : 0;  // blocks warp, warp + 8, ...
   auto issue = [&](int s) {
     const unsigned char* src = wsrc + (long long)(warp + s * kWarps) * kBlockBytes;
+    unsigned long long pol = 0ull;  // made per issue, not held across the step (registers)
+    if constexpr (kAhead) pol = evict_first_policy();
 #pragma unroll
-    for (int u = 0; u < kGuTiles; ++u)
-      issue_block(wring + (s % kStages) * kGuStageBytes + u * kBlockBytes, src + u * tile_bytes, lane);
+    for (int u = 0; u < kGuTiles; ++u) {
+      if constexpr (kAhead)
+        issue_block(wring + (s % kStages) * kGuStageBytes + u * kBlockBytes, src + u * tile_bytes, lane, pol);
+      else
+        issue_block(wring + (s % kStages) * kGuStageBytes + u * kBlockBytes, src + u * tile_bytes, lane);
+    }
   };
+  // stages in flight while a step computes: kAhead refills a stage's slot as soon as its blocks are
+  // in registers (the warp barrier orders those loads before the copy), so all kStages are
+  constexpr int kLead = kAhead ? kStages : kStages - 1;
   for (int nt0 = 0; nt0 < ntl; nt0 += kGuPassNt) {
     const int ntp = min(kGuPassNt, ntl - nt0);
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
+    for (int s = 0; s < kLead; ++s) {
       if (s < steps) issue(s);
       cp_async_commit();
     }
+    // kAhead: lanes t = 0, 1 of column g of column tile nt0 bring that column's x of the warp's next k
+    // block (two 128-byte lines) into L1 while this one computes (no registers held)
+    const int c0 = nt0 * 8 + g;
+    const bf16* xpre = x + (long long)(c0 < cnt ? cols[c0] : 0) * H + 64 * t;
+    const bool pre = kAhead && c0 < cnt && t < 2;
+    if (pre && steps > 0) prefetch_l1(xpre + warp * kStepK);
     float acc[kGuTiles][kGuPassNt][4];
 #pragma unroll
     for (int u = 0; u < kGuTiles; ++u)
@@ -182,16 +228,27 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[u][nt][i] = 0.f;
     for (int step = 0; step < steps; ++step) {
-      cp_async_wait_ring();
+      if constexpr (kAhead)
+        asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // stage `step` has landed
+      else
+        cp_async_wait_ring();
       __syncwarp();
-      if (step + kStages - 1 < steps) issue(step + kStages - 1);
-      cp_async_commit();
+      if constexpr (!kAhead) {
+        if (step + kStages - 1 < steps) issue(step + kStages - 1);
+        cp_async_commit();
+      }
       uint4 buf[kGuTiles][3];
 #pragma unroll
       for (int u = 0; u < kGuTiles; ++u)
         load_block(buf[u], ring + warp * kGuWarpRingBytes + (step % kStages) * kGuStageBytes + u * kBlockBytes, lane,
                    g);
+      if constexpr (kAhead) {
+        __syncwarp();  // every lane's reads of this stage are performed: its slot takes stage step + kStages
+        if (step + kStages < steps) issue(step + kStages);
+        cp_async_commit();
+      }
       const int k0 = (warp + step * kWarps) * kStepK;
+      if (pre && step + 1 < steps) prefetch_l1(xpre + k0 + kWarps * kStepK);
 #pragma unroll
       for (int nt = 0; nt < kGuPassNt; ++nt) {
         if (nt < ntp) {
@@ -352,12 +409,23 @@ __device__ __forceinline__ void combine_tile(const Routing& r, const float* dsm,
   }
 }
 
-// moe_small_down_x's work: items (touched-expert rank, chunk of H), a chunk being whole groups of
-// kGroupRows output rows. The expert's h rows (its tokens' first pairs) are staged in shared memory
-// once per item, so a step waits only on its weight block; the down values go to d [P, H] fp32, which
-// moe_small_combine sums. (moe_small_down, the tile-major form, runs up to 16 tokens.)
+// moe_small_down_x's work: the (touched-expert rank, kGroupRows-row group of H) units, rank-major, cut
+// into one contiguous range per CTA of the grid, as even as whole units allow (ranges_lo); a range is
+// one or a few segments (an expert, a run of its groups). Per segment the expert's h rows (its tokens'
+// first pairs) are staged in shared memory once, so a step waits only on its weight blocks; the down
+// values go to d [P, H] fp32, which moe_small_combine sums. (moe_small_down, the tile-major form, runs
+// up to 16 tokens.)
 constexpr int kGroupRows = 128;
-constexpr int kStageBytes = 36864;  // h rows of one item: 64 columns at I = 256, 8 at I = 2048
+constexpr int kStageBytes = 36864;  // h rows of one segment: 64 columns at I = 256, 8 at I = 2048
+// A warp takes its 16-row tiles of a segment two at a time (tiles j and j + 8 of the group run), and a
+// step is one k block of both: the two blocks share the step's x fragments and the -136 x correction
+// mma of each k32 chunk (which does not depend on the weights), so a weight byte costs about half the
+// x loads and three quarters of the mma of the one-tile step. The columns go in passes of kDownPassNt
+// column tile (an expert with more than 8 tokens streams the pair's blocks once per column tile: at
+// M <= 64 over hundreds of experts that is rare), so the accumulators stay at 2 x kDownPassNt x 4
+// registers (wider passes spilled at the 128-register cap on some archs).
+constexpr int kDownPassNt = 1;
+static_assert(kStages % 2 == 0, "moe_small_down_x's warp ring holds whole steps of two blocks");
 
 // The item's columns: pcol[c] = the first pair of column c's token with this expert, slots[c] = bit s
 // for every slot s of that token with it (a token may name an expert twice). Threads 0..63.
@@ -374,124 +442,208 @@ __device__ __forceinline__ void item_columns(const Routing& r, int e, int top_k,
   }
 }
 
-// Chunks per touched expert: the count minimising waves x (overhead + chunk work), in steps of a
-// warp (the overhead: about the h staging's and the ring's ramp). Only the schedule depends on it.
-__device__ __forceinline__ int down_chunks(int touched, int ctas, int groups, int kb_total) {
-  int best = 1;
-  long long best_cost = -1;
-  for (int c = 1; c <= groups; ++c) {
-    const long long waves = ((long long)touched * c + ctas - 1) / ctas;
-    const long long cost = waves * (6 + (long long)((groups + c - 1) / c) * kb_total);
-    if (best_cost < 0 || cost < best_cost) {
-      best_cost = cost;
-      best = c;
-    }
-  }
-  return best;
+// The first unit of CTA `cta`'s range of `units` over `ctas` CTAs (its end: the next CTA's first).
+__device__ __forceinline__ long long range_lo(int cta, int ctas, long long units) {
+  return (long long)cta * units / ctas;
 }
 
-// The first rows group and the end group of chunk `chunk` of `chunks` (groups split evenly).
-__device__ __forceinline__ int chunk_group(int chunk, int chunks, int groups) { return chunk * groups / chunks; }
+// One segment: expert ex's 16-row tiles [t0, t1) of H, with its cnt tokens. Per warp: its tiles
+// t0 + warp + 8j, in pairs (j = 2q, 2q + 1), `steps` steps (pair, column pass, k block).
+struct DownSeg {
+  int ex, t0, t1, cnt, passes, steps;
+};
 
-// The address of weight block `kb` of 16-row tile `tile` of expert `ex`'s w2.
-__device__ __forceinline__ const unsigned char* down_block(const unsigned char* __restrict__ w2,
-                                                           long long w2_expert_bytes, int ex, int tile, int kb,
-                                                           int kb_total) {
-  return w2 + (long long)ex * w2_expert_bytes + ((long long)tile * kb_total + kb) * kBlockBytes;
+__device__ __forceinline__ DownSeg down_seg(const Routing& r, int rank, int g0, int g1, int kb_total) {
+  const int warp = threadIdx.x >> 5;
+  DownSeg sg;
+  sg.ex = r.touched[rank];
+  sg.t0 = g0 * (kGroupRows / 16);
+  sg.t1 = g1 * (kGroupRows / 16);
+  sg.cnt = __popcll(r.tokens[sg.ex]);
+  sg.passes = ((sg.cnt + 7) / 8 + kDownPassNt - 1) / kDownPassNt;
+  const int mine = sg.t1 - sg.t0 > warp ? (sg.t1 - sg.t0 - 1 - warp) / kWarps + 1 : 0;
+  sg.steps = (mine + 1) / 2 * sg.passes * kb_total;
+  return sg;
 }
 
-// A warp's first kStages - 1 weight blocks of an item (tiles t0 + warp, t0 + warp + 8, ... < t1).
-__device__ __forceinline__ void down_prologue(const unsigned char* __restrict__ w2, long long w2_expert_bytes, int ex,
-                                              int t0, int t1, int kb_total, unsigned wring, int warp, int lane) {
-  int tile = t0 + warp, kb = 0;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (tile < t1) issue_block(wring + s * kBlockBytes, down_block(w2, w2_expert_bytes, ex, tile, kb, kb_total), lane);
-    cp_async_commit();
+// A position in a warp's step sequence: the k block, the column pass, the pair's first tile.
+struct DownCursor {
+  int kb, pass, tile;
+  __device__ __forceinline__ void next(int kb_total, int passes) {
     if (++kb == kb_total) {
       kb = 0;
-      tile += kWarps;
+      if (++pass == passes) {
+        pass = 0;
+        tile += 2 * kWarps;
+      }
+    }
+  }
+};
+
+// A warp's copy cursor over a segment's steps: the next step n to copy, at (kb, pass, pair's first
+// tile), its first tile's block at src (kept as a running address: recomputing it from the cursor cost
+// about a hundred instructions a step at the register cap).
+struct DownCopies {
+  const unsigned char* src;
+  int kb, pass, tile, n;
+};
+
+// Step q.n's two weight blocks into ring slots 2n, 2n + 1 (mod kStages), one commit group each (empty
+// past the segment's steps), then q to the next step. A pair without a second tile (an odd count at a
+// segment's end) copies its first tile's block twice (an L2 hit), so every step is the same code; the
+// second copy's values are never stored.
+__device__ __forceinline__ void down_copy(const DownSeg& sg, int kb_total, DownCopies& q, unsigned wring, int lane) {
+  const bool live = q.n < sg.steps;
+  const unsigned long long pol = evict_first_policy();  // made here, not held across the step (registers)
+  const unsigned dst = wring + ((2 * q.n) % kStages) * kBlockBytes;
+  if (live) issue_block(dst, q.src, lane, pol);
+  cp_async_commit();
+  if (live)
+    issue_block(dst + kBlockBytes, q.tile + kWarps < sg.t1 ? q.src + (long long)kWarps * kb_total * kBlockBytes : q.src,
+                lane, pol);
+  cp_async_commit();
+  ++q.n;
+  if (live) {  // the next k block; at a pass's end back to the pair's first block, or on to the next pair
+    q.src += kBlockBytes;
+    if (++q.kb == kb_total) {
+      q.kb = 0;
+      q.src -= (long long)kb_total * kBlockBytes;
+      if (++q.pass == sg.passes) {
+        q.pass = 0;
+        q.tile += 2 * kWarps;
+        q.src += (long long)2 * kWarps * kb_total * kBlockBytes;
+      }
     }
   }
 }
 
-// The down GEMM of expert ex over 16-row tiles [t0, t1) of H (warp w: tiles t0 + w, t0 + w + 8, ...), each
-// (token, expert) value into d at every pair of that token with that id. The item's columns (pcol,
-// slots) and its staged h rows (stage, `staged` columns of row stride `stride` bytes) are in shared
-// memory; the first kStages - 1 ring stages are in flight on entry.
-__device__ __forceinline__ void down_item(const unsigned char* __restrict__ w2, long long w2_expert_bytes,
-                                          const bf16* __restrict__ h, int I, int H, int ex, int cnt, int t0, int t1,
-                                          const int* pcol, const unsigned* slots, const unsigned char* stage,
-                                          int staged, int stride, unsigned char* ring, float* __restrict__ d) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int kb_total = I / kStepK;
-  const int mine = t1 - t0 > warp ? (t1 - t0 - 1 - warp) / kWarps + 1 : 0;
-  const int steps = mine * kb_total, ntl = (cnt + 7) >> 3;
-  const unsigned wring = smem_addr(ring) + warp * kWarpRingBytes;
-  // the next block to issue (the warp's block kStages - 1): a tile's blocks are contiguous, the warp's
-  // next tile 8 tiles on
-  int nkb = (kStages - 1) % kb_total;
-  const unsigned char* nsrc = down_block(w2, w2_expert_bytes, ex, t0 + warp + ((kStages - 1) / kb_total) * kWarps,
-                                         nkb, kb_total);
-  const long long jump = (long long)((kWarps - 1) * kb_total + 1) * kBlockBytes;
-  int tile = t0 + warp, kb = 0;
-  float acc[kMaxNt][4];
+// A warp's first kStages / 2 steps of a segment (expert weights wx), q set from its start.
+__device__ __forceinline__ void down_prologue(const unsigned char* __restrict__ wx, const DownSeg& sg, int kb_total,
+                                              DownCopies& q, unsigned wring, int lane) {
+  const int tile = sg.t0 + (int)(threadIdx.x >> 5);
+  q = DownCopies{wx + (long long)tile * kb_total * kBlockBytes, 0, 0, tile, 0};
 #pragma unroll
-  for (int nt = 0; nt < kMaxNt; ++nt)
+  for (int s = 0; s < kStages / 2; ++s) down_copy(sg, kb_total, q, wring, lane);
+}
+
+// k32 chunk c of one block after its correction: t = corr + sum_k (128 + u) x over the chunk's two
+// k16 steps, then acc += s * t (mma_block's arithmetic, whose first two mma are corr's).
+__device__ __forceinline__ void chunk_post(float (&acc)[4], const uint4 (&buf)[3], int c, const float (&corr)[4],
+                                           const uint4 xc) {
+  float t[4] = {corr[0], corr[1], corr[2], corr[3]};
+  const uint4 wv = buf[c >> 1];
+  const unsigned wg = (c & 1) ? wv.z : wv.x, wg8 = (c & 1) ? wv.w : wv.y;
+  mma_bf16(t, raw2(wg), raw2(wg8), raw2(wg >> 4), raw2(wg8 >> 4), xc.x, xc.y);
+  mma_bf16(t, raw2(wg >> 8), raw2(wg8 >> 8), raw2(wg >> 12), raw2(wg8 >> 12), xc.z, xc.w);
+  const unsigned sw = c < 2 ? buf[2].x : buf[2].y, sw8 = c < 2 ? buf[2].z : buf[2].w;
+  const float s = __uint_as_float((c & 1) ? (sw & 0xFFFF0000u) : (sw << 16));
+  const float s8 = __uint_as_float((c & 1) ? (sw8 & 0xFFFF0000u) : (sw8 << 16));
+  acc[0] = fmaf(s, t[0], acc[0]);
+  acc[1] = fmaf(s, t[1], acc[1]);
+  acc[2] = fmaf(s8, t[2], acc[2]);
+  acc[3] = fmaf(s8, t[3], acc[3]);
+}
+
+// One k128 block of two m16 tiles against one n8 column tile: per k32 chunk the correction
+// corr = -136 sum_k x once (the same two mma mma_block starts with), then each tile's chunk_post.
+// Every value's operations and their order are mma_block's.
+__device__ __forceinline__ void mma_pair(float (&acc_a)[4], float (&acc_b)[4], const uint4 (&ba)[3],
+                                         const uint4 (&bb)[3], const uint4 (&xb)[4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    float corr[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb[c].x, xb[c].y);
+    mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb[c].z, xb[c].w);
+    chunk_post(acc_a, ba, c, corr, xb[c]);
+    chunk_post(acc_b, bb, c, corr, xb[c]);
+  }
+}
+
+// A tile's down values of the pass's column tiles, at every pair of each column's token with the
+// expert: d[pair][16 tile + row]; the accumulators are zeroed for the next tile.
+__device__ __forceinline__ void down_store(float (&acc)[kDownPassNt][4], int pass, int ntl, int cnt, int tile,
+                                           const int* pcol, const unsigned* slots, int H, float* __restrict__ d) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < kDownPassNt; ++nt) {
+    if (pass * kDownPassNt + nt >= ntl) continue;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int c = (pass * kDownPassNt + nt) * 8 + 2 * t + j;
+      if (c >= cnt) continue;
+      unsigned bits = slots[c];
+      const int base = pcol[c] - (__ffs(bits) - 1);  // the token's first pair: pcol is its first slot with ex
+      while (bits) {
+        const int s = __ffs(bits) - 1;
+        bits &= bits - 1;
+        float* dp = d + (long long)(base + s) * H + tile * 16;
+        dp[g] = acc[nt][j];
+        dp[g + 8] = acc[nt][2 + j];
+      }
+    }
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-  for (int step = 0; step < steps; ++step) {
-    cp_async_wait_ring();
-    __syncwarp();
-    if (step + kStages - 1 < steps) issue_block(wring + ((step + kStages - 1) % kStages) * kBlockBytes, nsrc, lane);
-    cp_async_commit();
-    if (++nkb == kb_total) {
-      nkb = 0;
-      nsrc += jump;
-    } else {
-      nsrc += kBlockBytes;
-    }
-    uint4 buf[3];
-    load_block(buf, ring + warp * kWarpRingBytes + (step % kStages) * kBlockBytes, lane, g);
+  }
+}
+
+// The down GEMM of segment sg (warp w: tile pairs from t0 + w, whole K = I per tile), each (token,
+// expert) value into d at every pair of that token with that id. The segment's columns (pcol, slots)
+// and its staged h rows (stage, `staged` columns of row stride `stride` bytes) are in shared memory;
+// the first kStages / 2 steps are in flight on entry (down_prologue, copy cursor q). A step's
+// slots are refilled (step + kStages / 2) as soon as its blocks are in registers, so kStages blocks
+// are in flight while it computes.
+__device__ __forceinline__ void down_item(const bf16* __restrict__ h, int I, int H, const DownSeg& sg,
+                                          const int* pcol, const unsigned* slots, const unsigned char* stage,
+                                          int staged, int stride, unsigned char* ring, float* __restrict__ d,
+                                          DownCopies& q) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int kb_total = I / kStepK, ntl = (sg.cnt + 7) >> 3;
+  const unsigned wring = smem_addr(ring) + warp * kWarpRingBytes;
+  const unsigned char* wring_p = ring + warp * kWarpRingBytes;
+  DownCursor cc{0, 0, sg.t0 + warp};
+  float acc[2][kDownPassNt][4];
 #pragma unroll
-    for (int nt = 0; nt < kMaxNt; ++nt) {
-      if (nt < ntl) {
-        const int c = nt * 8 + g;
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int nt = 0; nt < kDownPassNt; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[u][nt][i] = 0.f;
+  for (int step = 0; step < sg.steps; ++step) {
+    cp_async_wait_ring();  // this step's two groups have landed (the next kStages / 2 - 1 steps' may not)
+    __syncwarp();
+    const unsigned char* slot = wring_p + ((2 * step) % kStages) * kBlockBytes;
+    uint4 ba[3], bb[3];
+    load_block(ba, slot, lane, g);
+    load_block(bb, slot + kBlockBytes, lane, g);
+    __syncwarp();  // every lane's reads of this step's slots are performed: they take step + kStages / 2
+    down_copy(sg, kb_total, q, wring, lane);  // step + kStages / 2
+#pragma unroll
+    for (int nt = 0; nt < kDownPassNt; ++nt) {
+      const int ntg = cc.pass * kDownPassNt + nt;
+      if (ntg < ntl) {
+        const int c = ntg * 8 + g;
         uint4 xb[4];
         if (c < staged) {
-          const unsigned char* row = stage + c * stride + (kb * kStepK + 8 * t) * 2;
+          const unsigned char* row = stage + c * stride + (cc.kb * kStepK + 8 * t) * 2;
 #pragma unroll
           for (int q = 0; q < 4; ++q) xb[q] = lds128(row + 64 * q);
         } else {
-          load_act(xb, h + (long long)(c < cnt ? pcol[c] : 0) * I, c < cnt, kb * kStepK, t);
+          load_act(xb, h + (long long)(c < sg.cnt ? pcol[c] : 0) * I, c < sg.cnt, cc.kb * kStepK, t);
         }
-        mma_block(acc[nt], buf, xb);
+        mma_pair(acc[0][nt], acc[1][nt], ba, bb, xb);
       }
     }
-    if (++kb == kb_total) {
+    if (cc.kb == kb_total - 1) {
+      down_store(acc[0], cc.pass, ntl, sg.cnt, cc.tile, pcol, slots, H, d);
+      if (cc.tile + kWarps < sg.t1)
+        down_store(acc[1], cc.pass, ntl, sg.cnt, cc.tile + kWarps, pcol, slots, H, d);
+      else
 #pragma unroll
-      for (int nt = 0; nt < kMaxNt; ++nt) {
-        if (nt >= ntl) continue;
+        for (int nt = 0; nt < kDownPassNt; ++nt)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int c = nt * 8 + 2 * t + j;
-          if (c >= cnt) continue;
-          unsigned bits = slots[c];
-          const int base = pcol[c] - (__ffs(bits) - 1);  // the token's first pair: pcol is its first slot with ex
-          while (bits) {
-            const int s = __ffs(bits) - 1;
-            bits &= bits - 1;
-            float* dp = d + (long long)(base + s) * H + tile * 16;
-            dp[g] = acc[nt][j];
-            dp[g + 8] = acc[nt][2 + j];
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-      }
-      kb = 0;
-      tile += kWarps;
+          for (int i = 0; i < 4; ++i) acc[1][nt][i] = 0.f;
     }
+    cc.next(kb_total, sg.passes);
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
