@@ -100,27 +100,37 @@ __device__ __forceinline__ void fill_cols(unsigned long long mask, int i, int* c
 
 __device__ __forceinline__ uint4 lds128(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
 
+// k32 chunk c of one block after its correction corr = -136 sum_k x (two mma from zero, made by the
+// caller: mma_block per tile, mma_pair once for two tiles): t = corr + sum_k (128 + u) x over the
+// chunk's two k16 steps, then acc += s * t.
+__device__ __forceinline__ void chunk_post(float (&acc)[4], const uint4 (&buf)[3], int c, const float (&corr)[4],
+                                           const uint4 xc) {
+  float t[4] = {corr[0], corr[1], corr[2], corr[3]};
+  const uint4 wv = buf[c >> 1];
+  const unsigned wg = (c & 1) ? wv.z : wv.x, wg8 = (c & 1) ? wv.w : wv.y;
+  mma_bf16(t, raw2(wg), raw2(wg8), raw2(wg >> 4), raw2(wg8 >> 4), xc.x, xc.y);
+  mma_bf16(t, raw2(wg >> 8), raw2(wg8 >> 8), raw2(wg >> 12), raw2(wg8 >> 12), xc.z, xc.w);
+  const unsigned sw = c < 2 ? buf[2].x : buf[2].y, sw8 = c < 2 ? buf[2].z : buf[2].w;
+  const float s = __uint_as_float((c & 1) ? (sw & 0xFFFF0000u) : (sw << 16));
+  const float s8 = __uint_as_float((c & 1) ? (sw8 & 0xFFFF0000u) : (sw8 << 16));
+  acc[0] = fmaf(s, t[0], acc[0]);
+  acc[1] = fmaf(s, t[1], acc[1]);
+  acc[2] = fmaf(s8, t[2], acc[2]);
+  acc[3] = fmaf(s8, t[3], acc[3]);
+}
+
 // One k128 block of one m16 tile against one n8 column tile: 4 chunks of k32 (one scale group
-// each). Per chunk: t = sum_k (128 + u) x - 136 sum_k x = sum_k q x in the mma, then acc += s * t
-// in fp32. buf: the lane's two 16-byte weight pieces and its 16 bytes of scales (row g, g + 8);
-// xb[c]: the lane's 8 k values of chunk c of its column.
+// each). Per chunk: t = sum_k (128 + u) x - 136 sum_k x = sum_k q x in the mma (the correction
+// corr = -136 sum_k x first, then chunk_post), then acc += s * t in fp32. buf: the lane's two 16-byte
+// weight pieces and its 16 bytes of scales (row g, g + 8); xb[c]: the lane's 8 k values of chunk c of
+// its column.
 __device__ __forceinline__ void mma_block(float (&acc)[4], const uint4 (&buf)[3], const uint4 (&xb)[4]) {
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    float t[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_bf16(t, kMinus136, kMinus136, kMinus136, kMinus136, xb[c].x, xb[c].y);
-    mma_bf16(t, kMinus136, kMinus136, kMinus136, kMinus136, xb[c].z, xb[c].w);
-    const uint4 wv = buf[c >> 1];
-    const unsigned wg = (c & 1) ? wv.z : wv.x, wg8 = (c & 1) ? wv.w : wv.y;
-    mma_bf16(t, raw2(wg), raw2(wg8), raw2(wg >> 4), raw2(wg8 >> 4), xb[c].x, xb[c].y);
-    mma_bf16(t, raw2(wg >> 8), raw2(wg8 >> 8), raw2(wg >> 12), raw2(wg8 >> 12), xb[c].z, xb[c].w);
-    const unsigned sw = c < 2 ? buf[2].x : buf[2].y, sw8 = c < 2 ? buf[2].z : buf[2].w;
-    const float s = __uint_as_float((c & 1) ? (sw & 0xFFFF0000u) : (sw << 16));
-    const float s8 = __uint_as_float((c & 1) ? (sw8 & 0xFFFF0000u) : (sw8 << 16));
-    acc[0] = fmaf(s, t[0], acc[0]);
-    acc[1] = fmaf(s, t[1], acc[1]);
-    acc[2] = fmaf(s8, t[2], acc[2]);
-    acc[3] = fmaf(s8, t[3], acc[3]);
+    float corr[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb[c].x, xb[c].y);
+    mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb[c].z, xb[c].w);
+    chunk_post(acc, buf, c, corr, xb[c]);
   }
 }
 
@@ -526,26 +536,8 @@ __device__ __forceinline__ void down_prologue(const unsigned char* __restrict__ 
   for (int s = 0; s < kStages / 2; ++s) down_copy(sg, kb_total, q, wring, lane);
 }
 
-// k32 chunk c of one block after its correction: t = corr + sum_k (128 + u) x over the chunk's two
-// k16 steps, then acc += s * t (mma_block's arithmetic, whose first two mma are corr's).
-__device__ __forceinline__ void chunk_post(float (&acc)[4], const uint4 (&buf)[3], int c, const float (&corr)[4],
-                                           const uint4 xc) {
-  float t[4] = {corr[0], corr[1], corr[2], corr[3]};
-  const uint4 wv = buf[c >> 1];
-  const unsigned wg = (c & 1) ? wv.z : wv.x, wg8 = (c & 1) ? wv.w : wv.y;
-  mma_bf16(t, raw2(wg), raw2(wg8), raw2(wg >> 4), raw2(wg8 >> 4), xc.x, xc.y);
-  mma_bf16(t, raw2(wg >> 8), raw2(wg8 >> 8), raw2(wg >> 12), raw2(wg8 >> 12), xc.z, xc.w);
-  const unsigned sw = c < 2 ? buf[2].x : buf[2].y, sw8 = c < 2 ? buf[2].z : buf[2].w;
-  const float s = __uint_as_float((c & 1) ? (sw & 0xFFFF0000u) : (sw << 16));
-  const float s8 = __uint_as_float((c & 1) ? (sw8 & 0xFFFF0000u) : (sw8 << 16));
-  acc[0] = fmaf(s, t[0], acc[0]);
-  acc[1] = fmaf(s, t[1], acc[1]);
-  acc[2] = fmaf(s8, t[2], acc[2]);
-  acc[3] = fmaf(s8, t[3], acc[3]);
-}
-
 // One k128 block of two m16 tiles against one n8 column tile: per k32 chunk the correction
-// corr = -136 sum_k x once (the same two mma mma_block starts with), then each tile's chunk_post.
+// corr = -136 sum_k x once (as mma_block makes it), then each tile's chunk_post.
 // Every value's operations and their order are mma_block's.
 __device__ __forceinline__ void mma_pair(float (&acc_a)[4], float (&acc_b)[4], const uint4 (&ba)[3],
                                          const uint4 (&bb)[3], const uint4 (&xb)[4]) {
