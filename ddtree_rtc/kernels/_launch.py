@@ -100,3 +100,12 @@ def _sm_count(device_id: int) -> int:
     import cupy
 
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def ctas_per_sm(fn, threads: int, dynamic_smem: int = 0) -> int:
+    """CTAs of kernel ``fn`` (a CuPy Function, on the current device) one SM holds at once at
+    ``threads`` threads and ``dynamic_smem`` bytes of dynamic shared memory: the driver's occupancy
+    (registers, shared memory and its per-CTA reserve)."""
+    from cupy_backends.cuda.api import driver
+
+    return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, threads, dynamic_smem))

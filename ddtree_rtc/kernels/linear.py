@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _cublas
 from ._args import BF16, check, out_array
-from ._launch import launch, pdl_supported, sm_count
+from ._launch import ctas_per_sm, launch, pdl_supported, sm_count
 from .registry import module
 
 # Host scalars for alpha/beta (host pointer mode); module-level so the pointers stay valid.
@@ -118,7 +118,7 @@ def invariant_plan(m: int, n: int, k: int, sms: int, f32: bool = False) -> Skinn
 def one_wave_plan(n: int, k: int, sms: int, clusters_at_once) -> SkinnyPlan:
     """`skinny_plan` at M = 8 (the invariant plan) if its ceil(n / (8 warps_n)) clusters fit on the
     GPU at once, else the (warps_n, split) nearest to it (fewest halvings or doublings of either; then
-    the cost model) whose clusters do; it if none does (no split removes a tail the grid has anyway).
+    the cost model) whose clusters do; the base plan if none does (no split removes a tail the grid has anyway).
     ``clusters_at_once(split)``: how many clusters of ``split`` CTAs of the kernel's 8-row entry fit
     at once (`active_clusters`; a stub on the CPU). Nothing here depends on M, so every token bucket
     launches the same (warps_n, split) and a row's sums (fixed by warps_n, split and K) agree."""
@@ -153,10 +153,9 @@ def active_clusters(device_id: int, family: str, entry: str, split: int) -> int:
     from cuda.bindings import driver
 
     with cupy.cuda.Device(device_id):
-        fn = driver.CUfunction(module(family).fn(entry).ptr)
+        kern = module(family).fn(entry)
         if split == 1:
-            err, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, _THREADS, 0)
-            active = per_sm * sm_count(device_id)
+            active = ctas_per_sm(kern, _THREADS) * sm_count(device_id)
         else:
             cfg = driver.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = split, 1, 1
@@ -167,9 +166,9 @@ def active_clusters(device_id: int, family: str, entry: str, split: int) -> int:
             attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = split, 1, 1
             cfg.attrs = [attr]
             cfg.numAttrs = 1
-            err, active = driver.cuOccupancyMaxActiveClusters(fn, cfg)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{family}:{entry}: occupancy query at cluster size {split} failed: {err.name}")
+            err, active = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(kern.ptr), cfg)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"{family}:{entry}: occupancy query at cluster size {split} failed: {err.name}")
     if active < 1:
         raise RuntimeError(f"{family}:{entry}: no cluster of {split} CTAs fits on device {device_id}")
     return int(active)

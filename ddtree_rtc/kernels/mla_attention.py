@@ -20,7 +20,7 @@ from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
 from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from . import _cublas
 from ._args import BF16, allow_dynamic_smem, check, out_array
-from ._launch import launch, pdl_supported, sm_count
+from ._launch import ctas_per_sm, launch, pdl_supported, sm_count
 from .mla_small import mla_head_gemm_small
 from .registry import module
 
@@ -166,14 +166,18 @@ def shape_piece_rows(kv_len, bn: int, per_min: int, pieces_max: int):
     return np.maximum(per_min, _cdiv(units, pieces_max)) * bn
 
 
-def path_code(bn: int, per_min: int, pieces_max: int, prow: int = 0) -> int:
+def path_code(bn: int, per_min: int, pieces_max: int, prow=0):
     """Work word 7 of a tree row under split="shape" (path_item in cuda_src/include/mla_split.cuh):
     the kernel reads the row's keys along its tree path and cuts them with these constants; ``prow``:
-    the first row of the item's partial slot it writes (its token's rows in a shared tile's merge)."""
-    if not (0 < bn < 256 and 0 < per_min < 256 and 0 < pieces_max < 256 and 0 <= prow < 64):
+    the first row of the item's partial slot it writes (its token's rows in a shared tile's merge),
+    an int (-> an int) or an integer array (-> an int64 array, one word per item)."""
+    rows = np.asarray(prow, dtype=np.int64)
+    if not (0 < bn < 256 and 0 < per_min < 256 and 0 < pieces_max < 256) or (
+            rows.size and not (0 <= rows.min() and rows.max() < 64)):
         raise ValueError(f"path_code: BN {bn}, per_min {per_min}, pieces {pieces_max} must each be in 1..255, "
                          f"partial row {prow} in 0..63")
-    return 1 | bn << 1 | per_min << 9 | pieces_max << 17 | prow << 25
+    code = 1 | bn << 1 | per_min << 9 | pieces_max << 17 | rows << 25
+    return int(code) if code.ndim == 0 else code
 
 
 def partial_row(item) -> int:
@@ -282,7 +286,7 @@ def _tree_groups(batch: MLABatch, g: int, bn: int, per_min: int, pieces_max: int
     it_mc = np.where(sh, members[unit] * h, h)
     kv_b = np.where(sh, r * u_per[unit], k)
     kv_e = np.where(sh, (r + 1) * u_per[unit], 0)
-    w7 = np.where(sh, 0, path_code(bn, per_min, pieces_max) | (t * h) << 25)
+    w7 = np.where(sh, 0, path_code(bn, per_min, pieces_max, t * h))
     return (u_req, u_m0, members * h, shared + extra, unit, k, it_m0, it_mc, kv_b, kv_e, w7)
 
 
@@ -371,14 +375,11 @@ def resident_ctas(variant: str) -> int:
 
 @functools.cache
 def _resident_of(device_id: int, arch_override: str | None, variant: str) -> int:
-    from cupy_backends.cuda.api import driver
-
     v = _VARIANTS[variant]
     if v.ctas_per_sm == 1:
         return 1
-    fn = module("mla_attention").fn(_kernel_name(variant))
-    fit = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, 32 * v.warps, _smem_bytes(variant))
-    return max(1, min(v.ctas_per_sm, int(fit)))
+    fit = ctas_per_sm(module("mla_attention").fn(_kernel_name(variant)), 32 * v.warps, _smem_bytes(variant))
+    return max(1, min(v.ctas_per_sm, fit))
 
 
 def mla_attention_plan(ctx_lens, num_new, page_table, num_heads: int, page_size: int, num_pages: int,

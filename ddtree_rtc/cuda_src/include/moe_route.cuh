@@ -152,7 +152,6 @@ __device__ __forceinline__ void warp_top(const unsigned (&key)[EPL], unsigned lo
 // The scan path. One warp per token; lane l holds experts l + 32 j (j < EPL) in registers. top_k rounds of a
 // warp-wide max of the lanes' best keys (redux.sync), lowest expert index among the tied lanes;
 // only the winning lane rescans its registers.
-// Token m by the calling warp; sel: E floats of shared memory for this warp (used when n_group > 1).
 // Picks of top_k <= kMergeK with merge != 0 (the merge path, below), else top_k rounds of the scan:
 // both give the same ids in the same order, so the same weights.
 // Token m by the calling warp; sel: E floats of shared memory for this warp (used when n_group > 1),
