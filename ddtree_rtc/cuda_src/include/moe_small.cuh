@@ -100,9 +100,16 @@ __device__ __forceinline__ void fill_cols(unsigned long long mask, int i, int* c
 
 __device__ __forceinline__ uint4 lds128(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
 
-// k32 chunk c of one block after its correction corr = -136 sum_k x (two mma from zero, made by the
-// caller: mma_block per tile, mma_pair once for two tiles): t = corr + sum_k (128 + u) x over the
-// chunk's two k16 steps, then acc += s * t.
+// The correction of one k32 chunk of the lane's column: corr = -136 sum_k x, two mma from zero (the
+// zero point of the (128 + u) weight encoding). mma_block makes it per tile, mma_pair once for two.
+__device__ __forceinline__ void chunk_corr(float (&corr)[4], const uint4& xc) {
+  corr[0] = corr[1] = corr[2] = corr[3] = 0.f;
+  mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xc.x, xc.y);
+  mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xc.z, xc.w);
+}
+
+// k32 chunk c of one block after its correction corr (chunk_corr): t = corr + sum_k (128 + u) x over
+// the chunk's two k16 steps, then acc += s * t.
 __device__ __forceinline__ void chunk_post(float (&acc)[4], const uint4 (&buf)[3], int c, const float (&corr)[4],
                                            const uint4 xc) {
   float t[4] = {corr[0], corr[1], corr[2], corr[3]};
@@ -127,9 +134,8 @@ __device__ __forceinline__ void chunk_post(float (&acc)[4], const uint4 (&buf)[3
 __device__ __forceinline__ void mma_block(float (&acc)[4], const uint4 (&buf)[3], const uint4 (&xb)[4]) {
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    float corr[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb[c].x, xb[c].y);
-    mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb[c].z, xb[c].w);
+    float corr[4];
+    chunk_corr(corr, xb[c]);
     chunk_post(acc, buf, c, corr, xb[c]);
   }
 }
@@ -536,16 +542,15 @@ __device__ __forceinline__ void down_prologue(const unsigned char* __restrict__ 
   for (int s = 0; s < kStages / 2; ++s) down_copy(sg, kb_total, q, wring, lane);
 }
 
-// One k128 block of two m16 tiles against one n8 column tile: per k32 chunk the correction
-// corr = -136 sum_k x once (as mma_block makes it), then each tile's chunk_post.
+// One k128 block of two m16 tiles against one n8 column tile: per k32 chunk the correction once
+// (chunk_corr), then each tile's chunk_post.
 // Every value's operations and their order are mma_block's.
 __device__ __forceinline__ void mma_pair(float (&acc_a)[4], float (&acc_b)[4], const uint4 (&ba)[3],
                                          const uint4 (&bb)[3], const uint4 (&xb)[4]) {
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    float corr[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb[c].x, xb[c].y);
-    mma_bf16(corr, kMinus136, kMinus136, kMinus136, kMinus136, xb[c].z, xb[c].w);
+    float corr[4];
+    chunk_corr(corr, xb[c]);
     chunk_post(acc_a, ba, c, corr, xb[c]);
     chunk_post(acc_b, bb, c, corr, xb[c]);
   }
