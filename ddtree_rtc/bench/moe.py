@@ -420,16 +420,11 @@ def small_m_rows(ms, iters: int, seed: int, configs=SMALL_M_CONFIGS) -> list[Row
             outs = {}
             for path in ("general", "small-M"):
                 y = cupy.empty((m, hidden), cupy.uint16)
-                if path == "general":
-                    plan = moe_plan(m, e, TOP_K, hidden, inter)
+                run, make_plan = (moe_experts, moe_plan) if path == "general" else (moe_small_experts, moe_small_plan)
+                plan = make_plan(m, e, TOP_K, hidden, inter)
 
-                    def step(x=x, ids=ids, w=w, y=y, plan=plan, ex=experts):
-                        moe_experts(x, ids, w, ex, out=y, plan=plan, check_ids=False)
-                else:
-                    plan = moe_small_plan(m, e, TOP_K, hidden, inter)
-
-                    def step(x=x, ids=ids, w=w, y=y, plan=plan, ex=experts):
-                        moe_small_experts(x, ids, w, ex, out=y, plan=plan, check_ids=False)
+                def step(x=x, ids=ids, w=w, y=y, plan=plan, ex=experts, run=run):
+                    run(x, ids, w, ex, out=y, plan=plan, check_ids=False)
                 step()
                 outs[path] = y.get()
                 extra = {"config": name, "M": m, "path": path, "experts_touched": touched,
