@@ -70,6 +70,67 @@ def test_kernel_rejects_bad_input():
     with pytest.raises(ValueError, match="weight: expected shape"):
         rmsnorm(x, cupy.zeros((32,), dtype=cupy.uint16), 1e-5)
     with pytest.raises(TypeError, match="x: expected dtype bf16"):
-        rmsnorm(x.astype(cupy.float32), cupy.zeros((64,), dtype=cupy.uint16), 1e-5)
+        rmsnorm(x.astype(cupy.float16), cupy.zeros((64,), dtype=cupy.uint16), 1e-5)
     with pytest.raises(ValueError, match="C-contiguous"):
         rmsnorm(cupy.zeros((64, 4), dtype=cupy.uint16).T, cupy.zeros((64,), dtype=cupy.uint16), 1e-5)
+
+
+def test_reference_fp32_input_is_rounding_then_norm(rng):
+    """fp32 x (a TP rank's all-reduced sum, plus the MoE shared expert's): rounded as Backend.to_bf16
+    rounds it (rounded_sum), then the bf16 norm, bit for bit."""
+    from ddtree_rtc.reference.rmsnorm import rounded_sum
+
+    for d in (64, 7168, 100):
+        x = (rng.standard_normal((5, d)) * 3).astype(np.float32)
+        s = (rng.standard_normal((5, d)) * 0.1).astype(np.float32)
+        r = rng.standard_normal((5, d)).astype(bfloat16)
+        w = (1 + 0.1 * rng.standard_normal(d)).astype(bfloat16)
+        for plus in (None, s):
+            y, h = ref_rmsnorm(x, w, 1e-6, residual=r, plus=plus)
+            y2, h2 = ref_rmsnorm(rounded_sum(x, plus), w, 1e-6, residual=r)
+            assert np.array_equal(y.view(np.uint16), y2.view(np.uint16))
+            assert np.array_equal(h.view(np.uint16), h2.view(np.uint16))
+        assert np.array_equal(ref_rmsnorm(x, w, 1e-6).view(np.uint16),
+                              ref_rmsnorm(rounded_sum(x), w, 1e-6).view(np.uint16))
+    with pytest.raises(TypeError, match="plus"):
+        ref_rmsnorm(x.astype(bfloat16), w, 1e-6, plus=s)
+
+
+@pytest.mark.gpu
+def test_kernel_fp32_input_equals_rounding_then_norm(rng):
+    """The _f32 entries against Backend.to_bf16 followed by the bf16 norm (the two launches they
+    replace), bit for bit, and against the reference (the residual sum bit for bit, y within bf16
+    tolerance as the bf16 kernel's own test): warp rows (d <= 1024) and block rows (7168),
+    16-byte and scalar paths, with and without the shared part and the residual; NaN-prefilled outputs."""
+    import cupy
+
+    from ddtree_rtc.backend import Backend
+    from ddtree_rtc.kernels.rmsnorm import rmsnorm
+
+    be = Backend("cuda")
+    for rows, d in ((1, 7168), (3, 7168), (17, 7168), (33, 512), (64, 1024), (5, 100), (2, 3000), (2, 8200)):
+        x = (rng.standard_normal((rows, d)) * 4).astype(np.float32)
+        s = (rng.standard_normal((rows, d)) * 0.2).astype(np.float32)
+        r = rng.standard_normal((rows, d)).astype(bfloat16)
+        w = (1 + 0.1 * rng.standard_normal(d)).astype(bfloat16)
+        dx, ds, dr, dw = cupy.asarray(x), cupy.asarray(s), to_device_bf16(r), to_device_bf16(w)
+        for plus in (None, s):
+            dp = None if plus is None else ds
+            out = cupy.full((rows, d), 0x7FC0, dtype=cupy.uint16)  # NaN
+            r_out = cupy.full((rows, d), 0x7FC0, dtype=cupy.uint16)
+            y, h = rmsnorm(dx, dw, 1e-6, residual=dr, out=out, residual_out=r_out, plus=dp)
+            rounded = be.to_bf16(dx) if dp is None else be.to_bf16(dx, plus_rounded=dp)
+            y2, h2 = rmsnorm(rounded, dw, 1e-6, residual=dr)
+            assert cupy.array_equal(y, y2) and cupy.array_equal(h, h2), (rows, d, plus is None)
+            y_ref, h_ref = ref_rmsnorm(x, w, 1e-6, residual=r, plus=plus)
+            # the residual sum is exact (one bf16 rounding of the rounded input plus r); y's sum of
+            # squares runs in another order than numpy's, so within bf16 tolerance, as the bf16 kernel
+            assert np.array_equal(cupy.asnumpy(h), h_ref.view(np.uint16)), (rows, d)
+            assert_close(y, y_ref, "bf16")
+        out = cupy.full((rows, d), 0x7FC0, dtype=cupy.uint16)
+        y = rmsnorm(dx, dw, 1e-6, out=out, plus=ds)
+        y2 = rmsnorm(be.to_bf16(dx, plus_rounded=ds), dw, 1e-6)
+        assert cupy.array_equal(y, y2), (rows, d)
+        assert_close(y, ref_rmsnorm(x, w, 1e-6, plus=s), "bf16")
+    with pytest.raises(TypeError, match="plus: only taken with fp32 x"):
+        rmsnorm(to_device_bf16(r), dw, 1e-6, plus=ds)

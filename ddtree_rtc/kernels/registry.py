@@ -6,8 +6,9 @@ from __future__ import annotations
 from ..rtc.builder import KernelSpec, LoadedModule, load
 
 SPECS: dict[str, KernelSpec] = {s.name: s for s in (
-    KernelSpec("rmsnorm", ("rmsnorm_kernel", "rmsnorm_block_kernel"),
-               "RMSNorm over the last dim with optional fused residual add (bf16 in/out, fp32 math)"),
+    KernelSpec("rmsnorm", ("rmsnorm_kernel", "rmsnorm_block_kernel", "rmsnorm_f32_kernel", "rmsnorm_block_f32_kernel"),
+               "RMSNorm over the last dim with optional fused residual add (bf16 in/out, fp32 math; the _f32 "
+               "entries take a TP rank's all-reduced fp32 sum and round it to bf16 first)"),
     KernelSpec("rope", ("rope_kernel",),
                "RoPE in place on a slice of each head: interleaved pairs (GPT-J/MLA) or rotate-half"),
     KernelSpec("embedding", ("embedding_kernel",), "embedding row gather by token id"),

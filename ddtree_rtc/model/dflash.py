@@ -235,12 +235,12 @@ class DFlashModel:
 
     def _reduce_linear(self, x, w):
         """x @ w^T where w is row-parallel: one rank's bf16 output, or every rank's fp32 partial
-        all-reduced and rounded once (as the target's sublayers do)."""
+        all-reduced (fp32: the residual norm after it rounds it once, as the target's sublayers do)."""
         be, target = self.backend, self.target
         if target.shard.world == 1:
             return be.linear(x, w)
         part = be.linear(x, w, out=be.empty((x.shape[0], w.shape[0]), "fp32"))
-        return be.to_bf16(target.comm.all_reduce(part))
+        return target.comm.all_reduce(part)
 
     # -- pieces -----------------------------------------------------------------------------------
     def _heads(self, x, w, norm, positions, heads: int):

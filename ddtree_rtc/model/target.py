@@ -285,21 +285,24 @@ class TargetModel:
 
     # -- forward ---------------------------------------------------------------------------------
     def _mlp(self, layer: Layer, x, moe_plan=None):
+        """(m, plus): the MLP sublayer's output for the residual norm after it. One rank: m bf16, plus
+        None. A tensor-parallel rank: m the all-reduced fp32 sum, and for a MoE layer plus the shared
+        expert's all-reduced fp32 sum, which the norm rounds to bf16 and adds first (as one rank's
+        combine adds its bf16 shared expert); the norm rounds the total once (``rmsnorm``'s fp32 x)."""
         be, t = self.backend, int(x.shape[0])
         impl, small = self.linear_impl(t), self.small_m(t)
         if isinstance(layer.mlp, DenseMLP):
             m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, out=self._partial(x),
                           impl=impl)
-            return self._reduce(m)
+            return self._reduce(m), None
         if self.shard.world == 1:
-            return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant)
-        # routed and shared partials side by side, one all-reduce; then, as one rank's combine does,
-        # routed sum + bf16(shared sum), rounded once
+            return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant), None
+        # routed and shared partials side by side, one all-reduce
         parts = be.empty((2,) + tuple(x.shape), "fp32")
         moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1], small=small,
             invariant=self.batch_invariant)
         self.comm.all_reduce(parts)
-        return be.to_bf16(parts[0], plus_rounded=parts[1])
+        return parts[0], parts[1]
 
     def _partial(self, x):
         """Where a sublayer writes its output: on several ranks an fp32 buffer, so the partial sums
@@ -307,11 +310,12 @@ class TargetModel:
         return self.backend.empty(tuple(x.shape), "fp32") if self.shard.world > 1 else None
 
     def _reduce(self, partial):
-        """A sublayer's bf16 output: the sum of every rank's fp32 partial (one all-reduce), rounded
-        once; on one rank the output itself."""
+        """A sublayer's output for the residual norm after it: on one rank the bf16 output itself; on
+        several, the sum of every rank's fp32 partial (one all-reduce), which the norm rounds to bf16
+        once (``rmsnorm`` with fp32 x: no rounding launch of its own)."""
         if self.shard.world == 1:
             return partial
-        return self.backend.to_bf16(self.comm.all_reduce(partial))
+        return self.comm.all_reduce(partial)
 
     def head_logits(self, rows):
         """bf16 [R, V] logits of final-normed rows [R, H]: this rank's vocabulary slice, all-gathered
@@ -433,10 +437,10 @@ class TargetModel:
             x_attn = x
             x, h = be.rmsnorm(a, layer.post_norm, cfg.rms_norm_eps, residual=h)
             mark("attention", i, x_attn)
-            m = self._mlp(layer, x, moe_plan)
+            m, plus = self._mlp(layer, x, moe_plan)
             x_mlp = x
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h)
+            x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h, plus=plus)
             if i in hidden_layers:
                 hidden[i] = h.copy()
             mark("mlp", i, x_mlp)

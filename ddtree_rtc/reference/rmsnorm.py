@@ -1,4 +1,6 @@
-"""RMSNorm reference: h = x (+ residual, rounded to bf16); y = bf16(h * rsqrt(mean(h^2) + eps) * w)."""
+"""RMSNorm reference: h = x (+ residual, rounded to bf16); y = bf16(h * rsqrt(mean(h^2) + eps) * w).
+x may also be a tensor-parallel rank's all-reduced fp32 sublayer sum (plus the MoE shared expert's fp32
+sum): it is rounded to bf16 first, exactly as ``rounded_sum`` (``Backend.to_bf16``) rounds it."""
 
 from __future__ import annotations
 
@@ -6,8 +8,13 @@ import numpy as np
 from ml_dtypes import bfloat16
 
 
-def rmsnorm(x, weight, eps: float, residual=None, out=None, residual_out=None):
-    """x, residual: [..., d] bf16; weight: [d] bf16. Returns y, or (y, residual_out) with a residual."""
+def rmsnorm(x, weight, eps: float, residual=None, out=None, residual_out=None, plus=None):
+    """x, residual: [..., d] bf16; weight: [d] bf16. Returns y, or (y, residual_out) with a residual.
+    x fp32: ``rounded_sum(x, plus)`` is normalised (``plus``: fp32 like x, or None; only with fp32 x)."""
+    if np.asarray(x).dtype == np.float32:
+        x = rounded_sum(x, plus)
+    elif plus is not None:
+        raise TypeError("rmsnorm: plus is only taken with fp32 x (an all-reduced partial sum)")
     h = x.astype(np.float32)
     if residual is not None:
         h = (h + residual.astype(np.float32)).astype(bfloat16).astype(np.float32)
