@@ -514,6 +514,8 @@ def test_a_verify_is_priced_at_the_cheapest_bucket_that_holds_it(bucketed):
     best = (1 + vals[0, :48].sum()) / c.seconds
     assert all(rate(n, t) <= best * (1 + 1e-12) for n in range(49) for t in buckets if t >= 1 + n)
     assert rate(48, 64) < rate(DEPTH, 8) < best  # the smallest bucket's price: the chain would win
+    # past its last point a table that fell there stays flat: no bucket past 65 rows looks cheaper
+    assert float(cost.verify_s(130, 130)) == pytest.approx(H100_C1_US[65] * 1e-6)
     # the curve against a loop, on a table that falls and rises with a fan-out slope
     rng = np.random.default_rng(3)
     pts = tuple((t, float(u)) for t, u in zip((1, 8, 16, 24, 32, 48, 64, 65, 96, 130), rng.uniform(1e-3, 9e-3, 10)))

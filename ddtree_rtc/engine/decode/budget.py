@@ -473,12 +473,14 @@ class ValueHistory:
 
 def _interp(points: tuple, x):
     """Piecewise-linear through ``points`` ((x, y), ... sorted by x), linear extrapolation past
-    the last two points and flat below the first."""
+    the last two points (never falling: a table that falls between its last two points, as the
+    H100's from the small-M path's 33 rows to the general kernels' 65, says nothing of cheaper rows
+    past them, and the policy takes the cheapest bucket) and flat below the first."""
     xs, ys = _arrays(points)
     x = np.asarray(x, np.float64)
     y = np.interp(x, xs, ys)
     if len(xs) >= 2:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
         y = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), y)
     return y
 
