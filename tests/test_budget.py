@@ -461,29 +461,31 @@ def h100_oracle() -> OracleSim:
     return OracleSim(p=0.77, vocab=163840)
 
 
-def test_on_the_h100_c1_costs_the_row_cap_is_why_auto_verifies_the_chain():
+def test_on_the_h100_c1_costs_the_row_cap_is_why_auto_verifies_the_chain(monkeypatch):
     """benchmarks/budget_h100.json at concurrency 1: auto verified 7 nodes in 8 rows every round
     (tau 3.99, the chain's; predicted 3.81) while budget 64 gave 1.2x its tok/s per user. On that
     step-cost shape and the pipeline's oracle, over as many rounds: under row-invariant scheduling's
     cap (64 rows, the engine's default) the 65-row bucket, the only one where a deep tree pays, is
     not among auto's buckets, and the small-M path's 16-64 rows cost more than their extra tokens:
-    auto verifies the chain every round, predicting the drafter's 3.81, as on the H100. Without the
-    cap (``decode.auto_rows: any``) it verifies 64 nodes in 65 rows, the best fixed budget. And a
+    auto verifies the chain (with 077bc7e's start-up optimism, at most 4x, every round, predicting
+    the drafter's 3.81, as on the H100; with today's a few rounds of 15 nodes). Without the cap
+    (``decode.auto_rows: any``) it verifies 64 nodes in 65 rows, the best fixed budget. And a
     table that interpolates across the kernel switch (34..64 rows between the small-M path's 33 and
     the general kernels' 65) would make the small-M 64-row bucket look cheap: the warm-up must time
     every bucket auto may choose (tests/test_budget_engine.py, the GPU test)."""
+    from ddtree_rtc.engine.decode import budget
+
     rounds, cost, sim = 365, h100_c1_cost(), h100_oracle()
     fixed = {}
     for k in ("chain", 8, 16, 32, 64):
         _, sec, *_, exact = run_oracle([sim.fresh()], rounds, budget=k, cost=cost)
         fixed[k] = exact / sec
     assert max(fixed, key=fixed.get) == 64 and fixed[64] > 1.3 * fixed["chain"]
-    _, sec, pred, _, capped, exact = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True,
-                                                max_rows=64)
+    _, sec, _, _, capped, exact = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True,
+                                             max_rows=64)
     st = capped.stats.summary()
-    assert st["nodes_hist"] == {str(DEPTH): rounds} and st["rows_hist"] == {"8": rounds}
-    assert st["tau_predicted"] == pytest.approx(1 + np.exp(sim.tree.scores[0, 1:DEPTH + 1]).sum(), rel=1e-6)
-    assert exact / sec == pytest.approx(fixed["chain"], rel=1e-9)
+    assert set(st["rows_hist"]) <= {"8", "16"} and st["nodes_hist"][str(DEPTH)] >= 0.9 * rounds
+    assert exact / sec == pytest.approx(fixed["chain"], rel=0.01) and exact / sec < 0.75 * fixed[64]
     _, sec, _, _, free, exact = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True)
     st = free.stats.summary()
     print(f"\nH100 c1 shape: fixed {({k: round(v) for k, v in fixed.items()})}; capped auto "
@@ -492,6 +494,32 @@ def test_on_the_h100_c1_costs_the_row_cap_is_why_auto_verifies_the_chain():
     *_, blurred, _ = run_oracle([sim.fresh()], rounds, cost=h100_c1_cost(small_m_buckets=False), bucketed=True,
                                 lagged=True, max_rows=64)
     assert blurred.stats.summary()["rows_hist"] == {"64": rounds}
+    monkeypatch.setattr(budget, "OFF_PROBE_MAX", 4.0)  # 077bc7e's start-up: the H100 run, round for round
+    *_, old, _ = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True, max_rows=64)
+    st = old.stats.summary()
+    assert st["nodes_hist"] == {str(DEPTH): rounds} and st["rows_hist"] == {"8": rounds}
+    assert st["tau_predicted"] == pytest.approx(1 + np.exp(sim.tree.scores[0, 1:DEPTH + 1]).sum(), rel=1e-6)
+
+
+def test_a_deep_tree_that_pays_only_past_the_drafters_word_is_found(monkeypatch):
+    """At K2.6's vocabulary the oracle drafter gives its rank-1 token 0.024 where the walk takes it
+    0.115 of the time (4.8x), so its 64-node tree predicts 4.29 tokens where it gives 5.72. On the
+    H100 c1 shape with budget 64's 65 rows dearer (8 ms: still the best fixed budget, 1.1x the
+    chain) the drafter's word says the chain, and only verified off-path nodes can say otherwise: the
+    start-up's optimism on the rank-1 class must pass 4.8x for the deep tree to be verified once. At
+    most 4x (077bc7e) auto stays on the chain all run (0.90x the best fixed); at most 8x it verifies
+    the deep tree at once, learns the class factors and keeps it."""
+    from ddtree_rtc.engine.decode import budget
+
+    rounds, sim = 365, h100_oracle()
+    cost = CostModel(verify=tuple((t, 8000e-6 if t == 65 else u) for t, u in h100_c1_cost().verify))
+    _, sec, *_, exact = run_oracle([sim.fresh()], rounds, budget=64, cost=cost)
+    best = exact / sec
+    _, sec, _, _, auto, exact = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True)
+    assert exact / sec >= 0.99 * best and auto.calibration.off_factors_used()[1] > 3.0
+    monkeypatch.setattr(budget, "OFF_PROBE_MAX", 4.0)
+    _, sec, _, _, auto, exact = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True)
+    assert auto.stats.summary()["nodes_hist"] == {str(DEPTH): rounds} and exact / sec < 0.92 * best
 
 
 @pytest.mark.parametrize("bucketed", [False, True])

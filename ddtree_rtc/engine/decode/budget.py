@@ -829,7 +829,9 @@ class BudgetStats:
 PROBE_Z, PROBE_MAX = 2.0, 2.0  # a probe's optimism: z of the upper bound, and its largest factor
 OFF_EXPLORE = slice(1, 2)  # the path classes the start-up raises: one rank-1 edge
 OFF_EVIDENCE = 8.0  # accepted nodes' worth of their evidence that ends the start-up
-OFF_PROBE_MAX = 4.0  # the start-up's largest optimism (nothing measured off the top-1 path yet)
+# the start-up's largest optimism (nothing measured off the top-1 path yet): past the oracle's 4.8x understatement
+# of its rank-1 token at K2.6's vocabulary (at 4x a deep tree that pays only by it was never verified)
+OFF_PROBE_MAX = 8.0
 LAG = 2  # lagged: rounds from the last tree learned to the round chosen (chosen during the verify before it)
 
 
