@@ -490,6 +490,7 @@ def _arrays(points: tuple):
     return np.array([p[0] for p in points], np.float64), np.array([p[1] for p in points], np.float64)
 
 
+BUCKET_MARGIN = 0.05  # a verify takes a larger row bucket than it needs only where that costs 5% less (verify_curve)
 NO_VERIFY_COSTS = ("decode.budget auto: the cost model has no verify costs yet (give decode.cost_table, or on CUDA "
                    "let the warm-up measure them)")
 
@@ -541,17 +542,19 @@ class CostModel:
 
     def verify_curve(self, batch: int, buckets: tuple) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, seconds)`` of a verify holding ``batch + i`` distinct nodes, i = 0 .. the last
-        bucket less ``batch``: the cheapest of ``buckets`` (sorted, the first >= batch) that holds
-        them (the smallest of equal cost), and ``verify_s`` of it at ``ctx_ref`` before the context
-        term and the clamp at 0 (``with_ctx`` adds both). The cheapest, not the smallest: a table
-        need not rise with rows (on a GPU the rows past the small-M path run the general kernels,
-        measured cheaper than the small-M path's largest buckets; benchmarks/budget_h100.json), and
-        padding rows repeat the roots, so a verify padded into a larger, cheaper bucket gives the
-        same tokens. A verify of T rows holding N nodes costs ``g(T) + expert_s E(N)``, ``g(T)`` the
-        table at T less ``expert_s E(T)``, so the cheapest bucket for N is the suffix minimum of g
-        over the buckets from N. Made once per batch, buckets and table (the policy prices every
-        candidate of every round on it); made again when the table changes (the warm-up's points,
-        ``expert_s``)."""
+        bucket less ``batch``: the smallest of ``buckets`` (sorted, the first >= batch) that holds
+        them, or the cheapest that does where it costs ``BUCKET_MARGIN`` less (the smallest of equal
+        cost), and ``verify_s`` of it at ``ctx_ref`` before the context term and the clamp at 0
+        (``with_ctx`` adds both). The cheapest, not always the smallest: a table need not rise with
+        rows (on a GPU the rows past the small-M path run the general kernels, measured cheaper than
+        the small-M path's largest buckets; benchmarks/budget_h100.json), and padding rows repeat
+        the roots, so a verify padded into a larger, cheaper bucket gives the same tokens. The margin
+        keeps the warm-up's timing noise (a few replays per bucket) from padding verifies into
+        larger graphs; a kernel switch saves far more. A verify of T rows holding N nodes costs
+        ``g(T) + expert_s E(N)``, ``g(T)`` the table at T less ``expert_s E(T)``, so the cheapest
+        bucket for N is the suffix minimum of g over the buckets from N. Made once per batch,
+        buckets and table (the policy prices every candidate of every round on it); made again when
+        the table changes (the warm-up's points, ``expert_s``)."""
         hit = self._curves.get((batch, buckets))
         # the table is a tuple, replaced (never changed) when a point is added: the same object is the same table
         if hit is None or hit[0] is not self.verify or hit[1] != self.expert_s:
@@ -568,7 +571,10 @@ class CostModel:
             for i in range(len(b) - 2, -1, -1):
                 best[i] = i if g[i] <= g[best[i + 1]] else best[i + 1]
             nodes = np.arange(batch, int(b[-1]) + 1)
-            rows = b[best[np.searchsorted(b, nodes)]]
+            small = np.searchsorted(b, nodes)
+            fan = self.expert_s * experts_touched(nodes)
+            cheaper = g[best[small]] + fan < (1.0 - BUCKET_MARGIN) * (g[small] + fan)
+            rows = b[np.where(cheaper, best[small], small)]
             base = self._verify_base(rows, nodes)
             rows.flags.writeable = base.flags.writeable = False
             hit = self._curves[(batch, buckets)] = (self.verify, self.expert_s, rows, base)
