@@ -10,6 +10,7 @@ import pytest
 from ddtree_rtc.bench import budget_sim
 from ddtree_rtc.bench.budget_sim import DEPTH, MAX, VOCAB, Learner, OracleSim, SwitchSim, build
 from ddtree_rtc.engine.decode.budget import (
+    BUCKET_MARGIN,
     OFF_CLASSES,
     OFF_RANKS,
     AutoBudget,
@@ -135,11 +136,21 @@ def test_a_row_cap_keeps_the_buckets_under_it():
         AutoBudget(MAX, DEPTH, cost, max_rows=0)
 
 
+def cheapest(cost, buckets, nodes, b, ctx=0.0):
+    """The bucket a verify of ``nodes`` distinct rows (roots included) runs in: the smallest that
+    holds them, or the cheapest that does (the smallest of equal cost) where it costs
+    ``BUCKET_MARGIN`` less at ``ctx_ref`` (a loop over the buckets, apart from verify_curve)."""
+    held = sorted(t for t in buckets if t >= nodes)
+    at = lambda t: float(cost.verify_s(t, nodes, b, cost.ctx_ref))  # noqa: E731
+    best = min(held, key=lambda t: (at(t), t))
+    return best if at(best) < (1 - BUCKET_MARGIN) * at(held[0]) else held[0]
+
+
 def count_rate(vals, counts, cost, buckets):
-    """Expected tokens per modelled second of a cut (the rows at the smallest bucket holding them)."""
+    """Expected tokens per modelled second of a cut (the rows at the cheapest bucket holding them)."""
     b = len(vals)
     nodes = b + int(counts.sum())
-    rows = min(t for t in buckets if t >= nodes)
+    rows = cheapest(cost, buckets, nodes, b)
     gain = sum(vals[i, :n].sum() for i, n in enumerate(counts))
     return (b + gain) / (cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(rows, nodes, b)))
 
@@ -199,8 +210,9 @@ def test_the_policy_prices_its_candidates_once_per_batch_and_table(monkeypatch):
     """The verify of every candidate count is priced once per (batch, buckets, table), not every
     round (the choice runs on the host while the device waits for it): rounds at other values and
     contexts reuse the curve, and their choice is the best cut under ``verify_s`` itself. A new
-    table (a warm-up point, a new fan-out slope) prices again. The rows are always the smallest
-    bucket that holds the roots and the chosen nodes (no bigger graph than the nodes need)."""
+    table (a warm-up point, a new fan-out slope) prices again. The rows are always the cheapest
+    bucket that holds the roots and the chosen nodes, the smallest of equal cost (no bigger graph
+    than the nodes need unless it is ``BUCKET_MARGIN`` cheaper: the table made dear below)."""
     priced, in_choose = [], [False]  # the tables priced by choose (the checks below price their own)
     base = CostModel._verify_base
     monkeypatch.setattr(CostModel, "_verify_base", lambda self, r, n: (in_choose[0] and priced.append(len(r)))
@@ -217,13 +229,13 @@ def test_the_policy_prices_its_candidates_once_per_batch_and_table(monkeypatch):
         in_choose[0] = False
         nodes = b + int(c.counts.sum())
         buckets = auto.buckets(b)
-        assert c.rows == min(t for t in buckets if t >= nodes)
+        assert c.rows == cheapest(cost, buckets, nodes, b, ctx)
         assert c.verify_s == float(np.maximum(base(cost, c.rows, nodes) + cost.ctx_s * b * (ctx - 512), 0))
         assert c.verify_s == pytest.approx(float(cost.verify_s(c.rows, nodes, b, ctx)), rel=1e-12)
         order = np.argsort(-vals.ravel(), kind="stable")
         rate = lambda counts: (b + sum(vals[j, :n].sum() for j, n in enumerate(counts))) / (  # noqa: E731
             cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(
-                min(t for t in buckets if t >= b + counts.sum()), b + counts.sum(), b, ctx)))
+                cheapest(cost, buckets, b + counts.sum(), b, ctx), b + counts.sum(), b, ctx)))
         best = rate(c.counts)
         for k in range(64 - b + 1):
             assert rate(np.bincount(order[:k] // vals.shape[1], minlength=b)) <= best * (1 + 1e-12)
@@ -426,6 +438,133 @@ def test_an_understated_off_path_is_found_out(lagged):
     assert best == 64 and set(chain.stats.counts_hist) == {DEPTH} and without < 0.9
     assert exact > 0.999 and sampled > 0.99
     assert 2.0 < f[1] < 4.0 and 1.5 < f[2] < 4.0  # rank-1 and rank-2 edges: the walk's 2.9x and 2.3x
+
+
+# One H100, K2.6 slice pipeline, concurrency 1 (benchmarks/budget_h100.json at 077bc7e): the engine step's
+# microseconds by verify rows: AR (1 row), chain (root + 7 nodes), budgets 8, 16, 32 (the small-M path) and 64
+# (65 rows: the general kernels, cheaper than the small-M path's 33 rows). The small-M path's 48 and 64 rows
+# (buckets auto may use under the row cap, timed by its warm-up but not written to that JSON) continue its
+# slope from 17 to 33 rows.
+H100_C1_US = {1: 2936.0, 8: 5916.0, 9: 5868.0, 17: 6853.0, 33: 8729.0, 65: 6415.0}
+SMALL_M_SLOPE_US = (H100_C1_US[33] - H100_C1_US[17]) / 16
+
+
+def h100_c1_cost(small_m_buckets: bool = True) -> CostModel:
+    """The H100 steps as a cost table (the whole step as the verify: the settings' ratios are the
+    measured ones); without ``small_m_buckets`` only the measured points, so 34..64 rows interpolate
+    from the small-M path's 33 to the general kernels' 65."""
+    us = dict(H100_C1_US)
+    if small_m_buckets:
+        us.update({t: H100_C1_US[33] + SMALL_M_SLOPE_US * (t - 33) for t in (48, 64)})
+    return CostModel(verify=tuple((t, u * 1e-6) for t, u in us.items()))
+
+
+def h100_oracle() -> OracleSim:
+    """The pipeline's oracle (p 0.77, depth 7, K2.6's vocabulary): exact tau 3.81 / 3.93 / 4.45 / 5.06 /
+    5.72 for the chain and budgets 8 / 16 / 32 / 64 (the H100 measured 3.99 / 4.11 / 4.44 / 4.88 / 5.47)."""
+    return OracleSim(p=0.77, vocab=163840)
+
+
+def test_on_the_h100_c1_costs_the_row_cap_is_why_auto_verifies_the_chain(monkeypatch):
+    """benchmarks/budget_h100.json at concurrency 1: auto verified 7 nodes in 8 rows every round
+    (tau 3.99, the chain's; predicted 3.81) while budget 64 gave 1.2x its tok/s per user. On that
+    step-cost shape and the pipeline's oracle, over as many rounds: under row-invariant scheduling's
+    cap (64 rows, the engine's default) the 65-row bucket, the only one where a deep tree pays, is
+    not among auto's buckets, and the small-M path's 16-64 rows cost more than their extra tokens:
+    auto verifies the chain (with 077bc7e's start-up optimism, at most 4x, every round, predicting
+    the drafter's 3.81, as on the H100; with today's a few rounds of 15 nodes). Without the cap
+    (``decode.auto_rows: any``) it verifies 64 nodes in 65 rows, the best fixed budget. And a
+    table that interpolates across the kernel switch (34..64 rows between the small-M path's 33 and
+    the general kernels' 65) would make the small-M 64-row bucket look cheap: the warm-up must time
+    every bucket auto may choose (tests/test_budget_engine.py, the GPU test)."""
+    from ddtree_rtc.engine.decode import budget
+
+    rounds, cost, sim = 365, h100_c1_cost(), h100_oracle()
+    fixed = {}
+    for k in ("chain", 8, 16, 32, 64):
+        _, sec, *_, exact = run_oracle([sim.fresh()], rounds, budget=k, cost=cost)
+        fixed[k] = exact / sec
+    assert max(fixed, key=fixed.get) == 64 and fixed[64] > 1.3 * fixed["chain"]
+    _, sec, _, _, capped, exact = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True,
+                                             max_rows=64)
+    st = capped.stats.summary()
+    assert set(st["rows_hist"]) <= {"8", "16"} and st["nodes_hist"][str(DEPTH)] >= 0.9 * rounds
+    assert exact / sec == pytest.approx(fixed["chain"], rel=0.01) and exact / sec < 0.75 * fixed[64]
+    _, sec, _, _, free, exact = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True)
+    st = free.stats.summary()
+    print(f"\nH100 c1 shape: fixed {({k: round(v) for k, v in fixed.items()})}; capped auto "
+          f"{fixed['chain']:.0f} (the chain); uncapped {exact / sec:.0f} ({st['nodes_hist']}, rows {st['rows_hist']})")
+    assert st["rows_hist"] == {"65": rounds} and exact / sec >= fixed[64] * (1 - 1e-9)
+    *_, blurred, _ = run_oracle([sim.fresh()], rounds, cost=h100_c1_cost(small_m_buckets=False), bucketed=True,
+                                lagged=True, max_rows=64)
+    assert blurred.stats.summary()["rows_hist"] == {"64": rounds}
+    monkeypatch.setattr(budget, "OFF_PROBE_MAX", 4.0)  # 077bc7e's start-up: the H100 run, round for round
+    *_, old, _ = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True, max_rows=64)
+    st = old.stats.summary()
+    assert st["nodes_hist"] == {str(DEPTH): rounds} and st["rows_hist"] == {"8": rounds}
+    assert st["tau_predicted"] == pytest.approx(1 + np.exp(sim.tree.scores[0, 1:DEPTH + 1]).sum(), rel=1e-6)
+
+
+def test_a_deep_tree_that_pays_only_past_the_drafters_word_is_found(monkeypatch):
+    """At K2.6's vocabulary the oracle drafter gives its rank-1 token 0.024 where the walk takes it
+    0.115 of the time (4.8x), so its 64-node tree predicts 4.29 tokens where it gives 5.72. On the
+    H100 c1 shape with budget 64's 65 rows dearer (8 ms: still the best fixed budget, 1.1x the
+    chain) the drafter's word says the chain, and only verified off-path nodes can say otherwise: the
+    start-up's optimism on the rank-1 class must pass 4.8x for the deep tree to be verified once. At
+    most 4x (077bc7e) auto stays on the chain all run (0.90x the best fixed); at most 8x it verifies
+    the deep tree at once, learns the class factors and keeps it."""
+    from ddtree_rtc.engine.decode import budget
+
+    rounds, sim = 365, h100_oracle()
+    cost = CostModel(verify=tuple((t, 8000e-6 if t == 65 else u) for t, u in h100_c1_cost().verify))
+    _, sec, *_, exact = run_oracle([sim.fresh()], rounds, budget=64, cost=cost)
+    best = exact / sec
+    _, sec, _, _, auto, exact = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True)
+    assert exact / sec >= 0.99 * best and auto.calibration.off_factors_used()[1] > 3.0
+    monkeypatch.setattr(budget, "OFF_PROBE_MAX", 4.0)
+    _, sec, _, _, auto, exact = run_oracle([sim.fresh()], rounds, cost=cost, bucketed=True, lagged=True)
+    assert auto.stats.summary()["nodes_hist"] == {str(DEPTH): rounds} and exact / sec < 0.92 * best
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_a_verify_is_priced_at_the_cheapest_bucket_that_holds_it(bucketed):
+    """Costs that do not rise with rows (the H100's 65 rows on the general kernels against the
+    small-M path's 48 and 64): a request capped at 48 nodes (``Request.budget``) holds 49 rows, which
+    the smallest bucket holding them (64, small-M) prices at 12.4 ms, so a small tree looked best
+    (before this pricing: 15 nodes in 16 rows; eagerly 4 nodes); padded into the 65-row bucket (the
+    roots repeated: no nodes are paid for but the verified ones) its 48 nodes cost 6.4 ms and win.
+    The choice is the best of every count at every bucket that holds it; the curve is the minimum
+    over those buckets of ``verify_s`` (with the fan-out term too), the smallest of equal cost,
+    unless it saves less than ``BUCKET_MARGIN`` (the warm-up's timing noise)."""
+    sim = h100_oracle()
+    vals = sim.ptrue[None, 1:MAX + 1]  # the walk's own probabilities: no calibration in the way
+    cost = h100_c1_cost()
+    buckets = row_buckets(1, MAX + 1) if bucketed else tuple(range(1, MAX + 2))
+    c = choose(vals, [48], cost, buckets)
+    assert c.counts.tolist() == [48] and c.rows == MAX + 1
+    assert c.verify_s == pytest.approx(H100_C1_US[65] * 1e-6)
+    rate = lambda n, t: (1 + vals[0, :n].sum()) / float(cost.verify_s(t, 1 + n))  # noqa: E731
+    best = (1 + vals[0, :48].sum()) / c.seconds
+    assert all(rate(n, t) <= best * (1 + 1e-12) for n in range(49) for t in buckets if t >= 1 + n)
+    assert rate(48, 64) < rate(DEPTH, 8) < best  # the smallest bucket's price: the chain would win
+    # a larger bucket timed 2% cheaper (noise, not a kernel switch) does not take a verify that fits a smaller one
+    noisy = CostModel(verify=((1, 3e-3), (8, 6.0e-3), (16, 5.88e-3), (65, 9e-3)))
+    rows, _ = noisy.verify_curve(1, (1, 8, 16, 65))
+    assert rows[8 - 1] == 8 and rows[9 - 1] == 16
+    # past its last point a table that fell there stays flat: no bucket past 65 rows looks cheaper
+    assert float(cost.verify_s(130, 130)) == pytest.approx(H100_C1_US[65] * 1e-6)
+    # the curve against a loop, on a table that falls and rises with a fan-out slope
+    rng = np.random.default_rng(3)
+    pts = tuple((t, float(u)) for t, u in zip((1, 8, 16, 24, 32, 48, 64, 65, 96, 130), rng.uniform(1e-3, 9e-3, 10)))
+    bumpy = CostModel(verify=pts, expert_s=2e-6)
+    for b in (1, 2):
+        bk = row_buckets(b, MAX + 1)
+        rows, base = bumpy.verify_curve(b, bk)
+        for i, n in enumerate(range(b, bk[-1] + 1)):
+            t = cheapest(bumpy, bk, n, b)
+            assert (base[i], rows[i]) == pytest.approx((float(bumpy.verify_s(t, n, b)), t), rel=1e-12)
+        smallest = np.asarray(bk)[np.searchsorted(bk, np.arange(b, bk[-1] + 1))]
+        assert (rows > smallest).any()  # some verifies padded into a cheaper bucket
 
 
 @pytest.mark.parametrize("cheap", [False, True])

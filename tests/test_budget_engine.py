@@ -326,6 +326,31 @@ def test_warm_up_under_the_row_cap_measures_every_bucket_it_uses(tiny, cont):
     assert set(auto.stats.rows_hist) <= measured  # every verify used is a measured bucket
 
 
+def test_auto_rows_any_lifts_the_row_cap(tiny, cont):
+    """Row-invariant scheduling caps auto's verify at 64 rows, the small-M path (AR's ids by
+    construction on a GPU), which leaves out the general kernels' buckets past it (on the H100 65
+    rows cost less than the small-M path's 33: tests/test_budget.py, the H100 shape).
+    ``auto_rows='any'`` lifts the cap, with a warning as a fixed budget over 63 gives: five requests
+    of up to 17 rows may verify in one round of 85 rows where nodes are free, and the ids stay
+    autoregressive decoding's (numpy: every path is the reference)."""
+    ps = prompts(19, (6, 9, 4, 12, 7))
+    new = [12, 4, 9, 6, 11]
+    _, want = run(tiny, ps, new, max_batch=5)
+    kw = dict(max_batch=5, page_size=16, max_context=128, mode="ddtree", budget="auto", max_budget=MAX)
+    capped = Engine(tiny, drafter=oracle(tiny, cont, accept_p=0.9), cost=CostModel.from_dict(FREE.to_json()), **kw)
+    assert capped.invariant and capped.verify_invariant and capped.round.auto.max_rows == 64
+    with pytest.warns(UserWarning, match="auto_rows 'any': a verify over the 64 rows"):
+        eng = Engine(tiny, drafter=oracle(tiny, cont, accept_p=0.9), cost=CostModel.from_dict(FREE.to_json()),
+                     auto_rows="any", **kw)
+    auto = eng.round.auto
+    assert eng.invariant and not eng.verify_invariant and auto.max_rows is None
+    assert auto.top_rows(5) == 5 * (MAX + 1) and auto.graph_buckets(5)[-1] == 85
+    got = [r.output for r in eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(ps, new))])]
+    assert got == want and max(auto.stats.rows_hist) > 64
+    with pytest.raises(BudgetError, match="decode.auto_rows must be 'invariant' or 'any', got 'all'"):
+        Engine(tiny, drafter=oracle(tiny, cont), cost=MOE, auto_rows="all", **kw)
+
+
 class FakeGraphRunner(ModelRunner):
     """CUDA graphs simulated on numpy: a capture records its (shape, output) and makes a 'graph'
     whose launch runs the shape's current inputs eagerly (what a replay of the real one computes)."""
@@ -411,7 +436,8 @@ def test_bad_input_is_named(tiny, cont):
 
 def test_bench_budget_compares_settings_on_the_tiny_pipeline(tmp_path):
     """`ddtree-rtc bench budget` end to end on the numpy backend: every setting's ids equal
-    autoregressive decoding's, and auto is compared with the best and worst fixed budgets."""
+    autoregressive decoding's, and auto is compared with the best and worst fixed budgets (auto-any,
+    auto without the row cap, too); each auto row keeps its cost table and row cap."""
     import json
 
     from ddtree_rtc.bench.budget import main
@@ -421,19 +447,22 @@ def test_bench_budget_compares_settings_on_the_tiny_pipeline(tmp_path):
     doc = main(["--pipeline", "pipelines/tiny_ddtree.yaml", "--set", "decode.budget=auto",
                 "--set", f"decode.cost_table={table}", "--set", "decode.max_budget=8",
                 "--set", "workload.synthetic.count=2", "--set", "workload.synthetic.output_len=6",
-                "--concurrency", "2", "--settings", "autoregressive,chain,4,auto-tree,auto", "--warmup-tokens",
+                "--concurrency", "2", "--settings", "autoregressive,chain,4,auto-tree,auto,auto-any", "--warmup-tokens",
                 "2", "--json", str(tmp_path / "b.json")])
     assert doc["same_ids_as_autoregressive"] == {"2": {"autoregressive": True, "chain": True, "4": True,
-                                                       "auto-tree": True, "auto": True}}
+                                                       "auto-tree": True, "auto": True, "auto-any": True}}
     s = doc["summary"]["2"]
     assert {s["best_fixed"], s["worst_fixed"]} <= {"chain", "4"} and s["auto_over_best"] > 0
-    assert s["auto_over_auto_tree"] > 0
+    assert s["auto_over_auto_tree"] > 0 and s["auto_any_over_best"] > 0 and s["auto_any"] > 0
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert rows[-1]["budget"]["nodes_hist"] and rows[-2]["budget"]["nodes_hist"]
+    assert rows[-2]["budget"]["max_rows"] == 64 and rows[-1]["budget"]["max_rows"] is None
+    assert rows[-1]["budget"]["cost_model"]["verify"] == [list(p) for p in MOE.verify]  # the table given
+    assert rows[-1]["invariant"] is False and rows[-2]["invariant"] is True
     assert {r["setting"]: r["min_rows"] for r in rows}["4"] == 5 and all("invariant" in r for r in rows)
     # the host's time per step by stage: every setting verifies or decodes, auto alone values its trees
     assert all(r["wall_us_per_step"] > 0 and r["graph_captures"] == 0 for r in rows)  # numpy: no graphs
-    assert rows[-1]["stage_us_per_step"]["budget"] > 0 and rows[-1]["stage_us_per_step"]["verify"] > 0
+    assert rows[-2]["stage_us_per_step"]["budget"] > 0 and rows[-2]["stage_us_per_step"]["verify"] > 0
     assert "budget" not in rows[2]["stage_us_per_step"] and rows[2]["stage_us_per_step"]["verify"] > 0
 
 
@@ -446,11 +475,12 @@ def test_bench_budget_summary_names_the_best_setting_on_the_row_invariant_path()
         return {"concurrency": 1, "setting": setting, "tok_s_per_user": tps, "min_rows": rows, "invariant": invariant}
 
     rows = [row("autoregressive", 350.0, 1), row("chain", 720.0, 8), row("8", 740.0, 9), row("32", 580.0, 33),
-            row("64", 900.0, 65, invariant=False), row("auto", 750.0, 1)]
+            row("64", 900.0, 65, invariant=False), row("auto", 750.0, 1), row("auto-any", 905.0, 1, invariant=False)]
     s = summarize(rows)["1"]
     assert (s["best_fixed"], s["worst_fixed"]) == ("64", "32")
     assert s["best_invariant_fixed"] == "8" and s["auto_over_best_invariant"] == pytest.approx(750 / 740)
     assert s["auto_over_best"] == pytest.approx(750 / 900)
+    assert s["auto_any_over_best"] == pytest.approx(905 / 900) and s["auto_any_over_worst"] == pytest.approx(905 / 580)
     assert "best_invariant_fixed" not in summarize([{**r, "invariant": False} for r in rows])["1"]
 
 
@@ -487,3 +517,43 @@ def test_cuda_auto_equals_cuda_autoregressive_up_to_near_ties(tmp_path_factory, 
         assert eng.warm_up["left"] == 0 and eng.runner.captures == eng.warm_up["graphs"] == len(eng.graph_shapes())
         assert all(key[1] in auto.graph_buckets(key[0]) for key in eng.runner._shapes if key[2])
         assert max(key[1] for key in eng.runner._shapes if key[2]) <= 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", ["invariant", "any"])
+def test_cuda_warm_up_measures_every_bucket_auto_may_choose(tmp_path_factory, rows):
+    """On CUDA without a cost table the warm-up times every row bucket auto may choose, each by
+    replays of its own verify graph (so a bucket past the small-M path is timed on the general
+    kernels it runs): max_budget 64 at batch 2 and 1, row-invariant (buckets up to 64 rows) and with
+    ``auto_rows='any'``, whose buckets include 65 (root + 64 nodes: at batch 1 the only bucket that
+    holds budget 64's tree, which on the H100 ran the general kernels faster than the small-M path
+    ran 33 rows, benchmarks/budget_h100.json) and 130. Every bucket of every batch size measured
+    has a point of its own (none interpolated across the kernel switch), and every verify the run
+    used is one of them."""
+    import warnings
+
+    from test_round_gpu import copies, dense_tiny_config, oracle_of, pool_requests, run_engine
+
+    from ddtree_rtc.model.make_model import make_model
+
+    d = tmp_path_factory.mktemp("tiny_dense_buckets")
+    make_model(dense_tiny_config(), d, seed=5)
+    cuda = TargetModel.load(d, Backend("cuda"))
+    pool = pool_requests(0.0, seed=2)[:2]
+    _, ref = run_engine(cuda, copies(pool))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # auto_rows 'any' warns that its ids may part from AR's at near-ties
+        eng = Engine(cuda, max_batch=2, page_size=16, max_context=128, mode="ddtree", drafter=oracle_of(cuda, ref),
+                     budget="auto", max_budget=64, cost=None, cuda_graphs=True, auto_rows=rows)
+    eng.run(copies(pool))
+    auto, batches = eng.round.auto, eng.round._auto_round.measured_batches
+    measured = {int(x) for x, _ in auto.cost.verify}
+    assert 2 in batches and batches <= {1, 2} and auto.stats.drafted_rounds > 0
+    assert all(set(auto.graph_buckets(b)) <= measured for b in batches)
+    assert set(auto.stats.rows_hist) <= measured
+    assert cuda.small_m(64) and not cuda.small_m(65)  # the kernels switch between the last two buckets of batch 1
+    if rows == "invariant":
+        assert auto.max_rows == 64 and max(measured) == 64
+    else:
+        assert auto.max_rows is None and {65, 130} <= measured and auto.graph_buckets(1)[-2:] == (64, 65)
+    assert all(t > 0 for _, t in auto.cost.verify)

@@ -45,6 +45,8 @@ def test_good_pipeline_parses():
     ("- 1\n- 2\n", "top level"),
     (GOOD + "extra: 1\n", r"bad.yaml:14: unknown key 'extra'"),
     (GOOD.replace("runtime:\n", "runtime:\n  arch: sm_80\n"), r"unsupported arch 'sm_80'"),
+    (GOOD.replace("temperature: 0", "temperature: 0\n  auto_rows: any"), r"auto_rows is read only with budget 'auto'"),
+    (GOOD.replace("temperature: 0", "temperature: 0\n  auto_rows: all"), r"key 'decode.auto_rows': must be one"),
 ])
 def test_bad_pipelines_name_file_line_key(text, msg):
     with pytest.raises(PipelineError, match=msg):

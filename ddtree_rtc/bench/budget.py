@@ -12,7 +12,10 @@ CUDA graphs captured in the timed pass (0: the start captured every shape the se
 concurrency: auto over the best and the worst fixed budget (chain included), the issue's targets being
 >= 1.0x and >= 1.15x. ``auto`` is ``decode.budget_choice: lagged`` (each round's counts from the past
 rounds: no sync between the build and the verify); ``auto-tree`` chooses from the round's own tree
-(a host round trip there), for comparison (``auto_over_auto_tree``)."""
+(a host round trip there), for comparison (``auto_over_auto_tree``); ``auto-any`` is ``auto`` with
+``decode.auto_rows: any``: under row-invariant scheduling its verify may leave the 64 rows of the
+small-M path for the general kernels, as a fixed budget over 63 does (``auto_any_over_best``). Each auto
+row keeps the cost table it chose by (``cost_model``: the warm-up's measured buckets) and its row cap."""
 
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ from ..engine.engine import Engine
 from ..engine.request import Request
 from .harness import stamp
 
-SETTINGS = ("autoregressive", "chain", "8", "16", "32", "64", "auto")
-AUTO = {"auto": "lagged", "auto-tree": "tree"}  # setting -> decode.budget_choice
+SETTINGS = ("autoregressive", "chain", "8", "16", "32", "64", "auto", "auto-any")
+AUTO = {"auto": "lagged", "auto-tree": "tree", "auto-any": "lagged"}  # setting -> decode.budget_choice
+AUTO_ROWS = {"auto-any": "any"}  # setting -> decode.auto_rows (else the pipeline's)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,7 +65,8 @@ def engine_for(pipe, model, drafter, setting: str, concurrency: int, max_budget:
     return Engine(model, max_batch=concurrency, page_size=rt.page_size, max_context=rt.max_context,
                   seed=d.seed, cuda_graphs=rt.cuda_graphs, mode=mode,
                   drafter=None if mode == "autoregressive" else drafter, budget=budget, max_budget=max_budget,
-                  cost=cost if setting in AUTO else None, budget_choice=AUTO.get(setting, "lagged"))
+                  cost=cost if setting in AUTO else None, budget_choice=AUTO.get(setting, "lagged"),
+                  auto_rows=AUTO_ROWS.get(setting, d.auto_rows) if setting in AUTO else "invariant")
 
 
 def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
@@ -87,7 +92,8 @@ def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
     if rnd is not None:
         out["tau"] = rnd.stats.tau
         if rnd.auto is not None:
-            out["budget"] = rnd.auto.stats.summary()
+            out["budget"] = {**rnd.auto.stats.summary(), "max_rows": rnd.auto.max_rows,
+                             "cost_model": rnd.auto.cost.to_json()}
     return out
 
 
@@ -150,6 +156,7 @@ def summarize(rows) -> dict:
                if r["concurrency"] == c and r["setting"] in fixed and r.get("invariant")}
         auto = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "auto"), None)
         tree = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "auto-tree"), None)
+        free = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "auto-any"), None)
         ar = next((r["tok_s_per_user"] for r in rows if r["concurrency"] == c and r["setting"] == "autoregressive"),
                   None)
         if not fixed or auto is None:
@@ -158,7 +165,9 @@ def summarize(rows) -> dict:
         out[str(c)] = {"auto": auto, "best_fixed": best, "best": fixed[best], "worst_fixed": worst,
                        "worst": fixed[worst], "auto_over_best": auto / fixed[best],
                        "auto_over_worst": auto / fixed[worst], "auto_over_ar": auto / ar if ar else None,
-                       "auto_over_auto_tree": auto / tree if tree else None}
+                       "auto_over_auto_tree": auto / tree if tree else None,
+                       "auto_any": free, "auto_any_over_best": free / fixed[best] if free else None,
+                       "auto_any_over_worst": free / fixed[worst] if free else None}
         if inv:
             bi = max(inv, key=inv.get)
             out[str(c)].update(best_invariant_fixed=bi, best_invariant=inv[bi], auto_over_best_invariant=auto / inv[bi])
@@ -200,6 +209,8 @@ def print_table(rows, summary) -> None:
               f"{s['best']:.1f}), {s['auto_over_worst']:.3f}x worst ({s['worst_fixed']}, {s['worst']:.1f})"
               + (f", {s['auto_over_ar']:.3f}x AR" if s["auto_over_ar"] else "")
               + (f", {s['auto_over_auto_tree']:.3f}x auto-tree" if s.get("auto_over_auto_tree") else "")
+              + (f"; auto-any {s['auto_any']:.1f} = {s['auto_any_over_best']:.3f}x best, "
+                 f"{s['auto_any_over_worst']:.3f}x worst" if s.get("auto_any") else "")
               + (f"; {s['auto_over_best_invariant']:.3f}x the best on the row-invariant path "
                  f"({s['best_invariant_fixed']}, {s['best_invariant']:.1f})"
                  if s.get("best_invariant_fixed") and s["best_invariant_fixed"] != s["best_fixed"] else ""))

@@ -16,7 +16,8 @@ length, and the running requests decode in groups of at most 64 rows (``SMALL_M_
 step takes 1 row per request, a fixed-budget round 1 + budget; ``decoder.min_rows``), one forward
 (AR) or one round each, so every decode and verify forward stays on the row-invariant small-M path.
 With ``decode.budget: auto`` a request takes 1 row at least, so a group holds up to 64 requests and
-its policy shares the 64 verify rows among them (``AutoBudget.max_rows``). The only host sync per step is
+its policy shares the 64 verify rows among them (``AutoBudget.max_rows``; ``decode.auto_rows: any`` lifts
+that cap, the general kernels then verifying past 64 rows where the costs say it pays). The only host sync per step is
 reading the chosen tokens. Every forward goes through the model runner (``engine.runner``); with
 ``cuda_graphs`` (CUDA backend) the decode forward of each batch size and the verify forward of each
 (batch, rows) the decoder can choose are captured once, when the engine starts (``capture_graphs``:
@@ -61,12 +62,16 @@ class Engine:
                  num_pages: int | None = None, max_prefill_tokens: int = 4096, seed: int = 0,
                  profile: bool = False, cuda_graphs: bool = False, mode: str = "autoregressive",
                  drafter=None, budget: int | str = 64, max_budget: int = 64, cost=None,
-                 budget_choice: str = "lagged"):
+                 budget_choice: str = "lagged", auto_rows: str = "invariant"):
         """``mode``: 'autoregressive', 'ddtree' or 'chain' (the last two need a ``drafter`` from
         ddtree_rtc.speculative.drafters; ``budget``: tree nodes per round, the most any request
         may ask for, or 'auto': chosen per round and request up to ``max_budget`` by the cost
         model ``cost`` (engine.decode.budget.CostModel; None: measured at warm-up, CUDA only));
-        ``budget_choice``: auto's counts from the past rounds ('lagged') or the round's own tree ('tree')."""
+        ``budget_choice``: auto's counts from the past rounds ('lagged') or the round's own tree ('tree');
+        ``auto_rows``: auto's verify within the 64 rows of the row-invariant path when the engine is
+        ``invariant`` ('invariant'), or any row bucket, the general kernels' past 64 rows included,
+        where the costs say it pays ('any': ids may part from AR at near-ties, as a fixed budget
+        over 63's)."""
         if mode not in MODES:
             raise ValueError(f"decode mode must be one of {', '.join(MODES)}, got {mode!r}")
         if (mode == "autoregressive") != (drafter is None):
@@ -92,7 +97,7 @@ class Engine:
         self.round = None
         auto = None
         if budget == "auto":
-            auto = self._auto_budget(mode, drafter, max_budget, cost, graphs, budget_choice)
+            auto = self._auto_budget(mode, drafter, max_budget, cost, graphs, budget_choice, auto_rows)
             budget = max_budget
         elif not isinstance(budget, (int, np.integer)):
             raise ValueError(f"decode.budget must be a node count or 'auto', got {budget!r}")
@@ -101,7 +106,11 @@ class Engine:
             self.round = SpeculativeRound(model, self.cache, self.pages, self.runner, drafter, mode, budget,
                                           self.sampler, self.clock, auto=auto)
         self.decoder = self.round or AutoregressiveDecode(self.runner, self.sampler, self.clock)
-        if self.invariant and not self.verify_invariant:
+        if self.invariant and auto is not None and auto.max_rows is None:
+            warnings.warn(f"decode.auto_rows 'any': a verify over the {SMALL_M_MAX_TOKENS} rows of the row-invariant "
+                          f"path runs the general kernels, so on a GPU auto's ids may part from autoregressive "
+                          f"decoding at near-ties (as a fixed budget over {SMALL_M_MAX_TOKENS - 1}'s do)", stacklevel=2)
+        elif self.invariant and not self.verify_invariant:
             warnings.warn(f"decode.budget {self.decoder.min_rows - 1}: one request's verify ({self.decoder.min_rows} "
                           f"rows) is over the {SMALL_M_MAX_TOKENS} rows of the row-invariant path, so on a GPU its ids "
                           f"may part from autoregressive decoding at near-ties, and each request verifies in a round "
@@ -145,7 +154,7 @@ class Engine:
         return {"graphs": self.runner.captures - before, "left": len(left), "bytes": self.runner.graph_bytes(),
                 "seconds": time.perf_counter() - t0}
 
-    def _auto_budget(self, mode: str, drafter, max_budget: int, cost, graphs: bool, choice: str):
+    def _auto_budget(self, mode: str, drafter, max_budget: int, cost, graphs: bool, choice: str, rows: str):
         from .decode.budget import AutoBudget, BudgetError
 
         if mode != "ddtree":
@@ -153,6 +162,9 @@ class Engine:
                               f"from), got mode {mode!r}")
         if choice not in ("lagged", "tree"):
             raise BudgetError(f"decode.budget_choice must be 'lagged' or 'tree', got {choice!r}")
+        if rows not in ("invariant", "any"):
+            raise BudgetError(f"decode.auto_rows must be 'invariant' or 'any', got {rows!r}")
+        capped = self.invariant and rows == "invariant"
         if cost is None and self.model.shard.world > 1 and self.model.comm.name != "simulated":
             raise BudgetError("decode.budget auto on several ranks needs decode.cost_table: timings measured on "
                               "each rank differ, and every rank must choose the same trees (a simulated rank, "
@@ -161,9 +173,9 @@ class Engine:
             raise BudgetError("decode.budget auto on the numpy backend needs decode.cost_table (a verify cost "
                               "table, engine/decode/budget.py): only the CUDA backend measures one at warm-up")
         # with CUDA graphs a verify shape is a captured graph: a few row buckets; eagerly any row count is one.
-        # Invariant, a round's verify holds at most SMALL_M_MAX_TOKENS rows (the module doc)
+        # Invariant, a round's verify holds at most SMALL_M_MAX_TOKENS rows (the module doc), unless auto_rows lifts it
         return AutoBudget(max_budget, drafter.depth, cost, bucketed=graphs,
-                          max_rows=SMALL_M_MAX_TOKENS if self.invariant else None, lagged=choice == "lagged")
+                          max_rows=SMALL_M_MAX_TOKENS if capped else None, lagged=choice == "lagged")
 
     @property
     def context_limit(self) -> int:
@@ -253,9 +265,11 @@ class Engine:
     @property
     def verify_invariant(self) -> bool:
         """Whether a request's decode or verify forward stays on the row-invariant path (``invariant``
-        and its ``decoder.min_rows`` within ``SMALL_M_MAX_TOKENS``): its ids then equal autoregressive
-        decoding's by construction on a GPU."""
-        return self.invariant and self.decoder.min_rows <= SMALL_M_MAX_TOKENS
+        and its ``decoder.min_rows`` within ``SMALL_M_MAX_TOKENS``, auto's rows capped there): its ids
+        then equal autoregressive decoding's by construction on a GPU."""
+        auto = None if self.round is None else self.round.auto
+        return (self.invariant and self.decoder.min_rows <= SMALL_M_MAX_TOKENS
+                and (auto is None or auto.max_rows is not None))
 
     def _prefill_chunks(self, reqs: list[Request]):
         """Whole prompts in order: one per forward when ``invariant`` (a prompt's rows, logits and KV

@@ -397,7 +397,7 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
         engine = Engine(model, max_batch=max_batch, page_size=pipe.runtime.page_size,
                         max_context=pipe.runtime.max_context, seed=d.seed, profile=profile,
                         cuda_graphs=pipe.runtime.cuda_graphs, mode=d.mode, drafter=drafter, budget=d.budget,
-                        max_budget=d.max_budget, cost=cost, budget_choice=d.budget_choice)
+                        max_budget=d.max_budget, cost=cost, budget_choice=d.budget_choice, auto_rows=d.auto_rows)
     except ValueError as e:
         raise PipelineError(f"{pipe.source}: {e}") from None
     return engine, {"dir": directory, "compile_s": compile_s, "load_s": load_s}

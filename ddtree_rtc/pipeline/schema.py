@@ -137,6 +137,10 @@ class DecodeSpec:
     # budget auto: each round's counts from the past rounds (lagged: no sync between build and verify)
     # or from the round's own tree (tree: a host round trip there)
     budget_choice: Literal["lagged", "tree"] = "lagged"
+    # budget auto under row-invariant scheduling: the verify within the small-M path's 64 rows (invariant: AR's
+    # ids by construction) or any row bucket, the general kernels past 64 rows included, where the costs say it
+    # pays (any: ids may part from AR at near-ties, as a fixed budget over 63's do)
+    auto_rows: Literal["invariant", "any"] = "invariant"
 
     def __post_init__(self):
         from ..reference.tree_build import MAX_BUDGET
@@ -156,6 +160,10 @@ class DecodeSpec:
             raise ValueError("cost_table is read only with budget 'auto'")
         if self.budget_choice not in ("lagged", "tree"):
             raise ValueError(f"budget_choice must be 'lagged' or 'tree', got {self.budget_choice!r}")
+        if self.auto_rows not in ("invariant", "any"):
+            raise ValueError(f"auto_rows must be 'invariant' or 'any', got {self.auto_rows!r}")
+        if self.auto_rows != "invariant" and self.budget != "auto":
+            raise ValueError("auto_rows is read only with budget 'auto'")
         if self.mode != "autoregressive" and self.drafter is None:
             raise ValueError(f"mode {self.mode!r} needs a drafter (decode.drafter: {{kind: oracle | random | dflash}})")
 

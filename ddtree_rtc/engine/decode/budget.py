@@ -32,8 +32,10 @@ maximises the batch's expected tokens per second of round time:
   the lag costs what the tree would have shown (tests/test_budget.py, a switching drafter).
 - **The policy** (``choose``). The batch's nodes are taken greedily in order of value (the global
   best-first order over all requests); every prefix of that order is priced at the verify of the
-  smallest row bucket (``row_buckets``: the verify graphs) that holds its rows, the roots included,
-  and the prefix with the most expected tokens per second wins. The verify packs each request's
+  cheapest row bucket (``row_buckets``: the verify graphs) that holds its rows, the roots included
+  (not always the smallest: past the small-M path's 64 rows the general kernels run, and on the
+  H100 they verify 65 rows in less time than the small-M path verifies 33), and the prefix with
+  the most expected tokens per second wins. The verify packs each request's
   chosen nodes after one another (engine.runner), so nothing is paid for nodes not verified. Zero
   nodes for every request is autoregressive decoding; a confident drafter's first pops are its
   top-1 path, so a deep narrow tree (the chain) is a point of the same space. Output stays
@@ -471,12 +473,14 @@ class ValueHistory:
 
 def _interp(points: tuple, x):
     """Piecewise-linear through ``points`` ((x, y), ... sorted by x), linear extrapolation past
-    the last two points and flat below the first."""
+    the last two points (never falling: a table that falls between its last two points, as the
+    H100's from the small-M path's 33 rows to the general kernels' 65, says nothing of cheaper rows
+    past them, and the policy takes the cheapest bucket) and flat below the first."""
     xs, ys = _arrays(points)
     x = np.asarray(x, np.float64)
     y = np.interp(x, xs, ys)
     if len(xs) >= 2:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
         y = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), y)
     return y
 
@@ -484,6 +488,11 @@ def _interp(points: tuple, x):
 @functools.lru_cache(maxsize=64)
 def _arrays(points: tuple):
     return np.array([p[0] for p in points], np.float64), np.array([p[1] for p in points], np.float64)
+
+
+BUCKET_MARGIN = 0.05  # a verify takes a larger row bucket than it needs only where that costs 5% less (verify_curve)
+NO_VERIFY_COSTS = ("decode.budget auto: the cost model has no verify costs yet (give decode.cost_table, or on CUDA "
+                   "let the warm-up measure them)")
 
 
 @dataclass
@@ -534,18 +543,38 @@ class CostModel:
     def verify_curve(self, batch: int, buckets: tuple) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, seconds)`` of a verify holding ``batch + i`` distinct nodes, i = 0 .. the last
         bucket less ``batch``: the smallest of ``buckets`` (sorted, the first >= batch) that holds
-        them, and ``verify_s`` of it at ``ctx_ref`` before the context term and the clamp at 0
-        (``with_ctx`` adds both). Made once per batch, buckets and table (the policy prices every
-        candidate of every round on it); made again when the table changes (the warm-up's points,
-        ``expert_s``)."""
+        them, or the cheapest that does where it costs ``BUCKET_MARGIN`` less (the smallest of equal
+        cost), and ``verify_s`` of it at ``ctx_ref`` before the context term and the clamp at 0
+        (``with_ctx`` adds both). The cheapest, not always the smallest: a table need not rise with
+        rows (on a GPU the rows past the small-M path run the general kernels, measured cheaper than
+        the small-M path's largest buckets; benchmarks/budget_h100.json), and padding rows repeat
+        the roots, so a verify padded into a larger, cheaper bucket gives the same tokens. The margin
+        keeps the warm-up's timing noise (a few replays per bucket) from padding verifies into
+        larger graphs; a kernel switch saves far more. A verify of T rows holding N nodes costs
+        ``g(T) + expert_s E(N)``, ``g(T)`` the table at T less ``expert_s E(T)``, so the cheapest
+        bucket for N is the suffix minimum of g over the buckets from N. Made once per batch,
+        buckets and table (the policy prices every candidate of every round on it); made again when
+        the table changes (the warm-up's points, ``expert_s``)."""
         hit = self._curves.get((batch, buckets))
         # the table is a tuple, replaced (never changed) when a point is added: the same object is the same table
         if hit is None or hit[0] is not self.verify or hit[1] != self.expert_s:
             if len(self._curves) >= 64:
                 self._curves.clear()
             b = np.asarray(buckets, np.int64)
+            b = b[b >= batch]
+            if not self.verify:
+                raise BudgetError(NO_VERIFY_COSTS)
+            g = _interp(self.verify, b) - self.expert_s * experts_touched(b)
+            # suffix minimum of g and its bucket, ties to the smaller bucket (fewer rows, same price)
+            best = np.empty(len(b), np.int64)
+            best[-1] = len(b) - 1
+            for i in range(len(b) - 2, -1, -1):
+                best[i] = i if g[i] <= g[best[i + 1]] else best[i + 1]
             nodes = np.arange(batch, int(b[-1]) + 1)
-            rows = b[np.searchsorted(b, nodes)]
+            small = np.searchsorted(b, nodes)
+            fan = self.expert_s * experts_touched(nodes)
+            cheaper = g[best[small]] + fan < (1.0 - BUCKET_MARGIN) * (g[small] + fan)
+            rows = b[np.where(cheaper, best[small], small)]
             base = self._verify_base(rows, nodes)
             rows.flags.writeable = base.flags.writeable = False
             hit = self._curves[(batch, buckets)] = (self.verify, self.expert_s, rows, base)
@@ -554,8 +583,7 @@ class CostModel:
     def _verify_base(self, rows, nodes):
         """``verify_s`` before its context term: the table at ``rows`` less the fan-out saving."""
         if not self.verify:
-            raise BudgetError("decode.budget auto: the cost model has no verify costs yet (give "
-                              "decode.cost_table, or on CUDA let the warm-up measure them)")
+            raise BudgetError(NO_VERIFY_COSTS)
         rows = np.asarray(rows, np.float64)
         nodes = np.minimum(np.asarray(nodes, np.float64), rows)
         return _interp(self.verify, rows) - self.expert_s * (experts_touched(rows) - experts_touched(nodes))
@@ -711,8 +739,8 @@ def choose(values: np.ndarray, caps, cost: CostModel, buckets, ctx: float = 0.0,
     ``buckets``: the verify row counts there are shapes for (``row_buckets``; the largest bounds the
     rows). The candidates are taken in decreasing value (a request's values are first made
     non-increasing, so it always keeps a prefix of its pop order); every prefix of that order is
-    priced at the smallest bucket that holds its rows (B roots + its nodes) and the best (tokens per
-    second, ties to more tokens) wins."""
+    priced at the cheapest bucket that holds its rows (B roots + its nodes; ``verify_curve``) and
+    the best (tokens per second, ties to more tokens) wins."""
     values = np.asarray(values, np.float64)
     b, m = values.shape
     caps = np.minimum(np.asarray(caps, np.int64), m)
@@ -807,7 +835,9 @@ class BudgetStats:
 PROBE_Z, PROBE_MAX = 2.0, 2.0  # a probe's optimism: z of the upper bound, and its largest factor
 OFF_EXPLORE = slice(1, 2)  # the path classes the start-up raises: one rank-1 edge
 OFF_EVIDENCE = 8.0  # accepted nodes' worth of their evidence that ends the start-up
-OFF_PROBE_MAX = 4.0  # the start-up's largest optimism (nothing measured off the top-1 path yet)
+# the start-up's largest optimism (nothing measured off the top-1 path yet): past the oracle's 4.8x understatement
+# of its rank-1 token at K2.6's vocabulary (at 4x a deep tree that pays only by it was never verified)
+OFF_PROBE_MAX = 8.0
 LAG = 2  # lagged: rounds from the last tree learned to the round chosen (chosen during the verify before it)
 
 

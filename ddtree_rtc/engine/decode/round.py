@@ -30,7 +30,7 @@ A fixed budget's verify has the rows of the requests' budgets (1 + budget each; 
 differ), rounded up to a row bucket (engine/decode/budget.row_buckets) when they are not all the
 round's. With ``decode.budget: auto`` (``auto``: engine/decode/budget.AutoBudget) the tree is built at
 the maximum budget, each request's is cut to the node count the cost-aware policy chooses, and the
-verify packs the cut trees into the smallest row bucket that holds them (engine/decode/auto.py).
+verify packs the cut trees into the cheapest row bucket that holds them (engine/decode/auto.py).
 Lagged (``decode.budget_choice: lagged``, the default), the round is a fixed budget's in its order:
 its counts were chosen during the last round's verify, from the requests' past trees (the host had
 nothing else to do there but wait for the sync), the plan and the cut's copy precede the draft, the
