@@ -14,8 +14,8 @@
 //   warps' mma tiles read it from there: include/skinny_mma.cuh's scheme with the same chunk split,
 //   the same mmas in the same order (chunk_mmas) and the same reduction, so a row's bits depend on
 //   (warps_n, S, K) alone, as the plain entries'. Scaling x once per CTA, not in the mma loop,
-//   keeps the 33..64-row buckets' extra work to M x K / S elements a CTA rather than one such pass
-//   per warp of a k-range.
+//   keeps the 33..64-row buckets' extra work to the CTA's M x K / S elements, where in the loop each
+//   of the warps_n warps sharing a k-range would scale the same x again (8x at the TP8 q_b plan).
 // The slab's raw x is loaded before the norm runs (it does not need the norm), so the two reads of x
 // overlap; the weights go to L2 before the PDL wait as in linear.cu.
 #pragma once
@@ -45,7 +45,9 @@ template <int MH>
 constexpr int stage_chunks() {
   return MH == 1 ? 49 : MH == 2 ? 23 : 11;
 }
-// 16-byte pieces of x each thread loads per round of the staging.
+// 16-byte pieces of x each thread loads per round of the staging (the first round's stay in registers
+// through the norm: within the 128 registers of the two-CTA-per-SM buckets; the TP8 q_b's 64-row CTA
+// stages 6 a thread, all in that round).
 template <int MH>
 constexpr int stage_unroll() {
   return MH == 8 ? 6 : MH == 4 ? 4 : 2;
