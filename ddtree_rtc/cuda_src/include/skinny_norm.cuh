@@ -98,11 +98,15 @@ __device__ __forceinline__ float row_ssq(const bf16* __restrict__ x, int d, int 
       for (int j = 0; j < 8; ++j) ss[v] = __fmaf_rn(to_f32(h.v[j]), to_f32(h.v[j]), ss[v]);  // ss += a * a
     }
   }
-  if (kV == 1) return warp_sum(ss[0]);
-  float w[kV];
+  if constexpr (kV == 1) {
+    return warp_sum(ss[0]);
+  } else {
+    static_assert(kV == 8, "rmsnorm's rows are summed by a warp or by a block of 8 warps");
+    float w[kV];
 #pragma unroll
-  for (int v = 0; v < kV; ++v) w[v] = warp_sum(ss[v]);
-  return ((w[0] + w[4]) + (w[2] + w[6])) + ((w[1] + w[5]) + (w[3] + w[7]));
+    for (int v = 0; v < kV; ++v) w[v] = warp_sum(ss[v]);
+    return ((w[0] + w[4]) + (w[2] + w[6])) + ((w[1] + w[5]) + (w[3] + w[7]));
+  }
 }
 
 // inv[r] = rsqrtf(sum of squares / k + eps) for every row r < m, on every CTA; every thread of every
