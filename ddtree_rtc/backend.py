@@ -24,6 +24,7 @@ OPS: dict[str, str] = {
     "argmax": "sampling",
     "sample": "sampling",
     "linear": "linear",
+    "norm_linear": "linear",
     # -- DDTree (issue: tree build) --
     "topk_workspace": "topk",
     "topk_logprobs": "topk",

@@ -313,3 +313,105 @@ def test_one_wave_plan_rejects_bad_input(n, k, at_once, match):
 
     with pytest.raises(ValueError, match=match):
         one_wave_plan(n, k, 132, lambda s: at_once)
+
+
+# -- norm_linear: the small-M path's q_a RMSNorm and q_b in one launch (linear.cu's linear_norm_*) ------------
+
+def test_norm_linear_reference_is_rmsnorm_then_linear(rng):
+    """The numpy twin is the composition of today's references, bit for bit, into ``out`` too."""
+    from ddtree_rtc.reference.linear import norm_linear
+    from ddtree_rtc.reference.rmsnorm import rmsnorm
+
+    x, g, w = random_bf16(rng, (5, 1536)), random_bf16(rng, (1536,)), random_bf16(rng, (96, 1536), 1536 ** -0.5)
+    want = ref_linear(rmsnorm(x, g, 1e-6), w)
+    assert np.array_equal(norm_linear(x, g, 1e-6, w).view(np.uint16), want.view(np.uint16))
+    out = np.full((5, 96), np.nan, bfloat16)
+    assert norm_linear(x, g, 1e-6, w, out=out) is out
+    assert np.array_equal(out.view(np.uint16), want.view(np.uint16))
+
+
+def test_norm_linear_entries_cover_every_bucket_and_split():
+    """Every (token bucket, split) the invariant plan can launch has a linear_norm entry, and the norm
+    group follows the rmsnorm launch (a warp up to 1024 elements, a block above)."""
+    from ddtree_rtc.kernels.linear import token_bucket
+    from ddtree_rtc.kernels.registry import SPECS
+    from ddtree_rtc.kernels.rmsnorm import row_group
+
+    entries = set(SPECS["linear"].entries)
+    assert {f"linear_norm_m{token_bucket(m)}_s{s}" for m in range(1, 65) for s in (1, 2, 4, 8)} <= entries
+    assert [row_group(d) for d in (8, 512, 1024, 1032, 1536, 7168)] == [32, 32, 32, 256, 256, 256]
+
+
+def _norm_linear_inputs(rng, m: int, n: int, k: int):
+    """x [m, k], norm weight [k], weight [n, k] on the device as views whose next rows / elements are
+    NaN (a read past M, K or N poisons the result), and their host copies."""
+    import cupy
+
+    x, g, w = random_bf16(rng, (m, k)), random_bf16(rng, (k,)), random_bf16(rng, (n, k), k ** -0.5)
+    xb, gb, wb = (cupy.full(shape, 0x7FC0, cupy.uint16) for shape in ((m + 1) * k, k + 8, (n + 1) * k))
+    xb[:m * k], gb[:k], wb[:n * k] = (to_device_bf16(a).ravel() for a in (x, g, w))
+    return (x, g, w), (xb[:m * k].reshape(m, k), gb[:k], wb[:n * k].reshape(n, k))
+
+
+def _two_launches(xd, gd, eps, wd):
+    """Today's small-M q_a norm and q_b: the rmsnorm launch, then the invariant linear."""
+    from ddtree_rtc.kernels.linear import linear
+    from ddtree_rtc.kernels.rmsnorm import rmsnorm
+
+    out = nan_bf16_bits((xd.shape[0], wd.shape[0]))
+    return linear(rmsnorm(xd, gd, eps), wd, out=out, impl="invariant")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [8, 64])  # q_b at the K2.6 TP8 shard (8 x 192 rows) and whole (64 heads)
+@pytest.mark.parametrize("m", [1, 3, 5, 17, 33, 64])
+def test_norm_linear_bits_equal_the_two_launches(rng, heads, m):
+    """The fused launch against today's rmsnorm + invariant linear (bits), against the numpy twin, and
+    each row the same bits as in a batch of 64 (NaN-prefilled outputs, NaN past every operand)."""
+    from ddtree_rtc.kernels.linear import norm_linear
+    from ddtree_rtc.reference.linear import norm_linear as ref_norm_linear
+
+    n, k, eps = heads * 192, 1536, 1e-6
+    (x, g, w), (xd, gd, wd) = _norm_linear_inputs(rng, 64, n, k)
+    idx = rng.permutation(64)[:m]
+    xs = xd[idx].copy()
+    out = nan_bf16_bits((m, n))
+    got = norm_linear(xs, gd, eps, wd, out=out)
+    assert got is out
+    assert np.array_equal(got.get(), _two_launches(xs, gd, eps, wd).get()), "bits differ from rmsnorm + linear"
+    assert_close(got, ref_norm_linear(x[idx], g, eps, w), "bf16_accum")
+    full = norm_linear(xd, gd, eps, wd, out=nan_bf16_bits((64, n))).get()
+    assert np.array_equal(got.get(), full[idx]), f"{m} rows differ from the same rows in a batch of 64"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 40, 8), (3, 584, 1048), (5, 104, 520), (9, 8, 8200), (17, 1000, 776),
+                                   (33, 13, 2056), (64, 1001, 1024), (64, 2112, 4104), (6, 12288, 1536)])
+def test_norm_linear_odd_shapes(rng, m, n, k):
+    """Odd M, N (partial 8-row tiles), K (partial k32 chunks; rows of one piece; a warp's and a block's
+    norm; past 8192, the norm kernel's loop over pieces): bits equal the two launches, values the twin."""
+    from ddtree_rtc.kernels.linear import norm_linear
+    from ddtree_rtc.reference.linear import norm_linear as ref_norm_linear
+
+    (x, g, w), (xd, gd, wd) = _norm_linear_inputs(rng, m, n, k)
+    got = norm_linear(xd, gd, 1e-5, wd, out=nan_bf16_bits((m, n)))
+    assert np.array_equal(got.get(), _two_launches(xd, gd, 1e-5, wd).get()), "bits differ from rmsnorm + linear"
+    assert_close(got, ref_norm_linear(x, g, 1e-5, w), "bf16_accum")
+
+
+@pytest.mark.gpu
+def test_norm_linear_bad_input():
+    import cupy
+
+    from ddtree_rtc.kernels.linear import norm_linear
+
+    x, g, w = (cupy.zeros(s, dtype=cupy.uint16) for s in ((65, 64), (64,), (16, 64)))
+    with pytest.raises(ValueError, match="norm_linear: needs 1 <= M <= 64"):
+        norm_linear(x, g, 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight: expected shape"):
+        norm_linear(x[:3], g[:32], 1e-6, w)
+    with pytest.raises(ValueError, match=r"weight: expected \[N, 64\]"):
+        norm_linear(x[:3], g, 1e-6, cupy.zeros((16, 32), dtype=cupy.uint16))
+    with pytest.raises(ValueError, match="norm_linear: needs"):
+        norm_linear(cupy.zeros((3, 12), dtype=cupy.uint16), cupy.zeros(12, dtype=cupy.uint16), 1e-6,
+                    cupy.zeros((8, 12), dtype=cupy.uint16))

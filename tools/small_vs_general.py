@@ -237,7 +237,7 @@ def attention(model, table, i, x_s, x_g, cur_s, cur_g, caches, snapshot):
         each step on the general path's input for it."""
         if small_rows:
             qa, kv = be.mla_qkv_a_small(x, w.q_a, w.kv_a)
-            q = be.linear(be.rmsnorm(qa_g if forced else qa, w.q_a_norm, eps), w.q_b, impl="invariant")
+            q = be.norm_linear(qa_g if forced else qa, w.q_a_norm, eps, w.q_b)
             q = q.reshape(t, d.num_heads, d.qk_head)
             q_att = be.mla_query_small(q_g if forced else q, w.w_uk(d), pos, inv, rs,
                                        rows=(kv_g if forced else kv, w.kv_a_norm, eps, cache_layer, slots))

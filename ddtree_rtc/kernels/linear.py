@@ -23,6 +23,7 @@ from . import _cublas
 from ._args import BF16, check, out_array
 from ._launch import ctas_per_sm, launch, pdl_supported, sm_count
 from .registry import module
+from .rmsnorm import row_group
 
 # Host scalars for alpha/beta (host pointer mode); module-level so the pointers stay valid.
 _ALPHA = np.ones(1, dtype=np.float32)
@@ -232,22 +233,27 @@ def _pdl(device_id: int) -> bool:
     return pdl_supported()
 
 
+def _launch_skinny(fn, grid: int, args: tuple, early: bool) -> None:
+    """A skinny entry with its last argument ``early``: under PDL (early = 1) where asked, the GPU has
+    it and no driver refused it, its weights moving to L2 while the previous kernel finishes
+    (linear.cu); else a plain launch (early = 0)."""
+    if early and not _PDL_REFUSED:
+        try:
+            launch(fn, (grid,), (_THREADS,), args + (np.int32(1),), pdl=True)
+            return
+        except RuntimeError as e:  # a driver that refuses PDL with a cluster kernel: plain launches from now on
+            _PDL_REFUSED.append(str(e))
+            warnings.warn(f"linear: PDL launch refused ({e}); the small-M linears launch plainly", stacklevel=3)
+    launch(fn, (grid,), (_THREADS,), args + (np.int32(0),))
+
+
 def _skinny_linear(x, weight, y, m: int, n: int, k: int, invariant: bool = False) -> None:
     """The skinny kernel; on the small-M path (``invariant``) launched under PDL where the GPU has
     it, its weights moving to L2 while the previous kernel finishes (linear.cu, early)."""
     sms = sm_count(x.device.id)
     plan = invariant_plan(m, n, k, sms, y.dtype == np.float32) if invariant else skinny_plan(m, n, k, sms)
-    early = invariant and _pdl(x.device.id) and not _PDL_REFUSED
-    fn = module("linear").fn(plan.entry)
     args = (x, weight, y, np.int32(m), np.int32(n), np.int32(k), np.int32(plan.warps_n))
-    if early:
-        try:
-            launch(fn, (plan.grid,), (_THREADS,), args + (np.int32(1),), pdl=True)
-            return
-        except RuntimeError as e:  # a driver that refuses PDL with a cluster kernel: plain launches from now on
-            _PDL_REFUSED.append(str(e))
-            warnings.warn(f"linear: PDL launch refused ({e}); the small-M linears launch plainly", stacklevel=2)
-    launch(fn, (plan.grid,), (_THREADS,), args + (np.int32(0),))
+    _launch_skinny(module("linear").fn(plan.entry), plan.grid, args, invariant and _pdl(x.device.id))
 
 
 def linear(x, weight, out=None, impl: str = "auto"):
@@ -278,4 +284,30 @@ def linear(x, weight, out=None, impl: str = "auto"):
         _skinny_linear(x, weight, y, m, n, k)
     else:
         _cublas_linear(x, weight, y, m, n, k)
+    return y
+
+
+def norm_linear(x, norm_weight, eps: float, weight, out=None):
+    """bf16(rmsnorm(x, norm_weight, eps) @ weight^T) in one launch (linear.cu's linear_norm_m*_s*:
+    include/skinny_norm.cuh): x [M, K] bf16 (1 <= M <= 64), norm_weight [K], weight [N, K] -> [M, N]
+    bf16 (into ``out`` when given). The small-M path's q_a norm and q_b: the bits of ``rmsnorm`` then
+    ``linear(..., impl="invariant")``, whose plan it launches, so a row's bits do not depend on M."""
+    check("x", x, BF16, ndim=2)
+    m, k = x.shape
+    check("norm_weight", norm_weight, BF16, shape=(k,))
+    check("weight", weight, BF16, ndim=2)
+    if weight.shape[1] != k:
+        raise ValueError(f"weight: expected [N, {k}] to match x [M, {k}], got {tuple(weight.shape)}")
+    n = weight.shape[0]
+    y = out_array("out", out, (m, n), BF16)
+    if not (skinny_fits(x, weight, INVARIANT_MAX_M) and k > 0 and norm_weight.data.ptr % 16 == 0):
+        raise ValueError(f"norm_linear: needs 1 <= M <= {INVARIANT_MAX_M}, K a positive multiple of 8 and 16-byte "
+                         f"aligned x, norm_weight and weight; got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if n == 0:
+        return y
+    plan = invariant_plan(m, n, k, sm_count(x.device.id))
+    fn = module("linear").fn(f"linear_norm_m{token_bucket(m)}_s{plan.split}")
+    args = (x, norm_weight, np.float32(eps), np.int32(row_group(k)), weight, y, np.int32(m), np.int32(n),
+            np.int32(k), np.int32(plan.warps_n))
+    _launch_skinny(fn, plan.grid, args, _pdl(x.device.id))
     return y

@@ -13,11 +13,12 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                "RoPE in place on a slice of each head: interleaved pairs (GPT-J/MLA) or rotate-half"),
     KernelSpec("embedding", ("embedding_kernel",), "embedding row gather by token id"),
     KernelSpec("silu_mul", ("silu_mul_kernel",), "SiLU(gate) * up over a fused [gate | up] input"),
-    KernelSpec("linear", tuple(f"linear_m{mt}{o}_s{s}" for o in ("", "_f32") for mt in (8, 16, 32, 64)
-                               for s in (1, 2, 4, 8)),
+    KernelSpec("linear", tuple(f"linear{v}_m{mt}{o}_s{s}" for v, outs in (("", ("", "_f32")), ("_norm", ("",)))
+                               for o in outs for mt in (8, 16, 32, 64) for s in (1, 2, 4, 8)),
                "skinny-M dense bf16 linear for decode (M <= 64; bf16 or fp32 out): weights streamed once with "
                "16-byte loads through mma.sync, K split over warps and a cluster of 1/2/4/8 CTAs, fixed-order "
-               "reduction (a row's sums depend only on the split: the small-M path's row-invariant linear)"),
+               "reduction (a row's sums depend only on the split: the small-M path's row-invariant linear); "
+               "linear_norm: an RMSNorm of x in front, the rmsnorm launch's bits (the small-M q_a norm + q_b)"),
     KernelSpec("sampling", ("argmax_kernel", "sample_kernel"),
                "argmax and seeded temperature / top-p sampling over the vocabulary"),
     # -- DDTree (issue: tree build) --

@@ -12,6 +12,13 @@ _ROWS_PER_BLOCK = 8  # short rows: one warp per row, 256 threads
 _BLOCK_ROW_MIN_D = 1024  # longer rows: one 256-thread block per row
 
 
+def row_group(d: int) -> int:
+    """Threads that sum one row of ``d`` elements: a warp (32) up to 1024, else a block (256). Their
+    count fixes the order of the row's sum of squares (include/rmsnorm.cuh), which linear.cu's
+    linear_norm entries reproduce."""
+    return 256 if d > _BLOCK_ROW_MIN_D else 32
+
+
 def rmsnorm(x, weight, eps: float, residual=None, out=None, residual_out=None, plus=None):
     """x, residual: [..., d] bf16; weight: [d] bf16. Returns y, or (y, residual_out) with a residual.
     ``out``/``residual_out`` may alias ``x``/``residual`` (in-place update of the residual stream).
@@ -40,7 +47,7 @@ def rmsnorm(x, weight, eps: float, residual=None, out=None, residual_out=None, p
             np.int32(rows), np.int32(d), np.float32(eps), np.int32(vec))
     # under PDL where the GPU has it: the kernels wait before they read (cuda_src/rmsnorm.cu)
     kind = "_f32" if f32 else ""
-    if d > _BLOCK_ROW_MIN_D:
+    if row_group(d) == 256:
         launch(module("rmsnorm").fn(f"rmsnorm_block{kind}_kernel"), (rows,), (256,), args, pdl=pdl_supported())
     else:
         launch(module("rmsnorm").fn(f"rmsnorm{kind}_kernel"), grid_1d(rows, _ROWS_PER_BLOCK), (32 * _ROWS_PER_BLOCK,),

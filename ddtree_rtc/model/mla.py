@@ -125,12 +125,12 @@ def mla_kv_rows(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, e
 
 def _small_query_and_rows(backend, x, w: MLAWeights, dims: MLADims, positions, inv_freq, eps: float, cache, slots,
                           rope_scale: float):
-    """The small-M path's query and cache rows in four launches instead of ten: q_a and kv_a in one,
-    the q_a norm, q_b, the absorbed query with its RoPE and the cache rows (norm, RoPE, write) in one.
-    Same numbers as ``mla_query`` + ``mla_kv_rows`` on numpy (the twins compose them)."""
+    """The small-M path's query and cache rows in three launches instead of ten: q_a and kv_a in one,
+    the q_a norm with q_b in one, the absorbed query with its RoPE and the cache rows (norm, RoPE,
+    write) in one. Same numbers as ``mla_query`` + ``mla_kv_rows`` on numpy (the twins compose them)."""
     t, h = x.shape[0], dims.num_heads
     qa, kv = backend.mla_qkv_a_small(x, w.q_a, w.kv_a)
-    q = backend.linear(backend.rmsnorm(qa, w.q_a_norm, eps), w.q_b, impl="invariant").reshape(t, h, dims.qk_head)
+    q = backend.norm_linear(qa, w.q_a_norm, eps, w.q_b).reshape(t, h, dims.qk_head)
     return backend.mla_query_small(q, w.w_uk(dims), positions, inv_freq, rope_scale,
                                    rows=(kv, w.kv_a_norm, eps, cache, slots))
 

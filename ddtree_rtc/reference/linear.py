@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 from ml_dtypes import bfloat16
 
+from .rmsnorm import rmsnorm
+
 
 def linear(x, weight, out=None, impl: str = "auto"):
     """x [M, K] bf16, weight [N, K] bf16 -> [M, N] bf16 (fp32, unrounded, when ``out`` is an fp32
@@ -25,3 +27,9 @@ def linear(x, weight, out=None, impl: str = "auto"):
         out[...] = y
         return out
     return y
+
+
+def norm_linear(x, norm_weight, eps: float, weight, out=None):
+    """x [M, K] bf16, norm_weight [K], weight [N, K] -> [M, N] bf16: ``rmsnorm`` (one bf16 rounding of
+    the normed x), then ``linear``, exactly: the twin of the CUDA wrapper's one launch."""
+    return linear(rmsnorm(x, norm_weight, eps), weight, out=out)

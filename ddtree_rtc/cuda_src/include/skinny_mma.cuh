@@ -132,6 +132,23 @@ __device__ __forceinline__ void x_rows(const bf16* x, int m, int pieces, int g, 
   }
 }
 
+// The two k16 mmas of each of kU loaded chunks into every accumulator, chunk by chunk (u order): k_sum's
+// body, and skinny_norm.cuh's, which loads x from shared memory instead.
+template <int MT, int NT, int kU>
+__device__ __forceinline__ void chunk_mmas(float (&acc)[NT * MT][4], const uint4 (&wv)[kU][NT],
+                                           const uint4 (&xa)[kU][MT], const uint4 (&xb)[kU][MT]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        float (&d)[4] = acc[j * MT + mt];
+        mma_bf16(d, xa[u][mt].x, xb[u][mt].x, xa[u][mt].y, xb[u][mt].y, wv[u][j].x, wv[u][j].y);
+        mma_bf16(d, xa[u][mt].z, xb[u][mt].z, xa[u][mt].w, xb[u][mt].w, wv[u][j].z, wv[u][j].w);
+      }
+}
+
 // acc[j * MT + mt] = this lane's share of x . W^T over chunks [c_begin, c_end) for weight tile j (of the
 // warp's NT), kU chunks (NT 16-byte weight loads each) in flight: D[token 16 mt + g][B rows 2t, 2t + 1],
 // D[token 16 mt + g + 8][B rows 2t, 2t + 1] of tile j's 8 weight rows. The x fragments of a chunk are
@@ -160,16 +177,7 @@ __device__ __forceinline__ void k_sum(float (&acc)[NT * MT][4], const uint4* con
         xb[u][mt] = ok && b_ok[mt] ? __ldg(b_row[mt] + p) : zero;
       }
     }
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          float (&d)[4] = acc[j * MT + mt];
-          mma_bf16(d, xa[u][mt].x, xb[u][mt].x, xa[u][mt].y, xb[u][mt].y, wv[u][j].x, wv[u][j].y);
-          mma_bf16(d, xa[u][mt].z, xb[u][mt].z, xa[u][mt].w, xb[u][mt].w, wv[u][j].z, wv[u][j].w);
-        }
+    chunk_mmas<MT, NT, kU>(acc, wv, xa, xb);
   }
 }
 
