@@ -527,3 +527,61 @@ def test_gate_up_tiles_per_item():
 
     assert [gate_up_tiles(m) for m in (1, 16, 17, 64)] == [1, 1, 2, 2]
     assert gate_up_smem(2) >= 2 * gate_up_smem(1) - 1 and gate_up_smem(1) >= 8 * 2 * 4 * 32 * 16
+
+
+# ---- moe_small_route_shared: the routing and the shared expert's down projection in one launch ----
+
+def test_route_shared_twin_is_the_two_references(rng):
+    """The numpy twin is today's two ops: moe_route, then linear (bf16 out, or fp32 into ``out``)."""
+    from ddtree_rtc.reference.linear import linear
+    from ddtree_rtc.reference.moe_routing import moe_route
+    from ddtree_rtc.reference.moe_small import moe_small_route_shared
+
+    m, e, h, inter = 7, 32, 96, 24
+    logits = (rng.standard_normal((m, e)) * 2).astype(np.float32)
+    bias = rng.uniform(-0.3, 0.3, e).astype(np.float32)
+    hs, w2 = random_bf16(rng, (m, inter)), random_bf16(rng, (h, inter), inter ** -0.5)
+    for args, out in (((8, 4, 2, True, 2.827), None), ((3, 1, 1, False, 1.0), np.full((m, h), np.nan, np.float32))):
+        ids, w, sh = moe_small_route_shared(logits, bias, hs, w2, *args, out=out)
+        want_ids, want_w = moe_route(logits, bias, *args)
+        want_sh = linear(hs, w2, out=None if out is None else np.empty((m, h), np.float32))
+        assert np.array_equal(ids, want_ids) and np.array_equal(w.view(np.uint32), want_w.view(np.uint32))
+        assert sh.dtype == want_sh.dtype and np.array_equal(sh.view(np.uint16 if out is None else np.uint32),
+                                                            want_sh.view(np.uint16 if out is None else np.uint32))
+        assert out is None or sh is out
+
+
+def test_route_shared_limits_name_the_value(rng):
+    from ddtree_rtc.reference.moe_small import moe_small_route_shared
+
+    hs, w2 = random_bf16(rng, (3, 16)), random_bf16(rng, (8, 16))
+    with pytest.raises(ValueError, match="392 experts above 384"):
+        moe_small_route_shared(np.zeros((3, 392), np.float32), None, hs, w2, 8)
+    with pytest.raises(ValueError, match="M = 65 tokens"):
+        moe_small_route_shared(np.zeros((65, 8), np.float32), None, hs, w2, 2)
+    with pytest.raises(ValueError, match=r"\[8, 12\]: H must be >= 1 and Is a positive multiple of 8"):
+        moe_small_route_shared(np.zeros((3, 8), np.float32), None, hs[:, :12], w2[:, :12], 2)
+    with pytest.raises(ValueError, match=r"hs: expected \[3, 16\]"):
+        moe_small_route_shared(np.zeros((3, 8), np.float32), None, hs[:2], w2, 2)
+    with pytest.raises(ValueError, match="n_group must divide"):
+        moe_small_route_shared(np.zeros((3, 8), np.float32), None, hs, w2, 2, n_group=3)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 12, 17, 33, 64])
+@pytest.mark.parametrize("h,inter,sms", [(7168, 256, 132), (7168, 2048, 132), (7168, 2048, 78), (256, 2048, 132),
+                                         (256, 16, 132)])
+@pytest.mark.parametrize("f32", [False, True])
+def test_route_shared_plan_is_the_linears_after_whole_clusters(m, h, inter, sms, f32):
+    """The linear CTAs of moe_small_route_shared are linear(impl="invariant")'s own launch: its entry's
+    bucket, (warps_n, split) and grid; the routing CTAs before them are the fewest whole clusters with a
+    warp for every token, so CTA route_ctas + j sits at cluster rank j % split as CTA j of the linear does."""
+    from ddtree_rtc.kernels.linear import invariant_plan
+    from ddtree_rtc.kernels.moe_small import route_shared_plan
+    from ddtree_rtc.kernels.registry import spec
+
+    plan = route_shared_plan(m, h, inter, sms, f32)
+    lin = invariant_plan(m, h, inter, sms, f32)
+    assert (plan.warps_n, plan.split, plan.grid - plan.route_ctas) == (lin.warps_n, lin.split, lin.grid)
+    assert plan.route_ctas % plan.split == 0 and 8 * plan.route_ctas >= m > 8 * (plan.route_ctas - plan.split)
+    assert plan.entry == lin.entry.replace("linear_", "moe_small_route_shared_")
+    assert plan.entry in spec("moe_small").entries
