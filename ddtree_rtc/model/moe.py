@@ -94,16 +94,15 @@ class MoELayerWeights:
 
 def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None,
         shared_out=None, small: bool = False, invariant: bool = True):
-    """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for
-    graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``. ``small`` (M <= 64, the small-M
-    path): the experts run ``moe_small_experts`` (``plan`` from ``moe_small_plan``), and with
-    ``invariant`` the router (when bf16) and the shared expert run the row-invariant linear, so each
-    token's output is the same bits whatever M is (the router with the shared gate_up in
-    ``moe_small_dense``, the routing with the shared down in ``moe_small_route_shared``, up to 384 experts). On a tensor- or expert-parallel
-    shard y is this rank's partial sum (its experts' or intermediate slice's share plus its share of
-    the shared expert), unrounded fp32 when ``out`` is fp32; the caller all-reduces it. With
-    ``shared_out`` (fp32 [M, H]) the shared expert's partial goes there instead of into y, so the
-    caller can round its sum to bf16 before adding it, as one rank's combine does."""
+    """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for graph capture; see
+    ``ddtree_rtc.kernels.moe_gemm.moe_plan``. ``small`` (M <= 64, the small-M path): the experts run
+    ``moe_small_experts`` (``plan`` from ``moe_small_plan``), and with ``invariant`` the router (when bf16) and the
+    shared expert run the row-invariant linear, so each token's output is the same bits whatever M is (the router
+    with the shared gate_up in ``moe_small_dense``, the routing with the shared down in ``moe_small_route_shared``,
+    up to 384 experts). On a tensor- or expert-parallel shard y is this rank's partial sum (its experts' or
+    intermediate slice's share plus its share of the shared expert), unrounded fp32 when ``out`` is fp32; the caller
+    all-reduces it. With ``shared_out`` (fp32 [M, H]) the shared expert's partial goes there instead of into y, so
+    the caller can round its sum to bf16 before adding it, as one rank's combine does."""
     lw, rc = layer_weights, routing_config
     if x.ndim != 2 or x.shape[0] == 0:
         raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {tuple(x.shape)}")
