@@ -40,6 +40,7 @@ OPS: dict[str, str] = {
     "moe_small_plan": "moe_small",
     "moe_small_experts": "moe_small",
     "moe_small_dense": "moe_small",
+    "moe_small_route_shared": "moe_small",
     "mla_query_small": "mla_small",
     "mla_qkv_a_small": "mla_small",
     # -- MLA attention and the paged latent KV cache (issue: MLA) --

@@ -143,3 +143,27 @@ def test_cuda_moe_vs_numpy_moe(rng, m, rc, i_shared):
     y2 = moe(dev(x), lw, rc, be)
     assert np.array_equal(y1.get(), y2.get())
     assert_close(y1.get()[clear], y_ref[clear].view(np.uint16), "bf16_accum")
+
+
+@pytest.mark.parametrize("e,tp", [(16, False), (16, True), (392, False)])
+def test_small_path_routes_beside_the_shared_down(rng, e, tp):
+    """On the small-M path a layer of up to 384 experts routes in the shared down's launch
+    (moe_small_route_shared), one over more in moe_route with the down a linear of its own; the
+    numpy output is the general path's either way, on one rank and into a rank's fp32 partials."""
+    from ddtree_rtc.testing import OpRecorder
+
+    rc = RoutingConfig(e, 4, 4, 2, True, 2.5)
+    ex, gate, bias, w13, w2 = make_layer(rng, e, 128, 128, 64)
+    lw = MoELayerWeights(gate, bias, ex, w13, w2)
+    x = random_bf16(rng, (5, 128))
+    outs = {}
+    for small in (True, False):
+        rec = OpRecorder()
+        parts = np.full((2, 5, 128), np.nan, np.float32) if tp else None
+        y = moe(x, lw, rc, rec, out=None if parts is None else parts[0], shared_out=None if parts is None else parts[1],
+                small=small)
+        outs[small] = (y if parts is None else parts).view(np.uint16 if parts is None else np.uint32)
+        if small:
+            fused = ["moe_small_route_shared"] if e <= 384 else ["moe_route", "linear"]
+            assert [name for name, _ in rec.ops] == ["moe_small_dense", *fused, "moe_small_experts"]
+    assert np.array_equal(outs[True], outs[False])

@@ -527,3 +527,132 @@ def test_gate_up_tiles_per_item():
 
     assert [gate_up_tiles(m) for m in (1, 16, 17, 64)] == [1, 1, 2, 2]
     assert gate_up_smem(2) >= 2 * gate_up_smem(1) - 1 and gate_up_smem(1) >= 8 * 2 * 4 * 32 * 16
+
+
+# ---- moe_small_route_shared: the routing and the shared expert's down projection in one launch ----
+
+def test_route_shared_twin_is_the_two_references(rng):
+    """The numpy twin is today's two ops: moe_route, then linear (bf16 out, or fp32 into ``out``)."""
+    from ddtree_rtc.reference.linear import linear
+    from ddtree_rtc.reference.moe_routing import moe_route
+    from ddtree_rtc.reference.moe_small import moe_small_route_shared
+
+    m, e, h, inter = 7, 32, 96, 24
+    logits = (rng.standard_normal((m, e)) * 2).astype(np.float32)
+    bias = rng.uniform(-0.3, 0.3, e).astype(np.float32)
+    hs, w2 = random_bf16(rng, (m, inter)), random_bf16(rng, (h, inter), inter ** -0.5)
+    for args, out in (((8, 4, 2, True, 2.827), None), ((3, 1, 1, False, 1.0), np.full((m, h), np.nan, np.float32))):
+        ids, w, sh = moe_small_route_shared(logits, bias, hs, w2, *args, out=out)
+        want_ids, want_w = moe_route(logits, bias, *args)
+        want_sh = linear(hs, w2, out=None if out is None else np.empty((m, h), np.float32))
+        assert np.array_equal(ids, want_ids) and np.array_equal(w.view(np.uint32), want_w.view(np.uint32))
+        assert sh.dtype == want_sh.dtype and np.array_equal(sh.view(np.uint16 if out is None else np.uint32),
+                                                            want_sh.view(np.uint16 if out is None else np.uint32))
+        assert out is None or sh is out
+
+
+def test_route_shared_limits_name_the_value(rng):
+    from ddtree_rtc.reference.moe_small import moe_small_route_shared
+
+    hs, w2 = random_bf16(rng, (3, 16)), random_bf16(rng, (8, 16))
+    with pytest.raises(ValueError, match="392 experts above 384"):
+        moe_small_route_shared(np.zeros((3, 392), np.float32), None, hs, w2, 8)
+    with pytest.raises(ValueError, match="M = 65 tokens"):
+        moe_small_route_shared(np.zeros((65, 8), np.float32), None, hs, w2, 2)
+    with pytest.raises(ValueError, match=r"\[8, 12\]: H must be >= 1 and Is a positive multiple of 8"):
+        moe_small_route_shared(np.zeros((3, 8), np.float32), None, hs[:, :12], w2[:, :12], 2)
+    with pytest.raises(ValueError, match=r"hs: expected \[3, 16\]"):
+        moe_small_route_shared(np.zeros((3, 8), np.float32), None, hs[:2], w2, 2)
+    with pytest.raises(ValueError, match="n_group must divide"):
+        moe_small_route_shared(np.zeros((3, 8), np.float32), None, hs, w2, 2, n_group=3)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 12, 17, 33, 64])
+@pytest.mark.parametrize("h,inter,sms", [(7168, 256, 132), (7168, 2048, 132), (7168, 2048, 78), (256, 2048, 132),
+                                         (256, 16, 132)])
+@pytest.mark.parametrize("f32", [False, True])
+def test_route_shared_plan_is_the_linears_after_whole_clusters(m, h, inter, sms, f32):
+    """The linear CTAs of moe_small_route_shared are linear(impl="invariant")'s own launch: its entry's
+    bucket, (warps_n, split) and grid; the routing CTAs before them are the fewest whole clusters with a
+    warp for every token, so CTA route_ctas + j sits at cluster rank j % split as CTA j of the linear does."""
+    from ddtree_rtc.kernels.linear import invariant_plan
+    from ddtree_rtc.kernels.moe_small import route_shared_plan
+    from ddtree_rtc.kernels.registry import spec
+
+    plan = route_shared_plan(m, h, inter, sms, f32)
+    lin = invariant_plan(m, h, inter, sms, f32)
+    assert (plan.warps_n, plan.split, plan.grid - plan.route_ctas) == (lin.warps_n, lin.split, lin.grid)
+    assert plan.route_ctas % plan.split == 0 and 8 * plan.route_ctas >= m > 8 * (plan.route_ctas - plan.split)
+    assert plan.entry == lin.entry.replace("linear_", "moe_small_route_shared_")
+    assert plan.entry in spec("moe_small").entries
+
+
+# name -> (E, top_k, n_group, topk_group, norm_topk_prob, scaling, bias, H, Is, fp32 out)
+ROUTE_SHARED = {
+    "tp8": (384, 8, 1, 1, True, 2.827, True, 7168, 256, True),  # K2.6 rank of TP8: Is 2048 / 8, an fp32 partial
+    # K2.6 rank of EP8 (the shared expert splits as on TP8), logits on a 0.25 grid: ties everywhere
+    "ep8": (384, 8, 1, 1, True, 2.827, True, 7168, 256, True),
+    "whole": (384, 8, 1, 1, True, 2.827, True, 7168, 2048, False),  # one rank's whole shared expert: a cluster plan
+    "grouped": (256, 8, 8, 4, True, 2.5, True, 7168, 2048, False),  # DeepSeek-V3's group-limited routing
+    "s8": (64, 6, 1, 1, False, 1.0, False, 256, 2048, True),  # clusters of 8 CTAs: the routing padded to 8
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(ROUTE_SHARED))
+@pytest.mark.parametrize("m", [1, 3, 12, 17, 33, 64])  # every token bucket, and 1, 2, 3, 5, 8 routing CTAs
+def test_route_shared_is_todays_two_launches(name, m):
+    """moe_small_route_shared against today's launches (moe_route, then linear(impl="invariant")) on
+    the same inputs: ids, weights and the shared down bitwise equal, nothing written outside the
+    outputs (a guard row past each stays as filled); against the reference (the inputs' rows past M
+    NaN, the outputs NaN-prefilled); and each row the same bits as in a batch of 64."""
+    import cupy
+
+    from ddtree_rtc.kernels.linear import linear as gpu_linear
+    from ddtree_rtc.kernels.moe_routing import moe_route as gpu_route
+    from ddtree_rtc.kernels.moe_small import moe_small_route_shared as gpu_fused
+    from ddtree_rtc.reference.moe_small import moe_small_route_shared as ref_fused
+    from ddtree_rtc.testing import to_device_bf16
+
+    e, top_k, n_group, topk_group, norm, scaling, with_bias, h, inter, f32 = ROUTE_SHARED[name]
+    rng = _seeded(f"route_shared {name} {m}")
+    logits = (rng.standard_normal((64, e)) * 2).astype(np.float32)
+    if name == "ep8":
+        logits = (np.round(logits * 4) / 4).astype(np.float32)
+    bias = rng.uniform(-0.3, 0.3, e).astype(np.float32) if with_bias else None
+    hs, w2 = random_bf16(rng, (64, inter)), random_bf16(rng, (h, inter), inter ** -0.5)
+    bias_d, w2_d = None if bias is None else cupy.asarray(bias), to_device_bf16(w2)
+    route = (top_k, n_group, topk_group, norm, scaling)
+
+    def run(idx, fused: bool):
+        n = len(idx)
+        lg = cupy.full((n + 8, e), np.nan, cupy.float32)  # rows past M: NaN, read by no launch
+        lg[:n] = cupy.asarray(logits[idx])
+        hd = cupy.full((n + 8, inter), 0x7FC0, cupy.uint16)
+        hd[:n] = to_device_bf16(hs[idx])
+        ids = cupy.full((n + 1, top_k), -7, cupy.int32)  # NaN-prefilled outputs and a guard row past each
+        w = cupy.full((n + 1, top_k), np.nan, cupy.float32)
+        sh = cupy.full((n + 1, h), np.nan, cupy.float32) if f32 else cupy.full((n + 1, h), 0x7FC0, cupy.uint16)
+        if fused:
+            got = gpu_fused(lg[:n], bias_d, hd[:n], w2_d, *route, out_ids=ids[:n], out_weights=w[:n], out=sh[:n])
+            assert all(a.data.ptr == b.data.ptr for a, b in zip(got, (ids, w, sh)))
+        else:
+            gpu_route(lg[:n], bias_d, *route, out_ids=ids[:n], out_weights=w[:n])
+            gpu_linear(hd[:n], w2_d, out=sh[:n], impl="invariant")
+        return ids.get(), w.get().view(np.uint32), sh.get().view(np.uint32 if f32 else np.uint16)
+
+    idx = rng.permutation(64)[:m]
+    got, today = run(idx, True), run(idx, False)
+    for g, t, what in zip(got, today, ("ids", "weights", "shared")):
+        assert np.array_equal(g, t), f"{what}: not the bits of today's launches"
+    nan_w, nan_sh = np.float32(np.nan).view(np.uint32), np.float32(np.nan).view(np.uint32) if f32 else 0x7FC0
+    assert (got[0][m] == -7).all() and (got[1][m] == nan_w).all() and (got[2][m] == nan_sh).all()
+    ids_ref, w_ref, sh_ref = ref_fused(logits[idx], bias, hs[idx], w2, *route,
+                                       out=np.empty((m, h), np.float32) if f32 else None)
+    assert np.array_equal(got[0][:m], ids_ref)
+    assert_close(got[1][:m].view(np.float32), w_ref, "fp32", "weights")
+    assert_close(got[2][:m].view(np.float32) if f32 else got[2][:m].view(bfloat16), sh_ref,
+                 "fp32_accum" if f32 else "bf16_accum", "shared")
+    full = run(np.arange(64), True)
+    for g, f, what in zip(got, full, ("ids", "weights", "shared")):
+        assert np.array_equal(g[:m], f[idx]), f"{what}: rows differ from the same rows in a batch of 64"

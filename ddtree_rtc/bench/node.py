@@ -364,8 +364,10 @@ def component_rows(model, batch: int, ctx: int, nodes: int, iters: int, layer: i
     routed experts, shared expert, the all-reduce stand-in of its fp32 [2, T, H] message. Each piece
     runs the kernels of the model's path for T rows (model/moe.py ``moe``): on the small-M path with
     batch_invariant, "router" is moe_small_dense (the router logits and the shared expert's gate_up
-    in one launch) and "shared expert" its down linear."""
+    in one launch) and "shared expert" its down linear, with the routing in the same launch
+    (moe_small_route_shared) up to 384 experts."""
     from ..model.moe import MoELayerWeights
+    from ..reference.moe_small import ROUTE_SHARED_MAX_EXPERTS
 
     be, rc = model.backend, model.routing
     lw = model.layers[layer].mlp
@@ -391,7 +393,9 @@ def component_rows(model, batch: int, ctx: int, nodes: int, iters: int, layer: i
     small, impl = model.small_m(t), model.linear_impl(t)
     bf16_router = impl == "invariant" and lw.gate_weight.dtype != np.float32
     dense_pair = bf16_router and lw.num_experts % 8 == 0 and lw.shared_w13.shape[0] % 8 == 0  # as model/moe.py
-    hs = be.moe_small_dense(x, lw.gate_weight, lw.shared_w13)[1] if dense_pair else None
+    fused = dense_pair and lw.num_experts <= ROUTE_SHARED_MAX_EXPERTS  # routing + shared down: as model/moe.py
+    lg_dense, hs = be.moe_small_dense(x, lw.gate_weight, lw.shared_w13) if dense_pair else (None, None)
+    route = (rc.top_k, rc.n_group, rc.topk_group, rc.norm_topk_prob, rc.routed_scaling_factor)
 
     def router():
         if dense_pair:
@@ -400,8 +404,8 @@ def component_rows(model, batch: int, ctx: int, nodes: int, iters: int, layer: i
             lg = be.linear(x, lw.gate_weight, out=be.empty((t, lw.num_experts), "fp32"), impl=impl)
         else:
             lg = be.router_logits(x, lw.gate_weight)
-        be.moe_route(lg, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group, rc.norm_topk_prob,
-                     rc.routed_scaling_factor)
+        if not fused:
+            be.moe_route(lg, lw.e_score_correction_bias, *route)
 
     def experts():
         if small:
@@ -411,7 +415,9 @@ def component_rows(model, batch: int, ctx: int, nodes: int, iters: int, layer: i
             be.moe_experts(x, local, w, lw.experts, out=out, plan=plan, check_ids=False)
 
     def shared():
-        if dense_pair:
+        if fused:
+            be.moe_small_route_shared(lg_dense, lw.e_score_correction_bias, hs, lw.shared_w2, *route, out=shared_out)
+        elif dense_pair:
             be.linear(hs, lw.shared_w2, out=shared_out, impl=impl)
         else:
             be.linear(be.silu_mul(be.linear(x, lw.shared_w13, impl=impl)), lw.shared_w2, out=shared_out, impl=impl)
@@ -425,6 +431,9 @@ def component_rows(model, batch: int, ctx: int, nodes: int, iters: int, layer: i
     if dense_pair:  # the shared gate_up's bytes move to the router's launch
         router_bytes += int(lw.shared_w13.nbytes)
         shared_bytes = int(lw.shared_w2.nbytes + hs.nbytes)
+    if fused:  # and the routing's reads (logits, bias) to the shared down's launch
+        router_bytes -= int(lw.e_score_correction_bias.nbytes)
+        shared_bytes += int(lg_dense.nbytes + lw.e_score_correction_bias.nbytes)
     case = f"{tag} L{layer}"
     common = {"batch": batch, "ctx": ctx, "tokens": t, "layer": layer, "path": "small-m" if small else "general"}
     rows = []

@@ -28,7 +28,9 @@
 // The downs read the ids before their PDL wait (they come from two launches back) and put their
 // first weight stages in flight while moe_small_gate_up drains.
 #include "common.cuh"
+#include "moe_route.cuh"
 #include "moe_small.cuh"
+#include "skinny_linear.cuh"
 #include "skinny_pair.cuh"
 
 using namespace ddt;
@@ -214,3 +216,64 @@ SKINNY_PAIR_ENTRIES(moe_small_dense_m8, 1, 0)
 SKINNY_PAIR_ENTRIES(moe_small_dense_m16, 2, 0)
 SKINNY_PAIR_ENTRIES(moe_small_dense_m32, 4, 0)
 SKINNY_PAIR_ENTRIES(moe_small_dense_m64, 8, 0)
+
+// The routing and the shared expert's down projection in one launch (they are independent once
+// moe_small_dense has written the logits and hs). CTAs [0, route_ctas) route a token per warp: the
+// body of moe_routing.cu's moe_route_e* (include/moe_route.cuh), kRouteSharedEpl experts a lane, whose
+// picks and weights do not depend on how many (absent experts never win). The other CTAs are the
+// invariant linear y = hs w2^T (linear.cu's linear_m*_s* body, include/skinny_linear.cuh) as CTA
+// blockIdx.x - route_ctas of that launch's grid: route_ctas is a multiple of S, so each cluster does
+// one or the other, and a linear cluster's CTAs hold the same split indices (cluster ranks) and row
+// blocks as in linear_m*: the same bits. Both halves wait on the previous kernel before they read
+// its output and trigger the next after it (the linear's weights go to L2 first when early).
+// Dynamic shared memory: the routing's, per warp (E floats when n_group > 1, E more when merge).
+constexpr int kRouteSharedEpl = 12;  // E <= 384: reference/moe_small.py, ROUTE_SHARED_MAX_EXPERTS
+
+template <int MH, int S, typename OutT>
+__device__ __forceinline__ void route_shared(const float* __restrict__ logits, const float* __restrict__ bias, int M,
+                                             int E, int top_k, int n_group, int topk_group, int norm, float scaling,
+                                             int merge, int* __restrict__ out_ids, float* __restrict__ out_w,
+                                             int route_ctas, const bf16* __restrict__ hs,
+                                             const bf16* __restrict__ w2, OutT* __restrict__ y, int H, int Is,
+                                             int warps_n, int early) {
+  if (static_cast<int>(blockIdx.x) < route_ctas) {
+    extern __shared__ float route_smem[];
+    pdl_wait();  // the logits come from the previous kernel
+    pdl_trigger();
+    const int warp = threadIdx.x >> 5;
+    float* sel = route_smem + warp * E * ((n_group > 1) + (merge != 0));
+    route::route_token<kRouteSharedEpl>(logits, bias, static_cast<int>(blockIdx.x) * skinny::kWarps + warp, M, E,
+                                        top_k, n_group, topk_group, norm, scaling, merge, out_ids, out_w, sel,
+                                        sel + (n_group > 1 ? E : 0));
+    return;
+  }
+  skinny_linear::run<MH, S, OutT>(hs, w2, y, M, H, Is, warps_n, early, static_cast<int>(blockIdx.x) - route_ctas);
+}
+
+// logits fp32 [M, E], bias fp32 [E] or null, out_ids int32 / out_w fp32 [M, top_k] (moe_route_e*'s
+// arguments); hs bf16 [M, Is], w2 bf16 [H, Is], y [M, H] bf16 or fp32 (the *_f32 entries), warps_n and
+// early (linear_m*'s). Grid route_ctas + ceil(H / (8 warps_n NT)) * S, block 256.
+#define ROUTE_SHARED_ENTRY(NAME, MH, S, CLUSTER, OUT)                                                               \
+  extern "C" __global__ void CLUSTER __launch_bounds__(skinny::kThreads, skinny::bucket_ctas_per_sm<MH>()) NAME(    \
+      const float* __restrict__ logits, const float* __restrict__ bias, int M, int E, int top_k, int n_group,      \
+      int topk_group, int norm, float scaling, int merge, int* __restrict__ out_ids, float* __restrict__ out_w,     \
+      int route_ctas, const bf16* __restrict__ hs, const bf16* __restrict__ w2, OUT* __restrict__ y, int H, int Is, \
+      int warps_n, int early) {                                                                                    \
+    route_shared<MH, S, OUT>(logits, bias, M, E, top_k, n_group, topk_group, norm, scaling, merge, out_ids, out_w,  \
+                             route_ctas, hs, w2, y, H, Is, warps_n, early);                                        \
+  }
+
+#define ROUTE_SHARED_ENTRIES(PREFIX, MH, OUT)                                 \
+  ROUTE_SHARED_ENTRY(PREFIX##_s1, MH, 1, , OUT)                               \
+  ROUTE_SHARED_ENTRY(PREFIX##_s2, MH, 2, __cluster_dims__(2, 1, 1), OUT)      \
+  ROUTE_SHARED_ENTRY(PREFIX##_s4, MH, 4, __cluster_dims__(4, 1, 1), OUT)      \
+  ROUTE_SHARED_ENTRY(PREFIX##_s8, MH, 8, __cluster_dims__(8, 1, 1), OUT)
+
+ROUTE_SHARED_ENTRIES(moe_small_route_shared_m8, 1, bf16)
+ROUTE_SHARED_ENTRIES(moe_small_route_shared_m16, 2, bf16)
+ROUTE_SHARED_ENTRIES(moe_small_route_shared_m32, 4, bf16)
+ROUTE_SHARED_ENTRIES(moe_small_route_shared_m64, 8, bf16)
+ROUTE_SHARED_ENTRIES(moe_small_route_shared_m8_f32, 1, float)
+ROUTE_SHARED_ENTRIES(moe_small_route_shared_m16_f32, 2, float)
+ROUTE_SHARED_ENTRIES(moe_small_route_shared_m32_f32, 4, float)
+ROUTE_SHARED_ENTRIES(moe_small_route_shared_m64_f32, 8, float)

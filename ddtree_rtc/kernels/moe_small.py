@@ -8,7 +8,8 @@ same bits whatever M and whatever the other tokens are (both downs compute a val
 and checks the limits;
 ``moe_small_experts`` with a plan and an ``out`` only launches, so it can be captured in a CUDA graph.
 ``moe_small_dense`` is the layer's dense part (router logits and the shared expert's SiLU(gate) * up)
-in one row-invariant launch.
+in one row-invariant launch; ``moe_small_route_shared`` the routing and the shared expert's down
+projection, which follow it, in one more.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..reference.moe_small import check_small_shape
+from ..reference.moe_small import check_route_shared, check_small_shape
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import launch, pdl_supported, sm_count
-from .linear import bucket_grid, pair_plan, token_bucket
+from .linear import bucket_grid, invariant_plan, pair_plan, token_bucket
 from .moe_gemm import check_expert_inputs
 from .moe_routing import check_ids_in_range
 from .registry import module, spec
@@ -200,3 +201,72 @@ def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):
         x, gate_weight, shared_w13, logits, hs, np.int32(m), np.int32(e), np.int32(i2), np.int32(h),
         np.int32(plan.warps_n)), pdl=pdl_supported())
     return logits, hs
+
+
+@dataclass(frozen=True)
+class RouteSharedPlan:
+    """One moe_small_route_shared launch: ``route_ctas`` CTAs of routing (a warp per token, a whole
+    number of the linear's clusters), then the shared down's own invariant-linear grid."""
+
+    entry: str
+    route_ctas: int
+    grid: int  # route_ctas + the linear's CTAs
+    warps_n: int
+    split: int
+
+
+def route_shared_plan(num_tokens: int, hidden: int, shared_intermediate: int, sms: int,
+                      f32: bool = False) -> RouteSharedPlan:
+    """The shared down's plan is ``linear.invariant_plan``'s for its shape (the same tiles, split and
+    grid as its own launch, so the same bits); the routing CTAs go first, rounded up to whole clusters,
+    so that each cluster does one or the other and the linear's CTAs keep their cluster ranks."""
+    mt = token_bucket(num_tokens, "moe_small_route_shared")
+    lin = invariant_plan(num_tokens, hidden, shared_intermediate, sms, f32)
+    route = -(-num_tokens // _WARPS)
+    route = -(-route // lin.split) * lin.split
+    entry = (f"moe_small_route_shared_m{mt}_f32_s{lin.split}" if f32 else
+             f"moe_small_route_shared_m{mt}_s{lin.split}")
+    return RouteSharedPlan(entry, route, route + lin.grid, lin.warps_n, lin.split)
+
+
+def route_shared_smem(num_experts: int, n_group: int) -> int:
+    """Its dynamic shared memory: the routing's per warp (group scores when grouped, and the merge
+    path's unbiased scores), as moe_route_e* takes it."""
+    return _WARPS * num_experts * 4 * ((n_group > 1) + 1)
+
+
+def moe_small_route_shared(logits, bias, hs, shared_w2, top_k: int, n_group: int = 1, topk_group: int = 1,
+                           norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, out_ids=None,
+                           out_weights=None, out=None):
+    """``moe_route`` (merge selection) and ``linear(hs, shared_w2, out=out, impl="invariant")`` in one
+    launch (moe_small_route_shared_m*_s*, cuda_src/moe_small.cu): logits fp32 [M, E] (E <= 384), bias
+    fp32 [E] or None, hs bf16 [M, Is] (Is % 8 == 0), shared_w2 bf16 [H, Is] -> (ids int32 [M, top_k],
+    weights fp32 [M, top_k], shared [M, H] bf16, or fp32 unrounded when ``out`` is fp32). The bits of
+    both are those of their own launches."""
+    check("logits", logits, np.float32, ndim=2)
+    m, e = logits.shape
+    check("shared_w2", shared_w2, BF16, ndim=2)
+    h, inter = shared_w2.shape
+    check_route_shared(m, e, top_k, n_group, topk_group, h, inter)
+    if bias is not None:
+        check("bias", bias, np.float32, shape=(e,))
+    check("hs", hs, BF16, shape=(m, inter))
+    for name, a in (("hs", hs), ("shared_w2", shared_w2)):
+        if a.data.ptr % 16:
+            raise ValueError(f"{name}: the kernel reads 16-byte vectors; base address {a.data.ptr:#x} is not "
+                             f"16-byte aligned")
+    ids = out_array("out_ids", out_ids, (m, top_k), np.int32)
+    w = out_array("out_weights", out_weights, (m, top_k), np.float32)
+    f32 = out is not None and out.dtype == np.float32
+    y = out_array("out", out, (m, h), np.float32 if f32 else BF16)
+    plan = route_shared_plan(m, h, inter, sm_count(logits.device.id), f32)
+    fn = module("moe_small").fn(plan.entry)
+    smem = route_shared_smem(e, n_group)
+    allow_dynamic_smem(fn, smem)
+    pdl = pdl_supported()  # as moe_route and the invariant linear: the weights go to L2 before the wait
+    launch(fn, (plan.grid,), (_THREADS,), (
+        logits, bias if bias is not None else np.uint64(0), np.int32(m), np.int32(e), np.int32(top_k),
+        np.int32(n_group), np.int32(topk_group), np.int32(bool(norm_topk_prob)), np.float32(routed_scaling_factor),
+        np.int32(1), ids, w, np.int32(plan.route_ctas), hs, shared_w2, y, np.int32(h), np.int32(inter),
+        np.int32(plan.warps_n), np.int32(pdl)), shared_mem=smem, pdl=pdl)
+    return ids, w, y

@@ -50,13 +50,16 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                        "MOE_NT4_WEIGHTS_NORMAL": 1}),
     KernelSpec("moe_small", ("moe_small_gate_up", "moe_small_gate_up_t2", "moe_small_down", "moe_small_down_x",
                              "moe_small_combine",
-                             *(f"moe_small_dense_m{mt}_s{s}" for mt in (8, 16, 32, 64) for s in (1, 2, 4, 8))),
+                             *(f"moe_small_dense_m{mt}_s{s}" for mt in (8, 16, 32, 64) for s in (1, 2, 4, 8)),
+                             *(f"moe_small_route_shared_m{mt}{o}_s{s}" for o in ("", "_f32") for mt in (8, 16, 32, 64)
+                               for s in (1, 2, 4, 8))),
                "row-invariant INT4 MoE experts for M <= 64 tokens (the small-M path): routed gate_up with "
                "SiLU*up (K over the CTA's warps, summed in warp order), then down + weighted combine + shared "
                "(whole K per warp, slots in order; from 17 tokens the down by (expert, chunk) items with the "
                "expert's h rows staged, and the combine a launch of its own) under PDL; each CTA rebuilds the "
                "routing from the ids, no align step, no atomics in sums; moe_small_dense: the router logits "
-               "and the shared expert's gate_up with SiLU*up in one skinny launch",
+               "and the shared expert's gate_up with SiLU*up in one skinny launch; moe_small_route_shared: the "
+               "routing (a warp per token) and the shared expert's down linear side by side in one launch",
                params={"MOE_SMALL_STAGES": 4}),
     # -- MLA attention and the paged latent KV cache (issue: MLA) --
     KernelSpec("kv_cache", ("kv_cache_write_kernel", "kv_cache_commit_kernel"),

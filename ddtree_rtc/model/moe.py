@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..reference.moe_routing import check_route_args
+from ..reference.moe_small import ROUTE_SHARED_MAX_EXPERTS
 from .checkpoint import BIAS_DTYPES, ROUTER_DTYPES, CheckpointError, CheckpointReader
 from .int4_repack import GROUP, TILE_K, Int4Experts, prepare_experts
 from .quant import INT4_GROUP32, Int4Scheme, expert_prefix, load_moe_experts
@@ -93,15 +94,15 @@ class MoELayerWeights:
 
 def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backend, plan=None, out=None,
         shared_out=None, small: bool = False, invariant: bool = True):
-    """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for
-    graph capture; see ``ddtree_rtc.kernels.moe_gemm.moe_plan``. ``small`` (M <= 64, the small-M
-    path): the experts run ``moe_small_experts`` (``plan`` from ``moe_small_plan``), and with
-    ``invariant`` the router (when bf16) and the shared expert run the row-invariant linear, so each
-    token's output is the same bits whatever M is. On a tensor- or expert-parallel
-    shard y is this rank's partial sum (its experts' or intermediate slice's share plus its share of
-    the shared expert), unrounded fp32 when ``out`` is fp32; the caller all-reduces it. With
-    ``shared_out`` (fp32 [M, H]) the shared expert's partial goes there instead of into y, so the
-    caller can round its sum to bf16 before adding it, as one rank's combine does."""
+    """x [M, H] bf16 -> y [M, H] bf16. ``plan``/``out`` (CUDA) make the call allocation-free for graph capture; see
+    ``ddtree_rtc.kernels.moe_gemm.moe_plan``. ``small`` (M <= 64, the small-M path): the experts run
+    ``moe_small_experts`` (``plan`` from ``moe_small_plan``), and with ``invariant`` the router (when bf16) and the
+    shared expert run the row-invariant linear, so each token's output is the same bits whatever M is (the router
+    with the shared gate_up in ``moe_small_dense``, the routing with the shared down in ``moe_small_route_shared``,
+    up to 384 experts). On a tensor- or expert-parallel shard y is this rank's partial sum (its experts' or
+    intermediate slice's share plus its share of the shared expert), unrounded fp32 when ``out`` is fp32; the caller
+    all-reduces it. With ``shared_out`` (fp32 [M, H]) the shared expert's partial goes there instead of into y, so
+    the caller can round its sum to bf16 before adding it, as one rank's combine does."""
     lw, rc = layer_weights, routing_config
     if x.ndim != 2 or x.shape[0] == 0:
         raise ValueError(f"x: expected [M >= 1, H] tokens, got shape {tuple(x.shape)}")
@@ -117,17 +118,22 @@ def moe(x, layer_weights: MoELayerWeights, routing_config: RoutingConfig, backen
                                 impl=impl)
     else:
         logits = backend.router_logits(x, lw.gate_weight)
-    ids, w = backend.moe_route(logits, lw.e_score_correction_bias, rc.top_k, rc.n_group, rc.topk_group,
-                               rc.norm_topk_prob, rc.routed_scaling_factor)
+    bias, route = lw.e_score_correction_bias, (rc.top_k, rc.n_group, rc.topk_group, rc.norm_topk_prob,
+                                               rc.routed_scaling_factor)
+    shared = None
+    if hs is not None and lw.num_experts <= ROUTE_SHARED_MAX_EXPERTS:
+        # the routing and the shared expert's down projection, independent, in one launch
+        ids, w, shared = backend.moe_small_route_shared(logits, bias, hs, lw.shared_w2, *route, out=shared_out)
+    else:
+        ids, w = backend.moe_route(logits, bias, *route)
+        if lw.shared_w13 is not None:
+            if hs is None:
+                hs = backend.silu_mul(backend.linear(x, lw.shared_w13, impl=impl))
+            shared = backend.linear(hs, lw.shared_w2, out=shared_out, impl=impl)
+        elif shared_out is not None:
+            shared_out[...] = 0
     if lw.is_expert_shard and not small:  # ids of other ranks' experts fall outside [0, local E): nothing
         ids = ids - backend.xp.int32(lw.expert_offset)
-    shared = None
-    if lw.shared_w13 is not None:
-        if hs is None:
-            hs = backend.silu_mul(backend.linear(x, lw.shared_w13, impl=impl))
-        shared = backend.linear(hs, lw.shared_w2, out=shared_out, impl=impl)
-    elif shared_out is not None:
-        shared_out[...] = 0
     if small:
         return backend.moe_small_experts(x, ids, w, lw.experts, shared=None if shared_out is not None else shared,
                                          out=out, plan=plan, check_ids=False, id_offset=lw.expert_offset)
