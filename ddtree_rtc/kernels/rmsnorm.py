@@ -46,10 +46,11 @@ def rmsnorm(x, weight, eps: float, residual=None, out=None, residual_out=None, p
             y, np.int64(d), r_out if residual is not None else np.uint64(0), np.int64(d),
             np.int32(rows), np.int32(d), np.float32(eps), np.int32(vec))
     # under PDL where the GPU has it: the kernels wait before they read (cuda_src/rmsnorm.cu)
-    kind = "_f32" if f32 else ""
     if row_group(d) == 256:
-        launch(module("rmsnorm").fn(f"rmsnorm_block{kind}_kernel"), (rows,), (256,), args, pdl=pdl_supported())
+        entry = "rmsnorm_block_f32_kernel" if f32 else "rmsnorm_block_kernel"
+        launch(module("rmsnorm").fn(entry), (rows,), (256,), args, pdl=pdl_supported())
     else:
-        launch(module("rmsnorm").fn(f"rmsnorm{kind}_kernel"), grid_1d(rows, _ROWS_PER_BLOCK), (32 * _ROWS_PER_BLOCK,),
-               args, pdl=pdl_supported())
+        entry = "rmsnorm_f32_kernel" if f32 else "rmsnorm_kernel"
+        launch(module("rmsnorm").fn(entry), grid_1d(rows, _ROWS_PER_BLOCK), (32 * _ROWS_PER_BLOCK,), args,
+               pdl=pdl_supported())
     return y if residual is None else (y, r_out)
