@@ -321,12 +321,24 @@ def run_gpu(rng, name, m, with_shared=True, f32=False, pdl=None, kernel_offset=F
         outs.append(y.get())
     assert_close(outs[0] if f32 else outs[0].view(bfloat16), y_ref, "bf16_accum")
     assert np.array_equal(outs[0], outs[1]), "two runs must give bitwise the same result"
+    # the down GEMM and combine exactly from the kernel's own h
+    valid = ((ids >= 0) & (ids < e)).reshape(-1)
+    h_gpu = plan.h.get()[valid]
+    assert_h_close(h_gpu, x, ids, ex, e)
+    h_own = np.zeros((m * top_k, i), np.float32)
+    h_own[valid] = h_gpu.view(bfloat16).astype(np.float32)
+    y_own = down_combine(h_own, ids, w, ex, shared=shared, out=np.empty((m, h), np.float32) if f32 else None)
+    assert_close(outs[0] if f32 else outs[0].view(bfloat16), y_own, "fp32_accum" if f32 else "bf16")
+    return x, ids, w, shared, outs[0]
+
+
+def assert_h_close(h_gpu, x, ids, ex, e):
+    """The kernel's h of the pairs the shard owns (uint16 rows, in pair order) against expert_hidden."""
     # h = bf16(silu(g) * u) rounds the kernel's fp32 mma sums and the reference's float64 ones: at a
     # rounding boundary they part by one bf16 ulp, which moves an fp32 output by ~1e-5. On an H100 that
     # was up to 0.3% of the elements at fresh random inputs (6 of 2048, 34 of 32768, 2026-12-07), so the
-    # bound is 1%. h is checked to one ulp, and the down GEMM and combine exactly from the kernel's own h.
+    # bound is 1%. h is checked to one ulp.
     valid = ((ids >= 0) & (ids < e)).reshape(-1)
-    h_gpu = plan.h.get()[valid]
     h_ref = expert_hidden(x, ids, ex, check_ids=False)[valid].astype(bfloat16).view(np.uint16)
     ulps = bf16_ulps(h_gpu, h_ref)
     # (an h near zero comes from a gate sum near zero, whose fp32 rounding is large relative to it: there
@@ -336,11 +348,6 @@ def run_gpu(rng, name, m, with_shared=True, f32=False, pdl=None, kernel_offset=F
     far = (ulps > 1) & ~(np.abs(a - b) <= 1e-5 * scale)
     assert not far.any() and (ulps > 0).sum() <= max(8, 1e-2 * ulps.size), \
         f"h: {int((ulps > 0).sum())} of {ulps.size} elements differ, {int(far.sum())} by more than one bf16 ulp"
-    h_own = np.zeros((m * top_k, i), np.float32)
-    h_own[valid] = h_gpu.view(bfloat16).astype(np.float32)
-    y_own = down_combine(h_own, ids, w, ex, shared=shared, out=np.empty((m, h), np.float32) if f32 else None)
-    assert_close(outs[0] if f32 else outs[0].view(bfloat16), y_own, "fp32_accum" if f32 else "bf16")
-    return x, ids, w, shared, outs[0]
 
 
 def bf16_ulps(a, b) -> np.ndarray:
@@ -461,6 +468,42 @@ def test_rows_are_bitwise_invariant_with_hot_experts(name, pool):
         got = rows(idx)
         bad = [int(r) for r, j in enumerate(idx) if not np.array_equal(got[r], full[j])]
         assert not bad, f"M={m}: rows {bad[:5]} differ from the same tokens at M=64"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,pool", [("tp8", None), ("ep8", None), ("tp8", 40), ("tp8", 12)])
+@pytest.mark.parametrize("m", [33, 47, 64])
+def test_gate_up_two_tiles_bitwise_equal_one_tile(name, pool, m):
+    """moe_small_gate_up_t2 (the entry from 17 tokens) and moe_small_gate_up on the same inputs: h bitwise
+    the same, the rows of other shards' pairs left as prefilled (NaN), every owned row written and within
+    the reference's one-ulp rule. ``pool``: every token's experts drawn from that many, so an expert holds
+    more than 8 tokens (two column tiles in a pass: ~13 at 40 of tp8) or more than 16 (several passes:
+    ~22..43 at 12); else one column tile, the step of 33..64 rows on the full 384."""
+    import cupy
+
+    from ddtree_rtc.kernels.moe_small import launch_gate_up
+    from ddtree_rtc.testing import to_device_bf16
+
+    rng = _seeded(f"gate_up tiles {name} {pool} {m}")
+    ex, exg = experts_for(name)
+    e, h, i, top_k, poison, _ = DIMS[name]
+    x = random_bf16(rng, (m, h))
+    if pool is None:
+        ids, _ = routing_for(rng, name, m)
+    else:
+        ids, _ = random_routing(rng, m, e, top_k, allowed=rng.permutation(e - poison)[:pool])
+    xd, idd = to_device_bf16(x), cupy.asarray(ids)
+    got = {}
+    for tiles in (1, 2):
+        hd = cupy.full((m * top_k, i), 0x7FC0, cupy.uint16)
+        launch_gate_up(xd, idd, exg, hd, tiles)
+        got[tiles] = hd.get()
+    valid = ((ids >= 0) & (ids < e)).reshape(-1)
+    assert np.array_equal(got[2], got[1]), \
+        f"rows {np.flatnonzero((got[2] != got[1]).any(axis=1))[:5]} of h differ between two tiles and one"
+    assert (got[2][~valid] == 0x7FC0).all(), "a row of another shard's pair was written"
+    assert not np.isnan(got[2][valid].view(bfloat16).astype(np.float32)).any(), "an owned row was not written"
+    assert_h_close(got[2][valid], x, ids, ex, e)
 
 
 @pytest.mark.gpu

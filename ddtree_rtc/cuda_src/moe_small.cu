@@ -54,7 +54,11 @@ __device__ __forceinline__ void gate_up_kernel(const unsigned char* __restrict__
   pdl_trigger();
   build_routing(topk_ids, M * top_k, top_k, E, id_offset, r);
   const int tiles = 2 * I / 16 / kGuTiles, items = r.num_touched * tiles;
-  for (int item = blockIdx.x; item < items; item += gridDim.x)
+  // two tiles: the item count read again per item (volatile), as held across the item it spilled (sm_120a)
+  auto more = [&](int item) {
+    return kGuTiles > 1 ? item < *static_cast<volatile int*>(&r.num_touched) * tiles : item < items;
+  };
+  for (int item = blockIdx.x; more(item); item += gridDim.x)
     gate_up_item<kGuTiles>(w13, w13_expert_bytes, x, top_k, H, I, r.touched[item / tiles], (item % tiles) * kGuTiles,
                            r, cols, ring, h);
 }

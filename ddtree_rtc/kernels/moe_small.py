@@ -139,13 +139,7 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
     mod = module("moe_small")
     p = m * top_k
     wave = _CTAS_PER_SM * sm_count(x.device.id)
-    tiles = gate_up_tiles(m)
-    up = mod.fn("moe_small_gate_up" if tiles == 1 else f"moe_small_gate_up_t{tiles}")
-    allow_dynamic_smem(up, gate_up_smem(tiles))
-    launch(up, (min(wave, min(e, p) * (2 * inter // 16 // tiles)),), (_THREADS,), (
-        experts.w13, np.int64(experts.w13[0].nbytes), x, topk_ids, np.int32(id_offset), np.int32(m),
-        np.int32(top_k), np.int32(e),
-        np.int32(h), np.int32(inter), plan.h), shared_mem=gate_up_smem(tiles), pdl=plan.pdl)
+    launch_gate_up(x, topk_ids, experts, plan.h, gate_up_tiles(m), id_offset, plan.pdl)
     sh = shared if shared is not None else np.uint64(0)
     if m >= DOWN_X_TOKENS:
         down = mod.fn("moe_small_down_x")
@@ -165,6 +159,23 @@ def moe_small_experts(x, topk_ids, topk_weights, experts, shared=None, out=None,
         np.int32(m), np.int32(top_k),
         np.int32(e), np.int32(h), np.int32(inter), sh, y, np.int32(f32_out)), shared_mem=down_smem(p), pdl=plan.pdl)
     return y
+
+
+def launch_gate_up(x, topk_ids, experts, h, tiles: int, id_offset: int = 0, pdl: bool = False) -> None:
+    """moe_small_experts' first launch: h [M * k, I] bf16 (uint16) = bf16(silu(gate) * up) of every pair
+    whose id less ``id_offset`` is in [0, E) (other rows untouched), by moe_small_gate_up with ``tiles``
+    fused 16-row tiles per item (moe_small_experts takes gate_up_tiles(M); the values do not depend on
+    it, which the GPU tests check bitwise). Inputs as moe_small_experts takes them, unchecked."""
+    m, top_k = topk_ids.shape
+    e, hid, inter = experts.num_experts, experts.hidden, experts.intermediate
+    if tiles not in (1, 2):
+        raise ValueError(f"tiles: {tiles} fused tiles per item; moe_small_gate_up has 1 or 2")
+    up = module("moe_small").fn("moe_small_gate_up" if tiles == 1 else f"moe_small_gate_up_t{tiles}")
+    allow_dynamic_smem(up, gate_up_smem(tiles))
+    wave = _CTAS_PER_SM * sm_count(x.device.id)
+    launch(up, (min(wave, min(e, m * top_k) * (2 * inter // 16 // tiles)),), (_THREADS,), (
+        experts.w13, np.int64(experts.w13[0].nbytes), x, topk_ids, np.int32(id_offset), np.int32(m),
+        np.int32(top_k), np.int32(e), np.int32(hid), np.int32(inter), h), shared_mem=gate_up_smem(tiles), pdl=pdl)
 
 
 def moe_small_dense(x, gate_weight, shared_w13, out_logits=None, out_hs=None):

@@ -99,6 +99,13 @@ __device__ __forceinline__ void fill_cols(unsigned long long mask, int i, int* c
 }
 
 __device__ __forceinline__ uint4 lds128(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
+// The same at a shared-window address (the cp.async destinations' form, so one register addresses both).
+// volatile: kept after the ring wait and before the slot's refill, which are asm volatile as well.
+__device__ __forceinline__ uint4 lds128(unsigned a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
 
 // The correction of one k32 chunk of the lane's column: corr = -136 sum_k x, two mma from zero (the
 // zero point of the (128 + u) weight encoding). mma_block makes it per tile, mma_pair once for two.
@@ -188,6 +195,132 @@ constexpr int gu_pass_nt() {
   return kGuTiles > 1 ? 2 : 4;
 }
 
+// One k128 block of two m16 tiles against kNt n8 column tiles (x fragments xb[nt]): per k32 chunk
+// each column tile's correction once (chunk_corr), then each (tile, column tile)'s chunk_post, so a
+// chunk's unpacked weights feed every column tile. Every value's operations and their order are
+// mma_block's.
+template <int kNt>
+__device__ __forceinline__ void mma_pair_nt(float (&acc)[2][2][4], const uint4 (&b0)[3], const uint4 (&b1)[3],
+                                            const uint4 (&xb)[kNt][4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    float corr[kNt][4];
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) chunk_corr(corr[nt], xb[nt][c]);
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) chunk_post(acc[0][nt], b0, c, corr[nt], xb[nt][c]);
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) chunk_post(acc[1][nt], b1, c, corr[nt], xb[nt][c]);
+  }
+}
+
+// The copies and loads of a two-tile gate_up pass, as running addresses set up once per pass (one
+// step's advance: the warps' 8 k blocks): the lane's copy source (first tile's block of step + kStages),
+// its ring bytes (copy destination and load source, slot 0), its x row (column tile nt0; nt0 + 1 at
+// dx1 elements from it).
+struct GuT2Cursor {
+  const unsigned char* src;
+  const bf16* xl;
+  unsigned dst, scl;  // the lane's weight bytes and its scales (rows g, g + 8) in slot 0
+  int tile_bytes, dx1;
+  unsigned long long pol;
+};
+
+// The warp's steps of one two-tile pass against kNt column tiles, into acc; the first kStages stages
+// are in flight on entry. `pre`: this lane brings its column's x lines of the next k block into L1.
+template <int kNt>
+__device__ __forceinline__ void gate_up_steps_t2(float (&acc)[2][2][4], GuT2Cursor q, int steps, bool pre) {
+  constexpr int kStage = 2 * kBlockBytes, kWarpBytes = kWarps * kBlockBytes, kWarpK = kWarps * kStepK;
+  const bool scales = (threadIdx.x & 31) < 8;
+  for (int step = 0; step < steps; ++step) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // stage `step` has landed
+    __syncwarp();
+    const unsigned slot = (step % kStages) * kStage;
+    uint4 b0[3], b1[3];
+    b0[0] = lds128(q.dst + slot);
+    b0[1] = lds128(q.dst + slot + 512);
+    b0[2] = lds128(q.scl + slot);
+    b1[0] = lds128(q.dst + slot + kBlockBytes);
+    b1[1] = lds128(q.dst + slot + kBlockBytes + 512);
+    b1[2] = lds128(q.scl + slot + kBlockBytes);
+    __syncwarp();  // every lane's reads of this stage are performed: its slot takes stage step + kStages
+    if (step + kStages < steps) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const unsigned char* su = u ? q.src + q.tile_bytes : q.src;
+        const unsigned d = q.dst + slot + u * kBlockBytes;
+        cp_async16_hint(d, su, q.pol);
+        cp_async16_hint(d + 512, su + 512, q.pol);
+        if (scales) cp_async16_hint(d + 1024, su + 1024, q.pol);
+      }
+    }
+    cp_async_commit();
+    q.src += kWarpBytes;
+    if (pre && step + 1 < steps) {
+      prefetch_l1(q.xl + kWarpK);
+      prefetch_l1(q.xl + kWarpK + 64);
+    }
+    uint4 xb[kNt][4];
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) xb[nt][c] = __ldg(reinterpret_cast<const uint4*>(q.xl + nt * q.dx1 + 32 * c));
+    mma_pair_nt<kNt>(acc, b0, b1, xb);
+    q.xl += kWarpK;
+  }
+}
+
+// One column pass of a two-tile gate_up item (moe_small_gate_up_t2): the warp's k blocks warp, warp + 8,
+// ... of the item's two fused tiles (first tile's blocks at wsrc, the second's tile_bytes on) against
+// column tiles [nt0, nt0 + ntp) (ntp <= 2), into acc (zero on entry). Each value's operations and their
+// order are the one-tile step's (mma_block). What the step leaves out, none of which changes a number:
+// addresses rebuilt from the step index (running ones instead: GuT2Cursor); zeros behind a predicate
+// for a lane past the expert's tokens (it reads a real token's x row, column cols[0]: its mma column,
+// independent of the others, is never stored); a chunk's unpacking once per column tile (once per
+// step here, for both); an L2 policy per copy (one per pass). Lane t = 0 of a column brings both of its
+// x lines of the next k block into L1.
+__device__ __forceinline__ void gate_up_pass_t2(float (&acc)[2][2][4], const unsigned char* __restrict__ wsrc,
+                                                int tile_bytes, const bf16* __restrict__ x, int H, int steps,
+                                                int cnt, int nt0, int ntp, const int* cols, unsigned char* ring) {
+  constexpr int kStage = 2 * kBlockBytes, kRing = kStages * kStage, kWarpBytes = kWarps * kBlockBytes;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int c0 = nt0 * 8 + g, c1 = c0 + 8;
+  const int row0 = cols[c0 < cnt ? c0 : 0];
+  GuT2Cursor q;
+  q.src = wsrc + warp * kBlockBytes + 16 * lane;
+  q.xl = x + (long long)row0 * H + warp * kStepK + 8 * t;
+  q.dst = smem_addr(ring) + warp * kRing + 16 * lane;
+  q.scl = smem_addr(ring) + warp * kRing + 1024 + 16 * g;
+  q.tile_bytes = tile_bytes;
+  q.dx1 = ntp > 1 ? (cols[c1 < cnt ? c1 : 0] - row0) * H : 0;
+  q.pol = evict_first_policy();
+  const bool scales = lane < 8;
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    if (s < steps) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const unsigned char* su = q.src + s * kWarpBytes + u * tile_bytes;
+        const unsigned d = q.dst + s * kStage + u * kBlockBytes;
+        cp_async16_hint(d, su, q.pol);
+        cp_async16_hint(d + 512, su + 512, q.pol);
+        if (scales) cp_async16_hint(d + 1024, su + 1024, q.pol);
+      }
+    }
+    cp_async_commit();
+  }
+  q.src += kStages * kWarpBytes;
+  const bool pre = c0 < cnt && t == 0;
+  if (pre && steps > 0) {
+    prefetch_l1(q.xl);
+    prefetch_l1(q.xl + 64);
+  }
+  if (ntp > 1)
+    gate_up_steps_t2<2>(acc, q, steps, pre);
+  else
+    gate_up_steps_t2<1>(acc, q, steps, pre);
+}
+
 // The gate_up of tiles [tile, tile + kGuTiles) of touched expert e into h; every thread of the CTA.
 // The rings are free on entry and on return.
 template <int kGuTiles>
@@ -196,7 +329,6 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
                                              const Routing& r, int* cols, unsigned char* ring,
                                              bf16* __restrict__ h) {
   constexpr int kGuStageBytes = kGuTiles * kBlockBytes, kGuWarpRingBytes = kStages * kGuStageBytes;
-  constexpr bool kAhead = kGuTiles > 1;  // x into L1 a step ahead, L2-hinted copies, the full ring
   constexpr int kGuPassNt = gu_pass_nt<kGuTiles>();
   const unsigned long long mask = r.tokens[e];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -206,36 +338,16 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
   const int kb_total = H / kStepK;
   const long long tile_bytes = (long long)kb_total * kBlockBytes;
   const unsigned char* wsrc = w13 + (long long)e * w13_expert_bytes + tile * tile_bytes;
-  const unsigned wring = smem_addr(ring) + warp * kGuWarpRingBytes;
   const int steps = warp < kb_total ? (kb_total - 1 - warp) / kWarps + 1 : 0;  // blocks warp, warp + 8, ...
+  const unsigned wring = smem_addr(ring) + warp * kGuWarpRingBytes;
   auto issue = [&](int s) {
     const unsigned char* src = wsrc + (long long)(warp + s * kWarps) * kBlockBytes;
-    unsigned long long pol = 0ull;  // made per issue, not held across the step (registers)
-    if constexpr (kAhead) pol = evict_first_policy();
 #pragma unroll
-    for (int u = 0; u < kGuTiles; ++u) {
-      if constexpr (kAhead)
-        issue_block(wring + (s % kStages) * kGuStageBytes + u * kBlockBytes, src + u * tile_bytes, lane, pol);
-      else
-        issue_block(wring + (s % kStages) * kGuStageBytes + u * kBlockBytes, src + u * tile_bytes, lane);
-    }
+    for (int u = 0; u < kGuTiles; ++u)
+      issue_block(wring + (s % kStages) * kGuStageBytes + u * kBlockBytes, src + u * tile_bytes, lane);
   };
-  // stages in flight while a step computes: kAhead refills a stage's slot as soon as its blocks are
-  // in registers (the warp barrier orders those loads before the copy), so all kStages are
-  constexpr int kLead = kAhead ? kStages : kStages - 1;
   for (int nt0 = 0; nt0 < ntl; nt0 += kGuPassNt) {
     const int ntp = min(kGuPassNt, ntl - nt0);
-#pragma unroll
-    for (int s = 0; s < kLead; ++s) {
-      if (s < steps) issue(s);
-      cp_async_commit();
-    }
-    // kAhead: lanes t = 0, 1 of column g of column tile nt0 bring that column's x of the warp's next k
-    // block (two 128-byte lines) into L1 while this one computes (no registers held)
-    const int c0 = nt0 * 8 + g;
-    const bf16* xpre = x + (long long)(c0 < cnt ? cols[c0] : 0) * H + 64 * t;
-    const bool pre = kAhead && c0 < cnt && t < 2;
-    if (pre && steps > 0) prefetch_l1(xpre + warp * kStepK);
     float acc[kGuTiles][kGuPassNt][4];
 #pragma unroll
     for (int u = 0; u < kGuTiles; ++u)
@@ -243,36 +355,34 @@ __device__ __forceinline__ void gate_up_item(const unsigned char* __restrict__ w
       for (int nt = 0; nt < kGuPassNt; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[u][nt][i] = 0.f;
-    for (int step = 0; step < steps; ++step) {
-      if constexpr (kAhead)
-        asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // stage `step` has landed
-      else
+    if constexpr (kGuTiles == 2) {
+      gate_up_pass_t2(acc, wsrc, (int)tile_bytes, x, H, steps, cnt, nt0, ntp, cols, ring);
+    } else {
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < steps) issue(s);
+        cp_async_commit();
+      }
+      for (int step = 0; step < steps; ++step) {
         cp_async_wait_ring();
-      __syncwarp();
-      if constexpr (!kAhead) {
+        __syncwarp();
         if (step + kStages - 1 < steps) issue(step + kStages - 1);
         cp_async_commit();
-      }
-      uint4 buf[kGuTiles][3];
+        uint4 buf[kGuTiles][3];
 #pragma unroll
-      for (int u = 0; u < kGuTiles; ++u)
-        load_block(buf[u], ring + warp * kGuWarpRingBytes + (step % kStages) * kGuStageBytes + u * kBlockBytes, lane,
-                   g);
-      if constexpr (kAhead) {
-        __syncwarp();  // every lane's reads of this stage are performed: its slot takes stage step + kStages
-        if (step + kStages < steps) issue(step + kStages);
-        cp_async_commit();
-      }
-      const int k0 = (warp + step * kWarps) * kStepK;
-      if (pre && step + 1 < steps) prefetch_l1(xpre + k0 + kWarps * kStepK);
+        for (int u = 0; u < kGuTiles; ++u)
+          load_block(buf[u], ring + warp * kGuWarpRingBytes + (step % kStages) * kGuStageBytes + u * kBlockBytes,
+                     lane, g);
+        const int k0 = (warp + step * kWarps) * kStepK;
 #pragma unroll
-      for (int nt = 0; nt < kGuPassNt; ++nt) {
-        if (nt < ntp) {
-          const int c = (nt0 + nt) * 8 + g;
-          uint4 xb[4];
-          load_act(xb, x + (long long)(c < cnt ? cols[c] : 0) * H, c < cnt, k0, t);
+        for (int nt = 0; nt < kGuPassNt; ++nt) {
+          if (nt < ntp) {
+            const int c = (nt0 + nt) * 8 + g;
+            uint4 xb[4];
+            load_act(xb, x + (long long)(c < cnt ? cols[c] : 0) * H, c < cnt, k0, t);
 #pragma unroll
-          for (int u = 0; u < kGuTiles; ++u) mma_block(acc[u][nt], buf[u], xb);
+            for (int u = 0; u < kGuTiles; ++u) mma_block(acc[u][nt], buf[u], xb);
+          }
         }
       }
     }
