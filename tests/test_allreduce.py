@@ -103,8 +103,11 @@ def test_unsupported_shapes_are_named():
 def test_host_barrier_times_out_with_a_named_error():
     peers = HostPeers(2, 2048, timeout_s=0.2)
     w, res = np.ones(2048, bfloat16), np.ones((1, 2048), bfloat16)
-    with pytest.raises(DistError, match="rank 0: one-shot all-reduce"):
+    with pytest.raises(TimeoutError, match="rank 0: one-shot all-reduce"):
         allreduce_rmsnorm(peers, 0, (1, 2048), w, EPS, res, rank=0)
+    side = OneShot(peers, 1, Backend("numpy", quiet=True))
+    with pytest.raises(DistError, match="rank 1: one-shot all-reduce: the peers did not all arrive"):
+        side.all_reduce_norm(side.buffer((1, 2048)), w, EPS, res)
 
 
 # -- CPU: configuration ------------------------------------------------------------------------------------
@@ -127,7 +130,8 @@ def test_runtime_allreduce_is_validated():
     assert RuntimeSpec().allreduce == "nccl"  # the default stays NCCL + norm
     for mode in ("auto", "nccl", "oneshot"):
         assert parse_pipeline(PIPE.format(backend="cuda", mode=mode), "p.yaml").runtime.allreduce == mode
-    with pytest.raises(PipelineError, match=r"p.yaml:6: key 'runtime.allreduce': must be one of 'auto', 'nccl', 'oneshot', got 'ring'"):
+    named = r"p.yaml:6: key 'runtime.allreduce': must be one of 'auto', 'nccl', 'oneshot', got 'ring'"
+    with pytest.raises(PipelineError, match=named):
         parse_pipeline(PIPE.format(backend="cuda", mode="ring"), "p.yaml")
     with pytest.raises(PipelineError, match="allreduce: oneshot runs on the CUDA backend"):
         parse_pipeline(PIPE.format(backend="numpy", mode="oneshot"), "p.yaml")
@@ -293,7 +297,8 @@ def _bits_equal(got, want, name):
 def test_simulated_ranks_one_launch(rng, n, rows, parts):
     import cupy
 
-    from ddtree_rtc.kernels.allreduce import PeerBuffers, allreduce_rmsnorm as kernel
+    from ddtree_rtc.kernels.allreduce import PeerBuffers
+    from ddtree_rtc.kernels.allreduce import allreduce_rmsnorm as kernel
     from ddtree_rtc.testing import nan_bf16_bits, to_device_bf16
 
     be = Backend("cuda")
@@ -345,7 +350,8 @@ def test_rows_do_not_depend_on_m(rng):
     """A row's bits are the same at 3 rows as at 16 (each row is its own cluster)."""
     import cupy
 
-    from ddtree_rtc.kernels.allreduce import PeerBuffers, allreduce_rmsnorm as kernel
+    from ddtree_rtc.kernels.allreduce import PeerBuffers
+    from ddtree_rtc.kernels.allreduce import allreduce_rmsnorm as kernel
     from ddtree_rtc.testing import to_device_bf16
 
     n = 8
@@ -367,7 +373,8 @@ def test_graph_replays_twice(rng):
     import cupy
 
     from ddtree_rtc.bench.harness import capture_graph
-    from ddtree_rtc.kernels.allreduce import PeerBuffers, allreduce_rmsnorm as kernel
+    from ddtree_rtc.kernels.allreduce import PeerBuffers
+    from ddtree_rtc.kernels.allreduce import allreduce_rmsnorm as kernel
     from ddtree_rtc.testing import to_device_bf16
 
     be, n, rows = Backend("cuda"), 8, 3

@@ -90,9 +90,8 @@ __device__ __forceinline__ void st_cluster_f32(const float* p, unsigned cta, flo
 // Backend.to_bf16's rounding, bit for bit (NaN quieted with its payload kept; else round to nearest even).
 __device__ __forceinline__ bf16 to_bf16_exact(float v) {
   const unsigned b = __float_as_uint(v);
-  const unsigned short y = (b & 0x7fffffffu) > 0x7f800000u ? static_cast<unsigned short>((b >> 16) | 0x40u)
-                                                           : static_cast<unsigned short>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-  return __ushort_as_bfloat16(y);
+  const unsigned y = (b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  return __ushort_as_bfloat16(static_cast<unsigned short>(y));
 }
 
 // sum_to_bf16's rounding of the shared expert's sum, as the fp32 it adds.

@@ -55,8 +55,11 @@ class OneShot:
     def all_reduce_norm(self, partial, weight, eps: float, residual):
         slot = self.calls % 2
         self.calls += 1
-        return self.backend.allreduce_rmsnorm(self.peers, slot, tuple(partial.shape), weight, eps, residual,
-                                              rank=self.rank)
+        try:
+            return self.backend.allreduce_rmsnorm(self.peers, slot, tuple(partial.shape), weight, eps, residual,
+                                                  rank=self.rank)
+        except TimeoutError as e:  # the numpy group's barrier (the kernel traps instead)
+            raise DistError(str(e)) from None
 
     def close(self) -> None:
         if self._close is not None:

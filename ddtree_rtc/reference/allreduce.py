@@ -94,11 +94,9 @@ class HostPeers:
     def wait(self, rank: int) -> None:
         try:
             self._barrier.wait(self.timeout_s)
-        except threading.BrokenBarrierError:
-            from ..parallel.comm import DistError
-
-            raise DistError(f"rank {rank}: one-shot all-reduce: the peers did not all arrive within "
-                            f"{self.timeout_s:g} s") from None
+        except threading.BrokenBarrierError:  # parallel.oneshot names it a DistError
+            raise TimeoutError(f"rank {rank}: one-shot all-reduce: the peers did not all arrive within "
+                               f"{self.timeout_s:g} s") from None
 
 
 def allreduce_rmsnorm(peers, slot: int, shape, weight, eps: float, residual, rank: int | None = None,
