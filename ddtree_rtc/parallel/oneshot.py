@@ -21,6 +21,7 @@ import zlib
 
 import numpy as np
 
+from ..reference.allreduce import unsupported
 from .comm import Communicator, DistError, timeout_s
 
 MODES = ("auto", "nccl", "oneshot")
@@ -33,15 +34,18 @@ class OneShot:
         self.peers, self.rank, self.backend = peers, rank, backend
         self.calls = 0  # fused all-reduces so far: the slot of the next is calls % 2
         self._close = close
+        self._views: dict = {}  # (slot, shape) -> the partial's array (made once: eager calls stay cheap)
 
     def fits(self, shape) -> bool:
-        from ..reference.allreduce import unsupported
-
         return unsupported(shape, self.peers.nranks) is None and int(shape[-1]) == self.peers.d
 
     def buffer(self, shape):
         """Where this rank's sublayer writes its fp32 partial for the next fused call."""
-        return self.peers.partial(self.rank, self.calls % 2, tuple(shape))
+        key = (self.calls % 2, tuple(int(s) for s in shape))
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.peers.partial(self.rank, *key)
+        return view
 
     def owns(self, partial) -> bool:
         """Whether ``partial`` is the buffer of the next fused call (from ``buffer``)."""
@@ -88,8 +92,6 @@ def attach(comm: Communicator, mode: str, backend, hidden: int) -> str:
 
 def _local_reason(comm: Communicator, backend, hidden: int) -> str | None:
     """Why the fused path is out, from what every rank knows alike (no collective), or None."""
-    from ..reference.allreduce import unsupported
-
     if not backend.is_cuda:
         return f"it needs the CUDA backend (this is {backend.name})"
     if comm.name != "nccl":
