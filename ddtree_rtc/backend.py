@@ -18,6 +18,7 @@ from ml_dtypes import bfloat16
 # op name -> kernel family (module stem under kernels/ and reference/)
 OPS: dict[str, str] = {
     "rmsnorm": "rmsnorm",
+    "allreduce_rmsnorm": "allreduce",
     "rope": "rope",
     "embedding": "embedding",
     "silu_mul": "silu_mul",

@@ -28,6 +28,7 @@ BENCHMARKS = {
     "round": "DDTree round on a K2.6-dims slice: stages, kernels vs CUDA graph, tok/s at the oracle's tau vs AR",
     "drafter": "DFlash drafter forward / context extend at K2.6 dims and its GQA attention vs byte floors",
     "node": "K2.6 at 61 layers as one simulated rank of 8 (TP8 / TP-attn + EP-MoE): step, rounds, splits, projection",
+    "allreduce": "sublayer all-reduce + residual norm: one-shot kernel vs NCCL, to_bf16, rmsnorm (--nproc: ranks)",
     "budget": "decode.budget auto vs fixed budgets, chain and AR on a pipeline per concurrency (tok/s per user)",
 }
 

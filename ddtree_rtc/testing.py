@@ -239,7 +239,9 @@ def random_prompts(seed: int, lengths) -> list[list[int]]:
 # (moe_small_experts: by its token count, kernels/moe_small.experts_launches); every other op of the
 # small-M path is one launch. The general path also launches copies outside the op table (contiguous
 # views, slice assignments), which are not counted.
-OP_LAUNCHES = {"mla_attention": 2, "moe_small_experts": lambda x, *a, **kw: experts_launches(x.shape[0])}
+# allreduce_rmsnorm: its one launch is the communicator's all_reduce, which stage_launches counts
+OP_LAUNCHES = {"mla_attention": 2, "moe_small_experts": lambda x, *a, **kw: experts_launches(x.shape[0]),
+               "allreduce_rmsnorm": 0}
 
 
 class OpRecorder(Backend):

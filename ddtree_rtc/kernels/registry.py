@@ -9,6 +9,11 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("rmsnorm", ("rmsnorm_kernel", "rmsnorm_block_kernel", "rmsnorm_f32_kernel", "rmsnorm_block_f32_kernel"),
                "RMSNorm over the last dim with optional fused residual add (bf16 in/out, fp32 math; the _f32 "
                "entries take a TP rank's all-reduced fp32 sum and round it to bf16 first)"),
+    KernelSpec("allreduce", ("allreduce_rmsnorm_kernel",),
+               "one-shot all-reduce of the tensor-parallel fp32 partials over peer memory (ranks' buffers "
+               "registered by CUDA IPC; flags with device epochs, bounded waits), summed in rank order, "
+               "rounded as to_bf16 and fused with the residual RMSNorm: one launch per rank and sublayer "
+               "for <= 16 rows"),
     KernelSpec("rope", ("rope_kernel",),
                "RoPE in place on a slice of each head: interleaved pairs (GPT-J/MLA) or rotate-half"),
     KernelSpec("embedding", ("embedding_kernel",), "embedding row gather by token id"),

@@ -285,37 +285,36 @@ class TargetModel:
 
     # -- forward ---------------------------------------------------------------------------------
     def _mlp(self, layer: Layer, x, moe_plan=None):
-        """(m, plus): the MLP sublayer's output for the residual norm after it. One rank: m bf16, plus
-        None. A tensor-parallel rank: m the all-reduced fp32 sum, and for a MoE layer plus the shared
-        expert's all-reduced fp32 sum, which the norm rounds to bf16 and adds first (as one rank's
-        combine adds its bf16 shared expert); the norm rounds the total once (``rmsnorm``'s fp32 x)."""
+        """The MLP sublayer's output: one rank's bf16, or on several ranks this rank's fp32 partial in
+        the communicator's buffer ([2, T, H] for a MoE layer: routed and shared), which ``_add_norm``
+        all-reduces, rounds once and norms."""
         be, t = self.backend, int(x.shape[0])
         impl, small = self.linear_impl(t), self.small_m(t)
         if isinstance(layer.mlp, DenseMLP):
-            m = be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, out=self._partial(x),
-                          impl=impl)
-            return self._reduce(m), None
+            return be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, out=self._partial(x),
+                             impl=impl)
         if self.shard.world == 1:
-            return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant), None
-        # routed and shared partials side by side, one all-reduce
-        parts = be.empty((2,) + tuple(x.shape), "fp32")
+            return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant)
+        # routed and shared partials side by side, one all-reduce; then, as one rank's combine does,
+        # routed sum + bf16(shared sum), rounded once (Communicator.all_reduce_norm)
+        parts = self.comm.partial_buffer((2,) + tuple(x.shape), be)
         moe(x, layer.mlp, self.routing, be, plan=moe_plan, out=parts[0], shared_out=parts[1], small=small,
             invariant=self.batch_invariant)
-        self.comm.all_reduce(parts)
-        return parts[0], parts[1]
+        return parts
 
     def _partial(self, x):
-        """Where a sublayer writes its output: on several ranks an fp32 buffer, so the partial sums
-        are reduced unrounded and the result is rounded to bf16 once, as one rank's output is."""
-        return self.backend.empty(tuple(x.shape), "fp32") if self.shard.world > 1 else None
+        """Where a sublayer writes its output: on several ranks an fp32 buffer (the communicator's, so
+        the one-shot path reads it where it lies), so the partial sums are reduced unrounded and the
+        result is rounded to bf16 once, as one rank's output is."""
+        return self.comm.partial_buffer(tuple(x.shape), self.backend) if self.shard.world > 1 else None
 
-    def _reduce(self, partial):
-        """A sublayer's output for the residual norm after it: on one rank the bf16 output itself; on
-        several, the sum of every rank's fp32 partial (one all-reduce), which the norm rounds to bf16
-        once (``rmsnorm`` with fp32 x: no rounding launch of its own)."""
+    def _add_norm(self, out, weight, residual):
+        """A sublayer's end: its output (on several ranks this rank's fp32 partial, all-reduced and
+        rounded once) added to the residual stream and RMS-normed. Returns (normed, residual)."""
+        be, eps = self.backend, self.cfg.rms_norm_eps
         if self.shard.world == 1:
-            return partial
-        return self.comm.all_reduce(partial)
+            return be.rmsnorm(out, weight, eps, residual=residual)
+        return self.comm.all_reduce_norm(out, weight, eps, residual, be)
 
     def head_logits(self, rows):
         """bf16 [R, V] logits of final-normed rows [R, H]: this rank's vocabulary slice, all-gathered
@@ -435,12 +434,12 @@ class TargetModel:
         for i, layer in enumerate(self.layers):
             a = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache)
             x_attn = x
-            x, h = be.rmsnorm(a, layer.post_norm, cfg.rms_norm_eps, residual=h)
+            x, h = self._add_norm(a, layer.post_norm, h)
             mark("attention", i, x_attn)
-            m, plus = self._mlp(layer, x, moe_plan)
+            m = self._mlp(layer, x, moe_plan)
             x_mlp = x
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x, h = be.rmsnorm(m, nxt, cfg.rms_norm_eps, residual=h, plus=plus)
+            x, h = self._add_norm(m, nxt, h)
             if i in hidden_layers:
                 hidden[i] = h.copy()
             mark("mlp", i, x_mlp)
@@ -458,7 +457,9 @@ class TargetModel:
         return out
 
     def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache):
+        """The attention sublayer's output: bf16 on one rank, this rank's fp32 partial on several
+        (``_add_norm`` reduces it), as ``_mlp``'s."""
         # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both
-        return self._reduce(mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq,
-                                        LATENT_NORM_EPS, cache.layer(i), slots, plan, self.cfg.softmax_scale,
-                                        self.rope_scale, out=self._partial(x), impl=self.linear_impl(int(x.shape[0]))))
+        return mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq, LATENT_NORM_EPS,
+                           cache.layer(i), slots, plan, self.cfg.softmax_scale, self.rope_scale,
+                           out=self._partial(x), impl=self.linear_impl(int(x.shape[0])))

@@ -60,9 +60,13 @@ class CommStats:
 
 
 class Communicator:
-    """``rank`` of ``world_size``; subclasses implement the ``_`` methods on their arrays."""
+    """``rank`` of ``world_size``; subclasses implement the ``_`` methods on their arrays.
+
+    ``oneshot``: the fused all-reduce + RMSNorm path (parallel/oneshot.py ``attach``), or None: then
+    ``all_reduce_norm`` is today's all-reduce and ``rmsnorm`` of the fp32 sum."""
 
     name = "base"
+    oneshot = None
 
     def __init__(self, rank: int, world_size: int):
         if world_size < 1 or not 0 <= rank < world_size:
@@ -94,6 +98,29 @@ class Communicator:
 
     def barrier(self) -> None:
         self._barrier()
+
+    def partial_buffer(self, shape, backend):
+        """Where a sublayer writes its fp32 partial ``shape`` ([rows, d], or [2, rows, d]: the MoE's
+        routed and shared parts) for ``all_reduce_norm``: the one-shot path's registered slot where it
+        takes the shape, else a new array."""
+        if self.oneshot is not None and self.oneshot.fits(shape):
+            return self.oneshot.buffer(shape)
+        return backend.empty(tuple(shape), "fp32")
+
+    def all_reduce_norm(self, partial, weight, eps: float, residual, backend):
+        """The sublayer's end: every rank's fp32 ``partial`` summed, rounded to bf16 once (two parts:
+        routed + bf16(shared), as the MoE combine), added to ``residual`` and RMS-normed with ``weight``.
+        Returns (normed, new residual). The one-shot kernel for a partial from ``partial_buffer`` that
+        it took (counted as an all_reduce of the same bytes), else all_reduce + the norm of the fp32 sum
+        (``rmsnorm``'s fp32 x: it rounds as ``to_bf16`` does, no launch of its own); both sum in rank
+        order only where the transport does (NCCL need not)."""
+        if self.oneshot is not None and self.oneshot.owns(partial):
+            self.stats.add("all_reduce", partial.nbytes)
+            return self.oneshot.all_reduce_norm(partial, weight, eps, residual)
+        self.all_reduce(partial)
+        if partial.ndim == 3:
+            return backend.rmsnorm(partial[0], weight, eps, residual=residual, plus=partial[1])
+        return backend.rmsnorm(partial, weight, eps, residual=residual)
 
     def close(self) -> None:
         """Release the transport (idempotent)."""

@@ -120,6 +120,9 @@ class NcclCommunicator(Communicator):
         self._cp.cuda.get_current_stream().synchronize()
 
     def close(self) -> None:
+        if self.oneshot is not None:
+            self.oneshot.close()
+            self.oneshot = None
         if getattr(self, "_comm", None) is not None:
             self._comm.destroy()
             self._comm = None

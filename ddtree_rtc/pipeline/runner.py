@@ -358,6 +358,14 @@ def build_engine(pipe: Pipeline, max_batch: int, profile: bool = False,
     directory = model_dir(pipe, ranks)
     cfg = model_config(pipe, directory)
     n_layers = pipe.model.layers or cfg.num_hidden_layers
+    if ranks.comm.world_size > 1 and not ranks.simulated:
+        from ..parallel.oneshot import attach
+
+        try:
+            how = attach(ranks.comm, pipe.runtime.allreduce, backend, cfg.hidden_size)
+        except DistError as e:
+            raise PipelineError(f"{pipe.source}: {e}") from None
+        ranks.echo(f"sublayer all-reduce: {how} (runtime.allreduce {pipe.runtime.allreduce})")
     shard = Shard(ranks.env.rank, ranks.env.world_size, pipe.runtime.expert_parallel)
     if directory is None:  # before any weight is made
         check_dummy_fits(pipe, cfg.with_layers(n_layers), shard, backend)
@@ -425,6 +433,7 @@ def parallel_metrics(engine: Engine) -> dict | None:
         return None
     calls, nbytes = comm.stats.total()
     return {"tensor_parallel": shard.world, "expert_parallel": shard.expert_parallel, "transport": comm.name,
+            "sublayer_allreduce": "oneshot" if comm.oneshot is not None else comm.name,
             "all_reduce_per_layer": 2, "all_gather_per_forward": 1, "collectives": comm.stats.snapshot(),
             "collective_calls": calls, "collective_bytes": nbytes,
             "collective_bytes_per_step": nbytes / engine.stats.steps if engine.stats.steps else None}

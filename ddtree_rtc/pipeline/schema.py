@@ -50,7 +50,12 @@ class RuntimeSpec:
     kernels (docs/architecture.md, "The small-M path"); false keeps the general kernels for comparison.
     ``batch_invariant``: on that path every linear also sums each row the same way whatever the batch,
     so a verify row equals its autoregressive twin bit for bit; false lets them take the faster
-    non-invariant kernels (cuBLAS) where those win."""
+    non-invariant kernels (cuBLAS) where those win.
+    ``allreduce``: how each sublayer's partials are reduced before the residual RMSNorm on several
+    ranks: ``nccl`` (the default) an NCCL all-reduce, then to_bf16 and the norm; ``oneshot`` the fused
+    one-shot kernel over CUDA IPC peer memory for partials of <= 16 rows (rank-order sums: its bits
+    equal NCCL's only where NCCL's order matches), an error where it cannot run; ``auto`` oneshot
+    where every rank is a peer GPU of one node, else NCCL (ddtree_rtc.parallel.oneshot)."""
 
     backend: Literal["auto", "cuda", "numpy"] = "auto"
     arch: str | None = None
@@ -66,8 +71,18 @@ class RuntimeSpec:
     simulate_collective_us: float = 0.0  # each stand-in also holds this long
     small_m_path: bool = True
     batch_invariant: bool = True
+    allreduce: Literal["auto", "nccl", "oneshot"] = "nccl"
 
     def __post_init__(self):
+        if self.allreduce not in ("auto", "nccl", "oneshot"):
+            raise ValueError(f"allreduce must be 'auto', 'nccl' or 'oneshot', got {self.allreduce!r}")
+        if self.allreduce == "oneshot":
+            if self.backend == "numpy":
+                raise ValueError("allreduce: oneshot runs on the CUDA backend (peer GPU memory), not numpy; "
+                                 "use 'auto' or 'nccl'")
+            if self.simulate_rank is not None:
+                raise ValueError("allreduce: oneshot needs every rank running (it reads their memory); a "
+                                 "simulate_rank stands in for the collectives: use 'auto' or 'nccl'")
         for name in ("tensor_parallel", "max_batch", "page_size", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
