@@ -1,13 +1,13 @@
 """The sublayer all-reduce + residual RMSNorm at K2.6's hidden size (7168): the one-shot kernel
-(cuda_src/allreduce.cu) against NCCL's all-reduce + to_bf16 + rmsnorm, per call, for rows 1..16 and
+(cuda_src/allreduce.cu) against NCCL's all-reduce + the norm of the fp32 sum (the default path), per call, for rows 1..16 and
 the dense (one fp32 part) and MoE (routed + shared) partials.
 
 On one GPU (default): N simulated ranks (``--ranks``), their buffers on the one device and all N
 ranks' CTAs in one launch, so a row reads the N partials from HBM / L2, not over NVLink: the figure
 is the kernel's own latency and the N-fold work, not a TP8 node's. Its peer is NCCL on one rank (a
-copy) + to_bf16 + rmsnorm: the launches the fused kernel replaces, not NCCL's 8-rank latency.
+copy) + rmsnorm of the fp32 sum: the launches the fused kernel replaces, not NCCL's 8-rank latency.
 ``--nproc N`` spawns N real ranks (one GPU each, NCCL + CUDA IPC peer memory): the TP-N figures,
-rank 0's, against the same rank's NCCL all-reduce + to_bf16 + rmsnorm on the same partials.
+rank 0's, against the same rank's NCCL all-reduce + rmsnorm of the fp32 sum on the same partials.
 
 Each case is a CUDA graph of ``--calls`` calls (slots alternating), timed per replay and divided by
 the calls, so host launch time is out. Ceilings per row: ``nvlink_floor_us`` = the bytes a rank pulls
@@ -60,13 +60,15 @@ def _simulated_case(peers, w, n: int, rows: int, parts: int, calls: int, iters: 
 
     def composed(i):
         single.all_reduce(part)
-        a = be.to_bf16(part[0], plus_rounded=part[1]) if parts == 2 else be.to_bf16(part)
-        be.rmsnorm(a, w, EPS, residual=r0)
+        if parts == 2:  # the default path's sublayer end: the norm of the fp32 sum (rmsnorm's _f32 entries)
+            be.rmsnorm(part[0], w, EPS, residual=r0, plus=part[1])
+        else:
+            be.rmsnorm(part, w, EPS, residual=r0)
 
     peer = _graph_us(composed, calls, iters)
     read = n * (n * parts * rows * D * 4 + 2 * rows * D * 2)  # every launch rank: N partials, residual in and out
     return Row(f"oneshot {n} simulated ranks, {rows} rows, {'MoE' if parts == 2 else 'dense'}", fused, bytes=read,
-               peer="1-rank NCCL + to_bf16 + rmsnorm (one rank's launches)", peer_us=peer,
+               peer="1-rank NCCL + rmsnorm of the fp32 sum (one rank's launches)", peer_us=peer,
                extra={**_case_extra(n, rows, parts, nvlink_gbs), "mode": "simulated, one launch",
                       "us_per_rank_share": fused / n})
 
@@ -97,14 +99,16 @@ def _rank_case(comm, be, w, rows: int, parts: int, calls: int, iters: int, nvlin
 
     def nccl(i):
         comm.all_reduce(plain)
-        a = be.to_bf16(plain[0], plus_rounded=plain[1]) if parts == 2 else be.to_bf16(plain)
-        be.rmsnorm(a, w, EPS, residual=res)
+        if parts == 2:
+            be.rmsnorm(plain[0], w, EPS, residual=res, plus=plain[1])
+        else:
+            be.rmsnorm(plain, w, EPS, residual=res)
 
     comm.barrier()
     t_nccl = _graph_us(nccl, calls, iters)
     n = comm.world_size
     return Row(f"oneshot {n} ranks, {rows} rows, {'MoE' if parts == 2 else 'dense'}", t_fused,
-               bytes=n * parts * rows * D * 4, peer="NCCL all-reduce + to_bf16 + rmsnorm", peer_us=t_nccl,
+               bytes=n * parts * rows * D * 4, peer="NCCL all-reduce + rmsnorm of the fp32 sum", peer_us=t_nccl,
                extra={**_case_extra(n, rows, parts, nvlink_gbs), "mode": f"{n} real ranks ({how})"})
 
 
