@@ -28,6 +28,7 @@
 // context is lost, but a dead rank never hangs the others forever). Epochs live in device memory, so a
 // CUDA graph replays with fresh epochs.
 #include "common.cuh"
+#include "rmsnorm.cuh"  // round_bf16 / round_bf16_f32: Backend.to_bf16's rounding, bit for bit
 
 using namespace ddt;
 
@@ -85,20 +86,6 @@ __device__ __forceinline__ uint4 ld_cluster_u4(const void* p, unsigned cta) {
 
 __device__ __forceinline__ void st_cluster_f32(const float* p, unsigned cta, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_addr(p, cta)), "f"(v) : "memory");
-}
-
-// Backend.to_bf16's rounding, bit for bit (NaN quieted with its payload kept; else round to nearest even).
-__device__ __forceinline__ bf16 to_bf16_exact(float v) {
-  const unsigned b = __float_as_uint(v);
-  const unsigned y = (b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-  return __ushort_as_bfloat16(static_cast<unsigned short>(y));
-}
-
-// sum_to_bf16's rounding of the shared expert's sum, as the fp32 it adds.
-__device__ __forceinline__ float shared_rounded(float v) {
-  unsigned b = __float_as_uint(v);
-  b = (b & 0x7fffffffu) > 0x7f800000u ? (b | 0x400000u) : ((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);
-  return __uint_as_float(b);
 }
 
 }  // namespace oneshot
@@ -175,17 +162,17 @@ extern "C" __global__ void __cluster_dims__(oneshot::kCta, 1, 1) __launch_bounds
 #pragma unroll
       for (int q = 1; q < kMaxRanks; ++q)
         if (q < nranks) { u.x += p[q].x; u.y += p[q].y; u.z += p[q].z; u.w += p[q].w; }
-      s.x += shared_rounded(u.x);
-      s.y += shared_rounded(u.y);
-      s.z += shared_rounded(u.z);
-      s.w += shared_rounded(u.w);
+      s.x += round_bf16_f32(u.x);
+      s.y += round_bf16_f32(u.y);
+      s.z += round_bf16_f32(u.z);
+      s.w += round_bf16_f32(u.w);
     }
     const uint2 r = *reinterpret_cast<const uint2*>(residual + base + col);
     const bf16* rb = reinterpret_cast<const bf16*>(&r);
     bf16* hb = reinterpret_cast<bf16*>(&hv);
     const float a[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) hb[j] = to_bf16(to_f32(to_bf16_exact(a[j])) + to_f32(rb[j]));
+    for (int j = 0; j < 4; ++j) hb[j] = to_bf16(to_f32(round_bf16(a[j])) + to_f32(rb[j]));
     *reinterpret_cast<uint2*>(h_s + 4 * t) = hv;
     *reinterpret_cast<uint2*>(residual_out + base + col) = hv;
   }

@@ -13,9 +13,11 @@ __device__ __forceinline__ float round_bf16_f32(float v) {
   t = (t & 0x7fffffffu) > 0x7f800000u ? (t | 0x400000u) : ((t + 0x7fffu + ((t >> 16) & 1u)) & 0xffff0000u);
   return __uint_as_float(t);
 }
-__device__ __forceinline__ bf16 sum_to_bf16(float x, const float* plus, int i) {
-  const float v = plus ? x + round_bf16_f32(plus[i]) : x;
+__device__ __forceinline__ bf16 round_bf16(float v) {
   return __ushort_as_bfloat16((unsigned short)(__float_as_uint(round_bf16_f32(v)) >> 16));
+}
+__device__ __forceinline__ bf16 sum_to_bf16(float x, const float* plus, int i) {
+  return round_bf16(plus ? x + round_bf16_f32(plus[i]) : x);
 }
 __device__ __forceinline__ bf16 load_in(const bf16* x, const float*, int i) { return x[i]; }
 __device__ __forceinline__ bf16 load_in(const float* x, const float* plus, int i) { return sum_to_bf16(x[i], plus, i); }
@@ -31,10 +33,10 @@ __device__ __forceinline__ bf16x8 load_in8(const float* x, const float* plus, in
     const float u[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      r.v[j] = __ushort_as_bfloat16((unsigned short)(__float_as_uint(round_bf16_f32(v[j] + round_bf16_f32(u[j]))) >> 16));
+      r.v[j] = round_bf16(v[j] + round_bf16_f32(u[j]));
   } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) r.v[j] = __ushort_as_bfloat16((unsigned short)(__float_as_uint(round_bf16_f32(v[j])) >> 16));
+    for (int j = 0; j < 8; ++j) r.v[j] = round_bf16(v[j]);
   }
   return r;
 }
