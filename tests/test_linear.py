@@ -415,3 +415,59 @@ def test_norm_linear_bad_input():
     with pytest.raises(ValueError, match="norm_linear: needs"):
         norm_linear(cupy.zeros((3, 12), dtype=cupy.uint16), cupy.zeros(12, dtype=cupy.uint16), 1e-6,
                     cupy.zeros((8, 12), dtype=cupy.uint16))
+
+
+def test_invariant_plans_cover_every_split_and_hold_the_default():
+    """bench linear --invariant-plans' enumeration: 16 (warps_n, split) plans a bucket, each an entry the
+    linear family has, its grid the bucket's, the default invariant plan among them."""
+    from ddtree_rtc.kernels import linear as lin
+    from ddtree_rtc.kernels.registry import SPECS
+
+    entries = set(SPECS["linear"].entries)
+    for m, n, k in ((1, 20480, 7168), (17, 7168, 1024), (33, 1536, 1536), (64, 7168, 256)):
+        plans = lin.invariant_plans(m, n, k, 132)
+        assert len({(p.warps_n, p.split) for p in plans}) == 16
+        for p in plans:
+            assert p.entry in entries
+            assert p.grid == lin.bucket_grid(n, p.warps_n, p.split, lin.token_bucket(m))
+        d = lin.invariant_plan(m, n, k, 132)
+        assert any((p.entry, p.grid, p.warps_n, p.split) == (d.entry, d.grid, d.warps_n, d.split) for p in plans)
+
+
+def test_bench_linear_shard_shapes_and_best_plan():
+    from ddtree_rtc.bench.harness import Row
+    from ddtree_rtc.bench.linear import SHAPES, best_plans, shard_shapes
+
+    tp8 = dict((name, (n, k)) for name, n, k in shard_shapes("tp8"))
+    assert tp8["lm_head"] == (163840 // 8, 7168) and tp8["o_proj"] == (7168, 1024) and tp8["q_a"] == (1536, 7168)
+    assert shard_shapes("none") == list(SHAPES)
+    with pytest.raises(ValueError, match="shard 'ep8'"):
+        shard_shapes("ep8")
+
+    def row(wn, s, m, us, default=False):
+        return Row("r", us, peer_us=10.0,
+                   extra={"shape": "head", "M": m, "warps_n": wn, "split": s, "default": default})
+
+    rows = [row(8, 1, 1, 5.0, True), row(8, 1, 33, 9.0, True), row(4, 2, 1, 4.0), row(4, 2, 33, 11.0),
+            row(2, 1, 1, 6.0), row(2, 1, 33, 6.5)]
+    got = best_plans(rows)["head"]
+    assert got["default"] == [8, 1] and got["best"] == [2, 1]  # least summed time over M: 12.5
+    assert got["best_us"] == {1: 6.0, 33: 6.5} and got["cublas_us"] == {1: 10.0, 33: 10.0}
+
+
+@pytest.mark.gpu
+def test_every_invariant_plan_matches_the_reference(rng):
+    """What bench linear --invariant-plans launches: every (warps_n, split) plan gives the reference's
+    values (another plan sums in another order: within tolerance) into a NaN-prefilled output, at odd M."""
+    from ddtree_rtc.kernels import linear as lin
+    from ddtree_rtc.kernels._launch import sm_count
+
+    n, k = 1000, 1032
+    w = random_bf16(rng, (n, k))
+    for m in (1, 17, 33, 64):
+        x = random_bf16(rng, (m, k))
+        want = ref_linear(x, w)
+        for plan in lin.invariant_plans(m, n, k, sm_count()):
+            y = nan_bf16_bits((m, n))
+            lin.launch_plan(to_device_bf16(x), to_device_bf16(w), y, plan)
+            assert_close(y, want, "bf16_accum", name=f"M={m} wn{plan.warps_n} s{plan.split}")

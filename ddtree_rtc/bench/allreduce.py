@@ -1,6 +1,6 @@
 """The sublayer all-reduce + residual RMSNorm at K2.6's hidden size (7168): the one-shot kernel
-(cuda_src/allreduce.cu) against NCCL's all-reduce + the norm of the fp32 sum (the default path), per call, for rows 1..16 and
-the dense (one fp32 part) and MoE (routed + shared) partials.
+(cuda_src/allreduce.cu) against NCCL's all-reduce + the norm of the fp32 sum (the default path), per
+call, for rows 1..16 and the dense (one fp32 part) and MoE (routed + shared) partials.
 
 On one GPU (default): N simulated ranks (``--ranks``), their buffers on the one device and all N
 ranks' CTAs in one launch, so a row reads the N partials from HBM / L2, not over NVLink: the figure

@@ -116,6 +116,24 @@ def invariant_plan(m: int, n: int, k: int, sms: int, f32: bool = False) -> Skinn
                       bucket_grid(n, base.warps_n, base.split, mt), base.warps_n, base.split, base.est_us)
 
 
+def invariant_plans(m: int, n: int, k: int, sms: int, f32: bool = False) -> list[SkinnyPlan]:
+    """Every (warps_n, split) the invariant entries can run for ``m`` tokens over [n, k] (any of them
+    keeps a row's sums independent of M, as long as one is chosen from the shape alone), with the
+    cost model's estimate; `invariant_plan`'s choice is among them. For measuring the plan rule
+    (`ddtree-rtc bench linear --invariant-plans`)."""
+    mt = token_bucket(m)
+    return [SkinnyPlan(f"linear_m{mt}{'_f32' if f32 else ''}_s{s}", bucket_grid(n, wn, s, mt), wn, s,
+                       _estimate_us(_INVARIANT_PLAN_M, n, k, wn, s, sms))
+            for wn in _WARPS_N for s in _SPLITS]
+
+
+def launch_plan(x, weight, y, plan: SkinnyPlan) -> None:
+    """One invariant entry launched with ``plan`` (from `invariant_plans`), plainly (no PDL)."""
+    m, k = x.shape
+    args = (x, weight, y, np.int32(m), np.int32(weight.shape[0]), np.int32(k), np.int32(plan.warps_n), np.int32(0))
+    launch(module("linear").fn(plan.entry), (plan.grid,), (_THREADS,), args)
+
+
 def one_wave_plan(n: int, k: int, sms: int, clusters_at_once) -> SkinnyPlan:
     """`skinny_plan` at M = 8 (the invariant plan) if its ceil(n / (8 warps_n)) clusters fit on the
     GPU at once, else the (warps_n, split) nearest to it (fewest halvings or doublings of either; then
