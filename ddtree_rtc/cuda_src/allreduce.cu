@@ -27,6 +27,7 @@
 // Waits are bounded: past timeout_ns on %globaltimer the CTA prints who it waited for and traps (the
 // context is lost, but a dead rank never hangs the others forever). Epochs live in device memory, so a
 // CUDA graph replays with fresh epochs.
+#include "cluster.cuh"
 #include "common.cuh"
 #include "rmsnorm.cuh"  // round_bf16 / round_bf16_f32: Backend.to_bf16's rounding, bit for bit
 
@@ -58,34 +59,21 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned cta) {
-  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(cta));
-  return remote;
-}
-
-__device__ __forceinline__ uint4 ld_cluster_u4(const void* p, unsigned cta) {
-  uint4 v;
-  asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(cluster_addr(p, cta))
-               : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_cluster_f32(const float* p, unsigned cta, float v) {
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_addr(p, cta)), "f"(v) : "memory");
+// Every rank's partial at element `elem` (a multiple of 4) of its slot, all loads first, then summed in
+// rank order 0 .. nranks - 1: the same bits on every rank.
+__device__ __forceinline__ float4 rank_sum(const unsigned long long* __restrict__ bases, long long slot_offset,
+                                           long long elem, int nranks) {
+  float4 p[kMaxRanks];
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q)
+    if (q < nranks)
+      p[q] = __ldcg(reinterpret_cast<const float4*>(reinterpret_cast<const unsigned char*>(bases[q]) + slot_offset) +
+                    elem / 4);
+  float4 s = p[0];
+#pragma unroll
+  for (int q = 1; q < kMaxRanks; ++q)
+    if (q < nranks) { s.x += p[q].x; s.y += p[q].y; s.z += p[q].z; s.w += p[q].w; }
+  return s;
 }
 
 }  // namespace oneshot
@@ -142,26 +130,9 @@ extern "C" __global__ void __cluster_dims__(oneshot::kCta, 1, 1) __launch_bounds
   uint2 hv = make_uint2(0u, 0u);
   if (mine) {
     const long long elem = (long long)row * d + col, part_elems = (long long)rows * d;
-    float4 p[kMaxRanks];
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q)
-      if (q < nranks)
-        p[q] = __ldcg(reinterpret_cast<const float4*>(reinterpret_cast<const unsigned char*>(bases[q]) +
-                                                      slot_offset) + elem / 4);
-    float4 s = p[0];
-#pragma unroll
-    for (int q = 1; q < kMaxRanks; ++q)
-      if (q < nranks) { s.x += p[q].x; s.y += p[q].y; s.z += p[q].z; s.w += p[q].w; }
+    float4 s = rank_sum(bases, slot_offset, elem, nranks);
     if (parts == 2) {  // the MoE: routed sum + bf16(shared sum)
-#pragma unroll
-      for (int q = 0; q < kMaxRanks; ++q)
-        if (q < nranks)
-          p[q] = __ldcg(reinterpret_cast<const float4*>(reinterpret_cast<const unsigned char*>(bases[q]) +
-                                                        slot_offset) + (elem + part_elems) / 4);
-      float4 u = p[0];
-#pragma unroll
-      for (int q = 1; q < kMaxRanks; ++q)
-        if (q < nranks) { u.x += p[q].x; u.y += p[q].y; u.z += p[q].z; u.w += p[q].w; }
+      const float4 u = rank_sum(bases, slot_offset, elem + part_elems, nranks);
       s.x += round_bf16_f32(u.x);
       s.y += round_bf16_f32(u.y);
       s.z += round_bf16_f32(u.z);
@@ -186,13 +157,13 @@ extern "C" __global__ void __cluster_dims__(oneshot::kCta, 1, 1) __launch_bounds
     for (int v = 0; v < 4; ++v) {
       const int gv = tc + v * kThreads;
       if (gv >= nvec) continue;
-      const uint4 raw = ld_cluster_u4(h_s + 8 * (gv % vchunk), gv / vchunk);
+      const uint4 raw = ld_cluster(reinterpret_cast<const uint4*>(h_s + 8 * (gv % vchunk)), gv / vchunk);
       const bf16* hb = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
       for (int j = 0; j < 8; ++j) ss += to_f32(hb[j]) * to_f32(hb[j]);
     }
     ss = warp_sum(ss);
-    if (t < kCta) st_cluster_f32(&warp_ss[c], t, ss);  // warp c's sum into every CTA of the row
+    if (t < kCta) st_cluster(&warp_ss[c], t, ss);  // warp c's sum into every CTA of the row
   }
   cluster_sync();  // the last remote access: no CTA's shared memory is read after this
   const int lane = t & 31;

@@ -16,6 +16,7 @@
 // through distributed shared memory. A token row's sums depend only on (warps_n, S, K), never on M
 // or on the other rows.
 #pragma once
+#include "cluster.cuh"
 #include "common.cuh"
 #include "int4_mma.cuh"
 
@@ -62,34 +63,11 @@ __device__ __forceinline__ uint4 ld_weight(const uint4* p) {
   return v;
 }
 
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// Every thread of every CTA of the cluster; release/acquire orders the shared-memory partials.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-
-// Same rendezvous without the memory ordering (no fence): only keeps the CTAs alive.
-__device__ __forceinline__ void cluster_sync_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-
-// `p` in this CTA's shared memory, read at the same offset in cluster CTA `rank`.
-__device__ __forceinline__ float4 ld_cluster(const float4* p, unsigned rank) {
-  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(remote)
-               : "memory");
-  return v;
-}
+// cluster.cuh's primitives under the skinny:: names the entries call them by
+using ddt::cluster_rank;
+using ddt::cluster_sync;
+using ddt::cluster_sync_relaxed;
+using ddt::ld_cluster;
 
 __device__ __forceinline__ void add4(float4& s, const float4& v) {
   s.x += v.x;

@@ -64,16 +64,6 @@ struct Shared {
   float inv[kMaxRows];  // inverse rms per row
 };
 
-// `p` in this CTA's shared memory, read at the same offset in cluster CTA `rank`.
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-
 // The sum of squares of row x [d] (d % 8 == 0) as GROUP threads of rmsnorm_row / rmsnorm_row_regs take
 // it, on one warp: lane l plays thread 32 v + l of each virtual warp v (its pieces l + 32 v, then GROUP
 // further), loads before sums. block_sum's second warp_sum sees the 8 warp totals on lanes 0..7 and
