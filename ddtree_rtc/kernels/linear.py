@@ -130,8 +130,8 @@ def invariant_plans(m: int, n: int, k: int, sms: int, f32: bool = False) -> list
 def launch_plan(x, weight, y, plan: SkinnyPlan) -> None:
     """One invariant entry launched with ``plan`` (from `invariant_plans`), plainly (no PDL)."""
     m, k = x.shape
-    args = (x, weight, y, np.int32(m), np.int32(weight.shape[0]), np.int32(k), np.int32(plan.warps_n), np.int32(0))
-    launch(module("linear").fn(plan.entry), (plan.grid,), (_THREADS,), args)
+    args = (x, weight, y, np.int32(m), np.int32(weight.shape[0]), np.int32(k), np.int32(plan.warps_n))
+    _launch_skinny(module("linear").fn(plan.entry), plan.grid, args, early=False)
 
 
 def one_wave_plan(n: int, k: int, sms: int, clusters_at_once) -> SkinnyPlan:

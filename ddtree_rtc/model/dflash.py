@@ -235,19 +235,8 @@ class DFlashModel:
 
     def _row_parallel(self, x, w):
         """x @ w^T where w is row-parallel: one rank's bf16 output, or on several ranks this rank's
-        fp32 partial in the communicator's buffer (``_add_norm`` reduces it)."""
-        be, target = self.backend, self.target
-        if target.shard.world == 1:
-            return be.linear(x, w)
-        return be.linear(x, w, out=target.comm.partial_buffer((x.shape[0], w.shape[0]), be))
-
-    def _add_norm(self, out, weight, residual):
-        """The sublayer's output (the partials all-reduced and rounded once, as the target's sublayers
-        do) added to the residual and RMS-normed. Returns (normed, residual)."""
-        be, target, eps = self.backend, self.target, self.cfg.rms_norm_eps
-        if target.shard.world == 1:
-            return be.rmsnorm(out, weight, eps, residual=residual)
-        return target.comm.all_reduce_norm(out, weight, eps, residual, be)
+        fp32 partial in the communicator's buffer (the target's ``add_norm`` reduces it)."""
+        return self.backend.linear(x, w, out=self.target.partial_out((x.shape[0], w.shape[0])))
 
     # -- pieces -----------------------------------------------------------------------------------
     def _heads(self, x, w, norm, positions, heads: int):
@@ -293,10 +282,10 @@ class DFlashModel:
                                  vc.reshape(vc.shape[0], vc.shape[1], kv, d), page_table, context_lens,
                                  k.reshape(b, bs, kv, d), v.reshape(b, bs, kv, d), self.scale, context_starts)
             o = self._row_parallel(a.reshape(n, hq * d), layer.wo)
-            x, h = self._add_norm(o, layer.post_norm, h)
+            x, h = self.target.add_norm(o, layer.post_norm, h, c.rms_norm_eps)
             m = self._row_parallel(be.silu_mul(be.linear(x, layer.w_gate_up)), layer.w_down)
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x, h = self._add_norm(m, nxt, h)
+            x, h = self.target.add_norm(m, nxt, h, c.rms_norm_eps)
         rows = be.xp.ascontiguousarray(x.reshape(b, bs, -1)[:, 1:]).reshape(b * (bs - 1), -1)
         logits = self.target.head_logits(rows) if whole else self.target.head_shard(rows)
         if c.output_multiplier != 1.0 or c.final_logit_softcapping:

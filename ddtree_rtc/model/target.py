@@ -286,13 +286,13 @@ class TargetModel:
     # -- forward ---------------------------------------------------------------------------------
     def _mlp(self, layer: Layer, x, moe_plan=None):
         """The MLP sublayer's output: one rank's bf16, or on several ranks this rank's fp32 partial in
-        the communicator's buffer ([2, T, H] for a MoE layer: routed and shared), which ``_add_norm``
+        the communicator's buffer ([2, T, H] for a MoE layer: routed and shared), which ``add_norm``
         all-reduces, rounds once and norms."""
         be, t = self.backend, int(x.shape[0])
         impl, small = self.linear_impl(t), self.small_m(t)
         if isinstance(layer.mlp, DenseMLP):
-            return be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2, out=self._partial(x),
-                             impl=impl)
+            return be.linear(be.silu_mul(be.linear(x, layer.mlp.w13, impl=impl)), layer.mlp.w2,
+                             out=self.partial_out(x.shape), impl=impl)
         if self.shard.world == 1:
             return moe(x, layer.mlp, self.routing, be, plan=moe_plan, small=small, invariant=self.batch_invariant)
         # routed and shared partials side by side, one all-reduce; then, as one rank's combine does,
@@ -302,16 +302,18 @@ class TargetModel:
             invariant=self.batch_invariant)
         return parts
 
-    def _partial(self, x):
-        """Where a sublayer writes its output: on several ranks an fp32 buffer (the communicator's, so
-        the one-shot path reads it where it lies), so the partial sums are reduced unrounded and the
-        result is rounded to bf16 once, as one rank's output is."""
-        return self.comm.partial_buffer(tuple(x.shape), self.backend) if self.shard.world > 1 else None
+    def partial_out(self, shape):
+        """Where a sublayer writes its output of ``shape``: on several ranks an fp32 buffer (the
+        communicator's, so the one-shot path reads it where it lies), so the partial sums are reduced
+        unrounded and the result is rounded to bf16 once, as one rank's output is; None on one rank."""
+        return self.comm.partial_buffer(tuple(shape), self.backend) if self.shard.world > 1 else None
 
-    def _add_norm(self, out, weight, residual):
-        """A sublayer's end: its output (on several ranks this rank's fp32 partial, all-reduced and
-        rounded once) added to the residual stream and RMS-normed. Returns (normed, residual)."""
-        be, eps = self.backend, self.cfg.rms_norm_eps
+    def add_norm(self, out, weight, residual, eps: float | None = None):
+        """A sublayer's end: its output (on several ranks this rank's fp32 partial from ``partial_out``,
+        all-reduced and rounded once) added to the residual stream and RMS-normed with ``eps`` (default
+        the target's; the DFlash drafter's layers end here with theirs). Returns (normed, residual)."""
+        be = self.backend
+        eps = self.cfg.rms_norm_eps if eps is None else eps
         if self.shard.world == 1:
             return be.rmsnorm(out, weight, eps, residual=residual)
         return self.comm.all_reduce_norm(out, weight, eps, residual, be)
@@ -434,12 +436,12 @@ class TargetModel:
         for i, layer in enumerate(self.layers):
             a = self._attention(layer, i, x, inputs.positions, inputs.slots, inputs.plan, cache)
             x_attn = x
-            x, h = self._add_norm(a, layer.post_norm, h)
+            x, h = self.add_norm(a, layer.post_norm, h)
             mark("attention", i, x_attn)
             m = self._mlp(layer, x, moe_plan)
             x_mlp = x
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x, h = self._add_norm(m, nxt, h)
+            x, h = self.add_norm(m, nxt, h)
             if i in hidden_layers:
                 hidden[i] = h.copy()
             mark("mlp", i, x_mlp)
@@ -458,8 +460,8 @@ class TargetModel:
 
     def _attention(self, layer: Layer, i: int, x, positions, slots, plan, cache):
         """The attention sublayer's output: bf16 on one rank, this rank's fp32 partial on several
-        (``_add_norm`` reduces it), as ``_mlp``'s."""
+        (``add_norm`` reduces it), as ``_mlp``'s."""
         # q_a / kv_a norms use LATENT_NORM_EPS; mla_forward takes one eps for both
         return mla_forward(self.backend, x, layer.attn, self.dims, positions, self.inv_freq, LATENT_NORM_EPS,
                            cache.layer(i), slots, plan, self.cfg.softmax_scale, self.rope_scale,
-                           out=self._partial(x), impl=self.linear_impl(int(x.shape[0])))
+                           out=self.partial_out(x.shape), impl=self.linear_impl(int(x.shape[0])))
