@@ -15,6 +15,8 @@ import sys
 import numpy as np
 from ml_dtypes import bfloat16
 
+from .kernels._host_copy import copy_in as staged_copy_in
+
 # op name -> kernel family (module stem under kernels/ and reference/)
 OPS: dict[str, str] = {
     "rmsnorm": "rmsnorm",
@@ -157,12 +159,14 @@ class Backend:
 
     def copy_in(self, dst, host) -> None:
         """Copy a host array into the existing backend array ``dst`` (same shape; its dtype wins),
-        in place, so arrays a CUDA graph reads keep their addresses."""
+        in place, so arrays a CUDA graph reads keep their addresses. On CUDA the copy is enqueued on
+        the current stream from page-locked staging (kernels/_host_copy.py): the host does not wait
+        for the kernels queued before it."""
         host = np.asarray(host)
         if host.shape != dst.shape:
             raise ValueError(f"copy_in: shape {host.shape} != destination {tuple(dst.shape)}")
         if self.is_cuda:
-            dst.set(np.ascontiguousarray(host.view(np.uint16) if host.dtype == bfloat16 else host, dtype=dst.dtype))
+            staged_copy_in(dst, host.view(np.uint16) if host.dtype == bfloat16 else host)
         else:
             dst[...] = host
 

@@ -19,6 +19,7 @@ import numpy as np
 from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
 from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from . import _cublas
+from ._host_copy import copy_in
 from ._args import BF16, allow_dynamic_smem, check, out_array
 from ._launch import ctas_per_sm, launch, pdl_supported, sm_count
 from .mla_small import mla_head_gemm_small
@@ -525,15 +526,16 @@ def _write_into(old: MLAPlan, batch, work, cta_work, merges, num_merge, req_info
     elif host_mask is not None:
         need(old.owns_mask and host_mask.shape == old.mask.shape,
              "a host tree_mask needs a plan that was given a host mask of the same shape")
-        old.mask.set(host_mask)
+        copy_in(old.mask, host_mask)
+    # from page-locked staging: the host does not wait for the kernels queued before the copies
     w = np.zeros(old.work.shape, np.int32)
     w[:len(work)] = work
-    old.work.set(w)
-    old.cta_work.set(cta_work)
-    old.merge.set(merges)
-    old.merge_count.set(np.array([num_merge], np.int32))
-    old.req_info.set(req_info)
-    old.page_table.set(batch.page_table)
+    copy_in(old.work, w)
+    copy_in(old.cta_work, cta_work)
+    copy_in(old.merge, merges)
+    copy_in(old.merge_count, np.array([num_merge], np.int32))
+    copy_in(old.req_info, req_info)
+    copy_in(old.page_table, batch.page_table)
     return MLAPlan(**{**old.__dict__, "batch": batch, "num_work": len(work), "num_merge": num_merge})
 
 
