@@ -88,6 +88,18 @@ def to_device_bf16(a: np.ndarray):
     return cupy.asarray(np.ascontiguousarray(a).astype(bfloat16).view(np.uint16))
 
 
+def busy_device(matmuls: int = 8, size: int = 4096):
+    """Queue ``matmuls`` fp32 matmuls of ``size`` x ``size`` on the current stream (a few ms each on
+    an H100) and return at once: device work that host code meant not to wait for the stream is
+    timed against. Returns the last product (all ones)."""
+    import cupy
+
+    a = cupy.ones((size, size), cupy.float32)
+    for _ in range(matmuls):
+        a = (a @ a) * np.float32(1.0 / size)
+    return a
+
+
 def check_rows_invariant(run, reference, x: np.ndarray, rng: np.random.Generator, t: int, kinds) -> None:
     """A small-M kernel on ``t`` random rows of ``x`` (a batch of ``len(x)`` tokens) against its
     reference, and each of those rows the same bits as in the whole batch. ``run(idx)``: the kernel

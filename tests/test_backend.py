@@ -3,6 +3,7 @@ so model code calls ``backend.<op>(...)`` the same way on either."""
 
 import importlib
 import inspect
+import time
 
 import numpy as np
 import pytest
@@ -76,3 +77,93 @@ def test_to_bf16_cuda_matches_numpy(rng):
         nan = np.isnan(want.astype(np.float32))
         assert np.array_equal(np.isnan(g.view(bfloat16).astype(np.float32)), nan)  # any NaN payload
         assert np.array_equal(g[~nan], w[~nan])
+
+
+def test_copy_in_checks_the_shape():
+    be = Backend("numpy", quiet=True)
+    dst = be.zeros((3, 4), "int32")
+    be.copy_in(dst, np.arange(12, dtype=np.int64).reshape(3, 4))
+    assert dst.dtype == np.int32 and dst.ravel().tolist() == list(range(12))
+    with pytest.raises(ValueError, match=r"copy_in: shape \(4, 3\) != destination \(3, 4\)"):
+        be.copy_in(dst, np.zeros((4, 3)))
+
+
+def _copy_cases(rng):
+    """(dtype, host array) pairs: casts to the destination's dtype (int64 -> int32, float64 -> fp32),
+    bf16 bits, 64-bit words, odd shapes."""
+    return [("int32", rng.integers(-2**31, 2**31, 17)), ("int32", rng.integers(0, 9, (3, 33)).astype(np.int32)),
+            ("uint64", rng.integers(0, 2**63, (5, 2), dtype=np.uint64)), ("fp32", rng.standard_normal((7, 9))),
+            ("bf16", rng.standard_normal(65).astype(bfloat16)), ("int64", np.array([-5]))]
+
+
+@pytest.mark.gpu
+def test_cuda_copy_in_matches_numpy(rng):
+    """Page-locked staged copies give the numpy backend's contents, the first copy into a destination
+    and a later one (its staging buffer reused) alike."""
+    be, ref = Backend("cuda"), Backend("numpy", quiet=True)
+    for dtype, host in _copy_cases(rng):
+        dst, want = be.empty(host.shape, dtype), ref.empty(host.shape, dtype)
+        for values in (host, host[::-1].copy()):
+            be.copy_in(dst, values)
+            ref.copy_in(want, values)
+            got = be.to_host(dst, bf16=False)
+            assert got.dtype == (np.uint16 if dtype == "bf16" else want.dtype), dtype
+            assert np.array_equal(got, want.view(np.uint16) if dtype == "bf16" else want), dtype
+
+
+@pytest.mark.gpu
+def test_cuda_copy_in_does_not_wait_for_the_stream():
+    """Behind queued device work a copy returns at once (the host does not wait for the stream) and
+    lands in stream order; a second copy into the same destination waits for the first to have read
+    its staging buffer, so neither is torn."""
+    import cupy
+
+    from ddtree_rtc.testing import busy_device
+
+    be = Backend("cuda")
+    dst, other = be.zeros((4096,), "int32"), be.zeros((100,), "int32")
+    first, second = np.arange(4096), np.arange(4096)[::-1].copy()
+    be.copy_in(dst, first)  # the staging buffers exist before the timed calls
+    be.copy_in(other, np.zeros(100, np.int64))
+    busy_device()
+    be.synchronize()
+    t0 = time.perf_counter()
+    busy_device()
+    be.synchronize()
+    busy_s = time.perf_counter() - t0
+    assert busy_s > 2e-3, busy_s
+    stream = cupy.cuda.get_current_stream()
+    reader = busy_device()
+    t0 = time.perf_counter()
+    be.copy_in(dst, first)
+    be.copy_in(other, np.full(100, 7))
+    queued_s = time.perf_counter() - t0
+    assert not stream.done, "the copies are queued behind the matmuls"
+    t0 = time.perf_counter()
+    be.copy_in(dst, second)
+    again_s = time.perf_counter() - t0
+    total = dst.sum() + other.sum() + reader[0, 0].astype(cupy.int32)  # read after the copies, in stream order
+    be.synchronize()
+    assert queued_s < busy_s / 4 < again_s, (queued_s, again_s, busy_s)
+    assert np.array_equal(be.to_host(dst), second) and be.to_host(other).tolist() == [7] * 100
+    assert int(total) == int(second.sum()) + 700 + 1
+
+
+@pytest.mark.gpu
+def test_cuda_copy_in_refuses_a_capturing_stream():
+    """A captured copy would read its staging buffer at replay, after later copies wrote it: refused."""
+    import cupy
+
+    be = Backend("cuda")
+    dst = be.zeros((8,), "int32")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            dst += 1  # a node, so the capture ends in a graph
+            with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
+                be.copy_in(dst, np.arange(8))
+        finally:
+            stream.end_capture()
+    be.copy_in(dst, np.arange(8))
+    assert be.to_host(dst).tolist() == list(range(8))

@@ -171,8 +171,8 @@ def test_a_repeated_choice_is_planned_before_the_estimate_and_once(tiny, cont):
 
 def event_trace(tiny, cont, ps, new, lagged: bool, drafter=None, cost=FREE):
     """Per auto round: its events in order ('lag': a lagged choice, 'own': the values of the round's
-    own tree read for its choice, 'plan', 'build', 'sync': a device-to-host read, 'verify'), the
-    outputs, the AutoBudget and each round's request ids."""
+    own tree read for its choice, 'draft', 'plan', 'build', 'sync': a device-to-host read, 'verify'),
+    the outputs, the AutoBudget and each round's request ids."""
     rounds = []
     eng = Engine(tiny, max_batch=len(ps), page_size=16, max_context=128, mode="ddtree", budget="auto",
                  drafter=drafter or oracle(tiny, cont, accept_p=0.6), max_budget=MAX,
@@ -192,7 +192,7 @@ def event_trace(tiny, cont, ps, new, lagged: bool, drafter=None, cost=FREE):
         setattr(obj, name, call)
 
     for obj, name, event in ((auto, "choose_lagged", "lag"), (rnd._auto_round, "estimate", "own"),
-                             (eng.runner, "plan_tree", "plan"),
+                             (eng.runner, "plan_tree", "plan"), (rnd.drafter, "draft", "draft"),
                              (be, "to_host", "sync"), (rnd, "_verify", "verify")):
         spy(obj, name, event)
     go, buffers = rnd.run, rnd.buffers_for
@@ -212,10 +212,11 @@ def event_trace(tiny, cont, ps, new, lagged: bool, drafter=None, cost=FREE):
 
 def test_the_lagged_choice_puts_no_sync_between_the_build_and_the_verify(tiny, cont):
     """decode.budget auto (lagged, the default): the first round chooses from its own tree (nothing
-    is known yet: a sync between the build and the verify). Every later round plans once, before its
-    draft, and reads nothing from the device between its build and its verify; the counts of the
-    next round are chosen after the verify is enqueued and before the round's sync (while the device
-    verifies), so from the third round on a round starts with its choice made. The built tree is
+    is known yet: a sync between the build and the verify). Every later round enqueues its draft and
+    build first, then chooses (unless chosen already) and plans once while the device drafts, and
+    reads nothing from the device between its build and its verify; the counts of the next round are
+    chosen after the verify is enqueued and before the round's sync (while the device verifies), so
+    from the third round on a round's first host step after the build is its plan. The built tree is
     read after the round's sync. The ids stay autoregressive decoding's, as they do when the lagged
     choice is switched off (then every round syncs between its build and its verify)."""
     ps = prompts(21, (6, 9, 5))
@@ -224,14 +225,15 @@ def test_the_lagged_choice_puts_no_sync_between_the_build_and_the_verify(tiny, c
     assert got == want
     assert "lag" not in rounds[0] and len(rounds) >= 4
     assert rounds[0].index("build") < rounds[0].index("own") < rounds[0].index("verify")
-    assert rounds[1][:2] == ["lag", "plan"]
+    assert rounds[0][:2] == ["draft", "build"] and rounds[1][:4] == ["draft", "build", "lag", "plan"]
     for ev in rounds[1:]:
-        assert "own" not in ev and ev.count("plan") == 1 and ev.index("plan") < ev.index("build"), ev
+        assert "own" not in ev and ev.count("plan") == 1, ev
+        assert ev.index("draft") < ev.index("build") < ev.index("plan") < ev.index("verify"), ev
         v = ev.index("verify")
         assert "sync" not in ev[ev.index("build"):v], ev
         assert "lag" in ev[v:] and ev.index("lag", v) < ev.index("sync", v), ev  # the next round's, before the sync
     same = [i for i in range(2, len(rounds)) if rids[i] == rids[i - 1]]
-    assert len(same) >= 3 and all(rounds[i][0] == "plan" for i in same)  # chosen during the last round
+    assert len(same) >= 3 and all(rounds[i][:3] == ["draft", "build", "plan"] for i in same)  # chosen before
     assert auto.stats.drafted_rounds == len(rounds)  # every round learned (the last one at its release)
     rounds, got, *_ = event_trace(tiny, cont, ps, 24, lagged=False)
     assert got == want and all("lag" not in ev and "own" in ev for ev in rounds)

@@ -496,6 +496,7 @@ def test_device_mask_and_graph_replay(rng):
                          num_sms=40, into=plan)
     q.set(second.q.view(np.uint16))
     cache[...] = pad_cache(second)
+    cupy.cuda.get_current_stream().synchronize()  # the plan's copies are queued there; the graph runs on another
     with stream:
         out.fill(0x7FC0)
         graph.launch(stream)
@@ -569,6 +570,7 @@ def test_decode_graph_replay(rng, variant, lens):
             k.build_plan(ref.validate_batch(*second.plan_args()), into=plan)
             q.set(second.q.view(np.uint16))
             cache[...] = dev_cache
+            cupy.cuda.get_current_stream().synchronize()  # the plan's copies are queued there, not on `stream`
         with stream:
             out.fill(0x7FC0)
             lse.fill(np.nan)

@@ -59,6 +59,32 @@ def test_lossless_with_the_random_drafter_and_mixed_budgets(tiny):
     assert got == want and eng.round.stats.tau < 1.5
 
 
+@pytest.mark.parametrize("mode,budget,budgets", [("ddtree", 16, None), ("ddtree", 16, [16, 3, 0, 9]),
+                                                 ("chain", 0, None)])
+def test_the_round_enqueues_its_draft_and_build_before_the_plan(tiny, cont, mode, budget, budgets):
+    """Every round's stages in order on the engine's clock: the device's work that needs no plan
+    (draft, top-k, build) first, then the verify's host plan (which overlaps it on the GPU), then the
+    verify and the rest; the plan is made once per round, after the drafter ran. Per-request budgets
+    (a row bucket) and chain mode alike; the ids stay autoregressive decoding's."""
+    ps = prompts(budget + 5, (4, 9, 17, 6))
+    _, want = run(tiny, ps, 10)
+    eng = Engine(tiny, max_batch=4, page_size=16, max_context=128, mode=mode, drafter=oracle(tiny, cont,
+                 accept_p=0.8), budget=budget)
+    order, timed, drafted = [], eng.clock.time, eng.round.drafter.draft
+    eng.clock.time = lambda stage, fn, *a, **k: order.append(stage) or timed(stage, fn, *a, **k)
+    eng.round.drafter.draft = lambda *a: order.append("drafter") or drafted(*a)
+    eng.round.run, go = (lambda reqs, eos: order.append("round") or go(reqs, eos)), eng.round.run
+    extra = {} if budgets is None else {"budget": budgets}
+    got = [r.output for r in eng.run([Request(i, p, 10, **{k: v[i] for k, v in extra.items()})
+                                      for i, p in enumerate(ps)])]
+    assert got == want
+    rounds = [r.split() for r in " ".join(order).split("round")[1:]]
+    assert len(rounds) >= 3
+    for stages in rounds:
+        assert stages[:9] == ["draft", "drafter", "top-k", "build", "plan", "verify", "choose", "accept",
+                              "commit"], stages
+
+
 def test_stop_ids_inside_an_accepted_path(tiny, cont):
     ps = prompts(4, (6, 10))
     _, free = run(tiny, ps, 16)

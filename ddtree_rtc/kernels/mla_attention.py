@@ -19,8 +19,8 @@ import numpy as np
 from ..reference.mla_attention import DV, ROW, MLABatch, validate_batch
 from ..rtc.arch import WGMMA_ARCH, wgmma_build
 from . import _cublas
-from ._host_copy import copy_in
 from ._args import BF16, allow_dynamic_smem, check, out_array
+from ._host_copy import copy_in
 from ._launch import ctas_per_sm, launch, pdl_supported, sm_count
 from .mla_small import mla_head_gemm_small
 from .registry import module

@@ -15,9 +15,10 @@ A round with the auto budget builds every tree at ``max_budget``. Choosing from 
                 bucket's other rows padding (its graph, captured per bucket)
 
 Lagged (``decode.budget_choice: lagged``, the default): the counts were chosen during the last
-round's verify (AutoBudget.choose_lagged); before the draft the host plans the verify and copies
-``1 + count`` to the device (``stage_cut``), after the build the device takes the minimum with the
-built ``num_nodes`` (``apply_cut``) and the verify follows with no sync between; after the round's
+round's verify (AutoBudget.choose_lagged); while the device drafts and builds the host plans the
+verify and copies ``1 + count`` to the device (``stage_cut``, queued behind the build), after the
+build the device takes the minimum with the built ``num_nodes`` (``apply_cut``) and the verify
+follows with no sync between; after the round's
 sync the host reads the built tree (``read_tree``: the values of nodes past the cut too, which say
 whether more nodes would pay), learned during the next round's verify.
 
@@ -101,7 +102,8 @@ class AutoRound:
         return not cost.measured or any(x == float(batch) for x, _ in cost.draft)
 
     def stage_cut(self, batch: int, counts: np.ndarray):
-        """The lagged cut's ``1 + counts`` on the device (before the draft: the copy waits for nothing)."""
+        """The lagged cut's ``1 + counts`` on the device (from page-locked staging: queued behind the
+        draft and build, not waited for)."""
         buf = self._cuts.get(batch)
         if buf is None:
             buf = self._cuts[batch] = self.backend.empty((batch,), "int32")

@@ -16,15 +16,18 @@
     commit  -> the accepted nodes' KV rows move to prefix, prefix + 1, ...; their hidden states
                (root first) join the drafter's context; the emitted tokens go to the requests
 
-Chain mode (DFlash's linear drafting) is the same round with k = 1 and budget = depth. The verify's
-host half (cache slots, attention plan, page table) is done before the draft is enqueued; the tree's
-tokens, positions and mask reach the verify forward on the device (engine.runner). From the top-k to
-the KV commit (``SpeculativeRound.device_half``) nothing waits for the host, so at T = 0 the bench
-(``bench round``) captures that half as one CUDA graph. The host then reads the accepted lengths and
-tokens, once per round.
+Chain mode (DFlash's linear drafting) is the same round with k = 1 and budget = depth. The device's
+work is enqueued first (draft, top-k, build: none needs the verify's plan), then the host plans the
+verify (cache slots, attention plan, row map: ``runner.plan_tree``) while the device drafts; the
+plan's host-to-device copies come from page-locked staging (``Backend.copy_in``), so the host queues
+them behind the build without waiting for it, and the verify follows them on the same stream. The
+tree's tokens, positions and mask reach the verify forward on the device (engine.runner). From the
+top-k to the KV commit (``SpeculativeRound.device_half``) nothing waits for the host, so at T = 0 the
+bench (``bench round``) captures that half as one CUDA graph. The host then reads the accepted
+lengths and tokens, once per round.
 
-Stages are timed by name on the engine's StageClock (engine.clock): plan, draft, then
-DEVICE_STAGES; the host half of the commit adds to "commit".
+Stages are timed by name on the engine's StageClock (engine.clock): draft, top-k, build, plan, then
+the rest of DEVICE_STAGES; the host half of the commit adds to "commit".
 
 A fixed budget's verify has the rows of the requests' budgets (1 + budget each; per-request budgets
 differ), rounded up to a row bucket (engine/decode/budget.row_buckets) when they are not all the
@@ -33,15 +36,15 @@ the maximum budget, each request's is cut to the node count the cost-aware polic
 verify packs the cut trees into the cheapest row bucket that holds them (engine/decode/auto.py).
 Lagged (``decode.budget_choice: lagged``, the default), the round is a fixed budget's in its order:
 its counts were chosen during the last round's verify, from the requests' past trees (the host had
-nothing else to do there but wait for the sync), the plan and the cut's copy precede the draft, the
-cut is a device minimum after the build and nothing is read from the device before the round's
-sync; then the host reads the built tree and keeps it to learn during the next round's verify
-(``_pending``), with the next round's counts (``_next``, used when its batch is the same and none of
-it starts a probe). Choosing from the round's own tree (``tree``; a lagged engine's first round and
-its measuring ones), the host reads the build's scores, depths and node counts once before the
-verify and values the nodes there (stage "budget"), and the plan needs the choice: from that sync to
-the verify's launch the device idles, so the host plans the last round's cut while the device drafts
-and builds, and keeps that plan when the choice repeats it.
+nothing else to do there but wait for the sync), the plan and the cut's copy follow the build's
+launch as a fixed budget's plan does, the cut is a device minimum after the build and nothing is
+read from the device before the round's sync; then the host reads the built tree and keeps it to
+learn during the next round's verify (``_pending``), with the next round's counts (``_next``, used
+when its batch is the same and none of it starts a probe). Choosing from the round's own tree
+(``tree``; a lagged engine's first round and its measuring ones), the host reads the build's scores,
+depths and node counts once before the verify and values the nodes there (stage "budget"), and the
+plan needs the choice: from that sync to the verify's launch the device idles, so the host plans the
+last round's cut while the device drafts and builds, and keeps that plan when the choice repeats it.
 """
 
 from __future__ import annotations
@@ -209,16 +212,20 @@ class SpeculativeRound:
         bufs.set_limits(budgets=budgets)
         for r, p in zip(reqs, prefix):
             pages.reserve(r.rid, int(p) + self.width)
+        # the device's work first: the draft, top-k and build need nothing of the verify's plan, so
+        # the plan's host time overlaps them (its copies are queued behind the build, not waited for)
+        logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
+        roots_dev, prefix_dev = be.asarray(roots), be.asarray(prefix)
+        tree = self.build_tree(bufs, logits, roots_dev, prefix_dev, clock)
         rows = 1 + budgets
         total = int(rows.sum())
         if total != len(reqs) * self.width:  # per-request budgets: a bucket (a few graphs, not one per sum)
             from .budget import row_buckets
 
             total = next(t for t in row_buckets(len(reqs), self.width) if t >= total)
-        step = clock.time("plan", runner.plan_tree, rids, prefix, rows, self.width, total)  # host, before the GPU's
-        page_table, roots_dev = be.asarray(pages.page_table(rids)), be.asarray(roots)
-        logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
-        out, _, acc = self.device_half(bufs, step, page_table, logits, roots_dev, self.row_reqs(reqs, step), clock)
+        step = clock.time("plan", runner.plan_tree, rids, prefix, rows, self.width, total)
+        page_table = be.asarray(pages.page_table(rids))
+        out, _, acc = self.verify_tree(bufs, step, tree, page_table, self.row_reqs(reqs, step), clock)
         self._commit(reqs, prefix, step, out, acc, eos_id)
 
     @staticmethod
@@ -259,13 +266,23 @@ class SpeculativeRound:
 
     def device_half(self, bufs: TreeBuffers, step, page_table, draft_logits, roots, row_reqs, clock):
         """Top-k -> build -> verify -> choose -> accept -> KV commit for the verify ``step``
-        (``runner.plan_tree``), each stage timed on ``clock`` under its DEVICE_STAGES name.
-        ``page_table`` and ``roots`` are on the device; ``row_reqs``: the request of each verify row
-        (its node's token is chosen by the request's temperature, top-p and sampling stream).
-        Returns (verify output, choices [B, 1 + max_budget] int32, accept arrays)."""
-        output = self.sampler.output_for(row_reqs)
+        (``runner.plan_tree``), each stage timed on ``clock`` under its DEVICE_STAGES name: the
+        round's ``build_tree`` then ``verify_tree``. ``page_table`` and ``roots`` are on the device;
+        ``row_reqs``: the request of each verify row (its node's token is chosen by the request's
+        temperature, top-p and sampling stream). Returns (verify output, choices [B, 1 + max_budget]
+        int32, accept arrays)."""
+        tree = self.build_tree(bufs, draft_logits, roots, step.prefix_dev, clock)
+        return self.verify_tree(bufs, step, tree, page_table, row_reqs, clock)
+
+    def build_tree(self, bufs: TreeBuffers, draft_logits, roots, prefix_dev, clock):
+        """Top-k -> build on the device (no host data: the round enqueues it before the verify's plan)."""
         clock.time("top-k", bufs.topk, draft_logits, self._split_topk())
-        tree = clock.time("build", bufs.grow, roots, step.prefix_dev)
+        return clock.time("build", bufs.grow, roots, prefix_dev)
+
+    def verify_tree(self, bufs: TreeBuffers, step, tree, page_table, row_reqs, clock):
+        """Verify -> choose -> accept -> KV commit of ``tree`` (``build_tree``'s, cut or not) for the
+        planned ``step``; see ``device_half``."""
+        output = self.sampler.output_for(row_reqs)
         out = clock.time("verify", self._verify, step, tree, output)
         choices = clock.time("choose", self._choose, out, output, row_reqs, step)
         acc = clock.time("accept", bufs.accept, choices)
@@ -287,8 +304,8 @@ class SpeculativeRound:
     def _run_auto(self, reqs, eos_id) -> None:
         """The round with the cost-aware budget: draft and build at the maximum budget (or, when
         every request holds off drafting, the root alone), cut to the chosen counts (lagged: chosen
-        before, planned before the draft; else chosen from the build, then planned) and verify the
-        cut trees packed into the chosen row bucket (engine/decode/auto.py)."""
+        before, planned while the device drafts; else chosen from the build, then planned) and verify
+        the cut trees packed into the chosen row bucket (engine/decode/auto.py)."""
         be, pages, clock, runner, auto, ar = (self.model.backend, self.pages, self.clock, self.runner, self.auto,
                                               self._auto_round)
         t0 = time.perf_counter()
@@ -302,19 +319,20 @@ class SpeculativeRound:
         bufs.set_limits(budgets=caps)
         for r, p in zip(reqs, prefix):
             pages.reserve(r.rid, int(p) + self.width)
-        roots_dev, prefix_dev, ctx = be.asarray(roots), be.asarray(prefix), float(prefix.mean())
-        # host work that does not need the tree goes before the draft: from the estimate's sync to the
-        # verify's launch the device idles
-        page_table = be.asarray(pages.page_table(rids))
         drafted = auto.should_draft(rids)
         measuring = drafted and ar.needs_measure(b)
+        # the device's work first: the draft, top-k and build need neither the choice nor the verify's
+        # plan, so the host work up to the verify overlaps them (the plan's copies are queued behind
+        # the build, not waited for)
+        logits = clock.time("draft", self.drafter.draft, rids, roots, prefix) if drafted else None
+        roots_dev, prefix_dev, ctx = be.asarray(roots), be.asarray(prefix), float(prefix.mean())
+        tree = self.build_tree(bufs, logits, roots_dev, prefix_dev, clock) if drafted else bufs.tree
+        page_table = be.asarray(pages.page_table(rids))
         raw = depth = off = parents = draft_s = lag = None
         nxt, self._next = self._next, None
         if drafted and not measuring and auto.lagged and ar.draft_known(b):
             # the lagged choice (from the past rounds), made during the last round's verify when the
-            # batch is the same and none of it starts a probe (a probe values optimistically), and its
-            # plan, before the draft as a fixed budget's plan: the round's host-to-device copies are
-            # made while the device idles (a copy from pageable memory waits for the stream)
+            # batch is the same and none of it starts a probe (a probe values optimistically)
             if self._pending is not None and not auto.history.ready():
                 self._learn_pending()  # the first lagged round: nothing was learned during a verify yet
             if (nxt is not None and nxt[0] == rids and np.array_equal(nxt[1], caps)
@@ -323,17 +341,13 @@ class SpeculativeRound:
             else:
                 lag = clock.time("budget", auto.choose_lagged, rids, caps, ctx)
         if lag is not None:
+            # its plan and the cut's copy while the device drafts and builds; the cut on the device
+            # right after the build, then the verify: no sync between them
             choice, guess = lag, None
             step = clock.time("plan", runner.plan_tree, rids, prefix, 1 + choice.counts, self.width, choice.rows)
             cut = clock.time("budget", ar.stage_cut, b, choice.counts)
-            self._last_cut = (rids, choice.counts, choice.rows)
-        if drafted:
-            logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
-            clock.time("top-k", bufs.topk, logits, self._split_topk())
-            tree = clock.time("build", bufs.grow, roots_dev, prefix_dev)
-        if lag is not None:
-            # the cut on the device, right after the build, and the verify: no sync between them
             clock.time("budget", ar.apply_cut, tree, cut)
+            self._last_cut = (rids, choice.counts, choice.rows)
         elif drafted:
             # the choice from the round's own tree (a sync). While the device drafts and builds, the
             # host plans the verify of the last round's cut (the policy's counts are stable round to
@@ -354,18 +368,13 @@ class SpeculativeRound:
             self._last_cut = (rids, choice.counts, choice.rows)
         else:
             auto.skipped(rids)
-            tree, guess = bufs.tree, None
+            guess = None
             ar.root_only(tree, roots_dev, prefix_dev)
             choice = auto.ar_choice(b, ctx)
         if lag is None:
             step = guess if guess is not None else clock.time("plan", runner.plan_tree, rids, prefix,
                                                               1 + choice.counts, self.width, choice.rows)
-        row_reqs = self.row_reqs(reqs, step)
-        output = self.sampler.output_for(row_reqs)
-        out = clock.time("verify", self._verify, step, tree, output)
-        choices = clock.time("choose", self._choose, out, output, row_reqs, step)
-        acc = clock.time("accept", bufs.accept, choices)
-        clock.time("commit", self.cache.commit, page_table, step.prefix_dev, acc.accepted, acc.accept_len)
+        out, _, acc = self.verify_tree(bufs, step, tree, page_table, self.row_reqs(reqs, step), clock)
         if auto.lagged:
             # while the device verifies: learn the last round, choose the next one's counts
             clock.time("budget", self._learn_pending)
