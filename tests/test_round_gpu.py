@@ -18,6 +18,8 @@ a routing near-tie would have to end the comparison too (at about 14% of tokens 
 tiny model, that leaves too little to compare). The graph-replay test needs no tolerance (same
 kernels and plans with and without graphs: bit-identical), so it runs the MoE tiny model."""
 
+import time
+
 import numpy as np
 import pytest
 from ml_dtypes import bfloat16
@@ -255,3 +257,63 @@ def test_cuda_device_round_matches_numpy_with_moe(tiny_dir):
     clear = ((top2[:, 1] - top2[:, 0]) >= NEAR_TIE * np.abs(l_np).max(axis=1)) & (rel < 5e-2)
     assert clear.mean() > 0.5
     assert np.array_equal(c_cu.reshape(-1)[clear], c_np.reshape(-1)[clear])
+
+
+class BusyOracle(OracleDrafter):
+    """The oracle with fp32 matmuls queued before its logits each draft (testing.busy_device): the
+    round's plan then runs while the device still has the draft's work ahead of it."""
+
+    def draft(self, rids, roots, prefix_lens):
+        from ddtree_rtc.testing import busy_device
+
+        busy_device()
+        return super().draft(rids, roots, prefix_lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,budget", [("ddtree", 16), ("chain", 0), ("ddtree", "auto")])
+def test_cuda_round_plans_while_the_device_drafts(dense_dir, mode, budget):
+    """The round enqueues its draft and build before the verify's plan: with device work queued in
+    every draft, each plan (and the lagged cut's copy) takes the host a fraction of that work (its
+    copies are queued behind the build from page-locked staging, not waited for), and the verify,
+    replayed from a CUDA graph that reads the buffers those copies fill, still gives CUDA
+    autoregressive ids up to near-ties. Fixed budget, chain, and auto (lagged, a given cost table)."""
+    from ddtree_rtc.engine.decode.budget import CostModel
+    from ddtree_rtc.testing import busy_device
+
+    cuda = TargetModel.load(dense_dir, Backend("cuda"))
+    pool, record = pool_requests(0.0, seed=2), {}
+    _, ref = run_engine(cuda, copies(pool), record=record)
+    chosen, clear = pick_clear(pool, ref, record)
+    busy_device()
+    cuda.backend.synchronize()
+    t0 = time.perf_counter()
+    busy_device()
+    cuda.backend.synchronize()
+    busy_s = time.perf_counter() - t0
+    auto = budget == "auto"
+    cost = CostModel.fanout(base_s=4e-3, row_s=2e-6, expert_s=60 * 7.5e-6, draft_s=2e-3, fixed_s=1e-3)
+    eng = Engine(cuda, max_batch=4, page_size=16, max_context=128, mode=mode, budget=budget, cuda_graphs=True,
+                 drafter=BusyOracle(cuda.backend, cuda.cfg.vocab_size, DEPTH, lambda rid, prompt: ref[rid],
+                                    accept_p=0.8), **({"max_budget": 16, "cost": cost} if auto else {}))
+    host_s = []
+
+    def timed(fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            host_s.append(time.perf_counter() - t)
+            return out
+        return call
+
+    eng.runner.plan_tree = timed(eng.runner.plan_tree)
+    if auto:
+        eng.round._auto_round.stage_cut = timed(eng.round._auto_round.stage_cut)
+    captured = eng.runner.captures
+    got = {r.rid: r.output for r in eng.run(copies(chosen))}
+    assert_agree(got, {r.rid: ref[r.rid] for r in chosen}, clear, f"CUDA {mode} budget {budget}, plan after draft")
+    assert eng.runner.captures == captured and eng.runner.replays > 0, "every verify replayed a graph"
+    assert len(host_s) >= 4 and np.median(host_s) < busy_s / 4, (np.median(host_s), busy_s)
+    assert eng.round.stats.tau > 1.5
+    if auto:
+        assert eng.round.auto.stats.drafted_rounds > 0

@@ -17,19 +17,18 @@ from __future__ import annotations
 import numpy as np
 
 MAX_STAGED = 4096  # destinations with a staging buffer; past it, all are waited for and dropped
+CHUNK_BYTES = 1 << 20  # page-locked memory is allocated this much at a time (cudaHostAlloc is slow)
+ALIGN = 64
 
 
 class _Staging:
     """The page-locked host twin of one destination (device address, shape, dtype) and the event
     after its last copy (None: no copy yet)."""
 
-    __slots__ = ("mem", "host", "event")
+    __slots__ = ("host", "event")
 
-    def __init__(self, dst):
-        import cupy
-
-        self.mem = cupy.cuda.alloc_pinned_memory(dst.nbytes)
-        self.host = np.frombuffer(self.mem, dst.dtype, dst.size).reshape(dst.shape)
+    def __init__(self, host: np.ndarray):
+        self.host = host
         self.event = None
 
     def wait(self) -> None:
@@ -38,6 +37,20 @@ class _Staging:
 
 
 _staged: dict[tuple, _Staging] = {}
+_chunk = [None, 0]  # the page-locked chunk staging buffers are cut from, and the bytes cut so far
+
+
+def _pinned(dst) -> np.ndarray:
+    """A page-locked host array of ``dst``'s shape and dtype, cut from the current chunk (a new chunk
+    when it is full; the buffers cut from a chunk keep it alive)."""
+    import cupy
+
+    nbytes = dst.nbytes
+    chunk, used = _chunk
+    if chunk is None or used + nbytes > chunk.size():
+        chunk, used = cupy.cuda.alloc_pinned_memory(max(CHUNK_BYTES, nbytes)), 0
+    _chunk[:] = chunk, used + -(-nbytes // ALIGN) * ALIGN
+    return np.frombuffer(chunk, np.uint8, nbytes, used).view(dst.dtype).reshape(dst.shape)
 
 
 def copy_in(dst, host: np.ndarray) -> None:
@@ -61,7 +74,7 @@ def copy_in(dst, host: np.ndarray) -> None:
     if st is None:
         if len(_staged) >= MAX_STAGED:
             release()
-        st = _staged[key] = _Staging(dst)
+        st = _staged[key] = _Staging(_pinned(dst))
     st.wait()  # its last copy has read the buffer (long since, as a rule)
     np.copyto(st.host, host, casting="unsafe")
     dst.data.copy_from_host_async(st.host.ctypes.data, dst.nbytes, stream)
@@ -71,8 +84,9 @@ def copy_in(dst, host: np.ndarray) -> None:
 
 
 def release() -> None:
-    """Wait for every staged copy and drop the staging buffers (back to CuPy's pinned pool, which
-    may hand them to other copies: hence the wait)."""
+    """Wait for every staged copy and drop the staging buffers (their chunks go back to CuPy's pinned
+    pool, which may hand them to other copies: hence the wait)."""
     for st in _staged.values():
         st.wait()
     _staged.clear()
+    _chunk[:] = None, 0
