@@ -8,9 +8,11 @@ A shape is a key (batch, rows, rows per request at most; 0 for causal):
   ``[root, nodes]`` (its own row count, at most ``width``), the requests one after another
   (``plan_tree`` -> ``fill_tree`` -> ``verify``). T is a bucket that holds the batch's rows; the
   rows past a request's tree are padding, copies of its root (``fill_tree``). The host half (cache
-  slots, attention plan, the row -> (request, slot) map) runs before the tree is on the device.
-  The tree's tokens, positions and ancestor mask then go from ``TreeArrays`` into the shape's input
-  buffers on the device, so the mask never visits the host.
+  slots, attention plan, the row -> (request, slot) map) needs nothing of the tree: the round makes
+  it while the device drafts and builds, its copies queued on the stream from page-locked staging
+  (``Backend.copy_in``) without waiting for it. The tree's tokens, positions and ancestor mask then
+  go from ``TreeArrays`` into the shape's input buffers on the device, so the mask never visits the
+  host.
 - Prefill is ragged and runs eagerly (``prefill``).
 
 A shape keeps one graph per output kind: the logits, or on several ranks their argmax merged across
@@ -286,7 +288,7 @@ class ModelRunner:
         plan = be.mla_attention_plan(prefix, num_new, table, model.dims.num_heads, cache.page_size,
                                      cache.num_pages, s.mask, check_mask=False, into=s.inputs.plan)
         for dst, src in ((s.inputs.slots, slots), (s.row_req, row_req), (s.row_slot, row_slot), (s.pick, pick)):
-            be.copy_in(dst, src.astype(np.int32))
+            be.copy_in(dst, src)  # int64 -> the buffers' int32 in the copy
         s.inputs = StepInputs(ForwardBatch(list(seq_ids), prefix, num_new, None, None, s.mask),
                               s.inputs.tokens, s.inputs.positions, s.inputs.slots, plan, None)
         return TreeStep((b, total, width), list(seq_ids), prefix, be.asarray(prefix.astype(np.int32)), s.inputs,

@@ -213,19 +213,20 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
     tokens = batch.total_tokens
     tok_req = np.repeat(np.arange(batch.batch), batch.num_new)
     tok_idx = np.arange(tokens) - np.repeat(batch.q_start, batch.num_new)
-    req, j, i = np.repeat(tok_req, tpt), np.repeat(tok_idx, tpt), np.tile(np.arange(tpt), tokens)
+    req, j, i = np.repeat(tok_req, tpt), np.repeat(tok_idx, tpt), np.arange(tokens * tpt) % tpt
     m0 = j * h + i * bm
     m_count = np.minimum(bm, h - i * bm)
-    kv_len = batch.ctx_lens[req] + j + 1
     per_min, pieces_max = _cdiv(min_split, bn), shape_pieces(h, bm)
-    per = shape_piece_rows(kv_len, bn, per_min, pieces_max)
-    pieces = _cdiv(kv_len, per)
     tree = batch.mask_words > 0
-    if tree and len(req):  # the most pieces over the depths 0..j the row may have
-        d = np.arange(int(j.max()) + 1)
-        lens = batch.ctx_lens[req][:, None] + d[None, :] + 1
-        pieces = np.where(d[None, :] <= j[:, None], _cdiv(lens, shape_piece_rows(lens, bn, per_min, pieces_max)),
-                          0).max(axis=1)
+    if tree:  # the most pieces over the depths 0..j the row may have: a running maximum per request
+        d = np.arange(int(batch.num_new.max()))
+        lens = batch.ctx_lens[:, None] + d[None, :] + 1
+        most = np.maximum.accumulate(_cdiv(lens, shape_piece_rows(lens, bn, per_min, pieces_max)), axis=1)
+        pieces = np.repeat(most[tok_req, tok_idx], tpt)
+    else:
+        kv_len = batch.ctx_lens[req] + j + 1
+        per = shape_piece_rows(kv_len, bn, per_min, pieces_max)
+        pieces = _cdiv(kv_len, per)
     # Merge units (a tile, or a tree group sharing pieces), `pieces` partials each; items: unit `tile`,
     # partial `k` of it, rows it_m0 .. + it_mc, words 3, 4, 7.
     tile = np.repeat(np.arange(len(req)), pieces)
@@ -242,19 +243,25 @@ def split_work_by_shape(batch: MLABatch, bm: int, bn: int, num_ctas: int, min_sp
         kv_b = k * per[tile]
         kv_e = np.minimum((k + 1) * per[tile], kv_len[tile])
     cut = pieces > 1
-    p_first = np.cumsum(np.where(cut, pieces, 0)) - np.where(cut, pieces, 0)
-    work = np.zeros((len(tile), _WORK_INTS), dtype=np.int32)
+    cut_pieces = np.where(cut, pieces, 0)
+    p_first = np.cumsum(cut_pieces) - cut_pieces
+    item_cut = cut[tile]
+    work = np.empty((len(tile), _WORK_INTS), dtype=np.int32)
     work[:, 0], work[:, 1], work[:, 2] = req[tile], it_m0, it_mc
-    work[:, 3], work[:, 4], work[:, 5] = kv_b, kv_e, np.where(cut[tile], p_first[tile] + k, -1)
-    work[:, 6] = np.where(cut[tile], (np.cumsum(cut) - 1)[tile], -1)
+    work[:, 3], work[:, 4], work[:, 5] = kv_b, kv_e, np.where(item_cut, p_first[tile] + k, -1)
+    work[:, 6] = np.where(item_cut, (np.cumsum(cut) - 1)[tile], -1)
     work[:, 7] = w7
     # an even deal, the remainder to the first CTAs: with fewer items than CTAs they run on CTAs
-    # 0, 1, ..., one per SM, not beside each other in the SMs' second slots (resident_ctas > 1)
+    # 0, 1, ..., one per SM, not beside each other in the SMs' second slots (resident_ctas > 1);
+    # CTA c starts at c * each + min(c, extra)
     each, extra = divmod(len(tile), num_ctas)
-    cta_work = np.r_[0, np.cumsum(each + (np.arange(num_ctas) < extra))].astype(np.int32)
+    c = np.arange(num_ctas + 1)
+    cta_work = (c * each + np.minimum(c, extra)).astype(np.int32)
     t = np.flatnonzero(cut)
-    merge = np.stack([p_first[t], pieces[t], batch.q_start[req[t]] * h + m0[t], m_count[t]], axis=1)
-    return work, cta_work, merge.astype(np.int32).reshape(-1, _MERGE_INTS), int(pieces[cut].sum())
+    merge = np.empty((len(t), _MERGE_INTS), np.int32)
+    merge[:, 0], merge[:, 1] = p_first[t], pieces[t]
+    merge[:, 2], merge[:, 3] = batch.q_start[req[t]] * h + m0[t], m_count[t]
+    return work, cta_work, merge, int(pieces[cut].sum())
 
 
 def _tree_groups(batch: MLABatch, g: int, bn: int, per_min: int, pieces_max: int, req, j, m0, pieces):
