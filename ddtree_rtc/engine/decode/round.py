@@ -212,10 +212,13 @@ class SpeculativeRound:
         bufs.set_limits(budgets=budgets)
         for r, p in zip(reqs, prefix):
             pages.reserve(r.rid, int(p) + self.width)
-        # the device's work first: the draft, top-k and build need nothing of the verify's plan, so
-        # the plan's host time overlaps them (its copies are queued behind the build, not waited for)
-        logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
+        # small copies the build and the verify read, while the stream is idle (a copy from pageable
+        # memory may wait for the stream); then the device's work first: the draft, top-k and build
+        # need nothing of the verify's plan, so the plan's host time overlaps them (its copies come
+        # from page-locked staging, queued behind the build, not waited for)
         roots_dev, prefix_dev = be.asarray(roots), be.asarray(prefix)
+        page_table = be.asarray(pages.page_table(rids))
+        logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
         tree = self.build_tree(bufs, logits, roots_dev, prefix_dev, clock)
         rows = 1 + budgets
         total = int(rows.sum())
@@ -224,7 +227,6 @@ class SpeculativeRound:
 
             total = next(t for t in row_buckets(len(reqs), self.width) if t >= total)
         step = clock.time("plan", runner.plan_tree, rids, prefix, rows, self.width, total)
-        page_table = be.asarray(pages.page_table(rids))
         out, _, acc = self.verify_tree(bufs, step, tree, page_table, self.row_reqs(reqs, step), clock)
         self._commit(reqs, prefix, step, out, acc, eos_id)
 
@@ -321,13 +323,13 @@ class SpeculativeRound:
             pages.reserve(r.rid, int(p) + self.width)
         drafted = auto.should_draft(rids)
         measuring = drafted and ar.needs_measure(b)
-        # the device's work first: the draft, top-k and build need neither the choice nor the verify's
-        # plan, so the host work up to the verify overlaps them (the plan's copies are queued behind
-        # the build, not waited for)
-        logits = clock.time("draft", self.drafter.draft, rids, roots, prefix) if drafted else None
+        # small copies while the stream is idle (as in ``run``), then the device's work first: the
+        # draft, top-k and build need neither the choice nor the verify's plan, so the host work up
+        # to the verify overlaps them (the plan's copies are queued behind the build, not waited for)
         roots_dev, prefix_dev, ctx = be.asarray(roots), be.asarray(prefix), float(prefix.mean())
-        tree = self.build_tree(bufs, logits, roots_dev, prefix_dev, clock) if drafted else bufs.tree
         page_table = be.asarray(pages.page_table(rids))
+        logits = clock.time("draft", self.drafter.draft, rids, roots, prefix) if drafted else None
+        tree = self.build_tree(bufs, logits, roots_dev, prefix_dev, clock) if drafted else bufs.tree
         raw = depth = off = parents = draft_s = lag = None
         nxt, self._next = self._next, None
         if drafted and not measuring and auto.lagged and ar.draft_known(b):
