@@ -212,10 +212,10 @@ class SpeculativeRound:
         bufs.set_limits(budgets=budgets)
         for r, p in zip(reqs, prefix):
             pages.reserve(r.rid, int(p) + self.width)
-        # small copies the build and the verify read, while the stream is idle (a copy from pageable
-        # memory may wait for the stream); then the device's work first: the draft, top-k and build
-        # need nothing of the verify's plan, so the plan's host time overlaps them (its copies come
-        # from page-locked staging, queued behind the build, not waited for)
+        # the small arrays the build and the verify read (cupy.asarray stages them in page-locked
+        # memory: no wait), then the device's work first: the draft, top-k and build need nothing of
+        # the verify's plan, so the plan's host time overlaps them (its copies come from page-locked
+        # staging too, queued behind the build, not waited for)
         roots_dev, prefix_dev = be.asarray(roots), be.asarray(prefix)
         page_table = be.asarray(pages.page_table(rids))
         logits = clock.time("draft", self.drafter.draft, rids, roots, prefix)
@@ -323,7 +323,7 @@ class SpeculativeRound:
             pages.reserve(r.rid, int(p) + self.width)
         drafted = auto.should_draft(rids)
         measuring = drafted and ar.needs_measure(b)
-        # small copies while the stream is idle (as in ``run``), then the device's work first: the
+        # the small arrays first (as in ``run``), then the device's work: the
         # draft, top-k and build need neither the choice nor the verify's plan, so the host work up
         # to the verify overlaps them (the plan's copies are queued behind the build, not waited for)
         roots_dev, prefix_dev, ctx = be.asarray(roots), be.asarray(prefix), float(prefix.mean())
