@@ -24,8 +24,9 @@
 #             run in each tree first (empty: none); AB_TESTS_<name> (non-alphanumerics as _) for one tree
 #             only (set but empty: none there). A variant measured against main in one call.
 #   verify    after changes merged without a GPU run: their GPU tests (VERIFY_TESTS), bench decode of ab/$BASE
-#             (default dca2747; tools/ab_trees.sh $BASE, carry ab/) and of this tree, then `bench linear
-#             --invariant-plans --shard tp8`
+#             (default dca2747; tools/ab_trees.sh $BASE, carry ab/) and of this tree (VERIFY_TREES: the trees
+#             in order, default "ab/$BASE ."; a pending patch's tree, tools/pending/README.md, goes here too),
+#             then `bench linear --invariant-plans --shard tp8`
 # Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.
 set -uo pipefail
 O=${OUT:-gpu_out}; mkdir -p "$O"
@@ -121,17 +122,21 @@ verify)  # after changes merged without a GPU run: their GPU tests here, then be
   # (make it with `bash tools/ab_trees.sh $BASE`, carry ab/), then the invariant linear's plans (TOTAL s, 570)
   timeout "$(left ${TEST_S:-240})" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --tb=short --maxfail=8 \
     ${VERIFY_TESTS:-tests/test_rmsnorm.py tests/test_moe_small.py tests/test_small_m_gpu.py tests/test_linear.py \
-    tests/test_allreduce.py tests/test_budget_engine.py tests/test_budget.py} >"$O/pytest_verify.txt" 2>&1
+    tests/test_allreduce.py tests/test_budget_engine.py tests/test_budget.py tests/test_backend.py tests/test_round_gpu.py} \
+    >"$O/pytest_verify.txt" 2>&1
   echo "== pytest rc=$? $(el)"; grep -E "^(FAILED|ERROR)|passed|failed" "$O/pytest_verify.txt" | cut -c1-200 | tail -12
   dec="bench decode --shard tp8 --moe-layers 2 --batches 1,17,33,64 --contexts 4096 --small-m on --iters 10"
-  for t in "ab/${BASE:-dca2747}" .; do
+  for t in ${VERIFY_TREES:-ab/${BASE:-dca2747} .}; do
     ( cd "$t" && [ -f COMMIT ] && export DDTREE_RTC_COMMIT="$(cat COMMIT)"; name=$(basename "$(pwd)")
       timeout "$(left ${DECODE_S:-420})" env PYTHONPATH="$PWD" python3 -m ddtree_rtc.cli $dec \
         --json "$O/decode_$name.json" >"$O/decode_$name.txt" 2>&1
       echo "== decode $name rc=$? $(el)"; grep -E "^small-m \| " "$O/decode_$name.txt" | cut -c1-150 )
   done
-  timeout "$(left ${TOTAL:-570})" ddtree-rtc bench linear --invariant-plans --shard tp8 --iters 10 \
-    --json "$O/linear_plans.json" >"$O/linear_plans.txt" 2>&1
-  echo "== linear plans rc=$? $(el)"; grep -E "^  [a-z_0-9]+: default" "$O/linear_plans.txt" | cut -c1-220 ;;
+  for t in ${LINEAR_TREES:-.}; do  # the invariant linear's plans (a tree whose linear changed: here too)
+    ( cd "$t" && name=$(basename "$(pwd)")
+      timeout "$(left ${TOTAL:-570})" env PYTHONPATH="$PWD" python3 -m ddtree_rtc.cli bench linear --invariant-plans \
+        --shard tp8 --iters 10 --json "$O/linear_plans_$name.json" >"$O/linear_plans_$name.txt" 2>&1
+      echo "== linear plans $name rc=$? $(el)"; grep -E "^  [a-z_0-9]+: default" "$O/linear_plans_$name.txt" | cut -c1-220 )
+  done ;;
 *) echo "PART must be core, tests, bench, lossless, ncu, diag, ab or verify"; exit 2 ;;
 esac
