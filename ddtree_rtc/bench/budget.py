@@ -93,7 +93,8 @@ def run_once(engine: Engine, prompts, new: int, pipe) -> dict:
         out["tau"] = rnd.stats.tau
         if rnd.auto is not None:
             out["budget"] = {**rnd.auto.stats.summary(), "max_rows": rnd.auto.max_rows,
-                             "cost_model": rnd.auto.cost.to_json()}
+                             "cost_model": rnd.auto.cost.to_json(),
+                             "verify_scale": {str(b): v for b, v in rnd.auto.cost.verify_scales().items()}}
     return out
 
 
@@ -193,14 +194,16 @@ def print_table(rows, summary) -> None:
               f"{r.get('graph_captures', 0)} graphs captured ({(r.get('graphs_at_start') or {}).get('graphs', 0)} "
               f"at the start) | "
               + ", ".join(f"{k} {v:.0f}" for k, v in sorted(st.items(), key=lambda kv: -kv[1]) if v >= 1))
-    print("\nconcurrency | setting | tok/s per user | total tok/s | tau | auto: nodes (most chosen), tau pred / meas")
+    print("\nconcurrency | setting | tok/s per user | total tok/s | tau | auto: nodes (most chosen), tau pred / meas, "
+          "verify scale")
     for r in rows:
         b = r.get("budget")
         extra = ""
         if b:
             top = sorted(b["nodes_hist"].items(), key=lambda kv: -kv[1])[:3]
+            scale = (b.get("verify_scale") or {}).get(str(r["concurrency"]))
             extra = (f"{', '.join(f'{k}x{v}' for k, v in top)}; {b['tau_predicted'] or 0:.2f} / "
-                     f"{b['tau_measured'] or 0:.2f}")
+                     f"{b['tau_measured'] or 0:.2f}" + (f"; {scale:.2f}" if scale is not None else ""))
         tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
         print(f"{r['concurrency']} | {r['setting']} | {r['tok_s_per_user'] or 0:.1f} | {r['tok_s']:.1f} | "
               f"{tau} | {extra}")

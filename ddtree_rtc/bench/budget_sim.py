@@ -182,15 +182,25 @@ def chain_nodes(sim) -> list[int]:
     return out
 
 
+def true_seconds(cost, batch: int, rows: int, nodes: int, drafted: bool = True) -> float:
+    """A round's seconds on ``cost``: its fixed work, the draft (when drafted) and the verify of
+    ``rows`` rows holding ``nodes`` distinct nodes (run_oracle's ``true_cost``)."""
+    return (cost.fixed_s(batch) + (cost.draft_s(batch) if drafted else 0.0)
+            + float(cost.verify_s(rows, nodes, batch)))
+
+
 def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=False, choices=None,
-               max_budget: int = MAX, **auto_kw):
+               max_budget: int = MAX, true_cost=None, **auto_kw):
     """Tokens, modelled seconds, and per-round (predicted, measured) tokens over ``rounds``
     rounds of the batch ``sims`` (one OracleSim or SwitchSim per request), at a fixed budget, the
     chain or auto, on ``cost`` (a ``CostModel``); ``.exact`` on the returned auto (or the 6th
     value): the exact expected tokens of the cuts made (the oracle law, no sampling noise).
     ``lagged``: auto chooses before the round's tree is known (``AutoBudget.choose_lagged``), else
     from it (``choose``); ``choices``: a list that gets every drafted round's (lagged counts or
-    None, the counts from the round's own tree). ``auto_kw``: AutoBudget's other arguments
+    None, the counts from the round's own tree). ``true_cost``: what the rounds really take (a
+    ``CostModel``; default ``cost``): every round is timed on it, and where ``cost`` is ``measured``
+    auto learns each round's true seconds as the engine does (``CostModel.learn_round``), so a table
+    that misprices the rows can be found out. ``auto_kw``: AutoBudget's other arguments
     (``max_rows``, ...)."""
     if cost is None:
         raise ValueError("run_oracle: give the cost model (a CostModel) the rounds are priced on")
@@ -209,7 +219,7 @@ def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=Fa
         if auto is None:
             k = depth_max if budget == "chain" else budget
             counts, drafted = np.full(b, k), True
-            sec = cost.fixed_s(b) + cost.draft_s(b) + float(cost.verify_s(b * (k + 1), b * (k + 1), b))
+            sec = true_seconds(true_cost or cost, b, b * (k + 1), b * (k + 1))
         elif auto.should_draft(rids):
             learner.before_choice()
             choice = auto.choose_lagged(rids, np.full(b, max_budget), 0)
@@ -234,6 +244,10 @@ def run_oracle(sims, rounds, budget="auto", cost=None, bucketed=False, lagged=Fa
         else:
             acc = [reached[i][r, : int(counts[i]) + 1].sum() for i in range(b)]
             exact += sum(s.etrue[min(int(n), len(s.etrue) - 1)] for s, n in zip(now, counts))
+        if auto is not None and true_cost is not None:
+            sec = true_seconds(true_cost, b, choice.rows, b + int(np.sum(counts)), drafted)
+            if cost.measured:
+                cost.learn_round(b, true_cost.draft_s(b) if drafted else None, sec, choice.verify_model_s)
         if auto is not None:
             # the accepted nodes per path class (the engine: class_accepted of the walk's nodes)
             cut = [min(int(counts[i]) + 1, reached[i].shape[1]) for i in range(b)]

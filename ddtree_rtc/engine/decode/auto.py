@@ -39,7 +39,6 @@ from ...reference.tree_build import TreeArrays
 from .budget import AutoBudget, Choice, experts_touched, fit_expert_s, node_values, node_weights, tree_paths
 
 MEASURE_REPS = 3
-OVERHEAD_DECAY = 0.9  # weight of the running mean of the measured draft / other seconds per round
 
 
 def fill_counts(room: np.ndarray, total: int) -> np.ndarray:
@@ -190,16 +189,14 @@ class AutoRound:
 
     def observe_times(self, batch: int, draft_s: float | None, round_s: float, choice: Choice,
                       lagged: bool = False) -> None:
-        """The measured draft (draft + top-k + build + estimate) and the rest of the round outside the
-        modelled verify, as running means per batch size (cost tables given are kept as they are). A
-        lagged round is timed whole (no sync splits it): its draft keeps the seconds measured at this
-        batch size (``draft_known``) and the rest goes to the other work."""
+        """The measured round, learned by the cost model (``CostModel.learn_round``: the verify
+        scale's fit, the running means of the draft (draft + top-k + build + estimate) and of the
+        rest of the round past the scaled verify, per batch size; cost tables given are kept as they
+        are). A lagged round is timed whole (no sync splits it): its draft keeps the seconds
+        measured at this batch size (``draft_known``) and the rest goes to the other work."""
         cost = self.auto.cost
         if not cost.measured:
             return
         if lagged:
             draft_s = cost.draft_s(batch)
-        other = max(round_s - (draft_s or 0.0) - choice.verify_s, 0.0)
-        old_d, old_f = dict(cost.draft).get(float(batch)), dict(cost.fixed).get(float(batch))
-        mix = lambda old, new: new if old is None else OVERHEAD_DECAY * old + (1 - OVERHEAD_DECAY) * new  # noqa: E731
-        cost.set_overheads(batch, draft_s=None if draft_s is None else mix(old_d, draft_s), fixed_s=mix(old_f, other))
+        cost.learn_round(batch, draft_s, round_s, choice.verify_model_s)

@@ -491,6 +491,11 @@ def _arrays(points: tuple):
 
 
 BUCKET_MARGIN = 0.05  # a verify takes a larger row bucket than it needs only where that costs 5% less (verify_curve)
+OVERHEAD_DECAY = 0.9  # weight of the running mean of the measured draft / other seconds per round
+# the verify scale's fit (CostModel.verify_scale): its decay per round, its ridge towards 1 (in units of the
+# squared mean modelled verify: a spread of the chosen verifies' seconds past ~5% of their mean moves it),
+# and its range
+SCALE_DECAY, SCALE_PRIOR, SCALE_MIN, SCALE_MAX = 0.99, 0.05, 0.5, 4.0
 NO_VERIFY_COSTS = ("decode.budget auto: the cost model has no verify costs yet (give decode.cost_table, or on CUDA "
                    "let the warm-up measure them)")
 
@@ -515,6 +520,7 @@ class CostModel:
     source: str = "given"
     _verify_points: dict = field(default_factory=dict, repr=False)
     _curves: dict = field(default_factory=dict, repr=False, compare=False)  # (batch, buckets) -> verify_curve
+    _scale: dict = field(default_factory=dict, repr=False, compare=False)  # batch -> decayed moments (verify_scale)
 
     def __post_init__(self):
         for name in ("verify", "draft", "fixed"):
@@ -601,6 +607,48 @@ class CostModel:
         old = self._verify_points.get(float(rows))
         self._verify_points[float(rows)] = seconds if old is None else 0.5 * (old + seconds)
         self.verify = tuple(sorted(self._verify_points.items()))
+
+    def verify_scale(self, batch: int) -> float:
+        """How many seconds of round a modelled verify second costs at this batch size, as measured
+        (``learn_round``); 1 until rounds of different modelled verifies say otherwise.
+
+        The table prices a verify as the warm-up timed it (its graph replayed alone), and the round's
+        other work goes to the fixed term, a mean per batch size. Work that grows with the rows but is
+        not in the table (host work that the verify's rows lengthen, a verify slower inside the round
+        than alone) then lands in the fixed term, where every choice pays the same share of it: more
+        nodes look cheaper than they are. So the round's measured seconds less the draft, y, are
+        fitted as ``f + s x`` over the rounds, x the modelled verify seconds, by decayed least squares
+        with a ridge towards s = 1 of ``SCALE_PRIOR x_mean^2`` (rounds of one bucket leave s at 1:
+        the fit moves only as far as the spread of the verifies chosen shows), clipped to
+        [``SCALE_MIN``, ``SCALE_MAX``]."""
+        m = self._scale.get(int(batch))
+        if m is None or m[0] <= 0:
+            return 1.0
+        w, sx, sy, sxx, sxy = m
+        xm, ym = sx / w, sy / w
+        lam = SCALE_PRIOR * xm * xm
+        cxx, cxy = max(sxx - w * xm * xm, 0.0), sxy - w * xm * ym
+        return float(np.clip((cxy + lam) / (cxx + lam), SCALE_MIN, SCALE_MAX)) if lam > 0 else 1.0
+
+    def verify_scales(self) -> dict:
+        """``{batch: verify_scale}`` of every batch size a round was learned at (for reports)."""
+        return {b: self.verify_scale(b) for b in sorted(self._scale)}
+
+    def learn_round(self, batch: int, draft_s: float | None, round_s: float, verify_model_s: float) -> None:
+        """A measured round (the engine's ``AutoRound.observe_times``, the simulator's true costs):
+        its draft seconds (None: not measured apart) and its whole seconds, and the modelled verify
+        of its choice before the scale (``Choice.verify_model_s``). Updates the verify scale's fit
+        (``verify_scale``), then the running means of the draft and of the rest of the round past
+        the scaled verify (``OVERHEAD_DECAY``)."""
+        b = int(batch)
+        x, y = float(verify_model_s), float(round_s) - (draft_s or 0.0)
+        m = self._scale.setdefault(b, [0.0, 0.0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            m[i] = SCALE_DECAY * m[i] + v
+        other = max(y - self.verify_scale(b) * x, 0.0)
+        old_d, old_f = dict(self.draft).get(float(b)), dict(self.fixed).get(float(b))
+        mix = lambda old, new: new if old is None else OVERHEAD_DECAY * old + (1 - OVERHEAD_DECAY) * new  # noqa: E731
+        self.set_overheads(b, draft_s=None if draft_s is None else mix(old_d, draft_s), fixed_s=mix(old_f, other))
 
     def set_overheads(self, batch: int, draft_s: float | None = None, fixed_s: float | None = None) -> None:
         for name, v in (("draft", draft_s), ("fixed", fixed_s)):
@@ -702,7 +750,8 @@ class Choice:
     rows: int  # the verify's rows in all (its bucket: the roots, the nodes and padding)
     expected: np.ndarray  # [B] predicted tokens (bonus included)
     seconds: float  # the modelled round (fixed + draft + verify)
-    verify_s: float
+    verify_s: float  # the modelled verify, scaled (CostModel.verify_scale)
+    verify_model_s: float = 0.0  # the same before the scale (what the scale's fit regresses on)
     weights: np.ndarray | None = None  # the calibration's weights of its round (expected is remade under them)
     valued: np.ndarray | None = None  # the weights it chose by (the calibration's and the optimism)
 
@@ -760,12 +809,14 @@ def choose(values: np.ndarray, caps, cost: CostModel, buckets, ctx: float = 0.0,
     # prefix i holds b + i distinct nodes (the roots and its nodes), priced at the bucket holding them
     rows, base = cost.verify_curve(b, buckets)
     rows = rows[: len(order) + 1]
-    ver = cost.with_ctx(base[: len(order) + 1], b, ctx)
+    model = cost.with_ctx(base[: len(order) + 1], b, ctx)
+    ver = model * cost.verify_scale(b)
     rate = (b + gain) / (over + ver)
     i = int(np.flatnonzero(rate >= rate.max() * (1 - 1e-12))[-1])
     counts = np.bincount(o_req[:i], minlength=b).astype(np.int64)
     cum = np.concatenate([np.zeros((b, 1)), np.cumsum(values, axis=1)], axis=1)
-    return Choice(counts, int(rows[i]), 1.0 + cum[np.arange(b), counts], over + float(ver[i]), float(ver[i]))
+    return Choice(counts, int(rows[i]), 1.0 + cum[np.arange(b), counts], over + float(ver[i]), float(ver[i]),
+                  float(model[i]))
 
 
 # -- metrics -------------------------------------------------------------------------------------
