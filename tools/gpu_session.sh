@@ -27,6 +27,7 @@
 #             (default dca2747; tools/ab_trees.sh $BASE, carry ab/) and of this tree (VERIFY_TREES: the trees
 #             in order, default "ab/$BASE ."; a pending patch's tree, tools/pending/README.md, goes here too),
 #             then `bench linear --invariant-plans --shard tp8`
+#   budget    `bench budget` alone (BUDGET_SETTINGS, default with auto and auto-any; BUDGET_TOKENS, TOTAL)
 # Logs and JSON go to $OUT (or ./gpu_out); a short table is printed last.
 set -uo pipefail
 O=${OUT:-gpu_out}; mkdir -p "$O"
@@ -138,5 +139,11 @@ verify)  # after changes merged without a GPU run: their GPU tests here, then be
         --shard tp8 --iters 10 --json "$O/linear_plans_$name.json" >"$O/linear_plans_$name.txt" 2>&1
       echo "== linear plans $name rc=$? $(el)"; grep -E "^  [a-z_0-9]+: default" "$O/linear_plans_$name.txt" | cut -c1-220 )
   done ;;
-*) echo "PART must be core, tests, bench, lossless, ncu, diag, ab or verify"; exit 2 ;;
+budget)  # issue 39's figure alone: bench budget (auto, auto-any against AR, chain and fixed budgets; TOTAL s, 570)
+  timeout "$(left ${TOTAL:-570})" ddtree-rtc bench budget --pipeline pipelines/k2_6_slice_ddtree_h200.yaml \
+    --set model.load=dummy --set workload.synthetic.output_len=${BUDGET_TOKENS:-128} --concurrency 1,4,10 \
+    --settings ${BUDGET_SETTINGS:-autoregressive,chain,8,16,32,64,auto,auto-any} \
+    --json "$O/budget.json" >"$O/budget.txt" 2>&1
+  echo "== bench budget rc=$? $(el)"; tail -34 "$O/budget.txt" | cut -c1-220 ;;
+*) echo "PART must be core, tests, bench, lossless, ncu, diag, ab, verify or budget"; exit 2 ;;
 esac
