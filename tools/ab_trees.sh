@@ -17,7 +17,7 @@ for arg in "$@"; do
   name=${ref//\//_}; [ -n "$patch" ] && name="$name+$(basename "$patch" .patch)"
   dir="ab/$name"
   rm -rf "$dir" && mkdir -p "$dir"
-  git archive "$ref" ddtree_rtc tests tools pipelines pyproject.toml setup.cfg | tar -x -C "$dir"
+  git archive "$ref" ddtree_rtc tests tools pipelines docs pyproject.toml setup.cfg | tar -x -C "$dir"
   commit=$(git rev-parse --short=12 "$ref")
   if [ -n "$patch" ]; then
     git apply --directory="$dir" "$patch" || { echo "ab_trees: $patch does not apply to $ref"; rm -rf "$dir"; exit 2; }
