@@ -857,3 +857,33 @@ def test_a_table_that_underprices_the_rows_is_found_out(p, batch, monkeypatch):
     print(f"\np {p} batch {batch}: auto / best fixed ({best}) = {ratio:.4f} fitted (scale "
           f"{scale:.2f}), {held:.4f} with the scale held at 1")
     assert ratio >= 0.95 and ratio > held + 0.03 and scale > 1.2, (ratio, held, scale, best)
+
+
+def test_a_measured_round_is_learned_by_the_cost_model():
+    """``AutoRound.observe_times`` (the engine, on CUDA without a cost table) hands each round to
+    ``CostModel.learn_round``: the draft measured apart, or for a lagged round the draft known at that
+    batch size, and the modelled verify before the scale; a given table learns nothing."""
+    from ddtree_rtc.engine.decode.auto import AutoRound
+
+    def round_with(cost):
+        return AutoRound(AutoBudget(8, DEPTH, cost), None, None)
+
+    measured = CostModel(verify=((1, 1e-3), (64, 5e-3)), draft=((4, 2e-3),), measured=True)
+    ar, rng = round_with(measured), np.random.default_rng(1)
+    for i in range(300):
+        x = float(rng.uniform(2e-3, 4e-3))
+        choice = _choice_with(x)
+        # round = draft + 0.5 ms + 2 x; lagged rounds take the known draft (2 ms), the others their own
+        ar.observe_times(4, None if i % 2 else 2e-3, 2e-3 + 0.5e-3 + 2.0 * x, choice, lagged=bool(i % 2))
+    assert measured.verify_scale(4) == pytest.approx(2.0, rel=0.03)
+    assert measured.fixed_s(4) == pytest.approx(0.5e-3, abs=0.1e-3)
+    given = CostModel(verify=((1, 1e-3), (64, 5e-3)), fixed=((4, 1e-3),))
+    round_with(given).observe_times(4, 2e-3, 9e-3, _choice_with(3e-3))
+    assert given.fixed_s(4) == 1e-3 and given.verify_scales() == {}
+
+
+def _choice_with(verify_model_s: float):
+    """A Choice whose modelled verify (before the scale) is ``verify_model_s``."""
+    from ddtree_rtc.engine.decode.budget import Choice
+
+    return Choice(np.zeros(4, np.int64), 4, np.ones(4), verify_model_s, verify_model_s, verify_model_s)
