@@ -155,8 +155,10 @@ def class_accepted(classes, accepted, accept_len) -> np.ndarray:
     a = np.asarray(accept_len, np.int64)
     j = np.arange(accepted.shape[1])[None, :]
     used = (j >= 1) & (j < a[:, None])
-    c = np.take_along_axis(classes, np.clip(accepted, 0, classes.shape[1] - 1), axis=1)
-    return np.stack([((c == x) & used).sum(axis=1) for x in range(OFF_CLASSES)], axis=1)
+    c = np.take_along_axis(classes, np.clip(accepted, 0, classes.shape[1] - 1), axis=1).astype(np.int64)
+    used &= (c >= 0) & (c < OFF_CLASSES)
+    cells = (np.arange(len(c))[:, None] * OFF_CLASSES + c)[used]  # one count over (request, class)
+    return np.bincount(cells, minlength=len(c) * OFF_CLASSES).reshape(len(c), OFF_CLASSES)
 
 
 # -- calibration ---------------------------------------------------------------------------------
@@ -213,6 +215,9 @@ class Calibration:
         self.off_meas = np.zeros(OFF_CLASSES)
         self._off_used = np.ones(OFF_CLASSES)  # the path classes' factors in use (the drafter's P at first)
         self.off_path = bool(off_path)  # False: the off-path factor stays 1 (the per-depth model alone)
+        # the gates of the depth and path-class factors in use ran since the last observe: a second run
+        # changes nothing (a factor just moved equals its estimate), so it is skipped (host time per round)
+        self._depth_gated = self._off_gated = False
 
     def depth_factors(self) -> np.ndarray:
         """``[depth + 1]``: the factor of each depth (index 0, the root, unused). The bias of a
@@ -240,7 +245,8 @@ class Calibration:
     def _beyond_noise(self, estimate, used, expected) -> bool:
         """Whether ``estimate`` (factors) is more than ``gate`` standard errors from ``used``
         anywhere, ``expected`` being the accepted nodes the factors in use predict there."""
-        return any(self._z(e, u, x) > self.gate for e, u, x in zip(estimate, used, expected))
+        z, gate = self._z, self.gate
+        return any(z(e, u, x) > gate for e, u, x in zip(estimate.tolist(), used.tolist(), expected.tolist()))
 
     @staticmethod
     def _z(estimate: float, used: float, expected: float) -> float:
@@ -250,9 +256,11 @@ class Calibration:
 
     def depth_factors_used(self) -> np.ndarray:
         """``[depth + 1]``: the depth factors in use (see the class doc)."""
-        live = self.depth_factors()
-        if self._beyond_noise(live[1:], self._depth_used[1:], self._depth_used[1:] * self.pred[1:]):
-            self._depth_used = live
+        if not self._depth_gated:
+            live = self.depth_factors()
+            if self._beyond_noise(live[1:], self._depth_used[1:], self._depth_used[1:] * self.pred[1:]):
+                self._depth_used = live
+            self._depth_gated = True
         return self._depth_used
 
     def request_factor_used(self, rid) -> float:
@@ -275,7 +283,8 @@ class Calibration:
         in use predicts, as for the depths: off-path nodes are verified rarely and in small numbers,
         so an understated class must not wait for the evidence its understatement keeps away, and a
         few verified nodes none of which was accepted do not mark a class down)."""
-        if self.off_path:
+        if self.off_path and not self._off_gated:
+            self._off_gated = True
             live, used = self.off_factors(), self._off_used
             for c in range(1, OFF_CLASSES):
                 if self._z(live[c], used[c], self.off_meas[c]) > self.gate:
@@ -302,6 +311,7 @@ class Calibration:
         every node counts as on the top-1 path). Predicted reach per depth is under the classes'
         factors in use; the request factor is measured over predicted under the depth factors in use."""
         f, d1, fo = self._depth_used, self.depth + 1, self._off_used
+        self._depth_gated = self._off_gated = False
         counts, accept_len = np.asarray(counts, np.int64), np.asarray(accept_len, np.int64)
         top = int(counts.max()) if len(counts) else 0
         pred = np.zeros(d1)
@@ -370,10 +380,29 @@ class ValueHistory:
         if not 0 <= decay < 1:
             raise BudgetError(f"value history decay must be in [0, 1), got {decay}")
         self.m, self.d1, self.decay = int(max_budget), depth + 1, decay
-        self._req: dict = {}  # rid -> [sum [m, d1, d1], rounds [m], last (raw, depth, k) [m], last built [m],
-        #                                mass mean, last mass]
+        # per request a slot of preallocated arrays (one gather per round, not a stack of per-request
+        # arrays): the sums [m, d1, OFF_CLASSES], the rounds [m], the last round's nodes (raw, depth,
+        # class, built) [m]; and its mass mean and last mass (host floats)
+        self._slot: dict = {}  # rid -> slot
+        self._free: list = []
+        self._mass: dict = {}  # rid -> [mass mean, last mass]
+        self._grow(8)
         self._pool = None  # [sum, rounds] over every request's rounds
         self._c0 = self._c1 = self._cn = 0.0  # decayed lag-0 / lag-1 moments of the mass deviations, their count
+
+    def _grow(self, cap: int) -> None:
+        old = getattr(self, "_sum", None)
+        n = 0 if old is None else len(old)
+        m, d1 = self.m, self.d1
+        arrays = (("_sum", (m, d1, OFF_CLASSES), np.float64), ("_rounds", (m,), np.float64),
+                  ("_last", (m,), np.float64), ("_last_d", (m,), np.int64), ("_last_k", (m,), np.int64),
+                  ("_built", (m,), bool))
+        for name, shape, dtype in arrays:
+            a = np.zeros((cap,) + shape, dtype)
+            if n:
+                a[:n] = getattr(self, name)
+            setattr(self, name, a)
+        self._free.extend(range(cap - 1, n - 1, -1))
 
     def ready(self) -> bool:
         return self._pool is not None
@@ -383,7 +412,7 @@ class ValueHistory:
         """The persistence of a request's tree mass from round to round (see the class doc)."""
         if self._c0 <= 0:
             return 0.0
-        return float(np.clip(self._c1 / self._c0, 0.0, 1.0)) * self._cn / (self._cn + PERSIST_PRIOR)
+        return float(min(max(self._c1 / self._c0, 0.0), 1.0)) * self._cn / (self._cn + PERSIST_PRIOR)
 
     def _weights(self, weights) -> np.ndarray:
         """``[B, d1, OFF_CLASSES]``: the round's weights by depth and path class (per depth only: the
@@ -401,19 +430,19 @@ class ValueHistory:
         if self._pool is None:
             raise BudgetError("value history: no round observed yet")
         pool, rho = self._pool, self.rho ** max(int(ahead), 1)
-        st = [self._req.get(r) for r in rids]
-        s = np.stack([pool[0] if x is None else x[0] for x in st])
-        n = np.stack([pool[1] if x is None else x[1] for x in st])
+        slots = [self._slot.get(r, -1) for r in rids]
+        new = [i for i, x in enumerate(slots) if x < 0]
+        s, n = self._sum[slots], self._rounds[slots]
+        if new:
+            s[new], n[new] = pool[0], pool[1]
         w = self._weights(weights)
         mean = np.where(n > 0, np.einsum("bmdk,bdk->bm", s, w) / np.maximum(n, 1e-300), 0.0)
         if rho <= 0:
             return mean
-        zero = np.zeros(self.m, np.int64)
-        last = np.stack([np.zeros(self.m) if x is None else x[2][0] for x in st])
-        ld = np.stack([zero if x is None else x[2][1] for x in st])
-        lk = np.stack([zero if x is None else x[2][2] for x in st])
-        built = np.stack([np.zeros(self.m, bool) if x is None else x[3] for x in st])
-        last = np.where(built, last * w[np.arange(len(st))[:, None], ld, lk], mean)
+        last, ld, lk, built = self._last[slots], self._last_d[slots], self._last_k[slots], self._built[slots]
+        if new:
+            last[new], ld[new], lk[new], built[new] = 0.0, 0, 0, False
+        last = np.where(built, last * w[np.arange(len(slots))[:, None], ld, lk], mean)
         return mean + rho * (last - mean)
 
     def update(self, rids, raw, node_depth, classes=None) -> None:
@@ -424,34 +453,41 @@ class ValueHistory:
         b = len(rids)
         d = node_depth[:, 1:m + 1].astype(np.int64)
         kk = np.zeros_like(d) if classes is None else np.clip(np.asarray(classes)[:, 1:m + 1], 0, OFF_CLASSES - 1)
-        built = np.zeros((b, self.m), bool)
-        built[:, :m] = (d >= 1) & (d < self.d1)
-        rv = np.zeros((b, self.m))
-        rv[:, :m] = np.where(built[:, :m], raw[:, 1:m + 1], 0.0)
-        dv = np.zeros((b, self.m), np.int64)
-        dv[:, :m] = np.where(built[:, :m], d, 0)
-        kv = np.zeros((b, self.m), np.int64)
-        kv[:, :m] = np.where(built[:, :m], kk, 0)
-        mass = rv.sum(axis=1)
+        ok = (d >= 1) & (d < self.d1)
+        rv, dv, kv = np.where(ok, raw[:, 1:m + 1], 0.0).astype(np.float64, copy=False), np.where(ok, d, 0), np.where(ok, kk, 0).astype(np.int64)
+        if m < self.m:  # a tree smaller than max_budget: its pop indices past it unbuilt
+            pad = ((0, 0), (0, self.m - m))
+            ok, rv, dv, kv = np.pad(ok, pad), np.pad(rv, pad), np.pad(dv, pad), np.pad(kv, pad)
+        built = ok
+        mass = rv.sum(axis=1).tolist()
         k, kp = self.decay, PERSIST_DECAY
         c0 = c1 = cn = 0.0
-        ii = np.arange(self.m)
+        slots, new = [], []
         for i, r in enumerate(rids):
-            x = self._req.get(r)
-            last = (rv[i], dv[i], kv[i])
+            x = self._mass.get(r)
             if x is None:
-                x = self._req[r] = [np.zeros((self.m, self.d1, OFF_CLASSES)), np.zeros(self.m), last, built[i],
-                                    float(mass[i]), float(mass[i])]
+                if not self._free:
+                    self._grow(2 * len(self._sum))
+                self._slot[r] = sl = self._free.pop()
+                new.append(sl)
+                self._mass[r] = [mass[i], mass[i]]
             else:
-                mu, prev = x[4], x[5]
+                sl = self._slot[r]
+                mu, prev = x
                 c0 += (prev - mu) ** 2
                 c1 += (mass[i] - mu) * (prev - mu)
                 cn += 1
-                x[0] *= k
-                x[1] *= k
-                x[2:] = [last, built[i], k * mu + (1 - k) * mass[i], float(mass[i])]
-            x[0][ii, dv[i], kv[i]] += rv[i]  # one slot per pop index (unbuilt ones add 0 at depth 0)
-            x[1] += built[i]
+                x[0], x[1] = k * mu + (1 - k) * mass[i], mass[i]
+            slots.append(sl)
+        if new:  # a new request's sums start at 0 (decaying them then changes nothing)
+            self._sum[new], self._rounds[new] = 0.0, 0.0
+        sl = np.asarray(slots, np.int64)
+        self._sum[sl] *= k
+        self._rounds[sl] *= k
+        ii = np.arange(self.m)
+        self._sum[sl[:, None], ii[None, :], dv, kv] += rv  # one cell per request and pop index (unbuilt: 0 at depth 0)
+        self._rounds[sl] += built
+        self._last[sl], self._last_d[sl], self._last_k[sl], self._built[sl] = rv, dv, kv, built
         if cn:
             self._c0, self._c1, self._cn = kp * self._c0 + c0, kp * self._c1 + c1, kp * self._cn + cn
         if self._pool is None:
@@ -465,7 +501,10 @@ class ValueHistory:
         self._pool[1] += built.sum(axis=0)
 
     def release(self, rid) -> None:
-        self._req.pop(rid, None)
+        sl = self._slot.pop(rid, None)
+        if sl is not None:
+            self._free.append(sl)
+        self._mass.pop(rid, None)
 
 
 # -- the cost of a round -------------------------------------------------------------------------
@@ -483,6 +522,13 @@ def _interp(points: tuple, x):
         slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
         y = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), y)
     return y
+
+
+@functools.lru_cache(maxsize=256)
+def _interp_at(points: tuple, x: float) -> float:
+    """``_interp`` at one size, as a float (the draft and fixed seconds: read every round, their
+    tables replaced only when a round is learned)."""
+    return float(_interp(points, x))
 
 
 @functools.lru_cache(maxsize=64)
@@ -596,11 +642,11 @@ class CostModel:
 
     def draft_s(self, batch: int) -> float:
         """Seconds of the draft at this batch size (0 until one is given or measured)."""
-        return float(_interp(self.draft, batch)) if self.draft else 0.0
+        return _interp_at(self.draft, float(batch)) if self.draft else 0.0
 
     def fixed_s(self, batch: int) -> float:
         """Seconds of the round's other work at this batch size (0 until given or measured)."""
-        return float(_interp(self.fixed, batch)) if self.fixed else 0.0
+        return _interp_at(self.fixed, float(batch)) if self.fixed else 0.0
 
     def add_verify(self, rows: int, seconds: float) -> None:
         """A measured point (the warm-up's): the mean with an earlier point of the same rows."""
@@ -628,7 +674,7 @@ class CostModel:
         xm, ym = sx / w, sy / w
         lam = SCALE_PRIOR * xm * xm
         cxx, cxy = max(sxx - w * xm * xm, 0.0), sxy - w * xm * ym
-        return float(np.clip((cxy + lam) / (cxx + lam), SCALE_MIN, SCALE_MAX)) if lam > 0 else 1.0
+        return min(max((cxy + lam) / (cxx + lam), SCALE_MIN), SCALE_MAX) if lam > 0 else 1.0
 
     def verify_scales(self) -> dict:
         """``{batch: verify_scale}`` of every batch size a round was learned at (for reports)."""
