@@ -127,7 +127,7 @@ def tree_paths(parents) -> tuple[np.ndarray, np.ndarray]:
     rank[order] = at - np.maximum.accumulate(np.where(new, at, 0))
     rank = np.where(child, rank.reshape(b, n), 0)
     # sums and maxima over each node's path by pointer jumping (log2(depth) flat gathers; the root
-    # and unbuilt slots point at themselves and add nothing)
+    # and unbuilt slots point at themselves and hold 0, so adding their sums adds nothing)
     own = np.arange(b * n)
     jump = np.where(child, p + np.arange(b)[:, None] * n, own.reshape(b, n)).ravel()
     depth = child.ravel().astype(np.int64)
@@ -135,8 +135,8 @@ def tree_paths(parents) -> tuple[np.ndarray, np.ndarray]:
     top = rank.ravel().copy()  # the largest edge rank on the path
     while True:
         nxt = jump[jump]
-        depth += np.where(jump != own, depth[jump], 0)
-        k += np.where(jump != own, k[jump], 0)
+        depth += depth[jump]
+        k += k[jump]
         np.maximum(top, top[jump], out=top)
         if np.array_equal(nxt, jump):
             break
@@ -481,12 +481,20 @@ class ValueHistory:
             slots.append(sl)
         if new:  # a new request's sums start at 0 (decaying them then changes nothing)
             self._sum[new], self._rounds[new] = 0.0, 0.0
-        sl = np.asarray(slots, np.int64)
-        self._sum[sl] *= k
-        self._rounds[sl] *= k
+        lo = slots[0]
+        sl = slice(lo, lo + b) if slots == list(range(lo, lo + b)) else np.asarray(slots, np.int64)
         ii = np.arange(self.m)
-        self._sum[sl[:, None], ii[None, :], dv, kv] += rv  # one cell per request and pop index (unbuilt: 0 at depth 0)
-        self._rounds[sl] += built
+        if isinstance(sl, slice):  # the usual batch: its slots in a row, updated in place
+            s, n = self._sum[sl], self._rounds[sl]
+            s *= k
+            n *= k
+            s[np.arange(b)[:, None], ii[None, :], dv, kv] += rv  # one cell per pop index (unbuilt: 0 at depth 0)
+            n += built
+        else:
+            self._sum[sl] *= k
+            self._rounds[sl] *= k
+            self._sum[sl[:, None], ii[None, :], dv, kv] += rv
+            self._rounds[sl] += built
         self._last[sl], self._last_d[sl], self._last_k[sl], self._built[sl] = rv, dv, kv, built
         if cn:
             self._c0, self._c1, self._cn = kp * self._c0 + c0, kp * self._c1 + c1, kp * self._cn + cn
