@@ -207,6 +207,7 @@ class Calibration:
         self.depth_prior = 16.0  # predicted nodes of the line's weight at one depth
         self.request_decay, self.request_prior = request_decay, request_prior
         self.pred = np.zeros(depth + 1)
+        self._d = np.arange(1, depth + 1, dtype=np.float64)  # the depths as floats (depth_factors)
         self.meas = np.zeros(depth + 1)
         self._req: dict = {}  # rid -> [predicted, measured] accepted nodes, depth-calibrated
         self._depth_used = np.concatenate([[0.0], np.ones(depth)])  # the factors in use (the drafter's P at first)
@@ -229,14 +230,17 @@ class Calibration:
         priced at the same ratio again). A depth with evidence of its own is measured over predicted
         reach with that line as a prior of ``depth_prior`` predicted nodes, so a well-measured depth
         keeps its own factor where the bias is not log-linear."""
-        d = np.arange(1, self.depth + 1, dtype=np.float64)
+        d = self._d
         pred, meas = self.pred[1:], self.meas[1:]
-        w = pred + 1e-12
+        wd = (pred + 1e-12) * d
         y = np.log((meas + self.prior * 0.5) / (pred + self.prior * 0.5))
-        slope = float(np.clip((w * d * y).sum() / (w * d * d).sum(), -2.0, 2.0))
+        slope = float(min(max((wd * y).sum() / (wd * d).sum(), -2.0), 2.0))
         fit = np.exp(slope * d)
         own = (meas + self.depth_prior * fit) / (pred + self.depth_prior)  # a depth's own evidence first
-        return np.concatenate([[0.0], np.clip(own, 1e-3, 1e3)])
+        out = np.empty(self.depth + 1)
+        out[0] = 0.0
+        np.clip(own, 1e-3, 1e3, out=out[1:])
+        return out
 
     def request_factor(self, rid) -> float:
         p, m = self._req.get(rid, (0.0, 0.0))
@@ -1025,16 +1029,20 @@ class AutoBudget:
         w = honest = cal.weights(rids)
         self._drafted += 1
         explore = self._drafted % self.explore_every == 0
-        probe = [i for i, r in enumerate(rids) if self.probing(r)]
-        bound = np.minimum(np.exp(PROBE_Z / np.sqrt(cal.depth_factors_used() * cal.pred + 1.0)), PROBE_MAX)
-        bound = bound[None, :, None]
+        held = self._held
+        probe = [i for i, r in enumerate(rids) if r in held and self.probing(r)]
+        if explore or probe:  # the bound is made only where it raises something
+            bound = np.minimum(np.exp(PROBE_Z / np.sqrt(cal.depth_factors_used() * cal.pred + 1.0)), PROBE_MAX)
+            bound = bound[None, :, None]
         w = np.minimum(w * bound, np.maximum(w, 1.0)) if explore else w.copy()
-        ev = cal.off_evidence()[OFF_EXPLORE]
-        self._off_started = self._off_started or bool((ev >= OFF_EVIDENCE).all())
-        if cal.off_path and not self._off_started:
-            w[:, :, OFF_EXPLORE] *= np.minimum(np.exp(PROBE_Z / np.sqrt(ev + 1.0)),
-                                               OFF_PROBE_MAX)
-        w[probe] *= bound
+        if not self._off_started:
+            ev = cal.off_evidence()[OFF_EXPLORE]
+            self._off_started = bool((ev >= OFF_EVIDENCE).all())
+            if cal.off_path and not self._off_started:
+                w[:, :, OFF_EXPLORE] *= np.minimum(np.exp(PROBE_Z / np.sqrt(ev + 1.0)),
+                                                   OFF_PROBE_MAX)
+        if probe:
+            w[probe] *= bound
         return w, honest
 
     @property
