@@ -67,16 +67,22 @@ def experts_touched(nodes, experts: int = EXPERTS, per_token: int = EXPERTS_PER_
 # -- expected acceptance from the tree (device or host) ------------------------------------------
 
 
+def _clip(xp, x, lo, hi):
+    """``xp.clip`` of an index array as two ufuncs (the same values; numpy's clip costs several
+    microseconds of dispatch per call on the tiny arrays of a round)."""
+    return xp.minimum(xp.maximum(x, lo), hi)
+
+
 def node_weights(xp, weights, node_depth, classes=None):
     """``[B, N]`` float64: each node's calibration weight. ``weights``: ``[B, depth + 1]`` (per
     depth) or ``[B, depth + 1, OFF_CLASSES]`` (per depth and path class, ``AutoBudget.round_weights``:
     index ``[b, depth_j, class_j]``, the class from ``classes`` ``[B, N]``, ``tree_paths``;
     without it 0, the chain's)."""
     w = xp.asarray(weights, dtype=xp.float64)
-    d = xp.clip(node_depth, 0, w.shape[1] - 1).astype(xp.int64)
+    d = _clip(xp, node_depth, 0, w.shape[1] - 1).astype(xp.int64)
     if w.ndim == 2:
         return xp.take_along_axis(w, d, axis=1)
-    k = xp.zeros_like(d) if classes is None else xp.clip(classes, 0, w.shape[2] - 1).astype(xp.int64)
+    k = xp.zeros_like(d) if classes is None else _clip(xp, classes, 0, w.shape[2] - 1).astype(xp.int64)
     return w[xp.arange(w.shape[0])[:, None], d, k]
 
 
@@ -155,7 +161,7 @@ def class_accepted(classes, accepted, accept_len) -> np.ndarray:
     a = np.asarray(accept_len, np.int64)
     j = np.arange(accepted.shape[1])[None, :]
     used = (j >= 1) & (j < a[:, None])
-    c = np.take_along_axis(classes, np.clip(accepted, 0, classes.shape[1] - 1), axis=1).astype(np.int64)
+    c = np.take_along_axis(classes, _clip(np, accepted, 0, classes.shape[1] - 1), axis=1).astype(np.int64)
     used &= (c >= 0) & (c < OFF_CLASSES)
     cells = (np.arange(len(c))[:, None] * OFF_CLASSES + c)[used]  # one count over (request, class)
     return np.bincount(cells, minlength=len(c) * OFF_CLASSES).reshape(len(c), OFF_CLASSES)
@@ -239,7 +245,7 @@ class Calibration:
         own = (meas + self.depth_prior * fit) / (pred + self.depth_prior)  # a depth's own evidence first
         out = np.empty(self.depth + 1)
         out[0] = 0.0
-        np.clip(own, 1e-3, 1e3, out=out[1:])
+        np.minimum(np.maximum(own, 1e-3), 1e3, out=out[1:])
         return out
 
     def request_factor(self, rid) -> float:
@@ -333,10 +339,10 @@ class Calibration:
             r = raw[:, 1:top + 1]
             live = np.flatnonzero(counts > 0)
             if classes is not None:
-                c = np.clip(np.asarray(classes)[:, 1:top + 1].astype(np.int64), 0, OFF_CLASSES - 1)
+                c = _clip(np, np.asarray(classes)[:, 1:top + 1].astype(np.int64), 0, OFF_CLASSES - 1)
                 if off_accepted is not None:
                     rf = np.array([self._req_used.get(x, 1.0) for x in rids], np.float64)[:, None]
-                    pc = r * rf * f[np.clip(depth, 0, d1 - 1)]  # predicted reach before the class factor
+                    pc = r * rf * f[_clip(np, depth, 0, d1 - 1)]  # predicted reach before the class factor
                     self.off_pred += np.bincount(c[used], weights=pc[used], minlength=OFF_CLASSES)
                     self.off_meas += np.asarray(off_accepted)[live].sum(axis=0)
                 r = r * fo[c]
@@ -456,7 +462,7 @@ class ValueHistory:
         m = min(self.m, raw.shape[1] - 1)
         b = len(rids)
         d = node_depth[:, 1:m + 1].astype(np.int64)
-        kk = np.zeros_like(d) if classes is None else np.clip(np.asarray(classes)[:, 1:m + 1], 0, OFF_CLASSES - 1)
+        kk = np.zeros_like(d) if classes is None else _clip(np, np.asarray(classes)[:, 1:m + 1], 0, OFF_CLASSES - 1)
         ok = (d >= 1) & (d < self.d1)
         rv, dv, kv = np.where(ok, raw[:, 1:m + 1], 0.0).astype(np.float64, copy=False), np.where(ok, d, 0), np.where(ok, kk, 0).astype(np.int64)
         if m < self.m:  # a tree smaller than max_budget: its pop indices past it unbuilt
