@@ -862,14 +862,15 @@ def choose(values: np.ndarray, caps, cost: CostModel, buckets, ctx: float = 0.0,
     if not buckets:
         raise BudgetError(f"no verify row bucket holds the {b} roots of the batch (buckets {list(given)})")
     over = cost.fixed_s(b) + (cost.draft_s(b) if drafted else 0.0)
-    col = np.broadcast_to(np.arange(m)[None, :], (b, m))
-    v = np.where(col < caps[:, None], values, -np.inf)
-    mono = np.minimum.accumulate(v, axis=1) if m else v
-    order = np.argsort(-mono.ravel(), kind="stable")
-    keep = np.isfinite(mono.ravel()[order]) & (mono.ravel()[order] > 0)
-    order = order[keep][: buckets[-1] - b]
+    v = np.where(np.arange(m)[None, :] < caps[:, None], values, -np.inf)
+    mono = (np.minimum.accumulate(v, axis=1) if m else v).ravel()
+    order = (-mono).argsort(kind="stable")
+    sorted_mono = mono[order]
+    order = order[np.isfinite(sorted_mono) & (sorted_mono > 0)][: buckets[-1] - b]
     o_req, o_val = order // max(m, 1), values.ravel()[order]
-    gain = np.concatenate([[0.0], np.cumsum(o_val)])
+    gain = np.empty(len(order) + 1)
+    gain[0] = 0.0
+    o_val.cumsum(out=gain[1:])
     # prefix i holds b + i distinct nodes (the roots and its nodes), priced at the bucket holding them
     rows, base = cost.verify_curve(b, buckets)
     rows = rows[: len(order) + 1]
@@ -878,7 +879,8 @@ def choose(values: np.ndarray, caps, cost: CostModel, buckets, ctx: float = 0.0,
     rate = (b + gain) / (over + ver)
     i = int(np.flatnonzero(rate >= rate.max() * (1 - 1e-12))[-1])
     counts = np.bincount(o_req[:i], minlength=b).astype(np.int64)
-    cum = np.concatenate([np.zeros((b, 1)), np.cumsum(values, axis=1)], axis=1)
+    cum = np.zeros((b, m + 1))
+    values.cumsum(axis=1, out=cum[:, 1:])
     return Choice(counts, int(rows[i]), 1.0 + cum[np.arange(b), counts], over + float(ver[i]), float(ver[i]),
                   float(model[i]))
 
