@@ -124,8 +124,9 @@ def tree_paths(parents) -> tuple[np.ndarray, np.ndarray]:
     child = p >= 0
     child[:, 0] = False
     # siblings together, in pop order: a stable sort of the slots by (request, parent)
-    order = np.argsort((np.arange(b)[:, None] * (n + 1) + np.where(child, p + 1, 0)).ravel(), kind="stable")
-    key = np.where(child, p + 1, 0).ravel()[order] + (order // n) * (n + 1)
+    key = (np.arange(b)[:, None] * (n + 1) + np.where(child, p + 1, 0)).ravel()
+    order = key.argsort(kind="stable")
+    key = key[order]
     at = np.arange(b * n)
     new = np.ones(b * n, bool)
     new[1:] = key[1:] != key[:-1]
@@ -144,7 +145,7 @@ def tree_paths(parents) -> tuple[np.ndarray, np.ndarray]:
         depth += depth[jump]
         k += k[jump]
         np.maximum(top, top[jump], out=top)
-        if np.array_equal(nxt, jump):
+        if (nxt == jump).all():
             break
         jump = nxt
     depth = np.where(child, depth.reshape(b, n), -1)
