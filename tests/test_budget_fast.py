@@ -69,7 +69,8 @@ def moe(module=budget):
 
 CASES = {
     "b1": lambda: [OracleSim(**PROFILES["under"], seed=3)],
-    "b4-mixed": lambda: [OracleSim(**PROFILES[n], seed=20 + i) for i, n in enumerate(["p0.9", "p0.7", "p0.4", "falling"])],
+    "b4-mixed": lambda: [OracleSim(**PROFILES[n], seed=20 + i)
+                         for i, n in enumerate(["p0.9", "p0.7", "p0.4", "falling"])],
     "b10": lambda: [OracleSim(**PROFILES[n], seed=30 + i) for i, n in enumerate(sorted(PROFILES) * 2)],
     "b3-switch": lambda: [SwitchSim([OracleSim(p=0.9, seed=30 + i), OracleSim(p=0.4, seed=40 + i)], 120, 0.9, seed=i)
                           for i in range(3)],
@@ -145,12 +146,11 @@ def test_class_accepted_and_tree_paths_are_the_references(rng):
 def test_the_engines_rounds_choose_as_the_reference(monkeypatch, tiny, cont):
     """The engine on the numpy backend (the oracle drafter, a batch with requests joining as others
     finish, lagged): the same choices and the same output."""
+    from ddtree_rtc.engine.decode import round as round_mod
     from ddtree_rtc.engine.engine import Engine
     from ddtree_rtc.engine.request import Request
     from ddtree_rtc.speculative.drafters import OracleDrafter
     from ddtree_rtc.testing import random_prompts as prompts
-
-    from ddtree_rtc.engine.decode import round as round_mod
 
     def go(module):
         log = []

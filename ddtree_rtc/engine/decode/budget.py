@@ -465,7 +465,8 @@ class ValueHistory:
         d = node_depth[:, 1:m + 1].astype(np.int64)
         kk = np.zeros_like(d) if classes is None else _clip(np, np.asarray(classes)[:, 1:m + 1], 0, OFF_CLASSES - 1)
         ok = (d >= 1) & (d < self.d1)
-        rv, dv, kv = np.where(ok, raw[:, 1:m + 1], 0.0).astype(np.float64, copy=False), np.where(ok, d, 0), np.where(ok, kk, 0).astype(np.int64)
+        rv = np.where(ok, raw[:, 1:m + 1], 0.0).astype(np.float64, copy=False)
+        dv, kv = np.where(ok, d, 0), np.where(ok, kk, 0).astype(np.int64)
         if m < self.m:  # a tree smaller than max_budget: its pop indices past it unbuilt
             pad = ((0, 0), (0, self.m - m))
             ok, rv, dv, kv = np.pad(ok, pad), np.pad(rv, pad), np.pad(dv, pad), np.pad(kv, pad)
