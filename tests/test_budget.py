@@ -887,3 +887,30 @@ def _choice_with(verify_model_s: float):
     from ddtree_rtc.engine.decode.budget import Choice
 
     return Choice(np.zeros(4, np.int64), 4, np.ones(4), verify_model_s, verify_model_s, verify_model_s)
+
+
+def test_value_history_slots_are_freed_and_reused_as_requests_come_and_go():
+    """``ValueHistory`` keeps requests in reused slots: a released request's history is gone (it takes
+    the pool's values, as a request never seen does), a request's values do not depend on which slot
+    it holds or on the others in its batch, and the slots in use are the live requests'."""
+    rng = np.random.default_rng(7)
+    hist = ValueHistory(16, 4)
+    live = []
+    for r in range(60):
+        if len(live) > 3 and rng.random() < 0.3:
+            gone = live.pop(int(rng.integers(len(live))))
+            hist.release(gone)
+            assert np.array_equal(hist.values([gone], np.ones((1, 5, OFF_CLASSES))),
+                                  hist.values([10**6], np.ones((1, 5, OFF_CLASSES))))
+        live.append(100 + r)
+        rids = live[-int(rng.integers(1, min(len(live), 12) + 1)):]
+        raw = np.where(rng.random((len(rids), 20)) < 0.8, rng.random((len(rids), 20)), 0.0)
+        depth = rng.integers(-1, 6, (len(rids), 20))
+        classes = rng.integers(0, OFF_CLASSES, (len(rids), 20))
+        if hist.ready():
+            w = rng.random((len(rids), 5, OFF_CLASSES))
+            together = hist.values(rids, w)
+            for i, rid in enumerate(rids):  # one at a time: the same row
+                assert np.array_equal(hist.values([rid], w[i:i + 1]), together[i:i + 1])
+        hist.update(rids, raw, depth, classes)
+    assert set(hist._slot) <= set(live) and len(set(hist._slot.values())) == len(hist._slot)
