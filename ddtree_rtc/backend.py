@@ -163,12 +163,12 @@ class Backend:
         the current stream from page-locked staging (kernels/_host_copy.py): the host does not wait
         for the kernels queued before it."""
         host = np.asarray(host)
+        if self.is_cuda:  # staged_copy_in checks the shape
+            staged_copy_in(dst, host.view(np.uint16) if host.dtype == bfloat16 else host)
+            return
         if host.shape != dst.shape:
             raise ValueError(f"copy_in: shape {host.shape} != destination {tuple(dst.shape)}")
-        if self.is_cuda:
-            staged_copy_in(dst, host.view(np.uint16) if host.dtype == bfloat16 else host)
-        else:
-            dst[...] = host
+        dst[...] = host
 
     def empty(self, shape, dtype: str):
         return self.xp.empty(shape, dtype=self.dtype(dtype))

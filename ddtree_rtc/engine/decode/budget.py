@@ -495,18 +495,15 @@ class ValueHistory:
             self._sum[new], self._rounds[new] = 0.0, 0.0
         lo = slots[0]
         sl = slice(lo, lo + b) if slots == list(range(lo, lo + b)) else np.asarray(slots, np.int64)
+        # the usual batch has its slots in a row: views, updated in place; else copies, written back
         ii = np.arange(self.m)
-        if isinstance(sl, slice):  # the usual batch: its slots in a row, updated in place
-            s, n = self._sum[sl], self._rounds[sl]
-            s *= k
-            n *= k
-            s[np.arange(b)[:, None], ii[None, :], dv, kv] += rv  # one cell per pop index (unbuilt: 0 at depth 0)
-            n += built
-        else:
-            self._sum[sl] *= k
-            self._rounds[sl] *= k
-            self._sum[sl[:, None], ii[None, :], dv, kv] += rv
-            self._rounds[sl] += built
+        s, n = self._sum[sl], self._rounds[sl]
+        s *= k
+        n *= k
+        s[np.arange(b)[:, None], ii[None, :], dv, kv] += rv  # one cell per pop index (unbuilt: 0 at depth 0)
+        n += built
+        if not isinstance(sl, slice):
+            self._sum[sl], self._rounds[sl] = s, n
         self._last[sl], self._last_d[sl], self._last_k[sl], self._built[sl] = rv, dv, kv, built
         if cn:
             self._c0, self._c1, self._cn = kp * self._c0 + c0, kp * self._c1 + c1, kp * self._cn + cn
