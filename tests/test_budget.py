@@ -8,7 +8,17 @@ import numpy as np
 import pytest
 
 from ddtree_rtc.bench import budget_sim
-from ddtree_rtc.bench.budget_sim import DEPTH, MAX, VOCAB, Learner, OracleSim, SwitchSim, build
+from ddtree_rtc.bench.budget_sim import (
+    DEPTH,
+    H100_C1_US,
+    MAX,
+    VOCAB,
+    Learner,
+    OracleSim,
+    SwitchSim,
+    build,
+    h100_c1_cost,
+)
 from ddtree_rtc.engine.decode.budget import (
     BUCKET_MARGIN,
     OFF_CLASSES,
@@ -438,25 +448,6 @@ def test_an_understated_off_path_is_found_out(lagged):
     assert best == 64 and set(chain.stats.counts_hist) == {DEPTH} and without < 0.9
     assert exact > 0.999 and sampled > 0.99
     assert 2.0 < f[1] < 4.0 and 1.5 < f[2] < 4.0  # rank-1 and rank-2 edges: the walk's 2.9x and 2.3x
-
-
-# One H100, K2.6 slice pipeline, concurrency 1 (benchmarks/budget_h100.json at 077bc7e): the engine step's
-# microseconds by verify rows: AR (1 row), chain (root + 7 nodes), budgets 8, 16, 32 (the small-M path) and 64
-# (65 rows: the general kernels, cheaper than the small-M path's 33 rows). The small-M path's 48 and 64 rows
-# (buckets auto may use under the row cap, timed by its warm-up but not written to that JSON) continue its
-# slope from 17 to 33 rows.
-H100_C1_US = {1: 2936.0, 8: 5916.0, 9: 5868.0, 17: 6853.0, 33: 8729.0, 65: 6415.0}
-SMALL_M_SLOPE_US = (H100_C1_US[33] - H100_C1_US[17]) / 16
-
-
-def h100_c1_cost(small_m_buckets: bool = True) -> CostModel:
-    """The H100 steps as a cost table (the whole step as the verify: the settings' ratios are the
-    measured ones); without ``small_m_buckets`` only the measured points, so 34..64 rows interpolate
-    from the small-M path's 33 to the general kernels' 65."""
-    us = dict(H100_C1_US)
-    if small_m_buckets:
-        us.update({t: H100_C1_US[33] + SMALL_M_SLOPE_US * (t - 33) for t in (48, 64)})
-    return CostModel(verify=tuple((t, u * 1e-6) for t, u in us.items()))
 
 
 def h100_oracle() -> OracleSim:

@@ -29,21 +29,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree_rtc.backend import Backend  # noqa: E402
-from ddtree_rtc.bench.budget_sim import OracleSim  # noqa: E402
+from ddtree_rtc.bench.budget_sim import OracleSim, h100_c1_cost  # noqa: E402
 from ddtree_rtc.engine.decode.auto import AutoRound  # noqa: E402
 from ddtree_rtc.engine.decode.budget import AutoBudget, CostModel, class_accepted, tree_paths  # noqa: E402
 
-# benchmarks/budget_h100.json at concurrency 1 (tests/test_budget.py, h100_c1_cost): step µs by verify rows,
-# the small-M path's 48 and 64 rows continuing its slope
-H100_C1_US = {1: 2936.0, 8: 5916.0, 9: 5868.0, 17: 6853.0, 33: 8729.0, 65: 6415.0}
-
 
 def h100_cost() -> CostModel:
-    us = dict(H100_C1_US)
-    slope = (us[33] - us[17]) / 16
-    us.update({t: us[33] + slope * (t - 33) for t in (48, 64)})
-    return CostModel(verify=tuple((t, u * 1e-6) for t, u in us.items()), draft=((1, 1.2e-3),),
-                     fixed=((1, 0.4e-3),), measured=True, source="warm-up")
+    """budget_sim's H100 c1 step table, measured as a warm-up's is (draft and other work learned)."""
+    return h100_c1_cost(draft=((1, 1.2e-3),), fixed=((1, 0.4e-3),), measured=True, source="warm-up")
 
 
 class Timer:

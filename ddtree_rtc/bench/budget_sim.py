@@ -24,12 +24,30 @@ import copy
 
 import numpy as np
 
-from ..engine.decode.budget import OFF_CLASSES, AutoBudget, node_values, tree_paths
+from ..engine.decode.budget import OFF_CLASSES, AutoBudget, CostModel, node_values, tree_paths
 from ..reference.topk import topk_logprobs
 from ..reference.tree_build import tree_build
 from ..speculative.drafters import OracleDrafter
 
 DEPTH, VOCAB, MAX = 7, 97, 64
+
+# One H100, K2.6 slice pipeline, concurrency 1 (benchmarks/budget_h100.json at 077bc7e): the engine step's
+# microseconds by verify rows: AR (1 row), chain (root + 7 nodes), budgets 8, 16, 32 (the small-M path) and 64
+# (65 rows: the general kernels, cheaper than the small-M path's 33 rows). The small-M path's 48 and 64 rows
+# (buckets auto may use under the row cap, timed by its warm-up but not written to that JSON) continue its
+# slope from 17 to 33 rows.
+H100_C1_US = {1: 2936.0, 8: 5916.0, 9: 5868.0, 17: 6853.0, 33: 8729.0, 65: 6415.0}
+SMALL_M_SLOPE_US = (H100_C1_US[33] - H100_C1_US[17]) / 16
+
+
+def h100_c1_cost(small_m_buckets: bool = True, **kw) -> CostModel:
+    """The H100 steps as a cost table (the whole step as the verify: the settings' ratios are the
+    measured ones); without ``small_m_buckets`` only the measured points, so 34..64 rows interpolate
+    from the small-M path's 33 to the general kernels' 65. ``kw``: CostModel's other fields."""
+    us = dict(H100_C1_US)
+    if small_m_buckets:
+        us.update({t: H100_C1_US[33] + SMALL_M_SLOPE_US * (t - 33) for t in (48, 64)})
+    return CostModel(verify=tuple((t, u * 1e-6) for t, u in us.items()), **kw)
 
 
 def build(logits, budget: int = MAX, depth: int = DEPTH):
